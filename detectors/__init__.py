@@ -1,0 +1,1 @@
+"""Streaming detectors (pure ``update(batch) -> findings``) and the runner that feeds them."""

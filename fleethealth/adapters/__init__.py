@@ -1,0 +1,1 @@
+"""Scheduler adapters: Slurm and Kubernetes consumers of recommendations."""

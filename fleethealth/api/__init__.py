@@ -1,0 +1,1 @@
+"""HTTP API (FastAPI): recommendations, nodes, runs, quarantine, analyst SQL."""

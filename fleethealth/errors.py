@@ -1,0 +1,65 @@
+"""Typed errors of fleethealth, translated at the boundary from third-party exceptions.
+
+::
+
+    FleetHealthError                 every error this package raises on purpose
+    ├── SchemaError                  a message or file does not match its contract (names the field)
+    ├── ConfigError                  a bad scenario, flag or DSN (names the cause)
+    ├── BusError                     Kafka
+    │   └── BusUnavailable           the broker cannot be reached or will not start
+    ├── StoreError                   ClickHouse / chDB
+    │   └── StoreLocked              a chDB path already owned by another process
+    └── DeviceError                  a GPU, NVML or DCGM that is missing or not answering
+
+The CLI prints ``str(error)`` as one line and exits non-zero; no traceback for these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FleetHealthError",
+    "SchemaError",
+    "ConfigError",
+    "BusError",
+    "BusUnavailable",
+    "StoreError",
+    "StoreLocked",
+    "DeviceError",
+]
+
+
+class FleetHealthError(Exception):
+    """Base of every error fleethealth raises on purpose."""
+
+
+class SchemaError(FleetHealthError, ValueError):
+    """A message does not match its schema. ``field`` names the offending field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class ConfigError(FleetHealthError, ValueError):
+    """A scenario, flag or DSN is wrong."""
+
+
+class BusError(FleetHealthError):
+    """The message bus failed."""
+
+
+class BusUnavailable(BusError):
+    """The broker cannot be reached, or the embedded broker would not start."""
+
+
+class StoreError(FleetHealthError):
+    """The store failed to run a statement."""
+
+
+class StoreLocked(StoreError):
+    """A chDB data path is already opened by another process."""
+
+
+class DeviceError(FleetHealthError):
+    """A GPU, NVML or DCGM is missing or does not answer."""

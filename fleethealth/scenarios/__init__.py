@@ -1,0 +1,1 @@
+"""Shipped fault scenarios (YAML)."""

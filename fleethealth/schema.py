@@ -1,0 +1,556 @@
+"""The wire contract: every message on the bus, as frozen dataclasses with a JSON codec.
+
+One message type per topic (see :class:`Topic`). Messages are JSON objects (orjson) carrying
+``"v"`` (:data:`SCHEMA_VERSION`), so ``kcat`` and ClickHouse's Kafka engine can read them.
+Per-GPU and per-rank values travel as columnar arrays, never one message per rank.
+
+``decode(cls, raw)`` validates everything it reads and raises :class:`SchemaError` naming the
+field: wrong types, NaN or negative times, arrays of unequal length, unknown versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from enum import IntFlag, StrEnum
+from typing import Any, ClassVar, Self, TypeVar
+
+import numpy as np
+import orjson
+
+from fleethealth.errors import SchemaError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MAX_COMPUTE_S",
+    "Topic",
+    "FindingKind",
+    "Diagnosis",
+    "Action",
+    "Guard",
+    "EventKind",
+    "ClockReason",
+    "GPU_FIELDS",
+    "Telemetry",
+    "StepBatch",
+    "Event",
+    "Finding",
+    "Recommendation",
+    "Message",
+    "encode",
+    "decode",
+    "TOPIC_TYPES",
+]
+
+SCHEMA_VERSION = 1
+MAX_COMPUTE_S = 86_400.0
+"""A compute time above a day is not a measurement; it is rejected as absurd."""
+
+
+class Topic(StrEnum):
+    TELEMETRY = "fh.telemetry"
+    STEPS = "fh.steps"
+    EVENTS = "fh.events"
+    FINDINGS = "fh.findings"
+    RECOMMENDATIONS = "fh.recommendations"
+    DEADLETTER = "fh.deadletter"
+
+
+class FindingKind(StrEnum):
+    STRAGGLER = "straggler"
+    HANG = "hang"
+    SDC = "sdc"
+    FAILURE_RISK = "failure_risk"
+    XID = "xid"
+    ECC = "ecc"
+    THERMAL = "thermal"
+    LINK = "link"
+
+
+class Diagnosis(StrEnum):
+    """Why a straggler is slow (seed 000, revision R2)."""
+
+    NODE_THERMAL = "NODE_THERMAL"
+    ENVIRONMENTAL = "ENVIRONMENTAL"
+    NODE_LINK = "NODE_LINK"
+    NETWORK_CONTENTION = "NETWORK_CONTENTION"
+    UNKNOWN = "UNKNOWN"
+
+
+class Action(StrEnum):
+    EVICT = "evict"
+    DRAIN = "drain"
+    QUARANTINE = "quarantine"
+    ALERT_FACILITIES = "alert_facilities"
+    PAGE = "page"
+    ROLLBACK = "rollback"
+    NONE = "none"
+
+
+class Guard(StrEnum):
+    ALLOWED = "allowed"
+    RATE_LIMITED = "rate_limited"
+    NEEDS_HUMAN = "needs_human"
+
+
+class EventKind(StrEnum):
+    XID = "xid"
+    SDC_CHECK = "sdc_check"
+    SELFTEST = "selftest"
+    HANG_REPORT = "hang_report"
+    HEALTH_WATCH = "health_watch"
+    TELEMETRY_STALLED = "telemetry_stalled"
+    GPU_LOST = "gpu_lost"
+    PROBE_ERROR = "probe_error"
+    INTERRUPTION = "interruption"
+    CHECKPOINT = "checkpoint"
+
+
+class ClockReason(IntFlag):
+    """NVML clock-event reason bits (``nvmlClocksEventReason*``; DCGM field 112)."""
+
+    GPU_IDLE = 0x1
+    APPLICATIONS_CLOCKS = 0x2
+    SW_POWER_CAP = 0x4
+    HW_SLOWDOWN = 0x8
+    SYNC_BOOST = 0x10
+    SW_THERMAL = 0x20
+    HW_THERMAL = 0x40
+    HW_POWER_BRAKE = 0x80
+    DISPLAY_CLOCK = 0x100
+
+    @classmethod
+    def thermal(cls) -> ClockReason:
+        return cls.SW_THERMAL | cls.HW_THERMAL
+
+    @classmethod
+    def power(cls) -> ClockReason:
+        return cls.SW_POWER_CAP | cls.HW_POWER_BRAKE
+
+
+GPU_FIELDS: dict[str, str] = {
+    "temp_c": "GPU core temperature, °C",
+    "mem_temp_c": "HBM temperature, °C",
+    "power_w": "power draw, W",
+    "power_limit_w": "enforced power limit, W",
+    "sm_clock_mhz": "SM clock, MHz",
+    "sm_clock_max_mhz": "maximum SM clock, MHz",
+    "mem_clock_mhz": "memory clock, MHz",
+    "clock_reasons": "clock-event reason bitmask (ClockReason)",
+    "util_pct": "GPU utilisation, %",
+    "ecc_sbe_volatile": "corrected ECC errors since driver load",
+    "ecc_dbe_volatile": "uncorrected ECC errors since driver load",
+    "ecc_sbe_aggregate": "corrected ECC errors, lifetime",
+    "ecc_dbe_aggregate": "uncorrected ECC errors, lifetime",
+    "retired_sbe": "pages retired for corrected errors",
+    "retired_dbe": "pages retired for uncorrected errors",
+    "retired_pending": "1 when a page retirement waits for a reset",
+    "remap_correctable": "rows remapped for corrected errors",
+    "remap_uncorrectable": "rows remapped for uncorrected errors",
+    "remap_pending": "1 when a row remap waits for a reset",
+    "remap_failure": "1 when a row remap failed",
+    "nvlink_links_up": "NVLink links active",
+    "nvlink_links_max": "NVLink links the GPU has",
+    "nvlink_crc_flit": "NVLink CRC flit errors, total over links",
+    "nvlink_crc_data": "NVLink CRC data errors, total over links",
+    "nvlink_replay": "NVLink replay errors, total over links",
+    "nvlink_recovery": "NVLink recovery errors, total over links",
+    "pcie_replay": "PCIe replay counter",
+    "pcie_gen": "current PCIe link generation",
+    "pcie_gen_max": "maximum PCIe link generation",
+    "pcie_width": "current PCIe link width",
+    "pcie_width_max": "maximum PCIe link width",
+}
+"""Per-GPU telemetry columns (float64; NaN where a source does not report the field)."""
+
+
+# ---------------------------------------------------------------- field readers
+def _req(obj: dict[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise SchemaError(name, "missing")
+    return obj[name]
+
+
+def _str(obj: dict[str, Any], name: str, *, optional: bool = False) -> str | None:
+    value = obj.get(name) if optional else _req(obj, name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SchemaError(name, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _int(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: int = 0) -> int | None:
+    value = obj.get(name) if optional else _req(obj, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SchemaError(name, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise SchemaError(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: float | None = 0.0) -> float | None:
+    value = obj.get(name) if optional else _req(obj, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError(name, f"expected a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SchemaError(name, f"must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise SchemaError(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _obj(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    value = obj.get(name, {})
+    if not isinstance(value, dict):
+        raise SchemaError(name, f"expected an object, got {type(value).__name__}")
+    return value
+
+
+def _enum(obj: dict[str, Any], name: str, enum: type[StrEnum], *, optional: bool = False) -> Any:
+    value = obj.get(name) if optional else _req(obj, name)
+    if value is None and optional:
+        return None
+    try:
+        return enum(value)
+    except ValueError:
+        known = ", ".join(e.value for e in enum)
+        raise SchemaError(name, f"unknown value {value!r} (known: {known})") from None
+
+
+def _array(obj: dict[str, Any], name: str, dtype: type, *, length: int | None = None,
+           nan_ok: bool = False, minimum: float | None = None, maximum: float | None = None) -> np.ndarray:
+    value = _req(obj, name)
+    if not isinstance(value, list):
+        raise SchemaError(name, f"expected an array, got {type(value).__name__}")
+    if length is not None and len(value) != length:
+        raise SchemaError(name, f"expected {length} values, got {len(value)}")
+    allowed = {int, float, type(None)} if nan_ok else {int, float}
+    if np.dtype(dtype).kind == "i":
+        allowed = {int}
+    found = set(map(type, value)) - allowed
+    if found:
+        raise SchemaError(name, f"expected {'integers' if allowed == {int} else 'numbers'}, "
+                                f"found {sorted(t.__name__ for t in found)}")
+    arr = np.array(value, dtype=np.float64 if nan_ok else dtype)
+    if arr.dtype.kind == "f":
+        bad = np.isinf(arr) if nan_ok else ~np.isfinite(arr)
+        if bad.any():
+            raise SchemaError(name, f"non-finite value at index {int(np.argmax(bad))}")
+    if minimum is not None and arr.size and np.nanmin(arr) < minimum:
+        raise SchemaError(name, f"values must be >= {minimum}, found {np.nanmin(arr)}")
+    if maximum is not None and arr.size and np.nanmax(arr) > maximum:
+        raise SchemaError(name, f"values must be <= {maximum}, found {np.nanmax(arr)}")
+    return arr
+
+
+def _jsonable(arr: np.ndarray) -> list[Any]:
+    if arr.dtype.kind == "f" and np.isnan(arr).any():
+        return [None if math.isnan(x) else x for x in arr.tolist()]
+    return arr.tolist()
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=12).hexdigest()
+
+
+# ---------------------------------------------------------------- messages
+@dataclass(frozen=True, eq=False)
+class Telemetry:
+    """One node's sample of all its GPUs at event time ``ts`` (topic ``fh.telemetry``, key node).
+
+    ``gpu`` holds GPU indices (shape ``(g,)``); ``columns`` maps each name of :data:`GPU_FIELDS`
+    to a float64 array of shape ``(g,)``, NaN where the source does not report it.
+    ``nic_util`` is the node NIC's shared utilisation in [0, 1] (NaN when unknown).
+    """
+
+    node: str
+    rack: str
+    ts: float
+    gpu: np.ndarray
+    columns: dict[str, np.ndarray]
+    nic_util: float = math.nan
+    model: str = ""
+    uuid: tuple[str, ...] = ()
+    TOPIC: ClassVar[Topic] = Topic.TELEMETRY
+
+    @classmethod
+    def from_columns(cls, node: str, rack: str, ts: float, gpu: np.ndarray | list[int], *,
+                     nic_util: float = math.nan, model: str = "", uuid: tuple[str, ...] = (),
+                     **columns: np.ndarray | list[float]) -> Telemetry:
+        """Build a sample; fields of :data:`GPU_FIELDS` not given are NaN. Unknown names raise."""
+        gpu = np.asarray(gpu, dtype=np.int16)
+        unknown = set(columns) - set(GPU_FIELDS)
+        if unknown:
+            raise SchemaError(sorted(unknown)[0], "not a GPU telemetry field")
+        full = {}
+        for name in GPU_FIELDS:
+            col = columns.get(name)
+            full[name] = (np.full(gpu.shape, np.nan) if col is None
+                          else np.asarray(col, dtype=np.float64).reshape(gpu.shape))
+        return cls(node=node, rack=rack, ts=float(ts), gpu=gpu, columns=full, nic_util=float(nic_util),
+                   model=model, uuid=tuple(uuid))
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
+            "gpu": self.gpu.tolist(), "nic_util": None if math.isnan(self.nic_util) else self.nic_util,
+            "model": self.model, "uuid": list(self.uuid),
+            "columns": {k: _jsonable(v) for k, v in self.columns.items()},
+        }
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        gpu = _array(obj, "gpu", np.int16, minimum=0)
+        cols = _obj(obj, "columns")
+        unknown = set(cols) - set(GPU_FIELDS)
+        if unknown:
+            raise SchemaError(f"columns.{sorted(unknown)[0]}", "not a GPU telemetry field")
+        columns = {}
+        for name in GPU_FIELDS:
+            columns[name] = (_array(cols, name, np.float64, length=len(gpu), nan_ok=True)
+                             if name in cols else np.full(gpu.shape, np.nan))
+        nic = obj.get("nic_util")
+        uuid = obj.get("uuid", [])
+        if not isinstance(uuid, list) or not all(isinstance(u, str) for u in uuid):
+            raise SchemaError("uuid", "expected an array of strings")
+        model = obj.get("model", "")
+        if not isinstance(model, str):
+            raise SchemaError("model", "expected a string")
+        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_float(obj, "ts"), gpu=gpu,
+                   columns=columns, nic_util=math.nan if nic is None else _float(obj, "nic_util"),
+                   model=model, uuid=tuple(uuid))
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """Pre-collective compute times of one node's ranks for one step (topic ``fh.steps``, key job).
+
+    ``ranks`` (int32), ``gpus`` (int16) and ``compute_s`` (float64, seconds, finite, >= 0) all have
+    shape ``(r,)``. ``groups`` optionally labels comparable ranks (e.g. pipeline stage); straggler
+    scores are computed within a group. ``ts`` is the event time at which the step completed.
+    """
+
+    job: str
+    step: int
+    node: str
+    ts: float
+    ranks: np.ndarray
+    gpus: np.ndarray
+    compute_s: np.ndarray
+    groups: np.ndarray | None = None
+    TOPIC: ClassVar[Topic] = Topic.STEPS
+
+    @property
+    def key(self) -> str:
+        return self.job
+
+    def to_obj(self) -> dict[str, Any]:
+        obj = {"v": SCHEMA_VERSION, "job": self.job, "step": self.step, "node": self.node, "ts": self.ts,
+               "ranks": self.ranks.tolist(), "gpus": self.gpus.tolist(), "compute_s": self.compute_s.tolist()}
+        if self.groups is not None:
+            obj["groups"] = self.groups.tolist()
+        return obj
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        ranks = _array(obj, "ranks", np.int32, minimum=0)
+        if ranks.size == 0:
+            raise SchemaError("ranks", "a step batch needs at least one rank")
+        if np.unique(ranks).size != ranks.size:
+            raise SchemaError("ranks", "duplicate rank in one batch")
+        gpus = _array(obj, "gpus", np.int16, length=ranks.size, minimum=0)
+        compute = _array(obj, "compute_s", np.float64, length=ranks.size, minimum=0.0, maximum=MAX_COMPUTE_S)
+        groups = _array(obj, "groups", np.int32, length=ranks.size) if obj.get("groups") is not None else None
+        return cls(job=_str(obj, "job"), step=_int(obj, "step"), node=_str(obj, "node"), ts=_float(obj, "ts"),
+                   ranks=ranks, gpus=gpus, compute_s=compute, groups=groups)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A discrete event on a node (topic ``fh.events``, key node).
+
+    ``data`` is a JSON object whose keys depend on ``kind``: ``sdc_check`` carries ``check``
+    (``selfcheck`` | ``replay``), ``passed``, ``classification``, ``digests``; ``hang_report``
+    carries ``stacks`` and ``last_collective``; ``selftest`` carries one result record;
+    ``xid`` uses ``code``.
+    """
+
+    node: str
+    ts: float
+    kind: EventKind
+    job: str | None = None
+    gpu: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    code: int | None = None
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    TOPIC: ClassVar[Topic] = Topic.EVENTS
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+    @property
+    def id(self) -> str:
+        return _digest(self.kind, self.node, self.ts, self.job, self.gpu, self.rank, self.step, self.code)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "node": self.node, "ts": self.ts, "kind": self.kind.value, "job": self.job,
+                "gpu": self.gpu, "rank": self.rank, "step": self.step, "code": self.code,
+                "message": self.message, "data": self.data}
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        message = obj.get("message", "")
+        if not isinstance(message, str):
+            raise SchemaError("message", "expected a string")
+        return cls(node=_str(obj, "node"), ts=_float(obj, "ts"), kind=_enum(obj, "kind", EventKind),
+                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True),
+                   rank=_int(obj, "rank", optional=True), step=_int(obj, "step", optional=True),
+                   code=_int(obj, "code", optional=True), message=message, data=_obj(obj, "data"))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a detector concluded (topic ``fh.findings``).
+
+    ``z`` is the detector's score for the rank (robust z or sequential statistic: higher is more
+    abnormal); ``slowdown`` is the estimated compute-time ratio to peers minus one (0.2 = 20 %
+    slower). ``probability`` is a failure probability for ``failure_risk``. ``step`` is the first
+    step at which the detector concluded. ``id`` is stable across replays of the same input.
+    """
+
+    kind: FindingKind
+    node: str
+    ts: float
+    job: str | None = None
+    gpu: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    diagnosis: Diagnosis | None = None
+    z: float | None = None
+    slowdown: float | None = None
+    probability: float | None = None
+    detector: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    TOPIC: ClassVar[Topic] = Topic.FINDINGS
+
+    @property
+    def key(self) -> str:
+        return self.job or self.node
+
+    @property
+    def id(self) -> str:
+        return _digest(self.kind, self.detector, self.job, self.node, self.gpu, self.rank, self.step, self.ts)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "id": self.id, "kind": self.kind.value, "job": self.job, "node": self.node,
+                "gpu": self.gpu, "rank": self.rank, "step": self.step, "ts": self.ts,
+                "diagnosis": None if self.diagnosis is None else self.diagnosis.value,
+                "z": self.z, "slowdown": self.slowdown, "probability": self.probability,
+                "detector": self.detector, "evidence": self.evidence}
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        detector = obj.get("detector", "")
+        if not isinstance(detector, str):
+            raise SchemaError("detector", "expected a string")
+        return cls(kind=_enum(obj, "kind", FindingKind), node=_str(obj, "node"), ts=_float(obj, "ts"),
+                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True),
+                   rank=_int(obj, "rank", optional=True), step=_int(obj, "step", optional=True),
+                   diagnosis=_enum(obj, "diagnosis", Diagnosis, optional=True),
+                   z=_float(obj, "z", optional=True, minimum=None),
+                   slowdown=_float(obj, "slowdown", optional=True, minimum=None),
+                   probability=_float(obj, "probability", optional=True),
+                   detector=detector, evidence=_obj(obj, "evidence"))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What a scheduler should do about a node (topic ``fh.recommendations``, key node).
+
+    ``guard`` says whether the action may be taken automatically; ``reason`` says why in words,
+    ``evidence`` in numbers (payback time, P(healthy), the guard that fired). ``id`` is derived
+    from the finding and the action, so a replayed finding yields the same recommendation.
+    """
+
+    action: Action
+    node: str
+    ts: float
+    reason: str
+    guard: Guard = Guard.ALLOWED
+    job: str | None = None
+    finding_id: str | None = None
+    dry_run: bool = False
+    evidence: dict[str, Any] = field(default_factory=dict)
+    TOPIC: ClassVar[Topic] = Topic.RECOMMENDATIONS
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+    @property
+    def id(self) -> str:
+        return _digest(self.finding_id or self.ts, self.action, self.node, self.job)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "id": self.id, "action": self.action.value, "node": self.node,
+                "job": self.job, "reason": self.reason, "guard": self.guard.value, "ts": self.ts,
+                "finding_id": self.finding_id, "dry_run": self.dry_run, "evidence": self.evidence}
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        dry = obj.get("dry_run", False)
+        if not isinstance(dry, bool):
+            raise SchemaError("dry_run", "expected true or false")
+        return cls(action=_enum(obj, "action", Action), node=_str(obj, "node"), ts=_float(obj, "ts"),
+                   reason=_str(obj, "reason"), guard=_enum(obj, "guard", Guard),
+                   job=_str(obj, "job", optional=True), finding_id=_str(obj, "finding_id", optional=True),
+                   dry_run=dry, evidence=_obj(obj, "evidence"))
+
+
+_T = TypeVar("_T")
+
+Message = Telemetry | StepBatch | Event | Finding | Recommendation
+
+TOPIC_TYPES: dict[Topic, type] = {
+    Topic.TELEMETRY: Telemetry,
+    Topic.STEPS: StepBatch,
+    Topic.EVENTS: Event,
+    Topic.FINDINGS: Finding,
+    Topic.RECOMMENDATIONS: Recommendation,
+}
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise a message to JSON bytes (with ``"v"``)."""
+    return orjson.dumps(msg.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def decode(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T:
+    """Parse and validate one message of type ``cls``; raise :class:`SchemaError` naming the field."""
+    if isinstance(raw, dict):
+        obj = raw
+    else:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise SchemaError("<message>", f"not valid JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise SchemaError("<message>", f"expected a JSON object, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != SCHEMA_VERSION:
+        raise SchemaError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
+    return cls.from_obj(obj)  # type: ignore[attr-defined]

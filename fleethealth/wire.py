@@ -1,0 +1,115 @@
+"""The one small message format the in-job library and the node probe share.
+
+Training processes send datagrams over a Unix socket (``SOCK_DGRAM``) to the probe on their node.
+A datagram is one JSON object with a ``"t"`` tag:
+
+- ``"c"`` compute: ``job, rank, gpu, step, s`` (pre-collective compute seconds), ``ts``
+- ``"p"`` progress: ``job, rank, gpu, step, ts`` (the step completed)
+- ``"e"`` event: ``event`` (an :class:`fleethealth.schema.Event` object without the node: the probe
+  fills it in)
+
+:class:`Sender` never blocks the caller: the socket is non-blocking, a full or absent receiver
+drops the datagram and counts it. Nothing here imports the probe, and the probe imports nothing
+of the in-job library but this module.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "Sender", "WireMessage", "parse"]
+
+DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
+MAX_DATAGRAM = 200_000
+"""Larger datagrams (a very deep stack dump) are truncated by the sender, never split."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireMessage:
+    """One parsed datagram. ``kind`` is ``"c"``, ``"p"`` or ``"e"``."""
+
+    kind: str
+    job: str
+    rank: int
+    gpu: int
+    step: int
+    ts: float
+    value: float = 0.0
+    event: dict[str, Any] | None = None
+
+
+def parse(datagram: bytes) -> WireMessage:
+    """Parse one datagram; raise ``ValueError`` with the reason on anything malformed."""
+    try:
+        obj = orjson.loads(datagram)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    kind = obj.get("t")
+    if kind == "e":
+        event = obj.get("event")
+        if not isinstance(event, dict):
+            raise ValueError("event datagram without an event object")
+        return WireMessage("e", str(event.get("job") or ""), int(event.get("rank") or 0),
+                           int(event.get("gpu") or 0), int(event.get("step") or 0),
+                           float(event.get("ts") or 0.0), event=event)
+    if kind not in ("c", "p"):
+        raise ValueError(f"unknown datagram tag {kind!r}")
+    try:
+        job, rank, gpu, step, ts = obj["job"], obj["rank"], obj["gpu"], obj["step"], obj["ts"]
+        value = obj.get("s", 0.0)
+    except KeyError as exc:
+        raise ValueError(f"missing field {exc.args[0]!r}") from None
+    if not isinstance(job, str) or not job:
+        raise ValueError("job must be a non-empty string")
+    for name, v in (("rank", rank), ("gpu", gpu), ("step", step)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer")
+    for name, v in (("ts", ts), ("s", value)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 <= v < float("inf")):
+            raise ValueError(f"{name} must be a finite non-negative number")
+    return WireMessage(kind, job, rank, gpu, step, float(ts), float(value))
+
+
+class Sender:
+    """Fire-and-forget datagrams to the node probe. Never blocks, never raises on the step path.
+
+    ``sent_total`` and ``dropped_total`` count outcomes; a missing probe socket, a full receive
+    queue or an oversized payload all count as drops.
+    """
+
+    def __init__(self, path: str = DEFAULT_SOCKET) -> None:
+        self.path = path
+        self.sent_total = 0
+        self.dropped_total = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+
+    def send(self, obj: dict[str, Any]) -> bool:
+        """Send one datagram; return False (and count a drop) if it could not be queued now."""
+        try:
+            data = orjson.dumps(obj)
+            if len(data) > MAX_DATAGRAM:
+                self.dropped_total += 1
+                return False
+            self._sock.sendto(data, self.path)
+        except (OSError, TypeError):
+            self.dropped_total += 1
+            return False
+        self.sent_total += 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
