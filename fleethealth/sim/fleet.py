@@ -1,0 +1,285 @@
+"""The simulated fleet: one synchronous job across racks × nodes × GPUs, in event time.
+
+``FleetSim(scenario).run()`` yields one :class:`SimStep` per job step — per-node
+:class:`StepBatch` (pre-collective compute times), per-node :class:`Telemetry`, and events —
+plus telemetry-only ticks while the job stands still (a hang, a restart). Everything derives
+from the scenario's seed and the step number, so ``step(s)`` is random access and a replay is
+identical.
+
+Compute time of rank *r* at step *s* is ``step_time_s × 0.8 × f_r × e^{jitter·N(0,1)}``, times a
+node-correlated factor and a whole-step drift (both smaller than the jitter), where ``f_r`` is
+the product of the active faults' slowdowns on that rank. A step ends when its slowest rank
+finishes plus a fixed collective time; that is the event time of its batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry
+from fleethealth.sim.faults import EFFECTS, Frame, sdc_failures
+from fleethealth.sim.scenario import Scenario
+
+__all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C"]
+
+COMPUTE_SHARE = 0.8
+"""Share of a nominal step spent in pre-collective compute; the rest is the collective."""
+THERMAL_SLOWDOWN_C = 85.0
+"""The simulated GPUs' thermal slowdown temperature."""
+MODEL = "NVIDIA H100 80GB HBM3"
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """What the fleet emits at one moment: a job step, or (``step is None``) a telemetry tick."""
+
+    step: int | None
+    ts: float
+    telemetry: list[Telemetry]
+    batches: list[StepBatch]
+    events: list[Event]
+
+
+class FleetSim:
+    """Generate a scenario's telemetry, step batches and events; deterministic for its seed."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        fleet, job = scenario.fleet, scenario.job
+        self.n_nodes, self.gpus = fleet.nodes, fleet.gpus_per_node
+        self.node_names = [fleet.node_name(i) for i in range(self.n_nodes)]
+        self.rack_names = [fleet.rack_name(i) for i in range(fleet.racks)]
+        self.node_index = {n: i for i, n in enumerate(self.node_names)}
+        self.node_rack = np.arange(self.n_nodes) // fleet.nodes_per_rack
+        self.rack_nodes = {r: np.flatnonzero(self.node_rack == i) for i, r in enumerate(self.rack_names)}
+        world = fleet.world_size
+        self.rank_node = np.arange(world) // self.gpus
+        self.rank_gpu = np.arange(world) % self.gpus
+        rng = np.random.default_rng([scenario.seed, 0])
+        shape = (self.n_nodes, self.gpus)
+        self._base_temp = 66.0 + rng.normal(0.0, 2.0, shape)
+        self._base_power = 560.0 + rng.normal(0.0, 15.0, shape)
+        self._base_nic = np.clip(0.35 + rng.normal(0.0, 0.04, self.n_nodes), 0.05, 0.8)
+        # healthy counters rise a little: a few GPUs see a corrected error or link replay now and then
+        self._sbe_rate = np.where(rng.random(shape) < 0.05, rng.uniform(0.002, 0.02, shape), 0.0)
+        self._replay_rate = np.where(rng.random(shape) < 0.05, rng.uniform(0.002, 0.02, shape), 0.0)
+        self._sbe_lifetime = rng.integers(0, 20, shape).astype(np.float64)
+        self._retired_sbe = rng.integers(0, 3, shape).astype(np.float64)
+        self._uuid = [tuple(f"GPU-{scenario.seed:04x}{n:04x}-{g:04x}" for g in range(self.gpus))
+                      for n in range(self.n_nodes)]
+        self._durations, self._gaps = self._timeline(job.steps)
+        ends = scenario.start_ts + np.cumsum(self._durations + np.concatenate([[0.0], self._gaps[:-1]]))
+        self._step_end = ends
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def placement(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(rank -> node index, rank -> GPU index)``, both of shape ``(world_size,)``."""
+        return self.rank_node, self.rank_gpu
+
+    def rack_of(self, node: str) -> str:
+        return self.rack_names[self.node_rack[self.node_index[node]]]
+
+    # ------------------------------------------------------------------ timeline
+    def _timeline(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-step wall duration (nominal × the slowest active slowdown) and the gap after each."""
+        job = self.scenario.job
+        idx = np.arange(steps)
+        worst = np.zeros(steps)
+        gaps = np.zeros(steps)
+        for fault in self.scenario.faults:
+            p = fault.params
+            if "slowdown" in p:
+                end = p["end_step"] if p.get("end_step") is not None else steps
+                live = (idx >= p["start_step"]) & (idx < end)
+                worst = np.maximum(worst, np.where(live, p["slowdown"], 0.0))
+            if fault.kind == "hang":
+                gaps[p["step"]] += p["duration_s"] + p["restart_s"]
+            if fault.kind == "ecc_precursor":
+                gaps[p["fail_step"]] += 600.0
+        nominal = job.step_time_s * (COMPUTE_SHARE * (1.0 + worst) + (1.0 - COMPUTE_SHARE))
+        return nominal, gaps
+
+    def step_ts(self, step: int) -> float:
+        """Event time at which ``step``'s compute reports arrive."""
+        return float(self._step_end[step])
+
+    # ------------------------------------------------------------------ generation
+    def run(self) -> Iterator[SimStep]:
+        """Every step in order, with telemetry ticks (every ``step_time_s``) inside stalls."""
+        interval = self.scenario.job.step_time_s
+        for s in range(self.scenario.job.steps):
+            yield self.step(s)
+            gap = self._gaps[s]
+            t = self.step_ts(s) + interval
+            while gap > 0 and t < self.step_ts(s) + gap:
+                yield SimStep(step=None, ts=t, telemetry=self._frame(s, t).telemetry(self), batches=[],
+                              events=self._stall_events(s, t))
+                t += interval
+
+    def step(self, step: int) -> SimStep:
+        """The batches, telemetry and events of one job step (random access)."""
+        if not 0 <= step < self.scenario.job.steps:
+            raise IndexError(f"step {step} outside the job (0..{self.scenario.job.steps - 1})")
+        ts = self.step_ts(step)
+        frame = self._frame(step, ts)
+        job = self.scenario.job
+        rng = frame.rng
+        noise = np.exp(job.jitter * rng.standard_normal(frame.factor.shape))
+        node_noise = np.exp(job.jitter / 4 * rng.standard_normal((self.n_nodes, 1)))
+        drift = math.exp(job.jitter / 2 * rng.standard_normal())
+        compute = job.step_time_s * COMPUTE_SHARE * frame.factor * noise * node_noise * drift
+        batches = []
+        gpu_ids = np.arange(self.gpus, dtype=np.int16)
+        for n in range(self.n_nodes):
+            keep = ~frame.silent[n]
+            if not keep.any():
+                continue
+            batches.append(StepBatch(job=job.id, step=step, node=self.node_names[n], ts=ts,
+                                     ranks=(n * self.gpus + gpu_ids[keep]).astype(np.int32), gpus=gpu_ids[keep],
+                                     compute_s=compute[n, keep]))
+        events = frame.events + self._check_events(step, ts)
+        return SimStep(step=step, ts=ts, telemetry=frame.telemetry(self), batches=batches, events=events)
+
+    def _frame(self, step: int, ts: float) -> _SimFrame:
+        rng = np.random.default_rng([self.scenario.seed, 1, step, int(ts * 1000) % (1 << 31)])
+        shape = (self.n_nodes, self.gpus)
+        s = float(step)
+        cols = {name: np.full(shape, np.nan) for name in GPU_FIELDS}
+        cols["temp_c"] = self._base_temp + rng.normal(0.0, 0.5, shape)
+        cols["mem_temp_c"] = cols["temp_c"] + 6.0
+        cols["power_w"] = self._base_power + rng.normal(0.0, 5.0, shape)
+        cols["power_limit_w"] = np.full(shape, 700.0)
+        cols["sm_clock_max_mhz"] = np.full(shape, 1980.0)
+        cols["sm_clock_mhz"] = np.full(shape, 1980.0)
+        cols["mem_clock_mhz"] = np.full(shape, 2619.0)
+        benign = rng.random(shape) < 0.002  # brief power-cap events with no slowdown
+        cols["clock_reasons"] = np.where(benign, 0x4, 0).astype(np.float64)
+        cols["util_pct"] = np.clip(97.0 + rng.normal(0.0, 1.5, shape), 0, 100)
+        cols["ecc_sbe_volatile"] = np.floor(self._sbe_rate * s)
+        cols["ecc_sbe_aggregate"] = self._sbe_lifetime + cols["ecc_sbe_volatile"]
+        for name in ("ecc_dbe_volatile", "ecc_dbe_aggregate", "retired_dbe", "retired_pending",
+                     "remap_uncorrectable", "remap_pending", "remap_failure", "nvlink_crc_data",
+                     "nvlink_recovery", "nvlink_crc_flit"):
+            cols[name] = np.zeros(shape)
+        cols["retired_sbe"] = self._retired_sbe.copy()
+        cols["remap_correctable"] = np.zeros(shape)
+        cols["nvlink_links_up"] = np.full(shape, 18.0)
+        cols["nvlink_links_max"] = np.full(shape, 18.0)
+        cols["nvlink_replay"] = np.floor(self._replay_rate * s)
+        cols["pcie_replay"] = np.floor(self._replay_rate * s / 2)
+        cols["pcie_gen"] = cols["pcie_gen_max"] = np.full(shape, 5.0)
+        cols["pcie_width"] = cols["pcie_width_max"] = np.full(shape, 16.0)
+        frame = _SimFrame(step=step, ts=ts, job=self.scenario.job.id, node_names=self.node_names,
+                          node_index=self.node_index, rack_nodes=self.rack_nodes, factor=np.ones(shape), cols=cols,
+                          nic=self._base_nic + rng.normal(0.0, 0.01, self.n_nodes),
+                          silent=np.zeros(shape, dtype=bool), rng=rng)
+        for fault in self.scenario.faults:
+            EFFECTS[fault.kind](fault, frame)
+        return frame
+
+    # ------------------------------------------------------------------ events
+    def _check_events(self, step: int, ts: float) -> list[Event]:
+        """In-job check records: self-checks, replays and checkpoints with their watermark."""
+        checks, job = self.scenario.checks, self.scenario.job
+        events: list[Event] = []
+        check = ("replay" if step % checks.replay_every == 0 else
+                 "selfcheck" if step % checks.selfcheck_every == 0 else None)
+        if step > 0 and check is not None:
+            failing = {}
+            for fault in self.scenario.faults:
+                kind = sdc_failures(fault, step, checks.selfcheck_every, checks.replay_every)
+                if kind is not None:
+                    failing[self.node_index[fault["node"]] * self.gpus + fault["gpu"]] = kind
+            world = self.n_nodes * self.gpus
+            for rank in range(world):
+                node = self.node_names[rank // self.gpus]
+                failed = failing.get(rank)
+                peers = [] if check == "selfcheck" else [(rank + world // 2) % world, (rank + 1) % world]
+                events.append(_sdc_event(node, ts, job.id, rank, rank % self.gpus, step, check,
+                                         passed=failed is None, peers=peers,
+                                         classification=None if failed is None else
+                                         "transient" if failed == "selfcheck" else "persistent"))
+        if step > 0 and step % checks.checkpoint_every == 0:
+            events.append(Event(node=self.node_names[0], ts=ts, kind=EventKind.CHECKPOINT, job=job.id, step=step,
+                                data={"step": step, "uri": f"ckpt://{job.id}/step-{step:08d}",
+                                      "last_verified_step": self._watermark(step)}))
+        return events
+
+    def _watermark(self, step: int) -> int | None:
+        """The newest check step <= ``step`` that passed, before any failing check."""
+        checks = self.scenario.checks
+        failures = [s for f in self.scenario.faults if f.kind.startswith("sdc_")
+                    for s in range(f["start_step"], step + 1)
+                    if sdc_failures(f, s, checks.selfcheck_every, checks.replay_every)]
+        limit = min(failures) - 1 if failures else step
+        last = (limit // checks.selfcheck_every) * checks.selfcheck_every
+        return last if last > 0 else None
+
+    def _stall_events(self, step: int, ts: float) -> list[Event]:
+        """Hang reports once the watchdogs time out, and the interruption when the job restarts."""
+        interval = self.scenario.job.step_time_s
+        job, events = self.scenario.job, []
+        for fault in self.scenario.faults:
+            if fault.kind == "hang" and fault["step"] == step:
+                start = self.step_ts(step)
+                watchdog = min(90.0, 0.75 * fault["duration_s"])
+                hung_node = self.node_index[fault["node"]]
+                if start + watchdog <= ts < start + watchdog + interval:
+                    gpus = range(self.gpus) if fault.params.get("gpu") is None else [fault["gpu"]]
+                    for g in gpus:
+                        events.append(_hang_event(fault["node"], ts, job.id, hung_node * self.gpus + g, g, step,
+                                                  watchdog, stuck_in="compute"))
+                    events.append(_hang_event(self.node_names[0], ts, job.id, 0, 0, step, watchdog,
+                                              stuck_in="all_reduce"))
+                if start + fault["duration_s"] <= ts < start + fault["duration_s"] + interval:
+                    events.append(_interruption(fault["node"], ts, job.id, step, "hang", "hang watchdog",
+                                                fault["duration_s"], fault["restart_s"], self.scenario))
+            first_tick = ts < self.step_ts(step) + interval * 1.5
+            if fault.kind == "ecc_precursor" and fault["fail_step"] == step and first_tick:
+                events.append(_interruption(fault["node"], ts, job.id, step, "gpu_failure", "xid", 0.0, 600.0,
+                                            self.scenario, gpu=fault["gpu"]))
+        return events
+
+
+class _SimFrame(Frame):
+    def telemetry(self, sim: FleetSim) -> list[Telemetry]:
+        out = []
+        for n, node in enumerate(self.node_names):
+            out.append(Telemetry(node=node, rack=sim.rack_names[sim.node_rack[n]], ts=self.ts,
+                                 gpu=np.arange(sim.gpus, dtype=np.int16),
+                                 columns={k: v[n] for k, v in self.cols.items()}, nic_util=float(self.nic[n]),
+                                 model=MODEL, uuid=sim._uuid[n]))
+        return out
+
+
+def _sdc_event(node: str, ts: float, job: str, rank: int, gpu: int, step: int, check: str, *, passed: bool,
+               peers: list[int], classification: str | None) -> Event:
+    culprit = None if passed or check == "selfcheck" else rank
+    return Event(node=node, ts=ts, kind=EventKind.SDC_CHECK, job=job, gpu=gpu, rank=rank, step=step,
+                 data={"check": check, "passed": passed, "classification": classification,
+                       "digests": [], "duration_s": 0.0, "peer_ranks": peers, "culprit_rank": culprit,
+                       "tolerance": None if check == "selfcheck" else 5.0})
+
+
+def _hang_event(node: str, ts: float, job: str, rank: int, gpu: int, step: int, timeout: float,
+                stuck_in: str) -> Event:
+    frames = {"compute": 'File "train.py", line 88 in forward\n  cudaStreamSynchronize (GPU not responding)',
+              "all_reduce": 'File "torch/distributed/distributed_c10d.py", line 2501 in all_reduce'}[stuck_in]
+    return Event(node=node, ts=ts, kind=EventKind.HANG_REPORT, job=job, gpu=gpu, rank=rank, step=step,
+                 message=f"no step completed in {timeout:.0f} s",
+                 data={"stacks": f"Thread 0x7f00 (most recent call first):\n  {frames}",
+                       "last_collective": "all_reduce" if stuck_in == "all_reduce" else None, "timeout_s": timeout})
+
+
+def _interruption(node: str, ts: float, job: str, step: int, cause: str, detected_by: str, detection_s: float,
+                  restart_s: float, scenario: Scenario, gpu: int | None = None) -> Event:
+    lost = step % scenario.checks.checkpoint_every
+    return Event(node=node, ts=ts, kind=EventKind.INTERRUPTION, job=job, gpu=gpu, step=step,
+                 data={"cause": cause, "detected_by": detected_by, "lost_steps": lost, "restart_s": restart_s,
+                       "detection_s": detection_s, "isolation_s": 0.4 * restart_s,
+                       "reconfiguration_s": 0.3 * restart_s, "reload_s": 0.3 * restart_s})

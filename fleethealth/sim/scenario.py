@@ -1,0 +1,228 @@
+"""Fault scenarios: the YAML/JSON contract of DESIGN.md, validated field by field.
+
+A scenario names a fleet (racks × nodes × GPUs), one synchronous job across all of it, the
+faults to inject and the in-job check cadence. Anything unknown — a fault kind, a field, a node
+that is not in the fleet — is a :class:`ConfigError` naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleethealth.errors import ConfigError
+
+__all__ = ["FleetSpec", "JobSpec", "ChecksSpec", "FaultSpec", "Scenario", "FAULT_FIELDS", "DEFAULT_START_TS"]
+
+DEFAULT_START_TS = 1_767_225_600.0
+"""2026-01-01T00:00:00Z: scenarios run in event time from here unless they set ``start_ts``."""
+
+# kind -> (required fields, optional fields with defaults)
+FAULT_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "thermal_straggler": (("node", "gpu", "start_step"), {"slowdown": 0.20, "end_step": None}),
+    "hot_aisle": (("rack", "start_step"), {"temp_rise_c": 15.0, "slowdown": 0.10, "end_step": None}),
+    "nvlink_degraded": (("node", "start_step"), {"gpu": None, "slowdown": 0.15, "end_step": None}),
+    "nic_contention": (("node", "start_step"), {"slowdown": 0.10, "end_step": None}),
+    "ecc_precursor": (("node", "gpu", "start_step", "fail_step"), {}),
+    "sdc_transient": (("node", "gpu", "start_step"), {}),
+    "sdc_deterministic": (("node", "gpu", "start_step"), {}),
+    "hang": (("node", "step"), {"gpu": None, "duration_s": 120.0, "restart_s": 600.0}),
+    "xid": (("node", "gpu", "step", "code"), {}),
+}
+
+_INT_FIELDS = {"gpu", "start_step", "end_step", "fail_step", "step", "code"}
+_FLOAT_FIELDS = {"slowdown", "temp_rise_c", "duration_s", "restart_s"}
+
+
+def _section(obj: dict[str, Any], name: str, known: dict[str, type], defaults: dict[str, Any]) -> dict[str, Any]:
+    raw = obj.get(name, {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"scenario: '{name}' must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ConfigError(f"scenario: unknown field '{name}.{sorted(unknown)[0]}' (known: {', '.join(known)})")
+    out = dict(defaults)
+    for key, value in raw.items():
+        out[key] = _typed(f"{name}.{key}", value, known[key])
+    missing = [k for k in known if k not in out]
+    if missing:
+        raise ConfigError(f"scenario: missing field '{name}.{missing[0]}'")
+    return out
+
+
+def _typed(where: str, value: Any, kind: type) -> Any:
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"scenario: '{where}' must be an integer, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"scenario: '{where}' must be >= 0, got {value}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
+            raise ConfigError(f"scenario: '{where}' must be a non-negative number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"scenario: '{where}' must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    racks: int = 4
+    nodes_per_rack: int = 8
+    gpus_per_node: int = 8
+
+    @property
+    def nodes(self) -> int:
+        return self.racks * self.nodes_per_rack
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_name(self, index: int) -> str:
+        return f"n{index:04d}"
+
+    def rack_name(self, index: int) -> str:
+        return f"r{index:02d}"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    id: str = "train-1"
+    steps: int = 600
+    step_time_s: float = 2.0
+    jitter: float = 0.02
+
+
+@dataclass(frozen=True)
+class ChecksSpec:
+    """In-job check cadence, scaled down from production's 100 / 10,000 so short runs exercise it."""
+
+    selfcheck_every: int = 50
+    replay_every: int = 200
+    checkpoint_every: int = 25
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One injected fault: ``kind`` and its validated fields (see :data:`FAULT_FIELDS`)."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.params[name]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int = 7
+    fleet: FleetSpec = FleetSpec()
+    job: JobSpec = JobSpec()
+    faults: tuple[FaultSpec, ...] = ()
+    checks: ChecksSpec = ChecksSpec()
+    start_ts: float = DEFAULT_START_TS
+    name: str = "scenario"
+
+    # ------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        """Read a YAML or JSON scenario file; raise :class:`ConfigError` on anything wrong."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"scenario {path}: cannot read ({exc.strerror})") from None
+        try:
+            obj = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            fmt = "JSON" if path.suffix == ".json" else "YAML"
+            raise ConfigError(f"scenario {path}: not valid {fmt} ({first})") from None
+        try:
+            return cls.from_obj(obj, name=path.stem)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    @classmethod
+    def default(cls) -> Scenario:
+        """The scenario shipped with the package (``fleethealth/scenarios/default.yaml``)."""
+        with resources.as_file(resources.files("fleethealth.scenarios") / "default.yaml") as path:
+            return cls.load(path)
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, name: str = "scenario") -> Scenario:
+        if not isinstance(obj, dict):
+            raise ConfigError(f"scenario: expected a mapping at the top level, got {type(obj).__name__}")
+        known_top = {"seed", "fleet", "job", "faults", "checks", "start_ts", "name"}
+        unknown = set(obj) - known_top
+        if unknown:
+            raise ConfigError(f"scenario: unknown field '{sorted(unknown)[0]}' (known: {', '.join(sorted(known_top))})")
+        seed = _typed("seed", obj.get("seed", 7), int)
+        fleet = FleetSpec(**_section(obj, "fleet", {"racks": int, "nodes_per_rack": int, "gpus_per_node": int},
+                                     vars(FleetSpec())))
+        if min(fleet.racks, fleet.nodes_per_rack, fleet.gpus_per_node) < 1:
+            raise ConfigError("scenario: fleet sizes must all be >= 1")
+        job = JobSpec(**_section(obj, "job", {"id": str, "steps": int, "step_time_s": float, "jitter": float},
+                                 vars(JobSpec())))
+        if job.steps < 1 or job.step_time_s <= 0:
+            raise ConfigError("scenario: job.steps must be >= 1 and job.step_time_s > 0")
+        checks = ChecksSpec(**_section(obj, "checks", {"selfcheck_every": int, "replay_every": int,
+                                                       "checkpoint_every": int}, vars(ChecksSpec())))
+        if min(checks.selfcheck_every, checks.replay_every, checks.checkpoint_every) < 1:
+            raise ConfigError("scenario: checks intervals must be >= 1")
+        raw_faults = obj.get("faults") or []
+        if not isinstance(raw_faults, list):
+            raise ConfigError("scenario: 'faults' must be a list")
+        faults = tuple(_fault(i, f, fleet, job) for i, f in enumerate(raw_faults))
+        start = _typed("start_ts", obj.get("start_ts", DEFAULT_START_TS), float)
+        return cls(seed=seed, fleet=fleet, job=job, faults=faults, checks=checks, start_ts=start,
+                   name=str(obj.get("name", name)))
+
+
+def _fault(index: int, raw: Any, fleet: FleetSpec, job: JobSpec) -> FaultSpec:
+    where = f"faults[{index}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"scenario: {where} must be a mapping")
+    kind = raw.get("kind")
+    if kind not in FAULT_FIELDS:
+        raise ConfigError(f"scenario: {where}: unknown fault kind {kind!r} (known: {', '.join(FAULT_FIELDS)})")
+    required, optional = FAULT_FIELDS[kind]
+    where = f"{where} ({kind})"
+    unknown = set(raw) - {"kind"} - set(required) - set(optional)
+    if unknown:
+        known = ", ".join((*required, *optional))
+        raise ConfigError(f"scenario: {where}: unknown field '{sorted(unknown)[0]}' (known: {known})")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(f"scenario: {where}: missing field '{missing[0]}'")
+    params = dict(optional)
+    for key, value in raw.items():
+        if key == "kind" or (value is None and key in optional):
+            continue
+        kind_of = int if key in _INT_FIELDS else float if key in _FLOAT_FIELDS else str
+        params[key] = _typed(f"{where}.{key}", value, kind_of)
+    node = params.get("node")
+    if node is not None and node not in {fleet.node_name(i) for i in range(fleet.nodes)}:
+        last = fleet.node_name(fleet.nodes - 1)
+        raise ConfigError(f"scenario: {where}: node {node!r} is not in the fleet (n0000..{last})")
+    rack = params.get("rack")
+    if rack is not None and rack not in {fleet.rack_name(i) for i in range(fleet.racks)}:
+        last = fleet.rack_name(fleet.racks - 1)
+        raise ConfigError(f"scenario: {where}: rack {rack!r} is not in the fleet (r00..{last})")
+    gpu = params.get("gpu")
+    if gpu is not None and gpu >= fleet.gpus_per_node:
+        raise ConfigError(f"scenario: {where}: gpu {gpu} out of range (0..{fleet.gpus_per_node - 1})")
+    for key in ("start_step", "step", "fail_step", "end_step"):
+        value = params.get(key)
+        if value is not None and value >= job.steps:
+            raise ConfigError(f"scenario: {where}: {key} {value} is past the job's last step ({job.steps - 1})")
+    if kind == "ecc_precursor" and params["fail_step"] <= params["start_step"]:
+        raise ConfigError(f"scenario: {where}: fail_step must come after start_step")
+    return FaultSpec(kind=kind, params=params)

@@ -1,0 +1,109 @@
+"""The simulator's fault signatures, asserted on what it emits (telemetry, batches, events)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleethealth.schema import ClockReason, EventKind
+from fleethealth.sim.fleet import FleetSim
+from fleethealth.sim.scenario import Scenario
+
+
+def _sim(*faults: dict, steps: int = 400, **extra: object) -> FleetSim:
+    return FleetSim(Scenario.from_obj({"seed": 11, "fleet": {"racks": 2, "nodes_per_rack": 4, "gpus_per_node": 4},
+                                       "job": {"steps": steps}, "faults": list(faults), **extra}))
+
+
+def _node(items: list, node: str):
+    return next(x for x in items if x.node == node)
+
+
+def test_deterministic_and_random_access() -> None:
+    a, b = _sim(), _sim()
+    sa, sb = a.step(37), b.step(37)
+    np.testing.assert_array_equal(sa.batches[3].compute_s, sb.batches[3].compute_s)
+    assert sa.ts == sb.ts
+    steps = [s for s in a.run() if s.step is not None]
+    np.testing.assert_array_equal(steps[37].batches[3].compute_s, sa.batches[3].compute_s)
+
+
+def test_placement_follows_the_contract() -> None:
+    sim = _sim()
+    node, gpu = sim.placement
+    assert node[13] == 13 // 4 and gpu[13] == 13 % 4
+    assert sim.rack_of("n0005") == "r01"
+    batch = _node(sim.step(0).batches, "n0002")
+    assert batch.ranks.tolist() == [8, 9, 10, 11]
+
+
+def test_healthy_jitter_is_lognormal_around_the_nominal_compute_time() -> None:
+    sim = _sim()
+    compute = np.concatenate([b.compute_s for s in range(50) for b in sim.step(s).batches])
+    ratio = np.log(compute / np.median(compute))
+    assert 0.015 < ratio.std() < 0.03
+    reasons = np.concatenate([t.columns["clock_reasons"] for s in range(50) for t in sim.step(s).telemetry])
+    assert not (reasons.astype(np.int64) & int(ClockReason.thermal())).any()  # only benign power-cap blips
+
+
+def test_thermal_straggler_signature() -> None:
+    sim = _sim({"kind": "thermal_straggler", "node": "n0003", "gpu": 1, "start_step": 100, "slowdown": 0.2})
+    before, after = sim.step(99), sim.step(150)
+    tel = _node(after.telemetry, "n0003")
+    assert tel.columns["temp_c"][1] > 85 > _node(before.telemetry, "n0003").columns["temp_c"][1]
+    assert int(tel.columns["clock_reasons"][1]) & int(ClockReason.HW_THERMAL)
+    assert tel.columns["sm_clock_mhz"][1] < tel.columns["sm_clock_max_mhz"][1]
+    compute = _node(after.batches, "n0003").compute_s
+    assert compute[1] / np.median(compute) > 1.12
+
+
+def test_hot_aisle_heats_and_slows_the_whole_rack() -> None:
+    sim = _sim({"kind": "hot_aisle", "rack": "r01", "start_step": 10, "temp_rise_c": 15, "slowdown": 0.1})
+    step = sim.step(20)
+    hot = np.concatenate([t.columns["temp_c"] for t in step.telemetry if t.rack == "r01"])
+    cool = np.concatenate([t.columns["temp_c"] for t in step.telemetry if t.rack == "r00"])
+    assert np.median(hot) - np.median(cool) > 12
+    slow = np.concatenate([b.compute_s for b in step.batches if sim.rack_of(b.node) == "r01"])
+    fast = np.concatenate([b.compute_s for b in step.batches if sim.rack_of(b.node) == "r00"])
+    assert np.median(slow) / np.median(fast) > 1.05
+
+
+def test_nvlink_and_nic_signatures() -> None:
+    sim = _sim({"kind": "nvlink_degraded", "node": "n0001", "start_step": 10},
+               {"kind": "nic_contention", "node": "n0006", "start_step": 10})
+    a, b = sim.step(20), sim.step(30)
+    link_a, link_b = _node(a.telemetry, "n0001"), _node(b.telemetry, "n0001")
+    assert (link_a.columns["nvlink_links_up"] < link_a.columns["nvlink_links_max"]).all()
+    assert (link_b.columns["nvlink_crc_flit"] > link_a.columns["nvlink_crc_flit"]).all()
+    assert _node(a.telemetry, "n0006").nic_util > 0.9 > _node(a.telemetry, "n0005").nic_util
+
+
+def test_ecc_precursor_grows_then_fails_with_xids() -> None:
+    sim = _sim({"kind": "ecc_precursor", "node": "n0004", "gpu": 2, "start_step": 50, "fail_step": 250})
+    sbe = [_node(sim.step(s).telemetry, "n0004").columns["ecc_sbe_volatile"][2] for s in (60, 150, 240)]
+    assert sbe[0] < sbe[1] < sbe[2]
+    assert _node(sim.step(240).telemetry, "n0004").columns["remap_pending"][2] == 1
+    xids = [e.code for s in sim.run() for e in s.events if e.kind is EventKind.XID]
+    assert xids == [63, 48, 64, 79]
+    assert 10 not in _node(sim.step(250).batches, "n0004").ranks.tolist()  # the lost GPU stops reporting
+    assert _node(sim.step(300).telemetry, "n0004").columns["ecc_sbe_volatile"][2] < sbe[2]  # replaced
+
+
+def test_hang_silences_the_node_and_reports_stacks() -> None:
+    sim = _sim({"kind": "hang", "node": "n0002", "step": 100, "duration_s": 60, "restart_s": 30})
+    assert "n0002" not in {b.node for b in sim.step(100).batches}
+    ticks = [s for s in sim.run() if s.step is None]
+    assert ticks and all(t.telemetry for t in ticks)
+    kinds = [e.kind for t in ticks for e in t.events]
+    assert EventKind.HANG_REPORT in kinds and EventKind.INTERRUPTION in kinds
+    assert sim.step(101).ts - sim.step(100).ts > 90
+
+
+def test_sdc_records_transient_in_selfcheck_deterministic_in_replay() -> None:
+    sim = _sim({"kind": "sdc_transient", "node": "n0001", "gpu": 0, "start_step": 120},
+               {"kind": "sdc_deterministic", "node": "n0005", "gpu": 3, "start_step": 120},
+               checks={"selfcheck_every": 50, "replay_every": 200})
+    failed = [e for s in sim.run() for e in s.events if e.kind is EventKind.SDC_CHECK and not e.data["passed"]]
+    by_check = {(e.data["check"], e.rank, e.step, e.data["classification"]) for e in failed}
+    assert by_check == {("selfcheck", 4, 150, "transient"), ("replay", 23, 200, "persistent")}
+    ckpt = [e for s in sim.run() for e in s.events if e.kind is EventKind.CHECKPOINT and e.step == 175]
+    assert ckpt[0].data["last_verified_step"] == 100
