@@ -1,0 +1,472 @@
+"""The policy engine: findings in, explained and guarded recommendations out.
+
+``PolicyEngine(**params).decide(findings, now)`` is pure: no I/O and no clock (``now`` is the
+decision's event time). Its memory — evictions per job, the last evicted rack, the breaker, the
+finding ids already decided, P(healthy) counts, checkpoints and passing SDC checks seen through
+:meth:`PolicyEngine.observe` — lives in ``name_`` attributes and round-trips through
+:meth:`PolicyEngine.to_state` / :meth:`PolicyEngine.load_state` (see :mod:`fleethealth.policy.persist`).
+
+What each finding becomes (seed 000 §7, R2, R6; DESIGN.md "Findings and recommendations"):
+
+=====================  ===========================================================================
+straggler              diagnosis ENVIRONMENTAL → ``alert_facilities`` once per rack episode, never
+                       evict; NODE_THERMAL / NODE_LINK / NETWORK_CONTENTION (the last also "change
+                       placement") / UNKNOWN → ``evict`` when payback R / (P(healthy) × slowdown)
+                       is well under the remaining run time; UNKNOWN only once per node.
+sdc                    ``quarantine`` of the node and ``rollback`` of the job to the newest
+                       checkpoint at or before the last passing check (the verification watermark)
+failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
+hang                   ``drain`` of the node named, so the restart does not land on it
+xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
+                       finding's ``evidence["action"]``), fatal codes and uncorrectable errors;
+                       else ``none``
+thermal / link         ``none``: reported; acted on through a straggler's diagnosis
+=====================  ===========================================================================
+
+Every node-removing action passes the guards of :mod:`fleethealth.policy.guards`; a guard that
+fires sets ``guard`` (``rate_limited`` / ``needs_human``) and is named in ``evidence["guards_fired"]``.
+A ``none`` recommendation (stale, already decided, not worth it) keeps ``guard`` ``allowed``: there is
+nothing to hold. While an eviction of a node is held, further findings on that node within the rate
+window yield ``none``, so a node-level fault on eight ranks is one recommendation, not eight.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fleethealth.errors import ConfigError
+from fleethealth.injob.watermark import rollback_target
+from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
+from fleethealth.policy.guards import (
+    CircuitBreaker,
+    GuardName,
+    JobRateLimiter,
+    RackGuard,
+    SeenFindings,
+    is_stale,
+)
+from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
+
+__all__ = ["PolicyEngine", "Checkpoint", "XID_DRAIN", "XID_APPLICATION", "rack_of"]
+
+XID_DRAIN = frozenset({48, 62, 64, 74, 79, 92, 95, 119, 120, 140})
+"""Xid codes that mean the node should leave the pool (uncorrectable ECC, row-remap failure, NVLink
+error, fallen off the bus, GSP errors, ...), after NVIDIA's Xid catalog."""
+XID_APPLICATION = frozenset({13, 31, 43, 45, 94})
+"""Xid codes that are usually the application's (or contained): reported, no node action."""
+
+_FATAL = {"fatal", "critical"}
+_MILD = {"warning", "info", "informational"}
+_REMOVING = {Action.EVICT, Action.DRAIN, Action.QUARANTINE}
+_STRAGGLER_EVICT = {Diagnosis.NODE_THERMAL, Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION, Diagnosis.UNKNOWN}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint of a job; ``last_verified_step`` is the newest step whose SDC check had passed
+    when it was written (seed 000 R6)."""
+
+    job: str
+    step: int
+    uri: str
+    last_verified_step: int | None
+
+
+def rack_of(node: str, nodes_per_rack: int) -> str:
+    """The rack of ``nNNNN`` per DESIGN.md's identifiers (node i in rack i // nodes_per_rack)."""
+    m = re.fullmatch(r"n(\d+)", node)
+    if m is None:
+        return f"?{node}"
+    return f"r{int(m.group(1)) // nodes_per_rack:02d}"
+
+
+def _num(name: str, value: Any, lo: float = 0.0, *, strict: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if not ok or value < lo or (strict and value == lo):
+        raise ConfigError(f"{name} must be a finite number {'>' if strict else '>='} {lo}, got {value!r}")
+    return float(value)
+
+
+class PolicyEngine:
+    """Turns findings into recommendations under guards; pure, with state in ``name_`` attributes.
+
+    Parameters (keyword-only): ``restart_s`` measured restart cost R (600); ``payback_margin``:
+    evict when payback ≤ margin × remaining run time (0.25); ``default_remaining_s`` when neither the
+    finding's ``evidence["remaining_s"]`` nor :meth:`set_remaining` says (86,400); ``prior_alpha`` /
+    ``prior_beta`` the Beta prior of P(healthy) (3, 1); ``rate_window_s`` one straggler eviction per
+    job per window (3,600); ``stale_after_s`` staleness bound (900); ``breaker_share`` /
+    ``breaker_min_nodes`` / ``breaker_window_s`` / ``fleet_nodes`` the circuit breaker (0.1, 5,
+    3,600, 0 = unknown); ``nodes_per_rack`` (8); ``facilities_episode_s`` a hot-aisle episode ends
+    after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
+    (0.5); ``dry_run`` marks every recommendation as not to be executed (False).
+    """
+
+    def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
+                 default_remaining_s: float = 86_400.0, prior_alpha: float = 3.0, prior_beta: float = 1.0,
+                 rate_window_s: float = 3600.0, stale_after_s: float = 900.0, breaker_share: float = 0.1,
+                 breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
+                 nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
+                 failure_risk_threshold: float = 0.5, dry_run: bool = False) -> None:
+        self.restart_s = _num("restart_s", restart_s)
+        self.payback_margin = _num("payback_margin", payback_margin, strict=True)
+        self.default_remaining_s = _num("default_remaining_s", default_remaining_s)
+        self.stale_after_s = _num("stale_after_s", stale_after_s, strict=True)
+        self.nodes_per_rack = int(_num("nodes_per_rack", nodes_per_rack, 1))
+        self.facilities_episode_s = _num("facilities_episode_s", facilities_episode_s, strict=True)
+        self.failure_risk_threshold = _num("failure_risk_threshold", failure_risk_threshold)
+        if self.failure_risk_threshold > 1:
+            raise ConfigError(f"failure_risk_threshold is a probability, got {failure_risk_threshold}")
+        self.dry_run = bool(dry_run)
+        self.posterior_ = HealthyPosterior(alpha=prior_alpha, beta=prior_beta)
+        self.rate_ = JobRateLimiter(window_s=rate_window_s)
+        self.rack_ = RackGuard()
+        self.breaker_ = CircuitBreaker(share=breaker_share, min_nodes=breaker_min_nodes,
+                                       window_s=breaker_window_s, fleet_nodes=fleet_nodes)
+        self.seen_ = SeenFindings()
+        self.facilities_: dict[str, tuple[float, float]] = {}   # rack -> (alerted ts, last seen ts)
+        self.unknown_evicted_: set[str] = set()
+        self.evicted_: dict[str, float] = {}                   # node -> ts of allowed eviction
+        self.held_: dict[str, tuple[float, str]] = {}          # node -> (ts, guard) of a held eviction
+        self.drained_: set[str] = set()
+        self.quarantined_: set[str] = set()
+        self.rolled_back_: set[str] = set()                    # "job@target_step"
+        self.remaining_: dict[str, float] = {}
+        self.checkpoints_: dict[str, list[Checkpoint]] = {}
+        self.last_pass_: dict[str, int] = {}
+
+    # ------------------------------------------------------------ inputs other than findings
+    def observe(self, events: Sequence[Event]) -> None:
+        """Learn checkpoints (with their watermark) and passing SDC checks from job events."""
+        for ev in events:
+            if ev.job is None:
+                continue
+            if ev.kind is EventKind.CHECKPOINT:
+                step = ev.data.get("step", ev.step)
+                if not isinstance(step, int):
+                    continue
+                lvs = ev.data.get("last_verified_step")
+                ck = Checkpoint(job=ev.job, step=step, uri=str(ev.data.get("uri", "")),
+                                last_verified_step=lvs if isinstance(lvs, int) else None)
+                book = self.checkpoints_.setdefault(ev.job, [])
+                if all(c.step != ck.step for c in book):
+                    book.append(ck)
+                    book.sort(key=lambda c: c.step)
+            elif ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None:
+                self.last_pass_[ev.job] = max(self.last_pass_.get(ev.job, -1), ev.step)
+
+    def record_outcome(self, outcome: EvictionOutcome) -> None:
+        """Feed back whether an eviction resolved the straggle; moves P(healthy) for its class."""
+        self.posterior_.record(outcome.diagnosis, outcome.resolved)
+
+    def p_healthy(self, diagnosis: Diagnosis | str) -> float:
+        return self.posterior_.mean(diagnosis)
+
+    def set_remaining(self, job: str, seconds: float) -> None:
+        self.remaining_[job] = _num("remaining seconds", seconds)
+
+    def reset_breaker(self) -> None:
+        """The explicit human reset; also clears the same-rack hold."""
+        self.breaker_.reset()
+        self.rack_.acknowledge()
+
+    def acknowledge_rack(self) -> None:
+        """A human has looked at the last eviction; the next one may be in the same rack."""
+        self.rack_.acknowledge()
+
+    # ------------------------------------------------------------ decide
+    def decide(self, findings: Sequence[Finding], now: float) -> list[Recommendation]:
+        """Recommendations for ``findings`` at event time ``now``; a finding id seen before yields none."""
+        now = float(now)
+        out: list[Recommendation] = []
+        for f in sorted(findings, key=lambda f: (f.ts, f.id)):
+            fid = f.id
+            if fid in self.seen_:
+                continue
+            self.seen_.add(fid, f.ts)
+            if is_stale(f.ts, now, self.stale_after_s):
+                out.append(self._rec(Action.NONE, f, now, f"finding is {now - f.ts:.0f} s old, beyond the "
+                                     f"{self.stale_after_s:.0f} s staleness bound: recorded, not acted on",
+                                     {"age_s": now - f.ts, "stale_after_s": self.stale_after_s},
+                                     fired=[GuardName.STALE]))
+                continue
+            out.extend(self._decide_one(f, now))
+        self.seen_.prune(now - 2 * self.stale_after_s)
+        return out
+
+    def _decide_one(self, f: Finding, now: float) -> list[Recommendation]:
+        kind = f.kind
+        if kind is FindingKind.STRAGGLER:
+            return self._straggler(f, now)
+        if kind is FindingKind.SDC:
+            return self._sdc(f, now)
+        if kind is FindingKind.FAILURE_RISK:
+            return self._failure_risk(f, now)
+        if kind is FindingKind.HANG:
+            return self._guarded(Action.DRAIN, f, now, f"hang attributed to {f.node}: drain it so the "
+                                 "restart does not land on the same node", {"step": f.step})
+        if kind in (FindingKind.XID, FindingKind.ECC):
+            return self._hardware_error(f, now)
+        return [self._rec(Action.NONE, f, now, f"{kind.value} finding reported; a node is acted on "
+                          "through a straggler's diagnosis, not this signal alone", {})]
+
+    # ------------------------------------------------------------ stragglers
+    def _straggler(self, f: Finding, now: float) -> list[Recommendation]:
+        diag = f.diagnosis or Diagnosis.UNKNOWN
+        rack = self._rack(f)
+        if diag is Diagnosis.ENVIRONMENTAL:
+            return [self._facilities(f, now, rack)]
+        if diag not in _STRAGGLER_EVICT:
+            raise ConfigError(f"unhandled diagnosis {diag}")
+        slowdown = f.slowdown if f.slowdown is not None else f.evidence.get("slowdown")
+        if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not math.isfinite(slowdown):
+            return [self._rec(Action.NONE, f, now, "straggler without a measured slowdown: no payback to "
+                              "compute, reported only", {"diagnosis": diag.value})]
+        remaining = self._remaining(f)
+        pb = payback(self.restart_s, self.posterior_.mean(diag), float(slowdown), remaining, self.payback_margin)
+        ev = {"diagnosis": diag.value, "rack": rack, **pb.to_evidence(), "z": f.z,
+              "p_healthy_counts": list(self.posterior_.counts(diag))}
+        if diag is Diagnosis.NETWORK_CONTENTION:
+            ev["placement"] = "change"
+        pretty = "never" if math.isinf(pb.payback_s) else f"{pb.payback_s / 60:.1f} min"
+        if not pb.worth:
+            return [self._rec(Action.NONE, f, now, f"{diag.value} straggler {slowdown:.0%} slow on {f.node}: "
+                              f"eviction pays back in {pretty} at P(healthy)={pb.p_healthy:.2f}, not well "
+                              f"under the {remaining / 3600:.1f} h left; keep running", ev)]
+        if f.node in self.evicted_ and f.ts - self.evicted_[f.node] < self.rate_.window_s:
+            return [self._rec(Action.NONE, f, now, f"eviction of {f.node} already recommended at "
+                              f"ts={self.evicted_[f.node]:.0f}", {**ev, "evicted_ts": self.evicted_[f.node]})]
+        held = self.held_.get(f.node)
+        if held is not None and f.ts - held[0] < self.rate_.window_s:
+            return [self._rec(Action.NONE, f, now, f"eviction of {f.node} already recommended at ts={held[0]:.0f} "
+                              f"and held ({held[1]}); one recommendation per node", {**ev, "held_ts": held[0]})]
+        reason = (f"{diag.value} straggler {slowdown:.0%} slow on {f.node} (rank {f.rank}): eviction pays "
+                  f"back in {pretty} at P(healthy)={pb.p_healthy:.2f}, well under the "
+                  f"{remaining / 3600:.1f} h left; evict at the next checkpoint")
+        if diag is Diagnosis.NETWORK_CONTENTION:
+            reason += " and change placement (shared NIC)"
+        fired: list[str] = []
+        if diag is Diagnosis.UNKNOWN and f.node in self.unknown_evicted_:
+            fired.append(GuardName.UNKNOWN_ONCE)
+            reason += "; cause UNKNOWN and this node was already evicted once: a human must decide"
+        if self.rack_.blocks(rack):
+            fired.append(GuardName.SAME_RACK)
+            reason += f"; the last eviction ({self.rack_.last_node_}) was also in rack {rack}: needs a human"
+        job = f.job or ""
+        since = self.rate_.since_last(job, f.ts)
+        if since is not None:
+            fired.append(GuardName.RATE_LIMIT)
+            ev["since_last_eviction_s"] = since
+            reason += (f"; job {job} already had a straggler eviction {since:.0f} s ago "
+                       f"(limit one per {self.rate_.window_s:.0f} s)")
+        recs = self._guarded(Action.EVICT, f, now, reason, ev, fired=fired)
+        if recs[0].guard is Guard.ALLOWED:
+            self.rate_.note(job, f.ts)
+            self.rack_.note(rack, f.node)
+            self.evicted_[f.node] = f.ts
+            if diag is Diagnosis.UNKNOWN:
+                self.unknown_evicted_.add(f.node)
+        else:
+            self.held_[f.node] = (f.ts, recs[0].guard.value)
+        return recs
+
+    def _facilities(self, f: Finding, now: float, rack: str) -> Recommendation:
+        ev = {"diagnosis": Diagnosis.ENVIRONMENTAL.value, "rack": rack, "slowdown": f.slowdown}
+        alerted = self.facilities_.get(rack)
+        if alerted is not None and f.ts - alerted[1] < self.facilities_episode_s:
+            self.facilities_[rack] = (alerted[0], max(alerted[1], f.ts))
+            return self._rec(Action.NONE, f, now, f"rack {rack} environmental episode: facilities already "
+                             f"alerted at ts={alerted[0]:.0f}; evicting would not help",
+                             {**ev, "alerted_ts": alerted[0]})
+        self.facilities_[rack] = (f.ts, f.ts)
+        return self._rec(Action.ALERT_FACILITIES, f, now, f"stragglers in rack {rack} share an environmental "
+                         f"cause (hot aisle / cooling): alert facilities; evicting {f.node} would only move "
+                         "the symptom", ev)
+
+    # ------------------------------------------------------------ SDC, risk, hardware errors
+    def _sdc(self, f: Finding, now: float) -> list[Recommendation]:
+        out: list[Recommendation] = []
+        cls = f.evidence.get("classification")
+        if cls == "data_or_code":
+            out.append(self._rec(Action.PAGE, f, now, "SDC check failed deterministically across ranks: data "
+                                 "or code, not this node's hardware; a human must look",
+                                 {"classification": cls}))
+        elif f.node in self.quarantined_:
+            out.append(self._rec(Action.NONE, f, now, f"{f.node} already quarantined for SDC",
+                                 {"classification": cls}))
+        else:
+            recs = self._guarded(Action.QUARANTINE, f, now, f"silent data corruption on {f.node} "
+                                 f"(GPU {f.gpu}, {cls or 'unclassified'}): quarantine until a full self-test "
+                                 "passes", {"classification": cls, "check": f.evidence.get("check")})
+            if recs[0].guard is Guard.ALLOWED:
+                self.quarantined_.add(f.node)
+            out.extend(recs)
+        if f.job is not None:
+            out.extend(self._rollback(f, now))
+        return out
+
+    def _rollback(self, f: Finding, now: float) -> list[Recommendation]:
+        job = f.job or ""
+        book = list(self.checkpoints_.get(job, ()))
+        for c in f.evidence.get("checkpoints", ()) or ():
+            if isinstance(c, Mapping) and isinstance(c.get("step"), int):
+                lvs = c.get("last_verified_step")
+                book.append(Checkpoint(job, c["step"], str(c.get("uri", "")), lvs if isinstance(lvs, int) else None))
+        passes = [self.last_pass_.get(job, -1)] + [c.last_verified_step for c in book
+                                                   if c.last_verified_step is not None]
+        if isinstance(f.evidence.get("last_verified_step"), int):
+            passes.append(f.evidence["last_verified_step"])
+        if f.step is not None:
+            passes = [p for p in passes if p < f.step]
+        watermark = max(passes, default=-1)
+        target = rollback_target(book, watermark if watermark >= 0 else None)
+        if target is None:
+            return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step}: no checkpoint at or "
+                              "before a passing check is known; the run may be unrecoverable, needs a human",
+                              {"last_verified_step": watermark if watermark >= 0 else None,
+                               "checkpoints_known": len(book)}, fired=[], guard=Guard.NEEDS_HUMAN)]
+        key = f"{job}@{target.step}"
+        if key in self.rolled_back_:
+            return []
+        self.rolled_back_.add(key)
+        discarded = sorted({c.step for c in book if c.step > target.step})
+        return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step}: roll back to checkpoint "
+                          f"step {target.step} ({target.uri or 'no uri'}), the newest at or before the last "
+                          f"passing check (step {watermark})",
+                          {"target_step": target.step, "target_uri": target.uri, "last_verified_step": watermark,
+                           "failed_step": f.step, "discarded_checkpoints": discarded})]
+
+    def _failure_risk(self, f: Finding, now: float) -> list[Recommendation]:
+        p = f.probability
+        ev: dict[str, Any] = {"probability": p, "threshold": self.failure_risk_threshold}
+        if p is None or p < self.failure_risk_threshold:
+            return [self._rec(Action.NONE, f, now, f"failure risk {p} on {f.node} below the "
+                              f"{self.failure_risk_threshold} threshold", ev)]
+        if f.node in self.drained_:
+            return [self._rec(Action.NONE, f, now, f"{f.node} already draining", ev)]
+        at = self._next_boundary(f.job)
+        ev["at_step"] = at
+        where = f"step {at}" if at is not None else "the next checkpoint"
+        recs = self._guarded(Action.DRAIN, f, now, f"failure risk {p:.2f} on {f.node} (GPU {f.gpu}): drain at "
+                             f"the next checkpoint boundary ({where}), a planned restart instead of an "
+                             "interruption", {**ev, "planned": True})
+        if recs[0].guard is Guard.ALLOWED:
+            self.drained_.add(f.node)
+        return recs
+
+    def _hardware_error(self, f: Finding, now: float) -> list[Recommendation]:
+        sev = str(f.evidence.get("severity", "")).lower()
+        code = f.evidence.get("code", f.evidence.get("xid"))
+        advised = f.evidence.get("action")   # the detector's catalogue advice, when it gives one
+        if f.kind is FindingKind.XID:
+            if advised in (Action.DRAIN.value, Action.NONE.value) and sev not in _FATAL:
+                fatal = advised == Action.DRAIN.value
+            else:
+                fatal = sev in _FATAL or (sev not in _MILD and code in XID_DRAIN)
+            what = f"Xid {code}" + (f" ({sev})" if sev else "")
+        else:
+            dbe = f.evidence.get("uncorrectable", f.evidence.get("dbe", 0))
+            fatal = sev in _FATAL or (sev not in _MILD and isinstance(dbe, int | float) and dbe > 0) \
+                or bool(f.evidence.get("remap_failure"))
+            what = "ECC " + (sev or ("uncorrectable" if fatal else "correctable")) + " errors"
+        ev = {"code": code, "severity": sev or None}
+        if not fatal:
+            return [self._rec(Action.NONE, f, now, f"{what} on {f.node}: not a node fault by severity; reported",
+                              ev)]
+        if f.node in self.drained_:
+            return [self._rec(Action.NONE, f, now, f"{what} on {f.node}: already draining", ev)]
+        recs = self._guarded(Action.DRAIN, f, now, f"{what} on {f.node} (GPU {f.gpu}): drain the node", ev)
+        if recs[0].guard is Guard.ALLOWED:
+            self.drained_.add(f.node)
+        return recs
+
+    # ------------------------------------------------------------ helpers
+    def _guarded(self, action: Action, f: Finding, now: float, reason: str, ev: dict[str, Any], *,
+                 fired: list[str] | None = None) -> list[Recommendation]:
+        """Apply the breaker to a node-removing action; earlier guards in ``fired`` already decided."""
+        fired = list(fired or [])
+        out: list[Recommendation] = []
+        if action in _REMOVING:
+            if self.breaker_.open_:
+                fired.append(GuardName.BREAKER)
+                reason += f"; fleet circuit breaker open since ts={self.breaker_.tripped_ts_:.0f}: needs a human"
+            elif not fired and not self.breaker_.admit(f.node, now):
+                fired.append(GuardName.BREAKER)
+                reason += f"; this trips the fleet circuit breaker ({self.breaker_.reason_})"
+                st = self.breaker_.status()
+                out.append(Recommendation(
+                    action=Action.PAGE, node=f.node, ts=now, guard=Guard.NEEDS_HUMAN, job=f.job,
+                    finding_id=f"breaker:{f.id}", dry_run=self.dry_run,
+                    reason=f"fleet circuit breaker tripped: {st.reason}; automatic drain/evict/quarantine "
+                           "stopped until a human resets it",
+                    evidence={"guards_fired": [GuardName.BREAKER], "threshold": st.threshold,
+                              "nodes_in_window": st.nodes_in_window + 1,
+                              "window_s": self.breaker_.window_s}))
+        guard = Guard.ALLOWED
+        if fired:
+            guard = Guard.RATE_LIMITED if fired == [GuardName.RATE_LIMIT] else Guard.NEEDS_HUMAN
+        return [self._rec(action, f, now, reason, ev, fired=fired, guard=guard), *out]
+
+    def _rec(self, action: Action, f: Finding, now: float, reason: str, ev: Mapping[str, Any], *,
+             fired: Sequence[str] = (), guard: Guard = Guard.ALLOWED) -> Recommendation:
+        evidence = {"finding_kind": f.kind.value, "finding_ts": f.ts, **ev, "guards_fired": list(fired)}
+        if self.dry_run:
+            evidence["guards_fired"].append(GuardName.DRY_RUN)
+        return Recommendation(action=action, node=f.node, ts=now, reason=reason, guard=guard, job=f.job,
+                              finding_id=f.id, dry_run=self.dry_run, evidence=evidence)
+
+    def _rack(self, f: Finding) -> str:
+        rack = f.evidence.get("rack")
+        return rack if isinstance(rack, str) and rack else rack_of(f.node, self.nodes_per_rack)
+
+    def _remaining(self, f: Finding) -> float:
+        r = f.evidence.get("remaining_s")
+        if isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r >= 0:
+            return float(r)
+        return self.remaining_.get(f.job or "", self.default_remaining_s)
+
+    def _next_boundary(self, job: str | None) -> int | None:
+        book = self.checkpoints_.get(job or "", [])
+        if len(book) < 2:
+            return None
+        steps = [c.step for c in book]
+        gaps = sorted(b - a for a, b in zip(steps, steps[1:], strict=False))
+        return steps[-1] + gaps[len(gaps) // 2]
+
+    # ------------------------------------------------------------ persistence (pure halves)
+    def to_state(self) -> dict[str, Any]:
+        """Everything the engine remembers, as JSON-able data."""
+        return {
+            "posterior": self.posterior_.to_state(), "rate": self.rate_.to_state(), "rack": self.rack_.to_state(),
+            "breaker": self.breaker_.to_state(), "seen": self.seen_.to_state(),
+            "facilities": {k: list(v) for k, v in self.facilities_.items()},
+            "unknown_evicted": sorted(self.unknown_evicted_), "evicted": dict(self.evicted_),
+            "held": {k: list(v) for k, v in self.held_.items()},
+            "drained": sorted(self.drained_), "quarantined": sorted(self.quarantined_),
+            "rolled_back": sorted(self.rolled_back_), "remaining": dict(self.remaining_),
+            "checkpoints": {j: [[c.step, c.uri, c.last_verified_step] for c in cs]
+                            for j, cs in self.checkpoints_.items()},
+            "last_pass": dict(self.last_pass_),
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`to_state` wrote (parameters stay as constructed)."""
+        self.posterior_.load_state(state.get("posterior", {}))
+        self.rate_.load_state(state.get("rate", {}))
+        self.rack_.load_state(state.get("rack", {}))
+        self.breaker_.load_state(state.get("breaker", {}))
+        self.seen_.load_state(state.get("seen", {}))
+        self.facilities_ = {k: (float(v[0]), float(v[1])) for k, v in state.get("facilities", {}).items()}
+        self.unknown_evicted_ = set(state.get("unknown_evicted", ()))
+        self.evicted_ = {k: float(v) for k, v in state.get("evicted", {}).items()}
+        self.held_ = {k: (float(v[0]), str(v[1])) for k, v in state.get("held", {}).items()}
+        self.drained_ = set(state.get("drained", ()))
+        self.quarantined_ = set(state.get("quarantined", ()))
+        self.rolled_back_ = set(state.get("rolled_back", ()))
+        self.remaining_ = {k: float(v) for k, v in state.get("remaining", {}).items()}
+        self.checkpoints_ = {j: [Checkpoint(j, int(s), str(u), v) for s, u, v in cs]
+                             for j, cs in state.get("checkpoints", {}).items()}
+        self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}

@@ -1,0 +1,213 @@
+"""Guards on the engine's own authority: every automatic action is rate-limited and leaves a record.
+
+Seed 000 R2: at most one straggler eviction per hour per job, and never two consecutive evictions
+in the same rack without a human. Beyond the seed, from field reports of remediation systems
+(loops with no cap, a stale event replayed after a restart rebooting a busy node):
+
+* a fleet circuit breaker — more than a share of the fleet's nodes recommended for drain, evict or
+  quarantine inside a window trips it, and only an explicit reset closes it;
+* idempotency — a finding id seen before yields nothing the second time;
+* staleness — a finding older than a bound (against the decision time) is recorded, not acted on.
+
+Each guard is a small object with its state in ``name_`` attributes and a JSON-able
+``to_state()`` / ``load_state()`` pair, so the engine can be saved to and restored from the store.
+All times are event times in seconds; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fleethealth.errors import ConfigError
+
+__all__ = [
+    "GuardName",
+    "is_stale",
+    "SeenFindings",
+    "JobRateLimiter",
+    "RackGuard",
+    "CircuitBreaker",
+    "BreakerStatus",
+]
+
+
+class GuardName:
+    """The names recorded in a recommendation's ``evidence["guards_fired"]``."""
+
+    RATE_LIMIT = "rate_limit"
+    SAME_RACK = "same_rack"
+    BREAKER = "breaker"
+    STALE = "stale"
+    UNKNOWN_ONCE = "unknown_once"
+    DRY_RUN = "dry_run"
+
+
+def _param(name: str, value: float, *, zero_ok: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number, got {value!r}")
+    return float(value)
+
+
+def is_stale(finding_ts: float, now: float, bound_s: float) -> bool:
+    """True when the finding is more than ``bound_s`` seconds older than the decision time."""
+    return now - finding_ts > bound_s
+
+
+class SeenFindings:
+    """Finding ids already decided, with their event time; ids older than the staleness bound are
+    forgotten (a replay of one of those is stale, so it is recorded and not acted on anyway)."""
+
+    def __init__(self) -> None:
+        self.seen_: dict[str, float] = {}
+
+    def __contains__(self, finding_id: str) -> bool:
+        return finding_id in self.seen_
+
+    def add(self, finding_id: str, ts: float) -> None:
+        self.seen_[finding_id] = ts
+
+    def prune(self, before: float) -> None:
+        self.seen_ = {k: v for k, v in self.seen_.items() if v >= before}
+
+    def to_state(self) -> dict[str, Any]:
+        return {"seen": dict(self.seen_)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.seen_ = {str(k): float(v) for k, v in state.get("seen", {}).items()}
+
+
+class JobRateLimiter:
+    """At most one allowed action per job per ``window_s`` (default one straggler eviction an hour)."""
+
+    def __init__(self, *, window_s: float = 3600.0) -> None:
+        self.window_s = _param("window_s", window_s)
+        self.last_: dict[str, float] = {}
+
+    def since_last(self, job: str, ts: float) -> float | None:
+        """Seconds since the job's last allowed action when that is inside the window, else None."""
+        last = self.last_.get(job)
+        if last is None or abs(ts - last) >= self.window_s:
+            return None
+        return abs(ts - last)
+
+    def note(self, job: str, ts: float) -> None:
+        self.last_[job] = ts
+
+    def to_state(self) -> dict[str, Any]:
+        return {"last": dict(self.last_)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.last_ = {str(k): float(v) for k, v in state.get("last", {}).items()}
+
+
+class RackGuard:
+    """Never two consecutive evictions in the same rack without a human: ``last_rack_`` is the rack of
+    the last allowed eviction; :meth:`acknowledge` (a human) clears it."""
+
+    def __init__(self) -> None:
+        self.last_rack_: str | None = None
+        self.last_node_: str | None = None
+
+    def blocks(self, rack: str) -> bool:
+        return self.last_rack_ is not None and self.last_rack_ == rack
+
+    def note(self, rack: str, node: str) -> None:
+        self.last_rack_ = rack
+        self.last_node_ = node
+
+    def acknowledge(self) -> None:
+        self.last_rack_ = None
+        self.last_node_ = None
+
+    def to_state(self) -> dict[str, Any]:
+        return {"last_rack": self.last_rack_, "last_node": self.last_node_}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.last_rack_ = state.get("last_rack")
+        self.last_node_ = state.get("last_node")
+
+
+@dataclass(frozen=True)
+class BreakerStatus:
+    """The breaker as an operator reads it: ``open`` stops every automatic drain/evict/quarantine."""
+
+    open: bool
+    tripped_ts: float | None
+    reason: str
+    nodes_in_window: int
+    threshold: float
+
+
+class CircuitBreaker:
+    """Trips when more than ``max(min_nodes, share × fleet_nodes)`` distinct nodes are recommended for
+    a node-removing action inside ``window_s``; holds until :meth:`reset`.
+
+    ``fleet_nodes`` of 0 means the fleet size is unknown and only ``min_nodes`` counts.
+    """
+
+    def __init__(self, *, share: float = 0.1, min_nodes: int = 5, window_s: float = 3600.0,
+                 fleet_nodes: int = 0) -> None:
+        self.share = _param("breaker_share", share)
+        if self.share > 1:
+            raise ConfigError(f"breaker_share is a fraction of the fleet, got {share}")
+        self.min_nodes = int(_param("breaker_min_nodes", min_nodes))
+        self.window_s = _param("breaker_window_s", window_s)
+        self.fleet_nodes = int(_param("fleet_nodes", fleet_nodes, zero_ok=True))
+        self.recent_: dict[str, float] = {}
+        self.open_ = False
+        self.tripped_ts_: float | None = None
+        self.reason_ = ""
+
+    @property
+    def threshold(self) -> float:
+        return max(float(self.min_nodes), self.share * self.fleet_nodes)
+
+    def _prune(self, ts: float) -> None:
+        self.recent_ = {n: t for n, t in self.recent_.items() if ts - t < self.window_s}
+
+    def admit(self, node: str, ts: float) -> bool:
+        """Count ``node`` for an action at ``ts``; False (and trip) when that would exceed the share."""
+        if self.open_:
+            return False
+        self._prune(ts)
+        if node in self.recent_:
+            return True
+        if len(self.recent_) + 1 > self.threshold:
+            self.open_ = True
+            self.tripped_ts_ = ts
+            self.reason_ = (f"{len(self.recent_) + 1} nodes recommended for removal within "
+                            f"{self.window_s:.0f} s exceeds the limit of {self.threshold:g}")
+            return False
+        self.recent_[node] = ts
+        return True
+
+    def trip(self, ts: float, reason: str) -> None:
+        self.open_ = True
+        self.tripped_ts_ = ts
+        self.reason_ = reason
+
+    def reset(self) -> None:
+        """An explicit human reset: close the breaker and forget the window."""
+        self.open_ = False
+        self.tripped_ts_ = None
+        self.reason_ = ""
+        self.recent_ = {}
+
+    def status(self) -> BreakerStatus:
+        return BreakerStatus(open=self.open_, tripped_ts=self.tripped_ts_, reason=self.reason_,
+                             nodes_in_window=len(self.recent_), threshold=self.threshold)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"recent": dict(self.recent_), "open": self.open_, "tripped_ts": self.tripped_ts_,
+                "reason": self.reason_}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.recent_ = {str(k): float(v) for k, v in state.get("recent", {}).items()}
+        self.open_ = bool(state.get("open", False))
+        tripped = state.get("tripped_ts")
+        self.tripped_ts_ = None if tripped is None else float(tripped)
+        self.reason_ = str(state.get("reason", ""))

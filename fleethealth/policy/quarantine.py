@@ -1,0 +1,246 @@
+"""The quarantine book: which nodes are out of the pool, why, since when, and which runs they killed.
+
+Seed 000 §4: ``quarantine (node_id, reason, since, run_ids_affected[])``; the last field turns "our
+jobs keep failing" into "node n0417 has killed six jobs". A node leaves quarantine only with a
+passing *full* self-test record taken after it was quarantined (seed 000 §7c); a refused release is
+written to ``quarantine_log`` with the reason, so an operator can see why a node is still out.
+
+Table ``quarantine`` (migration ``003_policy.sql``) is a ReplacingMergeTree keyed by node; each
+change writes the whole row again with a higher ``version`` and reads use ``FINAL``.
+:func:`check_release` is the pure rule; the other functions do the store I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleethealth.errors import ConfigError
+
+__all__ = [
+    "QuarantineRecord",
+    "QuarantineLogEntry",
+    "FULL_SUITE",
+    "check_release",
+    "quarantine",
+    "release",
+    "quarantined",
+    "record",
+    "add_run",
+    "history",
+]
+
+FULL_SUITE = "full"
+"""The self-test suite whose pass may return a node to the pool (``SELFTEST`` record ``suite``)."""
+
+_COLUMNS = ("node", "quarantined", "reason", "since", "finding_id", "runs_affected", "released_ts",
+            "release_evidence", "updated_ts", "version")
+_TIMES = {"since", "released_ts", "updated_ts"}
+_SELECT = ", ".join(f"toFloat64({c}) AS {c}" if c in _TIMES else c for c in _COLUMNS)
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """One node's quarantine. ``since`` is event time (s); ``runs_affected`` lists each job the node
+    interrupted, in the order they were recorded, without repeats."""
+
+    node: str
+    reason: str
+    since: float
+    runs_affected: tuple[str, ...] = ()
+    finding_id: str | None = None
+
+    @property
+    def summary(self) -> str:
+        n = len(self.runs_affected)
+        return f"node {self.node} has killed {n} job{'' if n == 1 else 's'}"
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"node": self.node, "reason": self.reason, "since": self.since,
+                "runs_affected": list(self.runs_affected), "finding_id": self.finding_id,
+                "summary": self.summary}
+
+
+@dataclass(frozen=True)
+class QuarantineLogEntry:
+    """One line of a node's quarantine history: ``action`` is ``quarantine``, ``add_run``,
+    ``release`` or ``release_refused``; ``detail`` says why in words."""
+
+    node: str
+    ts: float
+    action: str
+    detail: str
+    evidence: dict[str, Any]
+
+
+# ---------------------------------------------------------------- pure rule
+def check_release(node: str, since: float, evidence: Mapping[str, Any]) -> str | None:
+    """Return ``None`` when ``evidence`` may release ``node``, else the reason it may not.
+
+    ``evidence`` is a ``SELFTEST`` record (``suite``, ``verdict``, ``mismatches``, ...), either bare or
+    as an event object whose ``data`` holds it. It must be the full suite, verdict ``pass``, with no
+    mismatches, for this node (when it names one) and taken at or after ``since`` (when it has ``ts``).
+    """
+    if not isinstance(evidence, Mapping):
+        return f"evidence must be a self-test record object, got {type(evidence).__name__}"
+    rec = dict(evidence)
+    data = rec.get("data")
+    if isinstance(data, Mapping):
+        if rec.get("kind") not in (None, "selftest"):
+            return f"evidence is a {rec.get('kind')!r} event, not a self-test record"
+        rec = {**{k: rec[k] for k in ("node", "ts") if k in rec}, **data}
+    suite = rec.get("suite")
+    if suite != FULL_SUITE:
+        return f"self-test suite is {suite!r}; only a passing {FULL_SUITE!r} suite may release a node"
+    verdict = rec.get("verdict")
+    if verdict != "pass":
+        return f"self-test verdict is {verdict!r}, not 'pass'"
+    mismatches = rec.get("mismatches")
+    if mismatches:
+        return f"self-test reports {len(mismatches)} mismatches"
+    other = rec.get("node")
+    if other is not None and other != node:
+        return f"self-test record is for node {other!r}, not {node!r}"
+    ts = rec.get("ts")
+    if ts is not None:
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+            return f"self-test ts is not a finite number: {ts!r}"
+        if ts < since:
+            return f"self-test at ts={ts} predates the quarantine (since {since})"
+    return None
+
+
+# ---------------------------------------------------------------- store I/O
+def _row(store: Any, node: str) -> dict[str, Any] | None:
+    res = store.query(f"SELECT {_SELECT} FROM quarantine FINAL WHERE node = {{node:String}}",
+                      {"node": node})
+    rows = res.dicts()
+    return rows[0] if rows else None
+
+
+def _to_record(row: Mapping[str, Any]) -> QuarantineRecord:
+    return QuarantineRecord(node=row["node"], reason=row["reason"], since=float(row["since"]),
+                            runs_affected=tuple(row["runs_affected"]), finding_id=row["finding_id"])
+
+
+def _write(store: Any, row: Mapping[str, Any]) -> None:
+    store.insert("quarantine", {name: [row[name]] for name in _COLUMNS})
+
+
+def _log(store: Any, node: str, ts: float, action: str, detail: str, evidence: Mapping[str, Any]) -> None:
+    seq = store.query("SELECT count() FROM quarantine_log WHERE node = {node:String}", {"node": node}).rows[0][0]
+    store.insert("quarantine_log", {
+        "node": [node], "ts": [float(ts)], "action": [action], "detail": [detail],
+        "evidence": [orjson.dumps(dict(evidence), default=str).decode()], "seq": [int(seq) + 1],
+    })
+
+
+def _check_node(node: str) -> None:
+    if not isinstance(node, str) or not node:
+        raise ConfigError(f"node must be a non-empty string, got {node!r}")
+
+
+def _merge_runs(old: Iterable[str], new: Iterable[str]) -> list[str]:
+    out = list(old)
+    for run in new:
+        if not isinstance(run, str) or not run:
+            raise ConfigError(f"run ids must be non-empty strings, got {run!r}")
+        if run not in out:
+            out.append(run)
+    return out
+
+
+def quarantine(store: Any, node: str, reason: str, ts: float, finding_id: str | None = None,
+               runs: Iterable[str] = ()) -> QuarantineRecord:
+    """Put ``node`` in quarantine at event time ``ts``; idempotent.
+
+    A node already in quarantine keeps its ``since``, reason and finding; the runs are merged. A node
+    released earlier starts a new episode (new ``since``) and keeps the runs it killed before.
+    """
+    _check_node(node)
+    if not reason:
+        raise ConfigError("a quarantine needs a reason")
+    ts = float(ts)
+    runs = tuple(runs)
+    old = _row(store, node)
+    if old is not None and old["quarantined"]:
+        row = {**old, "runs_affected": _merge_runs(old["runs_affected"], runs), "updated_ts": ts,
+               "version": old["version"] + 1}
+        detail = f"already quarantined since {old['since']}; runs merged"
+    else:
+        prior = old["runs_affected"] if old is not None else []
+        row = {"node": node, "quarantined": 1, "reason": reason, "since": ts, "finding_id": finding_id,
+               "runs_affected": _merge_runs(prior, runs), "released_ts": None, "release_evidence": "",
+               "updated_ts": ts, "version": (old["version"] + 1) if old is not None else 1}
+        detail = reason
+    _write(store, row)
+    _log(store, node, ts, "quarantine", detail, {"finding_id": finding_id, "runs": list(runs)})
+    return _to_record(row)
+
+
+def add_run(store: Any, node: str, job: str, ts: float | None = None) -> QuarantineRecord:
+    """Record that ``node`` interrupted run ``job``; raises :class:`ConfigError` for a node the book
+    has never held. Repeats of the same job are not counted twice."""
+    _check_node(node)
+    old = _row(store, node)
+    if old is None:
+        raise ConfigError(f"unknown node {node!r}: it has no quarantine record")
+    runs = _merge_runs(old["runs_affected"], [job])
+    when = float(ts) if ts is not None else float(old["updated_ts"])
+    if runs != list(old["runs_affected"]):
+        row = {**old, "runs_affected": runs, "updated_ts": when, "version": old["version"] + 1}
+        _write(store, row)
+        _log(store, node, when, "add_run", f"run {job} interrupted by {node}", {"job": job})
+        return _to_record(row)
+    return _to_record(old)
+
+
+def release(store: Any, node: str, ts: float, evidence: dict[str, Any]) -> bool:
+    """Return ``node`` to the pool; ``True`` only with a passing full self-test (:func:`check_release`).
+
+    Every refusal (unknown node, not quarantined, weak evidence) is logged with why and returns False.
+    """
+    _check_node(node)
+    ts = float(ts)
+    old = _row(store, node)
+    if old is None or not old["quarantined"]:
+        why = "node is not quarantined" if old is not None else f"unknown node {node!r}"
+        _log(store, node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
+        return False
+    why = check_release(node, float(old["since"]), evidence)
+    if why is not None:
+        _log(store, node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
+        return False
+    row = {**old, "quarantined": 0, "released_ts": ts, "updated_ts": ts, "version": old["version"] + 1,
+           "release_evidence": orjson.dumps(dict(evidence), default=str).decode()}
+    _write(store, row)
+    _log(store, node, ts, "release", "passing full self-test", evidence)
+    return True
+
+
+def quarantined(store: Any) -> list[QuarantineRecord]:
+    """Every node now in quarantine, oldest first."""
+    res = store.query(f"SELECT {_SELECT} FROM quarantine FINAL WHERE quarantined = 1 "
+                      "ORDER BY since, node")
+    return [_to_record(row) for row in res.dicts()]
+
+
+def record(store: Any, node: str) -> QuarantineRecord | None:
+    """The node's current quarantine record, or ``None`` when it is not in quarantine."""
+    _check_node(node)
+    row = _row(store, node)
+    return _to_record(row) if row is not None and row["quarantined"] else None
+
+
+def history(store: Any, node: str) -> list[QuarantineLogEntry]:
+    """The node's quarantine log (quarantines, runs added, releases and refused releases), in order."""
+    _check_node(node)
+    res = store.query("SELECT node, toFloat64(ts) AS ts, action, detail, evidence FROM quarantine_log "
+                      "WHERE node = {node:String} ORDER BY seq", {"node": node})
+    return [QuarantineLogEntry(node=r["node"], ts=float(r["ts"]), action=r["action"], detail=r["detail"],
+                               evidence=orjson.loads(r["evidence"]) if r["evidence"] else {})
+            for r in res.dicts()]

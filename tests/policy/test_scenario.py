@@ -1,0 +1,46 @@
+"""The engine on the default fault scenario: the fleet simulator's output through the real
+detectors, then the policy (DESIGN.md "Fault scenarios" expected outcomes for the policy's part)."""
+
+from __future__ import annotations
+
+from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.detectors.sdc import SdcDetector
+
+from fleethealth.policy.engine import PolicyEngine
+from fleethealth.schema import Action, Diagnosis, Guard
+from fleethealth.sim.fleet import FleetSim
+from fleethealth.sim.scenario import Scenario
+
+
+def test_default_scenario_hot_aisle_sdc_and_guards():
+    sim = FleetSim(Scenario.default())
+    policy = PolicyEngine(fleet_nodes=sim.n_nodes, nodes_per_rack=sim.scenario.fleet.nodes_per_rack)
+    pipe = Pipeline(policy=policy)
+    sdc = SdcDetector()
+    recs, findings = [], []
+    for s in sim.run():
+        out = pipe.feed(sorted([*s.telemetry, *s.batches, *s.events], key=lambda m: m.ts))
+        found = sdc.update(s.events)
+        recs += out.recommendations + policy.decide(found, s.ts)
+        findings += out.findings + found
+    out = pipe.drain()
+    recs += out.recommendations
+    findings += out.findings
+
+    hot = {f.node for f in findings if f.diagnosis is Diagnosis.ENVIRONMENTAL}
+    assert hot and {sim.rack_of(n) for n in hot} == {"r02"}
+    alerts = [r for r in recs if r.action is Action.ALERT_FACILITIES]
+    assert len(alerts) == 1 and alerts[0].evidence["rack"] == "r02"
+    assert not [r for r in recs if r.action is Action.EVICT and r.node in hot]
+    # one straggler eviction allowed for the job within the hour; every other one held by a guard
+    evicts = [r for r in recs if r.action is Action.EVICT]
+    assert [r.guard for r in evicts].count(Guard.ALLOWED) == 1
+    # SDC: quarantine of each corrupting node plus a rollback to a verified checkpoint
+    quarantined = {r.node for r in recs if r.action is Action.QUARANTINE and r.guard is Guard.ALLOWED}
+    assert quarantined == {"n0011", "n0030"}
+    rollbacks = [r for r in recs if r.action is Action.ROLLBACK]
+    assert rollbacks and all(r.evidence["target_step"] <= r.evidence["last_verified_step"] < r.evidence["failed_step"]
+                             for r in rollbacks)
+    # every recommendation explains itself
+    assert all(r.reason and "guards_fired" in r.evidence for r in recs)
+    assert not policy.breaker_.status().open
