@@ -1,0 +1,159 @@
+"""The detection pipeline: every detector wired together, pure and in event time.
+
+:class:`Pipeline` takes messages already ordered by event time (the runner's reorder buffer
+does that) and returns findings and recommendations. It does no I/O and reads no clock: the
+event time of the newest message is "now". What it calls, in order, for each ``feed``:
+
+1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules and the
+   failure predictor;
+2. step batches → the :class:`StepAssembler` (one step across nodes) → the straggler
+   detector → partial findings completed with node, GPU, job and time from the placement;
+3. events → the hang detector (with step progress), SDC results, Xid rules;
+4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
+   its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
+   ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
+5. the policy engine turns findings into recommendations (it also reads checkpoint and SDC
+   check events, for rollback targets), and the pager looks for patterns in interruptions
+   (seed 000 R5): a page when one is found, a counted report otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from fleethealth.detectors.assembly import AssembledStep, StepAssembler
+from fleethealth.detectors.diagnosis import Diagnoser, RackEpisodes
+from fleethealth.detectors.hang import HangDetector
+from fleethealth.detectors.straggler import SeedRule, StragglerDetector
+
+from fleethealth.errors import SchemaError
+from fleethealth.policy.engine import PolicyEngine
+from fleethealth.policy.goodput import Interruption
+from fleethealth.policy.paging import Pager
+from fleethealth.schema import Event, EventKind, Finding, Message, Recommendation, StepBatch, Telemetry
+
+__all__ = ["Pipeline", "Output"]
+
+
+@dataclass
+class Output:
+    """What one ``feed`` produced."""
+
+    findings: list[Finding] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+    def extend(self, other: Output) -> None:
+        self.findings += other.findings
+        self.recommendations += other.recommendations
+
+
+class Pipeline:
+    """All detectors of the streaming tier behind one ``feed(messages) -> Output``.
+
+    Every part may be replaced by a keyword argument (tests pass small or seeded ones); the
+    defaults are the production detectors. ``straggler`` is any object with the straggler
+    contract (``SeedRule`` or ``StragglerDetector``); ``policy`` is a :class:`PolicyEngine`,
+    or None for findings only (then no pager either).
+    """
+
+    def __init__(self, *, straggler: SeedRule | StragglerDetector | None = None, hang: HangDetector | None = None,
+                 diagnoser: Diagnoser | None = None, rack_episodes: RackEpisodes | None = None,
+                 assembler: StepAssembler | None = None, policy: PolicyEngine | None = None,
+                 pager: Pager | None = None, diagnosis_wait_s: float = 10.0) -> None:
+        self.straggler = straggler if straggler is not None else StragglerDetector()
+        self.hang = hang if hang is not None else HangDetector()
+        self.diagnoser = diagnoser if diagnoser is not None else Diagnoser()
+        self.rack_episodes = rack_episodes if rack_episodes is not None else RackEpisodes()
+        self.assembler = assembler if assembler is not None else StepAssembler()
+        self.policy = policy
+        self.pager = pager if pager is not None else Pager()
+        self.interruptions_: list[Interruption] = []
+        self.diagnosis_wait_s = diagnosis_wait_s
+        self.now_ = float("-inf")
+        self.pending_: list[Finding] = []
+        self.steps_total_ = 0
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, messages: Sequence[Message]) -> Output:
+        """Process messages in event-time order; return what they concluded."""
+        batches: list[StepBatch] = []
+        events: list[Event] = []
+        ready: list[Finding] = []
+        for m in messages:
+            self.now_ = max(self.now_, m.ts)
+            if isinstance(m, Telemetry):
+                self.diagnoser.observe((m,))
+                if self.pending_:
+                    ready += self._diagnosable(final=False)
+            elif isinstance(m, StepBatch):
+                batches.append(m)
+                for step in self.assembler.add(m):
+                    self.pending_ += self._stragglers(step)
+            else:
+                events.append(m)
+        for step in self.assembler.flush(self.now_):
+            self.pending_ += self._stragglers(step)
+        return self._conclude(ready, batches, events, final=False)
+
+    def drain(self) -> Output:
+        """End of input: emit open steps and undiagnosed findings with what is known."""
+        for step in self.assembler.drain():
+            self.pending_ += self._stragglers(step)
+        return self._conclude([], [], [], final=True)
+
+    # ------------------------------------------------------------------ internals
+    def _conclude(self, ready: list[Finding], batches: list[StepBatch], events: list[Event],
+                  *, final: bool) -> Output:
+        out = Output()
+        now = self.now_ if np.isfinite(self.now_) else 0.0
+        out.findings += self.hang.update(batches, events, now)
+        ready += self._diagnosable(final)
+        out.findings += self.rack_episodes.update(ready, self.diagnoser.rack_of)
+        if self.policy is None:
+            return out
+        self.policy.observe(events)
+        if out.findings:
+            out.recommendations += self.policy.decide(out.findings, now)
+        fresh = []
+        for ev in events:
+            if ev.kind is EventKind.INTERRUPTION:
+                try:
+                    fresh.append(Interruption.from_event(ev))
+                except SchemaError:
+                    continue  # an interruption record without a job cannot be attributed; it is stored anyway
+        if fresh:
+            self.interruptions_ += fresh
+            out.recommendations += self.pager.evaluate(self.interruptions_, now).to_recommendations(now)
+        return out
+
+    def _stragglers(self, step: AssembledStep) -> list[Finding]:
+        self.steps_total_ += 1
+        found = self.straggler.update(step.step, step.ranks, step.compute_s, step.groups)
+        if not found:
+            return []
+        out = []
+        for f in found:
+            i = int(np.flatnonzero(step.ranks == f.rank)[0])
+            out.append(dataclasses.replace(f, job=step.job, node=str(step.nodes[i]), gpu=int(step.gpus[i]),
+                                           ts=step.ts))
+        return out
+
+    def _diagnosable(self, final: bool) -> list[Finding]:
+        """Diagnose pending stragglers whose node and rack telemetry has caught up (or waited long enough)."""
+        ready, waiting = [], []
+        latest = self.diagnoser.latest_
+        for f in self.pending_:
+            rack = self.diagnoser.rack_of(f.node)
+            peers = self.diagnoser.racks_.get(rack, ()) if rack is not None else ()
+            caught_up = f.node in latest and all(latest[n].ts >= f.ts for n in peers)
+            if final or caught_up or self.now_ - f.ts >= self.diagnosis_wait_s:
+                result = self.diagnoser.diagnose(f.node, f.gpu)
+                ready.append(dataclasses.replace(f, diagnosis=result.diagnosis,
+                                                 evidence={**f.evidence, "diagnosis": result.evidence}))
+            else:
+                waiting.append(f)
+        self.pending_ = waiting
+        return ready
