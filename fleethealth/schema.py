@@ -11,6 +11,7 @@ field: wrong types, NaN or negative times, arrays of unequal length, unknown ver
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass, field
 from enum import IntFlag, StrEnum
@@ -105,6 +106,7 @@ class EventKind(StrEnum):
     PROBE_ERROR = "probe_error"
     INTERRUPTION = "interruption"
     CHECKPOINT = "checkpoint"
+    SCHEDULER_ACTION = "scheduler_action"
 
 
 class ClockReason(IntFlag):
@@ -166,6 +168,10 @@ GPU_FIELDS: dict[str, str] = {
 
 
 # ---------------------------------------------------------------- field readers
+_INT_MAX = 2**63 - 1
+"""Integers travel into Int64/UInt64 columns; anything larger is not a step, rank or code."""
+
+
 def _req(obj: dict[str, Any], name: str) -> Any:
     if name not in obj:
         raise SchemaError(name, "missing")
@@ -189,6 +195,8 @@ def _int(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: int
         raise SchemaError(name, f"expected an integer, got {value!r}")
     if value < minimum:
         raise SchemaError(name, f"must be >= {minimum}, got {value}")
+    if value > _INT_MAX:
+        raise SchemaError(name, f"must be <= {_INT_MAX}, got {value}")
     return value
 
 
@@ -238,7 +246,10 @@ def _array(obj: dict[str, Any], name: str, dtype: type, *, length: int | None = 
     if found:
         raise SchemaError(name, f"expected {'integers' if allowed == {int} else 'numbers'}, "
                                 f"found {sorted(t.__name__ for t in found)}")
-    arr = np.array(value, dtype=np.float64 if nan_ok else dtype)
+    try:
+        arr = np.array(value, dtype=np.float64 if nan_ok else dtype)
+    except (OverflowError, ValueError) as exc:
+        raise SchemaError(name, f"value out of range for {np.dtype(dtype).name} ({exc})") from None
     if arr.dtype.kind == "f":
         bad = np.isinf(arr) if nan_ok else ~np.isfinite(arr)
         if bad.any():
@@ -248,6 +259,24 @@ def _array(obj: dict[str, Any], name: str, dtype: type, *, length: int | None = 
     if maximum is not None and arr.size and np.nanmax(arr) > maximum:
         raise SchemaError(name, f"values must be <= {maximum}, found {np.nanmax(arr)}")
     return arr
+
+
+_NUMBER_OR_NULL = {int, float, type(None)}
+
+
+def _columns(cols: dict[str, Any], n: int) -> dict[str, np.ndarray]:
+    """All telemetry columns in one NumPy conversion; the field-by-field readers name any error."""
+    names = [name for name in GPU_FIELDS if name in cols]
+    values = [cols[name] for name in names]
+    matrix = None
+    if all(isinstance(v, list) and len(v) == n for v in values) and \
+            set(map(type, itertools.chain.from_iterable(values))) <= _NUMBER_OR_NULL:
+        matrix = np.array(values, dtype=np.float64).reshape(len(names), n)
+    if matrix is None or np.isinf(matrix).any():
+        for name in names:  # slow path: raises SchemaError naming the field
+            _array(cols, name, np.float64, length=n, nan_ok=True)
+    out = dict(zip(names, matrix, strict=True))
+    return {name: out[name] if name in out else np.full(n, np.nan) for name in GPU_FIELDS}
 
 
 def _jsonable(arr: np.ndarray) -> list[Any]:
@@ -316,10 +345,7 @@ class Telemetry:
         unknown = set(cols) - set(GPU_FIELDS)
         if unknown:
             raise SchemaError(f"columns.{sorted(unknown)[0]}", "not a GPU telemetry field")
-        columns = {}
-        for name in GPU_FIELDS:
-            columns[name] = (_array(cols, name, np.float64, length=len(gpu), nan_ok=True)
-                             if name in cols else np.full(gpu.shape, np.nan))
+        columns = _columns(cols, len(gpu))
         nic = obj.get("nic_util")
         uuid = obj.get("uuid", [])
         if not isinstance(uuid, list) or not all(isinstance(u, str) for u in uuid):

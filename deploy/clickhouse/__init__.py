@@ -1,0 +1,1 @@
+"""ClickHouse migrations: ``NNN_name.sql`` files applied in order by ``Store.migrate()``."""

@@ -1,0 +1,542 @@
+"""The message bus: a producer and a consumer over Kafka, chosen from a DSN.
+
+::
+
+    Producer(dsn)          publish(msg) / publish_raw(topic, value) / flush() / close()
+    Consumer(dsn, topics)  poll() -> list[Record] / commit() / close()
+    ensure_topics(dsn)     create every schema.Topic, tolerant of topics that exist
+
+A registry maps a DSN scheme to a backend factory (``kafka://host:port[,host:port]`` today); the
+factory imports its client library lazily, and an unknown scheme raises :class:`ConfigError`
+listing the known ones. kafka-python exceptions are translated at this boundary::
+
+    kafka.errors.KafkaConnectionError, KafkaTimeoutError,
+    RequestTimedOutError, NodeNotReadyError, ...        -> BusUnavailable
+    any other kafka.errors.KafkaError                   -> BusError
+
+Every value a consumer cannot decode or validate goes to ``fh.deadletter`` as a JSON object
+(:class:`DeadLetter`) with the reason, is counted in ``Consumer.dead_lettered_total`` and skipped;
+the consumer keeps going. Commits are manual: ``commit()`` commits everything ``poll()`` has
+returned (and dead-lettered) so far, after the dead letters are flushed, so nothing accepted is lost.
+
+Against the embedded Tansu broker a consumer-group join waits for the group's timeouts (measured
+on Tansu 0.6: about half the session timeout), so consumers default to short ones: a 3 s
+``max_poll_interval`` and a 6 s session, the smallest a stock Kafka broker accepts
+(``group.min.session.timeout.ms``); tests against Tansu pass 2 s for a join of about 1 s.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import orjson
+
+from fleethealth import schema
+from fleethealth.errors import BusError, BusUnavailable, ConfigError, SchemaError
+from fleethealth.schema import Message, Topic
+
+__all__ = [
+    "DEADLETTER_VERSION",
+    "Record",
+    "DeadLetter",
+    "Producer",
+    "Consumer",
+    "ensure_topics",
+    "parse_dsn",
+    "register_backend",
+    "known_schemes",
+]
+
+DEADLETTER_VERSION = 1
+_COMPRESSION_PREFERENCE = (("zstd", "zstandard"), ("lz4", "lz4"), ("gzip", "gzip"))
+
+
+# ---------------------------------------------------------------- records
+@dataclass(frozen=True)
+class DeadLetter:
+    """A value that could not be decoded or validated (topic ``fh.deadletter``).
+
+    ``raw`` is the original value as text, or base64 when it is not UTF-8 (then ``raw_base64``
+    is true); ``key`` likewise (``key_base64``). ``ts`` is the broker timestamp of the original
+    record in seconds (NaN when the broker gave none).
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    reason: str
+    raw: str
+    raw_base64: bool = False
+    key_base64: bool = False
+    ts: float = math.nan
+    TOPIC = Topic.DEADLETTER
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"v": DEADLETTER_VERSION, "topic": self.topic, "partition": self.partition,
+                "offset": self.offset, "key": self.key, "key_base64": self.key_base64,
+                "reason": self.reason, "raw": self.raw, "raw_base64": self.raw_base64,
+                "ts": None if math.isnan(self.ts) else self.ts}
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        if obj.get("v") != DEADLETTER_VERSION:
+            raise SchemaError("v", f"unknown dead-letter version {obj.get('v')!r}")
+        for name, kind in (("topic", str), ("partition", int), ("offset", int), ("reason", str), ("raw", str)):
+            if not isinstance(obj.get(name), kind) or isinstance(obj.get(name), bool):
+                raise SchemaError(name, f"expected {kind.__name__}, got {obj.get(name)!r}")
+        key, ts = obj.get("key"), obj.get("ts")
+        if key is not None and not isinstance(key, str):
+            raise SchemaError("key", f"expected a string or null, got {key!r}")
+        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
+            raise SchemaError("ts", f"expected a number or null, got {ts!r}")
+        return cls(topic=obj["topic"], partition=obj["partition"], offset=obj["offset"], key=key,
+                   reason=obj["reason"], raw=obj["raw"], raw_base64=bool(obj.get("raw_base64", False)),
+                   key_base64=bool(obj.get("key_base64", False)), ts=math.nan if ts is None else float(ts))
+
+    def raw_bytes(self) -> bytes:
+        """The original value, exactly as it arrived."""
+        return base64.b64decode(self.raw) if self.raw_base64 else self.raw.encode()
+
+    @classmethod
+    def of(cls, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+           reason: str, ts_ms: int | None) -> DeadLetter:
+        raw, raw_b64 = _text_or_base64(value or b"")
+        key_text, key_b64 = (None, False) if key is None else _text_or_base64(key)
+        ts = ts_ms / 1000.0 if ts_ms is not None and ts_ms >= 0 else math.nan
+        return cls(topic=topic, partition=partition, offset=offset, key=key_text, reason=reason, raw=raw,
+                   raw_base64=raw_b64, key_base64=key_b64, ts=ts)
+
+
+def _text_or_base64(data: bytes) -> tuple[str, bool]:
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode("ascii"), True
+
+
+@dataclass(frozen=True)
+class Record:
+    """One decoded message with where it came from. ``msg`` is a :data:`schema.Message`, or a
+    :class:`DeadLetter` for a consumer of ``fh.deadletter``."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    msg: Message | DeadLetter
+
+
+# ---------------------------------------------------------------- DSN and backends
+def parse_dsn(dsn: str) -> tuple[str, tuple[str, ...]]:
+    """Split ``scheme://host:port[,host:port]`` into the scheme and the ``host:port`` list."""
+    if not isinstance(dsn, str) or "://" not in dsn:
+        raise ConfigError(f"bus DSN {dsn!r} is not of the form scheme://host:port (known: {known_schemes()})")
+    scheme, rest = dsn.split("://", 1)
+    hosts = tuple(h.strip() for h in rest.split("/", 1)[0].split(",") if h.strip())
+    if not hosts:
+        raise ConfigError(f"bus DSN {dsn!r} names no host:port")
+    for host in hosts:
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"bus DSN {dsn!r}: {host!r} is not host:port")
+    return scheme.lower(), hosts
+
+
+class _KafkaBackend:
+    """kafka-python clients for one bootstrap list; ``kafka`` is imported on first use."""
+
+    def __init__(self, hosts: tuple[str, ...]) -> None:
+        self.hosts = list(hosts)
+
+    @staticmethod
+    def _kafka() -> Any:
+        try:
+            import kafka
+        except ImportError as exc:
+            raise ConfigError("the kafka:// bus needs kafka-python (pip install kafka-python)") from exc
+        return kafka
+
+    def producer(self, client_id: str, compression: str, connect_timeout_ms: int) -> Any:
+        kafka = self._kafka()
+        return kafka.KafkaProducer(
+            bootstrap_servers=self.hosts, client_id=client_id, acks="all", enable_idempotence=True,
+            compression_type=compression, linger_ms=5, batch_size=256 * 1024,
+            max_block_ms=10_000, request_timeout_ms=10_000, delivery_timeout_ms=30_000,
+            bootstrap_timeout_ms=connect_timeout_ms)
+
+    def consumer(self, topics: Sequence[str], group: str, client_id: str, from_beginning: bool,
+                 max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
+        kafka = self._kafka()
+        return kafka.KafkaConsumer(
+            *topics, bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
+            enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
+            max_poll_interval_ms=max_poll_interval_ms, session_timeout_ms=session_timeout_ms,
+            heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
+                30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100)
+
+    def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
+        kafka = self._kafka()
+        return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,
+                                      request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms)
+
+
+_BACKENDS: dict[str, Callable[[tuple[str, ...]], _KafkaBackend]] = {"kafka": _KafkaBackend}
+
+
+def register_backend(scheme: str, factory: Callable[[tuple[str, ...]], Any]) -> None:
+    """Map a DSN scheme to a factory taking the ``host:port`` list (e.g. a TLS variant)."""
+    _BACKENDS[scheme.lower()] = factory
+
+
+def known_schemes() -> str:
+    return ", ".join(f"{s}://" for s in sorted(_BACKENDS))
+
+
+def _backend(dsn: str) -> _KafkaBackend:
+    scheme, hosts = parse_dsn(dsn)
+    factory = _BACKENDS.get(scheme)
+    if factory is None:
+        raise ConfigError(f"unknown bus scheme {scheme + '://'!r} in {dsn!r} (known: {known_schemes()})")
+    return factory(hosts)
+
+
+def _compression() -> str:
+    """zstd, else lz4, else gzip: the first codec whose Python library is importable."""
+    for codec, module in _COMPRESSION_PREFERENCE:
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return codec
+    return "gzip"
+
+
+def _translate(exc: Exception, doing: str, where: str) -> BusError:
+    """Map a kafka-python exception to BusUnavailable (cannot reach) or BusError (anything else)."""
+    import kafka.errors as ke
+
+    names = ("NoBrokersAvailable", "KafkaConnectionError", "KafkaTimeoutError", "RequestTimedOutError",
+             "NodeNotReadyError", "BrokerNotAvailableError", "CoordinatorNotAvailableError")
+    unreachable = tuple(getattr(ke, n) for n in names if hasattr(ke, n))  # names differ across versions
+    text = f"{doing} on {where}: {type(exc).__name__}: {exc}"
+    return BusUnavailable(text) if isinstance(exc, unreachable) else BusError(text)
+
+
+def _is_kafka_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("kafka")
+
+
+# ---------------------------------------------------------------- producer
+class Producer:
+    """Publishes schema messages: topic ``msg.TOPIC``, key ``msg.key``, value ``schema.encode(msg)``.
+
+    Idempotent, ``acks=all``, compressed (zstd, else lz4, else gzip), small linger. Delivery is
+    asynchronous: ``flush()`` waits for it and raises :class:`BusError` if any message failed.
+    """
+
+    def __init__(self, dsn: str, *, client_id: str = "fleethealth", compression: str | None = None,
+                 connect_timeout_s: float = 10.0) -> None:
+        self.dsn = dsn
+        backend = _backend(dsn)
+        if compression is not None and compression not in {c for c, _ in _COMPRESSION_PREFERENCE}:
+            raise ConfigError(f"unknown compression {compression!r} (known: zstd, lz4, gzip)")
+        self.compression = compression or _compression()
+        try:
+            self._kp = backend.producer(client_id, self.compression, int(connect_timeout_s * 1000))
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "connecting a producer", dsn) from exc
+            raise
+        self._lock = threading.Lock()
+        self._failures: list[str] = []
+        self.published_total = 0
+        self.failed_total = 0
+
+    def publish(self, msg: Message) -> None:
+        """Queue one schema message for delivery."""
+        self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode())
+
+    def publish_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        """Queue raw bytes for delivery (tests and the dead-letter path use it)."""
+        try:
+            future = self._kp.send(str(topic), value=value, key=key)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, f"publishing to {topic}", self.dsn) from exc
+            raise
+        future.add_errback(self._failed, str(topic))
+        self.published_total += 1
+
+    def _failed(self, topic: str, exc: Exception) -> None:
+        with self._lock:
+            self.failed_total += 1
+            if len(self._failures) < 10:
+                self._failures.append(f"{topic}: {type(exc).__name__}: {exc}")
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued message is delivered; raise if any delivery failed."""
+        try:
+            self._kp.flush(timeout=timeout_s)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, f"flushing within {timeout_s} s", self.dsn) from exc
+            raise
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            raise BusError(f"{len(failures)} message(s) not delivered to {self.dsn}: {failures[0]}")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is queued within ``timeout_s``, then close; undelivered messages are dropped
+        (call :meth:`flush` first to learn about them). Never raises for an unreachable broker."""
+        try:
+            self._kp.close(timeout=timeout_s)
+        except Exception as exc:
+            if not _is_kafka_error(exc):
+                raise
+            # kafka-python's close() flushes first and, when that times out, never stops its sender
+            # thread, which would deliver the dropped messages later: stop it, then close.
+            sender = getattr(self._kp, "_sender", None)
+            if sender is not None:
+                sender.force_close()
+                sender.join(timeout_s)
+            with contextlib.suppress(Exception):
+                self._kp.close(timeout=0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- consumer
+class Consumer:
+    """Consumes schema messages from ``topics`` as member of consumer group ``group``.
+
+    Offsets are committed only by :meth:`commit`. A value that fails to decode or validate is
+    published to ``fh.deadletter`` (through ``producer`` if given, else one the consumer opens
+    and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
+    at the earliest record, else at the latest.
+    """
+
+    def __init__(self, dsn: str, topics: Sequence[str], group: str, *, producer: Producer | None = None,
+                 from_beginning: bool = True, client_id: str = "fleethealth",
+                 max_poll_interval_s: float = 3.0, session_timeout_s: float = 6.0,
+                 connect_timeout_s: float = 10.0) -> None:
+        if isinstance(topics, str):
+            topics = [topics]
+        if not topics:
+            raise ConfigError("a consumer needs at least one topic")
+        known = {t.value for t in schema.TOPIC_TYPES} | {Topic.DEADLETTER.value}
+        unknown = [str(t) for t in topics if str(t) not in known]
+        if unknown:
+            raise ConfigError(f"topic {unknown[0]!r} carries no known message type (known: {sorted(known)})")
+        self.dsn = dsn
+        self.topics = tuple(str(t) for t in topics)
+        self.group = group
+        self._types: dict[str, Any] = {t.value: cls for t, cls in schema.TOPIC_TYPES.items()}
+        self._types[Topic.DEADLETTER.value] = DeadLetter
+        self._client_id = client_id
+        backend = _backend(dsn)
+        try:
+            self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
+                                        int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
+                                        int(connect_timeout_s * 1000))
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, f"joining group {group!r}", dsn) from exc
+            raise
+        self._producer = producer
+        self._own_producer = producer is None
+        self._pending: dict[Any, int] = {}
+        self._buffer: list[tuple[Record | None, Any, int]] = []
+        self._committed: dict[Any, int] = {}
+        self._dead_unflushed = False
+        self.consumed_total = 0
+        self.dead_lettered_total = 0
+
+    def wait_assigned(self, timeout_s: float = 30.0) -> None:
+        """Block until the group has assigned partitions and their start offsets are known.
+
+        Records that arrive meanwhile are kept for the next :meth:`poll`. Useful with
+        ``from_beginning=False``: what is published after this returns will be seen.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._buffer += self._fetch(0.1, 5000)
+            try:
+                assigned = self._kc.assignment()
+                if assigned:
+                    for tp in assigned:
+                        self._kc.position(tp, timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+                    return
+            except Exception as exc:
+                if _is_kafka_error(exc):
+                    raise _translate(exc, f"joining group {self.group!r}", self.dsn) from exc
+                raise
+        raise BusUnavailable(f"group {self.group!r} got no partitions of {', '.join(self.topics)} on "
+                             f"{self.dsn} within {timeout_s} s")
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> list[Record]:
+        """Return up to ``max_records`` decoded records, waiting at most ``timeout_s`` for the first."""
+        entries = self._buffer if self._buffer else self._fetch(timeout_s, max_records)
+        out: list[Record] = []
+        taken = 0
+        for record, tp, next_offset in entries:
+            if record is not None:
+                if len(out) == max_records:
+                    break
+                out.append(record)
+            self._pending[tp] = next_offset  # commit() covers what was returned or dead-lettered
+            taken += 1
+        self._buffer = entries[taken:]
+        self.consumed_total += len(out)
+        return out
+
+    def _fetch(self, timeout_s: float, max_records: int) -> list[tuple[Record | None, Any, int]]:
+        """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
+        try:
+            batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, f"polling {', '.join(self.topics)}", self.dsn) from exc
+            raise
+        out: list[tuple[Record | None, Any, int]] = []
+        for tp, records in batches.items():
+            cls = self._types.get(tp.topic)
+            for rec in records:
+                try:
+                    msg = self._decode(cls, rec.value)
+                except SchemaError as exc:
+                    self._dead_letter(rec, f"{exc.field}: {exc.problem}")
+                    out.append((None, tp, rec.offset + 1))
+                except Exception as exc:  # a poison value must never stop the stream
+                    self._dead_letter(rec, f"<message>: {type(exc).__name__}: {exc}")
+                    out.append((None, tp, rec.offset + 1))
+                else:
+                    out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
+        return out
+
+    @staticmethod
+    def _decode(cls: Any, value: bytes | None) -> Message | DeadLetter:
+        if value is None:
+            raise SchemaError("<message>", "empty value (tombstone)")
+        if cls is DeadLetter:
+            try:
+                obj = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise SchemaError("<message>", f"not valid JSON ({exc})") from exc
+            if not isinstance(obj, dict):
+                raise SchemaError("<message>", f"expected a JSON object, got {type(obj).__name__}")
+            return DeadLetter.from_obj(obj)
+        return schema.decode(cls, value)
+
+    def _dead_letter(self, rec: Any, reason: str) -> None:
+        if rec.topic == Topic.DEADLETTER.value:
+            self.dead_lettered_total += 1  # never loop a dead letter back into its own topic
+            return
+        if self._producer is None:
+            self._producer = Producer(self.dsn, client_id=f"{self._client_id}-deadletter")
+        letter = DeadLetter.of(rec.topic, rec.partition, rec.offset, rec.key, rec.value, reason,
+                               getattr(rec, "timestamp", None))
+        self._producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), rec.key)
+        self._dead_unflushed = True
+        self.dead_lettered_total += 1
+
+    def commit(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
+        """Commit every record returned (or dead-lettered) by :meth:`poll` so far.
+
+        ``hold`` maps ``(topic, partition)`` to the first offset the caller has not finished
+        with (records it still buffers); nothing from there on is committed for that partition,
+        and the rest is committed by a later call.
+        """
+        if self._dead_unflushed and self._producer is not None:
+            self._producer.flush()
+            self._dead_unflushed = False
+        hold = hold or {}
+        targets = {tp: min(off, hold.get((tp.topic, tp.partition), off)) for tp, off in self._pending.items()}
+        targets = {tp: off for tp, off in targets.items() if off > self._committed.get(tp, -1)}
+        if not targets:
+            return
+        from kafka.structs import OffsetAndMetadata
+
+        offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in targets.items()}
+        try:
+            self._kc.commit(offsets=offsets)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, f"committing offsets of group {self.group!r}", self.dsn) from exc
+            raise
+        self._committed.update(targets)
+        for tp, off in targets.items():
+            if self._pending.get(tp) == off:
+                del self._pending[tp]
+
+    def lag(self) -> dict[tuple[str, int], int | None]:
+        """Records not yet returned by :meth:`poll`, per assigned ``(topic, partition)``.
+
+        0 means the partition is read to its end as far as the last fetch knows; None means its
+        end is not known yet (no fetch has answered for it).
+        """
+        out: dict[tuple[str, int], int | None] = {}
+        for tp in self._kc.assignment():
+            end = self._kc.highwater(tp)
+            out[(tp.topic, tp.partition)] = None if end is None else max(0, end - self._kc.position(tp))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._kc.close(autocommit=False)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "closing a consumer", self.dsn) from exc
+            raise
+        finally:
+            if self._own_producer and self._producer is not None:
+                self._producer.close()
+                self._producer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- topics
+def ensure_topics(dsn: str, partitions: int = 4, *, replication: int = 1,
+                  topics: Sequence[str] | None = None, connect_timeout_s: float = 10.0) -> None:
+    """Create every :class:`schema.Topic` (or ``topics``); topics that exist are left as they are."""
+    if partitions < 1 or replication < 1:
+        raise ConfigError(f"partitions and replication must be >= 1, got {partitions}, {replication}")
+    backend = _backend(dsn)
+    import kafka.errors as ke
+    from kafka.admin import NewTopic
+
+    try:
+        admin = backend.admin("fleethealth-admin", int(connect_timeout_s * 1000))
+    except Exception as exc:
+        if _is_kafka_error(exc):
+            raise _translate(exc, "connecting the admin client", dsn) from exc
+        raise
+    try:
+        for topic in topics or [t.value for t in Topic]:
+            try:
+                admin.create_topics([NewTopic(str(topic), partitions, replication)])
+            except ke.TopicAlreadyExistsError:
+                continue
+            except Exception as exc:
+                if _is_kafka_error(exc):
+                    raise _translate(exc, f"creating topic {topic}", dsn) from exc
+                raise
+    finally:
+        admin.close()

@@ -1,0 +1,252 @@
+"""The wire contract: every message type round-trips, and every kind of bad input is rejected
+with a :class:`SchemaError` that names the offending field."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from fleethealth import schema
+from fleethealth.errors import SchemaError
+from fleethealth.schema import (
+    GPU_FIELDS,
+    MAX_COMPUTE_S,
+    SCHEMA_VERSION,
+    Action,
+    ClockReason,
+    Diagnosis,
+    Event,
+    EventKind,
+    Finding,
+    FindingKind,
+    Guard,
+    Recommendation,
+    StepBatch,
+    Telemetry,
+    Topic,
+)
+
+
+def _telemetry() -> Telemetry:
+    return Telemetry.from_columns(
+        "n0013", "r01", 1_700_000_000.25, [0, 1, 2], nic_util=0.4, model="H100", uuid=("a", "b", "c"),
+        temp_c=[61.0, 88.5, 60.0], clock_reasons=[0, float(ClockReason.HW_THERMAL), 0],
+        sm_clock_mhz=[1980.0, 1410.0, 1980.0], ecc_sbe_volatile=[0.0, math.nan, 2.0])
+
+
+def _steps(groups: bool = True) -> StepBatch:
+    return StepBatch(job="train-1", step=412, node="n0013", ts=1_700_000_824.0,
+                     ranks=np.array([104, 105, 106], dtype=np.int32), gpus=np.array([0, 1, 2], dtype=np.int16),
+                     compute_s=np.array([1.91, 2.31, 1.89]),
+                     groups=np.array([0, 0, 1], dtype=np.int32) if groups else None)
+
+
+def _event() -> Event:
+    return Event(node="n0019", ts=640.5, kind=EventKind.SDC_CHECK, job="train-1", gpu=6, rank=158, step=320,
+                 message="replay mismatch", data={"check": "replay", "passed": False, "digests": ["ab", "cd"],
+                                                  "classification": "persistent", "culprit_rank": 158})
+
+
+def _finding() -> Finding:
+    return Finding(kind=FindingKind.STRAGGLER, node="n0013", ts=1_700_000_824.0, job="train-1", gpu=3, rank=107,
+                   step=199, diagnosis=Diagnosis.NODE_THERMAL, z=7.5, slowdown=0.2, detector="straggler",
+                   evidence={"temp_c": 91.0, "reasons": ["HW_THERMAL"]})
+
+
+def _recommendation() -> Recommendation:
+    return Recommendation(action=Action.EVICT, node="n0013", ts=1_700_000_830.0, reason="thermal straggler",
+                          guard=Guard.RATE_LIMITED, job="train-1", finding_id=_finding().id, dry_run=True,
+                          evidence={"payback_s": 120.0})
+
+
+# ---------------------------------------------------------------- round trips
+def test_telemetry_round_trip_keeps_every_column_and_nan() -> None:
+    msg = _telemetry()
+    raw = schema.encode(msg)
+    back = schema.decode(Telemetry, raw)
+    assert (back.node, back.rack, back.ts, back.nic_util, back.model, back.uuid) == \
+        (msg.node, msg.rack, msg.ts, msg.nic_util, msg.model, msg.uuid)
+    np.testing.assert_array_equal(back.gpu, msg.gpu)
+    assert set(back.columns) == set(GPU_FIELDS)
+    for name in GPU_FIELDS:
+        np.testing.assert_array_equal(back.columns[name], msg.columns[name])  # NaN == NaN here
+    assert math.isnan(back.columns["power_w"][0]) and back.columns["ecc_sbe_volatile"][2] == 2.0
+    assert back.key == "n0013" and Telemetry.TOPIC is Topic.TELEMETRY
+
+
+def test_telemetry_unknown_nic_util_stays_nan() -> None:
+    msg = Telemetry.from_columns("n0", "r00", 1.0, [0])
+    back = schema.decode(Telemetry, schema.encode(msg))
+    assert math.isnan(back.nic_util) and orjson.loads(schema.encode(msg))["nic_util"] is None
+
+
+@pytest.mark.parametrize("groups", [True, False])
+def test_step_batch_round_trip(groups: bool) -> None:
+    msg = _steps(groups)
+    back = schema.decode(StepBatch, schema.encode(msg))
+    assert (back.job, back.step, back.node, back.ts) == (msg.job, msg.step, msg.node, msg.ts)
+    for name in ("ranks", "gpus", "compute_s"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(msg, name))
+    assert back.ranks.dtype == np.int32 and back.gpus.dtype == np.int16 and back.compute_s.dtype == np.float64
+    if groups:
+        np.testing.assert_array_equal(back.groups, msg.groups)
+    else:
+        assert back.groups is None
+    assert back.key == "train-1"
+
+
+@pytest.mark.parametrize("make", [_event, _finding, _recommendation])
+def test_frozen_messages_round_trip_equal(make: Callable[[], Any]) -> None:
+    msg = make()
+    raw = schema.encode(msg)
+    obj = orjson.loads(raw)
+    assert obj["v"] == SCHEMA_VERSION
+    back = schema.decode(type(msg), raw)
+    assert back == msg and back.id == msg.id
+    assert schema.TOPIC_TYPES[type(msg).TOPIC] is type(msg)
+
+
+def test_ids_are_stable_and_sensitive() -> None:
+    a, b = _finding(), _finding()
+    assert a.id == b.id
+    assert Finding(**{**a.__dict__, "step": 200}).id != a.id
+    assert _recommendation().id == _recommendation().id
+    assert Event(**{**_event().__dict__, "rank": 1}).id != _event().id
+
+
+def test_decode_accepts_a_parsed_object_and_text() -> None:
+    obj = _finding().to_obj()
+    assert schema.decode(Finding, obj) == _finding()
+    assert schema.decode(Finding, orjson.dumps(obj).decode()) == _finding()
+
+
+def test_every_topic_but_deadletter_has_a_type() -> None:
+    assert set(schema.TOPIC_TYPES) == set(Topic) - {Topic.DEADLETTER}
+
+
+# ---------------------------------------------------------------- validation errors
+def _with(obj: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of ``obj`` with ``path`` (``a`` or ``a.b``) set to ``value``, or removed for _DROP."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in obj.items()}
+    *parents, last = path.split(".")
+    target = out
+    for p in parents:
+        target = target[p]
+    if value is _DROP:
+        del target[last]
+    else:
+        target[last] = value
+    return out
+
+
+_DROP = object()
+
+CASES: list[tuple[str, Callable[[], Any], str, Any, str]] = [
+    # (case, message builder, path to change, new value, field named by the error)
+    ("missing node", _steps, "node", _DROP, "node"),
+    ("empty node", _steps, "node", "", "node"),
+    ("node not a string", _steps, "node", 5, "node"),
+    ("step as a string", _steps, "step", "412", "step"),
+    ("step as a bool", _steps, "step", True, "step"),
+    ("negative step", _steps, "step", -1, "step"),
+    ("step beyond int64", _steps, "step", 2**70, "step"),
+    ("rank beyond int32", _steps, "ranks", [2**40, 105, 106], "ranks"),
+    ("GPU index beyond int16", _steps, "gpus", [70_000, 1, 2], "gpus"),
+    ("compute time beyond a double", _steps, "compute_s", [1.0, 10**400, 1.0], "compute_s"),
+    ("ts as a string", _steps, "ts", "noon", "ts"),
+    ("NaN ts", _steps, "ts", math.nan, "ts"),
+    ("infinite ts", _steps, "ts", math.inf, "ts"),
+    ("negative ts", _steps, "ts", -5.0, "ts"),
+    ("ranks not an array", _steps, "ranks", "104", "ranks"),
+    ("ranks as floats", _steps, "ranks", [104.0, 105.0, 106.0], "ranks"),
+    ("negative rank", _steps, "ranks", [-1, 105, 106], "ranks"),
+    ("duplicate rank", _steps, "ranks", [104, 104, 106], "ranks"),
+    ("no ranks", _steps, "ranks", [], "ranks"),
+    ("gpus shorter than ranks", _steps, "gpus", [0, 1], "gpus"),
+    ("compute_s longer than ranks", _steps, "compute_s", [1.0, 1.0, 1.0, 1.0], "compute_s"),
+    ("groups shorter than ranks", _steps, "groups", [0], "groups"),
+    ("compute_s with text", _steps, "compute_s", [1.0, "slow", 1.0], "compute_s"),
+    ("compute_s with null", _steps, "compute_s", [1.0, None, 1.0], "compute_s"),
+    ("NaN compute time", _steps, "compute_s", [1.0, math.nan, 1.0], "compute_s"),
+    ("infinite compute time", _steps, "compute_s", [1.0, math.inf, 1.0], "compute_s"),
+    ("negative compute time", _steps, "compute_s", [1.0, -0.1, 1.0], "compute_s"),
+    ("absurd compute time", _steps, "compute_s", [1.0, MAX_COMPUTE_S * 2, 1.0], "compute_s"),
+    ("unknown GPU field", _telemetry, "columns.gpu_mood", [1.0, 2.0, 3.0], "columns.gpu_mood"),
+    ("GPU column of wrong length", _telemetry, "columns.temp_c", [60.0], "temp_c"),
+    ("infinite GPU value", _telemetry, "columns.temp_c", [60.0, math.inf, 60.0], "temp_c"),
+    ("GPU column with text", _telemetry, "columns.temp_c", [60.0, "hot", 60.0], "temp_c"),
+    ("columns not an object", _telemetry, "columns", [1, 2], "columns"),
+    ("uuid not strings", _telemetry, "uuid", [1, 2, 3], "uuid"),
+    ("model not a string", _telemetry, "model", 7, "model"),
+    ("negative nic_util", _telemetry, "nic_util", -0.5, "nic_util"),
+    ("negative GPU index", _telemetry, "gpu", [-1, 1, 2], "gpu"),
+    ("unknown event kind", _event, "kind", "meteor", "kind"),
+    ("event gpu as a string", _event, "gpu", "6", "gpu"),
+    ("event message not a string", _event, "message", 3, "message"),
+    ("event data not an object", _event, "data", ["x"], "data"),
+    ("unknown finding kind", _finding, "kind", "vibes", "kind"),
+    ("unknown diagnosis", _finding, "diagnosis", "HOT", "diagnosis"),
+    ("z as a string", _finding, "z", "high", "z"),
+    ("NaN z", _finding, "z", math.nan, "z"),
+    ("negative probability", _finding, "probability", -0.1, "probability"),
+    ("detector not a string", _finding, "detector", 1, "detector"),
+    ("evidence not an object", _finding, "evidence", "hot", "evidence"),
+    ("unknown action", _recommendation, "action", "reboot_everything", "action"),
+    ("unknown guard", _recommendation, "guard", "yolo", "guard"),
+    ("missing reason", _recommendation, "reason", _DROP, "reason"),
+    ("dry_run as text", _recommendation, "dry_run", "yes", "dry_run"),
+    ("unknown version", _finding, "v", 2, "v"),
+    ("missing version", _finding, "v", _DROP, "v"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "path", "value", "field"), CASES, ids=[c[0] for c in CASES])
+def test_invalid_message_names_the_field(case: str, make: Callable[[], Any], path: str, value: Any,
+                                         field: str) -> None:
+    msg = make()
+    good = msg.to_obj()
+    schema.decode(type(msg), good)  # the unmodified message is valid
+    with pytest.raises(SchemaError) as err:
+        schema.decode(type(msg), _with(good, path, value))
+    assert err.value.field == field, f"{case}: {err.value}"
+    assert str(err.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (b'{"v": 1, "job": ', "not valid JSON"),
+    (b"\xff\xfe\x00garbage", "not valid JSON"),
+    (b"[1, 2, 3]", "expected a JSON object"),
+    (b'"a string"', "expected a JSON object"),
+    (b"null", "expected a JSON object"),
+])
+def test_not_json_or_not_an_object(raw: bytes, problem: str) -> None:
+    with pytest.raises(SchemaError) as err:
+        schema.decode(StepBatch, raw)
+    assert err.value.field == "<message>" and problem in err.value.problem
+
+
+def test_version_error_says_what_this_build_reads() -> None:
+    with pytest.raises(SchemaError, match=r"unknown schema version 99 \(this build reads 1\)"):
+        schema.decode(Event, {**_event().to_obj(), "v": 99})
+
+
+def test_unknown_enum_lists_the_known_values() -> None:
+    with pytest.raises(SchemaError) as err:
+        schema.decode(Finding, {**_finding().to_obj(), "diagnosis": "HOT"})
+    assert "NODE_THERMAL" in err.value.problem and "ENVIRONMENTAL" in err.value.problem
+
+
+def test_from_columns_rejects_unknown_fields() -> None:
+    with pytest.raises(SchemaError) as err:
+        Telemetry.from_columns("n0", "r00", 0.0, [0], not_a_field=[1.0])
+    assert err.value.field == "not_a_field"
+
+
+def test_schema_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        schema.decode(StepBatch, b"{}")
