@@ -1,0 +1,204 @@
+"""``fleethealth act``: consume ``fh.recommendations`` and carry them out on a scheduler.
+
+The :class:`Actor` stands between the recommendations and a :class:`SchedulerAdapter` and owns
+the adapter's authority. For each recommendation, in this order:
+
+1. a recommendation id already in the journal is a replay: nothing happens, nothing is recorded;
+2. ``guard`` other than ``allowed`` → ``skipped_guard`` (the policy wants a human or is rate-limited);
+3. an action the scheduler has no operation for → ``skipped_unsupported``;
+   a recommendation older than ``max_age_s`` (when set) → ``skipped_stale``: a topic replayed
+   after the journal was lost must not drain a node that has long recovered;
+4. a node this actor already acted on within ``window_s`` → ``skipped_already``;
+5. more than ``max_actions`` acted-on recommendations within ``window_s`` → ``rate_limited``
+   (the adapter's own limit, independent of the policy's guards);
+6. dry-run (the actor's or the recommendation's) → ``dry_run`` with the operations it would run;
+7. otherwise the adapter applies it → ``done``, or ``failed`` with the scheduler's refusal.
+
+Every outcome is logged, appended to the journal (a JSON-lines file, so a restart or a replayed
+topic never acts twice) and handed to ``emit`` (the CLI publishes it on ``fh.events`` as a
+``scheduler_action`` event). The bus is passed in, not imported: :func:`run_act` takes any
+consumer with ``poll``/``commit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+
+from fleethealth.adapters.base import ActionRecord, Outcome, SchedulerAdapter, SchedulerError
+from fleethealth.errors import ConfigError
+from fleethealth.schema import Guard, Recommendation
+
+__all__ = ["Actor", "Journal", "run_act", "RecordSource"]
+
+log = logging.getLogger("fleethealth.act")
+
+
+class Journal:
+    """The actor's memory of handled recommendations: a set of ids, backed by a JSON-lines file.
+
+    ``path=None`` keeps it in memory only. A line that does not parse (a torn last write) is
+    skipped with a warning and ended with a newline; every complete line is kept.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = None if path is None else Path(path)
+        self.records_: list[ActionRecord] = []
+        self._ids: set[str] = set()
+        if self.path is not None and self.path.exists():
+            data = self.path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with self.path.open("ab") as fh:  # end a torn last line, so the next record starts afresh
+                    fh.write(b"\n")
+            for lineno, line in enumerate(data.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    self._remember(ActionRecord.from_obj(orjson.loads(line)))
+                except (orjson.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
+                    log.warning("journal %s line %d unreadable, skipped: %s", self.path, lineno, exc)
+
+    def _remember(self, record: ActionRecord) -> None:
+        self.records_.append(record)
+        self._ids.add(record.recommendation_id)
+
+    def seen(self, recommendation_id: str) -> bool:
+        return recommendation_id in self._ids
+
+    def add(self, record: ActionRecord) -> None:
+        """Append ``record`` (to the file first, so a crash never forgets an applied action)."""
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("ab") as fh:
+                fh.write(orjson.dumps(record.to_obj()) + b"\n")
+        self._remember(record)
+
+    def acted_since(self, since: float) -> list[ActionRecord]:
+        """Records that changed (or would have changed) the scheduler at or after ``since``."""
+        return [r for r in self.records_ if r.acted and r.ts >= since]
+
+
+class Actor:
+    """Carry out allowed recommendations on one scheduler, within its own rate limit.
+
+    Parameters
+    ----------
+    adapter:
+        The scheduler (:class:`~fleethealth.adapters.slurm.SlurmAdapter`,
+        :class:`~fleethealth.adapters.kubernetes.KubernetesAdapter`).
+    journal:
+        Where handled recommendations are remembered; default: in memory.
+    dry_run:
+        Record what would be done without touching the scheduler.
+    max_actions, window_s:
+        At most ``max_actions`` acted-on recommendations per ``window_s`` seconds.
+    max_age_s:
+        Recommendations whose event time is more than this many seconds behind ``clock`` are
+        recorded, not acted on (``None``: no bound; simulated fleets run in their own time).
+    emit:
+        Called with each new :class:`ActionRecord` (e.g. to publish it on ``fh.events``).
+    clock:
+        Wall clock for the rate window (adapters act in real time); replaceable in tests.
+    """
+
+    def __init__(self, adapter: SchedulerAdapter, *, journal: Journal | None = None, dry_run: bool = False,
+                 max_actions: int = 5, window_s: float = 3600.0, max_age_s: float | None = None,
+                 emit: Callable[[ActionRecord], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_actions < 1 or window_s <= 0:
+            raise ConfigError(f"rate limit needs max_actions >= 1 and window_s > 0, got {max_actions}, {window_s}")
+        if max_age_s is not None and max_age_s <= 0:
+            raise ConfigError(f"max_age_s must be > 0, got {max_age_s}")
+        self.adapter = adapter
+        self.journal = journal if journal is not None else Journal()
+        self.dry_run = dry_run
+        self.max_actions = max_actions
+        self.window_s = window_s
+        self.max_age_s = max_age_s
+        self.emit = emit
+        self.clock = clock
+        self.counts_: dict[Outcome, int] = {o: 0 for o in Outcome}
+        self.replays_ = 0
+
+    def handle(self, rec: Recommendation) -> ActionRecord | None:
+        """Decide and act on one recommendation; ``None`` for a replay of one already handled."""
+        if self.journal.seen(rec.id):
+            self.replays_ += 1
+            log.debug("recommendation %s already handled, skipped", rec.id)
+            return None
+        now = self.clock()
+        outcome, detail, ops = self._decide(rec, now)
+        record = ActionRecord(recommendation_id=rec.id, scheduler=self.adapter.name, node=rec.node,
+                              action=rec.action, outcome=outcome, ts=now, rec_ts=rec.ts, job=rec.job,
+                              detail=detail, operations=ops)
+        self.journal.add(record)
+        self.counts_[outcome] += 1
+        level = logging.WARNING if outcome is Outcome.FAILED else logging.INFO
+        log.log(level, "%s %s %s on %s: %s %s", self.adapter.name, outcome.value, rec.action.value, rec.node,
+                detail, "; ".join(ops))
+        if self.emit is not None:
+            self.emit(record)
+        return record
+
+    def handle_all(self, recs: Iterable[Recommendation]) -> list[ActionRecord]:
+        return [r for r in map(self.handle, recs) if r is not None]
+
+    def _decide(self, rec: Recommendation, now: float) -> tuple[Outcome, str, tuple[str, ...]]:
+        if rec.guard is not Guard.ALLOWED:
+            return Outcome.SKIPPED_GUARD, f"guard is {rec.guard.value}: not for automatic action", ()
+        if not self.adapter.supports(rec.action):
+            return Outcome.SKIPPED_UNSUPPORTED, f"{self.adapter.name} has no operation for {rec.action.value}", ()
+        if self.max_age_s is not None and now - rec.ts > self.max_age_s:
+            return (Outcome.SKIPPED_STALE,
+                    f"recommendation is {now - rec.ts:.0f} s old (bound {self.max_age_s:g} s)", ())
+        recent = self.journal.acted_since(now - self.window_s)
+        same = [r for r in recent if r.node == rec.node]
+        if same:
+            return (Outcome.SKIPPED_ALREADY,
+                    f"node already handled by recommendation {same[-1].recommendation_id} "
+                    f"{now - same[-1].ts:.0f} s ago", ())
+        if len(recent) >= self.max_actions:
+            return (Outcome.RATE_LIMITED,
+                    f"{len(recent)} actions in the last {self.window_s:g} s (limit {self.max_actions})", ())
+        try:
+            if self.dry_run or rec.dry_run:
+                why = "actor" if self.dry_run else "recommendation"
+                return Outcome.DRY_RUN, f"dry-run ({why}); would run", self.adapter.plan(rec)
+            return Outcome.DONE, rec.reason, self.adapter.apply(rec)
+        except SchedulerError as exc:
+            return Outcome.FAILED, str(exc), ()
+
+
+class RecordSource(Protocol):
+    """What :func:`run_act` reads from: a bus consumer (``fleethealth.bus.Consumer``)."""
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> Sequence[Any]: ...
+
+    def commit(self) -> None: ...
+
+
+def run_act(consumer: RecordSource, actor: Actor, stop: threading.Event, *, poll_s: float = 1.0,
+            max_polls: int | None = None) -> int:
+    """Poll recommendations and hand each to ``actor`` until ``stop`` is set; return records made.
+
+    Offsets are committed after each polled batch is handled (and journaled), so a crash
+    re-delivers at most one batch, which the journal then recognises as replays.
+    """
+    made = 0
+    polls = 0
+    while not stop.is_set() and (max_polls is None or polls < max_polls):
+        polls += 1
+        batch = consumer.poll(timeout_s=poll_s)
+        for record in batch:
+            msg = getattr(record, "msg", record)
+            if isinstance(msg, Recommendation) and actor.handle(msg) is not None:
+                made += 1
+        if batch:
+            consumer.commit()
+    return made

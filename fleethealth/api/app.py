@@ -1,0 +1,131 @@
+"""The FastAPI application: ``create_app(store, token=...)`` builds it around one open store.
+
+Reads are open; every write (acknowledge, release, breaker reset) needs
+``Authorization: Bearer <token>``: none gives 401 (with ``WWW-Authenticate: Bearer``), a wrong
+one 403, and a server started without a token refuses writes with 403. Tokens are compared in
+constant time. Errors are ``{"detail": ...}`` objects: 404 for unknown nodes, jobs and
+recommendations, 422 for malformed parameters or bodies, 400 for refused SQL (with ``reason``),
+409 for a release without a passing full self-test, 503 when the store fails.
+
+``/metrics`` serves the app's own Prometheus registry (``fleethealth_api_*``); a registry can be
+passed in, so two apps in one process (or one test) never share counters.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from fleethealth import __version__
+from fleethealth.api import routes
+from fleethealth.api.views import NotFound
+from fleethealth.errors import StoreError
+
+__all__ = ["create_app", "ApiMetrics", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_EXECUTION_S"]
+
+log = logging.getLogger("fleethealth.api")
+
+DEFAULT_MAX_ROWS = 10_000
+DEFAULT_MAX_EXECUTION_S = 10.0
+
+
+class ApiMetrics:
+    """The API's Prometheus metrics, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter("fleethealth_api_requests_total", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=registry)
+        self.latency = Histogram("fleethealth_api_request_duration_seconds", "HTTP request latency",
+                                 ["route"], registry=registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.auth_failures = Counter("fleethealth_api_auth_failures_total", "write requests refused for the token",
+                                     ["reason"], registry=registry)
+        self.query_refused = Counter("fleethealth_api_query_refused_total", "analyst SQL refused before running",
+                                     ["reason"], registry=registry)
+        self.query_rows = Counter("fleethealth_api_query_rows_total", "rows returned by analyst SQL",
+                                  registry=registry)
+        self.writes = Counter("fleethealth_api_writes_total", "accepted write requests by kind", ["kind"],
+                              registry=registry)
+
+
+def _bearer(token: str | None, metrics: ApiMetrics) -> Callable[..., str]:
+    expected = token.encode() if token else None
+    scheme = HTTPBearer(auto_error=False, description="the token of `fleethealth serve --token-file`")
+
+    def require_token(creds: HTTPAuthorizationCredentials | None = Depends(scheme)) -> str:  # noqa: B008
+        if creds is None or not creds.credentials:
+            metrics.auth_failures.labels("missing").inc()
+            raise HTTPException(401, "a bearer token is required for this endpoint",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if expected is None:
+            metrics.auth_failures.labels("writes_disabled").inc()
+            raise HTTPException(403, "this server was started without a token: writes are disabled")
+        if not hmac.compare_digest(creds.credentials.encode(), expected):
+            metrics.auth_failures.labels("wrong").inc()
+            raise HTTPException(403, "wrong token")
+        return creds.credentials
+
+    return require_token
+
+
+def create_app(store: Any, *, token: str | None, max_rows: int = DEFAULT_MAX_ROWS,
+               max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
+               on_breaker_reset: Callable[[], None] | None = None,
+               clock: Callable[[], float] = time.time) -> FastAPI:
+    """Build the API around an open :class:`~fleethealth.store.Store`.
+
+    ``token`` guards the write endpoints (``None``: writes refused). ``max_rows`` and
+    ``max_execution_s`` bound ``POST /v1/query``. ``on_breaker_reset`` is called after a reset
+    is stored, so a policy engine in the same process closes its breaker at once (others pick
+    the reset up from the ``breaker`` table). ``clock`` stamps acknowledgements and resets.
+    """
+    if max_rows < 1 or max_execution_s <= 0:
+        raise ValueError(f"max_rows must be >= 1 and max_execution_s > 0, got {max_rows}, {max_execution_s}")
+    metrics = ApiMetrics(registry if registry is not None else CollectorRegistry())
+    app = FastAPI(title="fleethealth", version=__version__,
+                  description="Fleet health and silent-data-corruption detection: recommendations, nodes, "
+                              "runs, quarantine and analyst SQL. Write endpoints need a bearer token.")
+    app.state.store = store
+    app.state.metrics = metrics
+    app.state.max_rows = max_rows
+    app.state.max_execution_s = max_execution_s
+    app.state.on_breaker_reset = on_breaker_reset
+    app.state.clock = clock
+    require = _bearer(token, metrics)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        name = getattr(route, "path", None) or "unmatched"
+        metrics.requests.labels(name, request.method, str(response.status_code)).inc()
+        metrics.latency.labels(name).observe(time.perf_counter() - start)
+        return response
+
+    @app.exception_handler(NotFound)
+    async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(StoreError)
+    async def _store_failed(_: Request, exc: StoreError) -> JSONResponse:
+        log.warning("store error: %s", exc)
+        return JSONResponse({"detail": f"store error: {exc}"}, status_code=503)
+
+    @app.get("/metrics", include_in_schema=True, tags=["service"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus exposition"}})
+    def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(routes.read_router())
+    app.include_router(routes.write_router(require))
+    return app
