@@ -1,0 +1,76 @@
+"""Return to pool: a quarantined node goes back only after passing the complete full suite.
+
+:func:`release_decision` is the pure rule. A node is released when it is quarantined and its run
+was the ``full`` suite, every test passed (no ``fail``, no ``slow``), and every test the full
+suite holds for the devices it ran on is there (a run narrowed with ``--only`` cannot release a
+node). The evidence handed to the quarantine book is one self-test record for the whole suite
+(``suite: full``, ``verdict: pass``, no mismatches, the node and the time of its last result),
+with the event ids of the individual results, so the release is recorded with what justified it.
+:func:`apply_release` asks :func:`fleethealth.policy.quarantine.release`, which checks the
+record again and logs the release, or the refusal and its reason (for a run that failed, was
+slow or was incomplete the record's verdict says so, and the book refuses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleethealth.kernels.suite import expected_tests
+from fleethealth.sweeps.launch import NodeRun, NodeStatus
+
+__all__ = ["FULL_SUITE", "ReleaseDecision", "release_decision", "apply_release"]
+
+FULL_SUITE = "full"
+
+
+@dataclass(frozen=True)
+class ReleaseDecision:
+    """Whether ``node`` may return to the pool (``release``), why (``reason``), and the evidence."""
+
+    node: str
+    release: bool
+    reason: str
+    ts: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def release_decision(run: NodeRun, *, quarantined: bool) -> ReleaseDecision:
+    """Decide from one node's run; see the module docstring. For a quarantined node the evidence is
+    always filled in (verdict ``pass`` only when the node may go), so a refusal can be logged too."""
+    node = run.node
+    if not quarantined:
+        return ReleaseDecision(node, False, "node is not quarantined")
+    devices = sorted({r.device for r in run.results if "," not in r.device})
+    have = {(r.test, r.device) for r in run.results}
+    missing = sorted(expected_tests(FULL_SUITE, devices) - have) if devices else []
+    if run.suite != FULL_SUITE:
+        verdict, reason = "incomplete", f"suite {run.suite!r}: only a passing full suite releases a node"
+    elif run.status is not NodeStatus.PASS:
+        verdict = run.status.value
+        reason = f"full suite {run.status.value}: {run.error or ', '.join(run.failing[:5])}"
+    elif missing:
+        verdict = "incomplete"
+        names = ", ".join(f"{t}@{d}" for t, d in missing[:4])
+        reason = f"incomplete full suite: {len(missing)} tests missing ({names})"
+    else:
+        verdict, reason = "pass", f"passed the full suite ({len(run.results)} tests)"
+    ts = max((r.ts for r in run.results), default=0.0)
+    mismatches = [m.to_obj() for r in run.results for m in r.mismatches][:16]
+    evidence = {
+        "suite": run.suite, "test": "suite", "device": ",".join(devices), "verdict": verdict,
+        "mismatches": mismatches, "node": node, "ts": ts, "tests": len(run.results), "reason": reason,
+        "results": [r.to_event(node).id for r in run.results],
+    }
+    return ReleaseDecision(node, verdict == "pass", reason, ts, evidence)
+
+
+def apply_release(store: Any, decision: ReleaseDecision) -> bool:
+    """Hand the decision to the quarantine book; ``True`` when the node left quarantine. A refused
+    decision with evidence is handed over too, so the book logs the refusal and its reason."""
+    from fleethealth.policy import quarantine
+
+    if not decision.evidence:
+        return False
+    released = quarantine.release(store, decision.node, decision.ts, decision.evidence)
+    return released and decision.release
