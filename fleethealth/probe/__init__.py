@@ -1,1 +1,55 @@
-"""The node probe: the supervisor on each GPU node (telemetry sources, step aggregation, spool, metrics)."""
+"""The node probe: the supervisor on each GPU node (telemetry sources, step aggregation, spool, metrics).
+
+``fleethealth probe`` runs :class:`Probe`: a telemetry source (:mod:`.nvml`, :mod:`.dcgm` or the
+simulator, :mod:`.simsource`, chosen by name through :mod:`.sources`) sampled every interval under
+a stall guard; the training ranks' datagrams from the Unix socket aggregated
+into one step batch per (job, step) (:mod:`.aggregator`); everything written ahead to a bounded
+on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); Prometheus
+``/metrics`` in dcgm-exporter's names (:mod:`.metrics`, :mod:`.fields`). The probe shares only the
+wire format (:mod:`fleethealth.wire`) with the in-job library. Names resolve lazily, so importing
+the package loads neither NVML, DCGM nor the simulator.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "Probe": "daemon",
+    "ProbeConfig": "daemon",
+    "TickReport": "daemon",
+    "make_source": "daemon",
+    "Sample": "sources",
+    "Source": "sources",
+    "StallGuard": "sources",
+    "create_source": "sources",
+    "register_source": "sources",
+    "StepAggregator": "aggregator",
+    "DatagramListener": "daemon",
+    "Spool": "spool",
+    "Delivery": "delivery",
+    "ProbeMetrics": "metrics",
+    "ProbeHealth": "metrics",
+    "NvmlSource": "nvml",
+    "DcgmSource": "dcgm",
+    "SimSource": "simsource",
+    "NvmlReplay": "recorded",
+    "NvmlRecorder": "recorded",
+    "DcgmReplay": "recorded",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fleethealth.probe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fleethealth.probe.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,335 @@
+"""The node probe's loop: sample, aggregate rank datagrams, spool, deliver, export metrics.
+
+::
+
+    every interval:  source.sample()  --(StallGuard: timeout -> telemetry_stalled event)-->
+                     one fh.telemetry message + the source's events (Xid, health, gpu_lost)
+    continuously:    Unix-socket datagrams from the node's training ranks (own thread) -> StepAggregator
+                     -> one fh.steps batch per (job, step) + in-job events (node filled in)
+    all of it:       -> Delivery (write-ahead Spool -> idempotent Producer, replay after an outage)
+                     -> ProbeMetrics (/metrics on port 9402)
+
+:meth:`Probe.tick` does one interval's work and :meth:`Probe.pump` hands on completed step
+batches until a deadline; :meth:`Probe.run` alternates them until stopped. Tests drive ``tick`` and ``pump``
+directly with their own clock, so nothing in them sleeps on the probe's behalf.
+
+The socket end (:class:`DatagramListener`) binds ``SOCK_DGRAM`` at the configured path under the
+``/run/fleethealth`` directory that the DaemonSet shares with training pods, replaces a stale
+socket file left by a previous probe, and is writable by every user so training processes need no
+privileges. The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the
+deploy files raise it), so a thread of its own reads them as they come; senders never block, they
+drop and count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleethealth.errors import ConfigError
+from fleethealth.probe.aggregator import StepAggregator
+from fleethealth.probe.delivery import Delivery
+from fleethealth.probe.metrics import DEFAULT_PORT, ProbeHealth, ProbeMetrics
+from fleethealth.probe.sources import Source, StallGuard
+from fleethealth.probe.spool import DEFAULT_MAX_BYTES, Spool
+from fleethealth.schema import Event, EventKind, Message
+from fleethealth.wire import DEFAULT_SOCKET, MAX_DATAGRAM
+
+__all__ = ["Probe", "ProbeConfig", "TickReport", "DatagramListener", "make_source"]
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Everything ``fleethealth probe`` takes besides the source and the bus.
+
+    ``socket_path=None`` runs without the in-job socket; ``metrics_port=None`` without /metrics.
+    ``stall_timeout_s`` bounds one source call; ``step_timeout_s`` is how long a step batch waits
+    for the node's slower ranks.
+    """
+
+    node: str
+    rack: str = "unknown"
+    interval_s: float = 1.0
+    socket_path: str | None = DEFAULT_SOCKET
+    spool_dir: str = "/var/lib/fleethealth/spool"
+    spool_max_bytes: int = DEFAULT_MAX_BYTES
+    metrics_port: int | None = DEFAULT_PORT
+    metrics_addr: str = "0.0.0.0"
+    stall_timeout_s: float = 5.0
+    step_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.node:
+            raise ConfigError("probe: --node must not be empty")
+        if not self.interval_s > 0:
+            raise ConfigError(f"probe: --interval must be > 0 seconds, got {self.interval_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"probe: --metrics-port {self.metrics_port} is not a TCP port")
+
+
+@dataclass(frozen=True, slots=True)
+class TickReport:
+    """What one interval produced: whether a sample arrived, and how many events and batches went out."""
+
+    sampled: bool
+    events: int
+    batches: int
+
+
+class Probe:
+    """One node's probe. ``delivery`` defaults to a spool under ``config.spool_dir`` towards ``dsn``."""
+
+    def __init__(self, source: Source, config: ProbeConfig, *, dsn: str | None = None,
+                 delivery: Delivery | None = None, metrics: ProbeMetrics | None = None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 on_connect: Callable[[str], None] | None = None) -> None:
+        if delivery is None:
+            if dsn is None:
+                raise ConfigError("probe: --kafka DSN is required")
+            spool = Spool(Path(config.spool_dir), max_bytes=config.spool_max_bytes)
+            delivery = Delivery(dsn, spool, client_id=f"fleethealth-probe-{config.node}", on_connect=on_connect)
+        self.source = source
+        self.config = config
+        self.delivery = delivery
+        self.metrics = metrics if metrics is not None else ProbeMetrics(config.node)
+        self.metrics.set_health(self.health)
+        self.aggregator = StepAggregator(config.node, timeout_s=config.step_timeout_s)
+        self._clock = clock
+        self._monotonic = monotonic
+        self._guard: StallGuard | None = None
+        self._listener: DatagramListener | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._server: object | None = None
+        self._samples = 0
+        self._events = 0
+        self._last_duration = math.nan
+        self._last_error: str | None = None
+        self._agg_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._receiver: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def open(self, *, background_delivery: bool = True) -> Probe:
+        """Open the source (raising its one-line DeviceError), the socket, /metrics and delivery."""
+        self.source.open()
+        self._guard = StallGuard(self.source, node=self.config.node, timeout_s=self.config.stall_timeout_s)
+        if self.config.socket_path is not None:
+            self._listener = DatagramListener(self.config.socket_path)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._listener, selectors.EVENT_READ)
+            self._receiver = threading.Thread(target=self._receive, name="fh-probe-socket", daemon=True)
+            self._receiver.start()
+        if self.config.metrics_port is not None:
+            self._server = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+        if background_delivery:
+            self.delivery.start()
+        return self
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        self._closing.set()
+        if self._guard is not None:
+            self._guard.close()
+        if self._receiver is not None:
+            self._receiver.join(timeout=2.0)
+        if self._selector is not None:
+            self._selector.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server.server_close()  # type: ignore[attr-defined]
+        self.delivery.close(drain_timeout_s)
+        self.source.close()
+
+    def __enter__(self) -> Probe:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ one interval
+    def tick(self, now: float | None = None) -> TickReport:
+        """Sample the source once and hand everything ready to delivery and metrics."""
+        if self._guard is None:
+            raise ConfigError("probe: tick() before open()")
+        now = self._clock() if now is None else now
+        t0 = time.perf_counter()
+        result = self._guard.sample(now)
+        events: list[Event] = list(result.events)
+        batches = 0
+        sampled = result.sample is not None
+        if result.sample is not None:
+            self._last_duration = time.perf_counter() - t0
+            self._samples += 1
+            sample = result.sample
+            self._submit(sample.telemetry)
+            self.metrics.observe(sample.telemetry)
+            events.extend(sample.events)
+            for batch in sample.batches:
+                self._submit(batch)
+            batches += len(sample.batches)
+        elif result.error is not None and result.error != self._last_error:
+            events.append(Event(node=self.config.node, ts=now, kind=EventKind.PROBE_ERROR,
+                                message=f"{self.source.name} source failed: {result.error}"[:2000],
+                                data={"source": self.source.name}))
+        self._last_error = result.error if result.sample is None else None
+        for event in events:
+            self._submit_event(event)
+        batches += self._drain()
+        return TickReport(sampled, len(events), batches)
+
+    def pump(self, until: float, stop: threading.Event | None = None) -> None:
+        """Wait until ``until`` on the monotonic clock (or ``stop``), handing on the batches that
+        complete meanwhile; the socket itself is served by a thread of its own, so a slow sample
+        never leaves the ranks' datagrams queued (the kernel queue of a Unix datagram socket is short)."""
+        stop = stop if stop is not None else self._closing
+        while True:
+            remaining = until - self._monotonic()
+            if remaining <= 0 or stop.is_set():
+                return
+            stop.wait(min(remaining, 0.05))
+            self._drain()
+
+    def _receive(self) -> None:
+        selector = self._selector
+        listener = self._listener
+        if selector is None or listener is None:
+            return
+        while not self._closing.is_set():
+            try:
+                ready = selector.select(timeout=0.2)
+            except (OSError, ValueError):  # closed under us
+                return
+            if not ready:
+                continue
+            datagrams = listener.receive()
+            now = self._monotonic()
+            with self._agg_lock:
+                for datagram in datagrams:
+                    self.aggregator.feed(datagram, now)
+
+    def run(self, stop: threading.Event, *, max_ticks: int | None = None) -> int:
+        """Tick every ``interval_s`` until ``stop`` is set (or ``max_ticks``); return ticks done."""
+        ticks = 0
+        next_at = self._monotonic()
+        while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
+            self.tick()
+            ticks += 1
+            next_at += self.config.interval_s
+            now = self._monotonic()
+            if next_at < now:  # fell behind (a stall): skip missed intervals rather than burst
+                next_at = now + self.config.interval_s
+            if max_ticks is not None and ticks >= max_ticks:
+                break
+            self.pump(next_at, stop)
+        return ticks
+
+    # ------------------------------------------------------------ health
+    def health(self) -> ProbeHealth:
+        with self._agg_lock:
+            agg = self.aggregator.stats
+        delivery = self.delivery.stats
+        guard = self._guard
+        return ProbeHealth(
+            samples_total=self._samples, sample_errors_total=0 if guard is None else guard.errors_total,
+            stalls_total=0 if guard is None else guard.stalls_total,
+            stalled=int(guard is not None and guard.stalled), sample_duration_seconds=self._last_duration,
+            datagrams_total=agg.datagrams_total, datagrams_garbage_total=agg.garbage_total,
+            datagrams_late_total=agg.late_total, step_batches_total=agg.batches_total,
+            step_batches_incomplete_total=agg.incomplete_total, events_total=self._events,
+            spool_records=delivery.spool.records, spool_bytes=delivery.spool.bytes,
+            spool_dropped_total=delivery.spool.dropped_total,
+            spool_dropped_bytes_total=delivery.spool.dropped_bytes_total,
+            delivered_total=delivery.delivered_total, delivery_failures_total=delivery.failures_total,
+            bus_connected=int(delivery.connected))
+
+    # ------------------------------------------------------------ internals
+    def _drain(self) -> int:
+        with self._agg_lock:
+            drained = self.aggregator.drain(self._monotonic())
+        for batch in drained.batches:
+            self._submit(batch)
+        for event in drained.events:
+            self._submit_event(event)
+        return len(drained.batches)
+
+    def _submit(self, msg: Message) -> None:
+        self.delivery.submit(msg)
+
+    def _submit_event(self, event: Event) -> None:
+        self._events += 1
+        self.metrics.count_event(event)
+        self.delivery.submit(event)
+
+
+def make_source(name: str, *, node: str, rack: str, interval_s: float = 1.0, scenario: str | None = None,
+                dcgm_host: str = "localhost") -> Source:
+    """Build the named source with the options that apply to it (``--scenario`` only for ``sim``)."""
+    from fleethealth.probe.sources import create_source
+
+    if scenario is not None and name != "sim":
+        raise ConfigError(f"probe: --scenario applies to --source sim, not --source {name}")
+    if name == "sim":
+        return create_source("sim", node=node, rack=rack, scenario=scenario)
+    if name == "dcgm":
+        return create_source("dcgm", node=node, rack=rack, hostname=dcgm_host, interval_s=interval_s)
+    return create_source(name, node=node, rack=rack)
+
+
+class DatagramListener:
+    """A bound, non-blocking Unix datagram socket. Use as a context manager; closing unlinks it."""
+
+    def __init__(self, path: str = DEFAULT_SOCKET, *, rcvbuf: int = 4 << 20) -> None:
+        self.path = path
+        folder = Path(path).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the socket directory {folder}: {exc.strerror}") from exc
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # a stale socket from a previous probe
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._sock.bind(path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConfigError(f"cannot bind the probe socket {path}: {exc.strerror}") from exc
+        os.chmod(path, 0o666)
+        with contextlib.suppress(OSError):
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self._sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def receive(self, max_datagrams: int = 100_000) -> list[bytes]:
+        """Every datagram queued now (up to ``max_datagrams``), without waiting."""
+        out: list[bytes] = []
+        recv = self._sock.recv
+        try:
+            while len(out) < max_datagrams:
+                out.append(recv(MAX_DATAGRAM + 1))
+        except (BlockingIOError, InterruptedError):
+            pass
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> DatagramListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

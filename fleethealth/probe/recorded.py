@@ -1,0 +1,300 @@
+"""Record a node's NVML answers to a JSON file, and replay them with the same call surface.
+
+:class:`NvmlRecorder` wraps ``pynvml`` and notes every device call the NVML source makes (its
+arguments and its result or NVML error); ``bench/gpu_nvml.py --record FILE`` writes one from a
+real GPU. :class:`NvmlReplay` answers the same calls from such a file, so the NVML adapter can be
+tested where no GPU exists (the probe's tests do exactly that) and a field report can be replayed.
+
+Format (``"format": "fleethealth-nvml-recording/1"``)::
+
+    {"note": "...", "devices": [{"nvmlDeviceGetPowerUsage": {"": 312000},
+                                 "nvmlDeviceGetTotalEccErrors": {"0,0": 0, "1,1": 0},
+                                 "nvmlDeviceGetRetiredPages": {"0": {"error": "NVML_ERROR_NOT_SUPPORTED"}},
+                                 "nvmlDeviceGetUtilizationRates": {"": {"gpu": 97, "memory": 41}},
+                                 "nvmlDeviceGetFieldValues": {"82": [{"nvmlReturn": 0, "valueType": 1,
+                                                                      "value": 38}]}}, ...],
+     "xid": [{"gpu": 3, "code": 79}]}
+
+Arguments after the device handle are joined with commas into the key. A call absent from the
+recording answers ``NVML_ERROR_NOT_SUPPORTED``, as a GPU without that feature does.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+
+from fleethealth.errors import ConfigError
+
+__all__ = ["FORMAT", "DCGM_FORMAT", "NvmlReplay", "NvmlRecorder", "DcgmReplay"]
+
+FORMAT = "fleethealth-nvml-recording/1"
+_UNION = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+class _Handle:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<nvml device {self.index}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Handle) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash(("nvml-device", self.index))
+
+
+class NvmlReplay:
+    """Answer NVML calls from a recording. Constants and ``NVMLError`` come from ``pynvml`` itself
+    (a pure-Python module that imports without the driver), so error handling is the real one.
+
+    Test hooks: :meth:`lose_gpu` makes every later call on a GPU raise ``NVML_ERROR_GPU_IS_LOST``;
+    :meth:`block` makes one call wait until :meth:`release` (a wedged driver); :meth:`fail_init`
+    makes ``nvmlInit`` raise a given NVML error.
+    """
+
+    def __init__(self, recording: dict[str, Any] | str | Path) -> None:
+        import pynvml
+
+        if not isinstance(recording, dict):
+            recording = orjson.loads(Path(recording).read_bytes())
+        if recording.get("format") != FORMAT:
+            raise ConfigError(f"not an NVML recording (format {recording.get('format')!r}, expected {FORMAT})")
+        self._lib = pynvml
+        self.NVMLError = pynvml.NVMLError
+        self.devices: list[dict[str, dict[str, Any]]] = recording["devices"]
+        self._xid: list[dict[str, int]] = list(recording.get("xid", []))
+        self._lost: set[int] = set()
+        self._blocked: dict[str, threading.Event] = {}
+        self._init_error: int | None = None
+        self.calls = 0
+
+    # ------------------------------------------------------------ test hooks
+    def lose_gpu(self, index: int) -> None:
+        self._lost.add(index)
+
+    def block(self, name: str) -> None:
+        self._blocked[name] = threading.Event()
+
+    def release(self) -> None:
+        for gate in self._blocked.values():
+            gate.set()
+        self._blocked = {}
+
+    def fail_init(self, code: int) -> None:
+        self._init_error = code
+
+    def add_xid(self, gpu: int, code: int) -> None:
+        self._xid.append({"gpu": gpu, "code": code})
+
+    # ------------------------------------------------------------ library surface
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("nvmlDevice"):
+            return lambda handle, *args: self._answer(name, handle, args)
+        return getattr(self._lib, name)  # constants, NVMLError subclasses
+
+    def nvmlInit(self) -> None:
+        if self._init_error is not None:
+            raise self._lib.NVMLError(self._init_error)
+
+    def nvmlShutdown(self) -> None:
+        return None
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        if not 0 <= index < len(self.devices):
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_INVALID_ARGUMENT)
+        return _Handle(index)
+
+    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: Any) -> None:
+        return None
+
+    def nvmlEventSetCreate(self) -> object:
+        return object()
+
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        return None
+
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> SimpleNamespace:
+        if self._xid:
+            xid = self._xid.pop(0)
+            return SimpleNamespace(device=_Handle(xid["gpu"]), eventType=self._lib.nvmlEventTypeXidCriticalError,
+                                   eventData=xid["code"], gpuInstanceId=0, computeInstanceId=0)
+        threading.Event().wait(min(timeout_ms, 20) / 1000.0)
+        raise self._lib.NVMLError(self._lib.NVML_ERROR_TIMEOUT)
+
+    def _answer(self, name: str, handle: _Handle, args: tuple[Any, ...]) -> Any:
+        self.calls += 1
+        gate = self._blocked.get(name)
+        if gate is not None:
+            gate.wait()
+        if handle.index in self._lost:
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_GPU_IS_LOST)
+        answers = self.devices[handle.index].get(name)
+        key = ",".join(str(a) for a in args)
+        if name == "nvmlDeviceGetFieldValues":
+            key = ",".join(str(a) for a in args[0])
+        if answers is None or key not in answers:
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_NOT_SUPPORTED)
+        return _decode(self._lib, answers[key])
+
+
+def _decode(lib: Any, value: Any) -> Any:
+    if isinstance(value, dict):
+        if "error" in value:
+            raise lib.NVMLError(getattr(lib, value["error"]))
+        return SimpleNamespace(**value)
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "nvmlReturn" in value[0]:
+        return [SimpleNamespace(nvmlReturn=v["nvmlReturn"], valueType=v["valueType"],
+                                value=SimpleNamespace(**dict.fromkeys(_UNION, v["value"]))) for v in value]
+    return value
+
+
+class NvmlRecorder:
+    """Wrap ``pynvml`` and record every device call's answer; :meth:`dump` writes the recording."""
+
+    def __init__(self, lib: Any, note: str = "") -> None:
+        self._lib = lib
+        self.note = note
+        self._index: dict[int, int] = {}
+        self.devices: list[dict[str, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._lib, name)
+        if not name.startswith("nvmlDevice") or name in ("nvmlDeviceGetCount", "nvmlDeviceRegisterEvents"):
+            return target
+        if name == "nvmlDeviceGetHandleByIndex":
+            return self._handle_by_index
+
+        def call(handle: Any, *args: Any) -> Any:
+            index = self._index.get(_addr(handle))
+            key = ",".join(str(a) for a in (args[0] if name == "nvmlDeviceGetFieldValues" else args))
+            try:
+                result = target(handle, *args)
+            except self._lib.NVMLError as exc:
+                if index is not None:
+                    self.devices[index].setdefault(name, {})[key] = {"error": _error_name(self._lib, exc)}
+                raise
+            if index is not None:
+                self.devices[index].setdefault(name, {})[key] = _encode(name, result)
+            return result
+
+        return call
+
+    def _handle_by_index(self, index: int) -> Any:
+        handle = self._lib.nvmlDeviceGetHandleByIndex(index)
+        self._index[_addr(handle)] = index
+        while len(self.devices) <= index:
+            self.devices.append({})
+        return handle
+
+    def recording(self) -> dict[str, Any]:
+        return {"format": FORMAT, "note": self.note, "devices": self.devices, "xid": []}
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_bytes(orjson.dumps(self.recording(), option=orjson.OPT_INDENT_2))
+
+
+def _addr(handle: Any) -> Any:
+    import ctypes
+
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (ctypes.ArgumentError, TypeError):
+        return id(handle)
+
+
+def _error_name(lib: Any, exc: BaseException) -> str:
+    code = getattr(exc, "value", None)
+    for name in dir(lib):
+        if name.startswith("NVML_ERROR_") and getattr(lib, name) == code:
+            return name
+    return "NVML_ERROR_UNKNOWN"
+
+
+def _encode(name: str, result: Any) -> Any:
+    if name == "nvmlDeviceGetFieldValues":
+        out = []
+        for v in result:
+            kind = int(v.valueType)
+            union = v.value
+            out.append({"nvmlReturn": int(v.nvmlReturn), "valueType": kind,
+                        "value": getattr(union, _UNION[kind]) if 0 <= kind < len(_UNION) else None})
+        return out
+    if name == "nvmlDeviceGetUtilizationRates":
+        return {"gpu": int(result.gpu), "memory": int(result.memory)}
+    if isinstance(result, bytes):
+        return result.decode()
+    if isinstance(result, tuple):
+        return list(result)
+    return result
+
+
+DCGM_FORMAT = "fleethealth-dcgm-recording/1"
+
+
+class DcgmReplay:
+    """Answer ``DcgmReader`` and DCGM health calls from a recording of successive reads.
+
+    Recording: ``{"format": "fleethealth-dcgm-recording/1", "gpus": {"0": "GPU-...", ...},
+    "reads": [{"0": {"150": [41, 42]}, ...}, ...], "health": [[{"gpu": 3, "system": 16,
+    "health": 20, "code": 83, "msg": "..."}], ...]}``. Each call of
+    ``GetAllGpuValuesAsFieldIdDictSinceLastCall`` returns the next read (then ``{}``); each
+    ``Check()`` the incidents of the read just returned. ``reader`` and ``health`` are the two
+    objects a :class:`fleethealth.probe.dcgm.DcgmSource` takes.
+    """
+
+    def __init__(self, recording: dict[str, Any] | str | Path) -> None:
+        if not isinstance(recording, dict):
+            recording = orjson.loads(Path(recording).read_bytes())
+        if recording.get("format") != DCGM_FORMAT:
+            raise ConfigError(f"not a DCGM recording (format {recording.get('format')!r}, expected {DCGM_FORMAT})")
+        self.m_gpuIdToUUId = {int(k): v for k, v in recording.get("gpus", {}).items()}
+        self._reads: list[dict[str, dict[str, list[Any]]]] = list(recording["reads"])
+        self._health: list[list[dict[str, Any]]] = list(recording.get("health", []))
+        self._cursor = 0
+        self.watches: int | None = None
+        self.reader = self
+        self.health = _DcgmHealth(self)
+
+    def GetAllGpuValuesAsFieldIdDictSinceLastCall(self) -> dict[int, dict[int, list[SimpleNamespace]]]:
+        if self._cursor >= len(self._reads):
+            self._cursor += 1
+            return {}
+        read = self._reads[self._cursor]
+        self._cursor += 1
+        return {int(g): {int(f): [SimpleNamespace(value=v, isBlank=v is None) for v in values]
+                         for f, values in fields.items()} for g, fields in read.items()}
+
+    def Shutdown(self) -> None:
+        return None
+
+    def _incidents(self) -> list[dict[str, Any]]:
+        index = self._cursor - 1
+        return self._health[index] if 0 <= index < len(self._health) else []
+
+
+class _DcgmHealth:
+    def __init__(self, replay: DcgmReplay) -> None:
+        self._replay = replay
+
+    def Set(self, systems: int) -> None:
+        self._replay.watches = systems
+
+    def Check(self) -> SimpleNamespace:
+        incidents = [SimpleNamespace(system=i["system"], health=i["health"],
+                                     error=SimpleNamespace(code=i.get("code", 0), msg=i.get("msg", "")),
+                                     entityInfo=SimpleNamespace(entityGroupId=1, entityId=i["gpu"]))
+                     for i in self._replay._incidents()]
+        worst = max((i.health for i in incidents), default=0)
+        return SimpleNamespace(overallHealth=worst, incidentCount=len(incidents), incidents=incidents)

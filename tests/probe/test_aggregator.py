@@ -1,0 +1,115 @@
+"""Rank datagrams -> one columnar StepBatch per (job, step); garbage counted, never raised."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from fleethealth.probe.aggregator import StepAggregator
+from fleethealth.schema import EventKind, StepBatch, decode, encode
+
+
+def _c(job: str, rank: int, step: int, s: float, ts: float = 100.0, gpu: int | None = None) -> bytes:
+    return orjson.dumps({"t": "c", "job": job, "rank": rank, "gpu": rank % 8 if gpu is None else gpu,
+                         "step": step, "s": s, "ts": ts})
+
+
+def _p(job: str, rank: int, step: int, ts: float) -> bytes:
+    return orjson.dumps({"t": "p", "job": job, "rank": rank, "gpu": rank % 8, "step": step, "ts": ts})
+
+
+def test_one_batch_per_step_once_every_known_rank_reported() -> None:
+    agg = StepAggregator("n0002", timeout_s=5.0)
+    for rank in (19, 16, 18, 17):  # arrival order is not rank order
+        agg.feed(_c("train-1", rank, 0, 1.0 + rank / 100), now=0.0)
+    assert agg.drain(4.9).batches == ()  # the rank set is still being learnt
+    (first,) = agg.drain(5.0).batches
+    assert first.ranks.tolist() == [16, 17, 18, 19]
+    for rank in (16, 17, 18):
+        agg.feed(_c("train-1", rank, 1, 1.5), now=6.0)
+    assert agg.drain(6.0).batches == ()  # rank 19 is known and missing
+    agg.feed(_c("train-1", 19, 1, 1.9, ts=103.0), now=6.1)
+    (batch,) = agg.drain(6.1).batches
+    assert (batch.job, batch.step, batch.node) == ("train-1", 1, "n0002")
+    assert batch.ranks.tolist() == [16, 17, 18, 19] and batch.gpus.tolist() == [0, 1, 2, 3]
+    assert batch.compute_s.tolist() == [1.5, 1.5, 1.5, 1.9] and batch.ts == 103.0
+    assert decode(StepBatch, encode(batch)).ranks.tolist() == [16, 17, 18, 19]
+    assert agg.stats.incomplete_total == 0 and agg.stats.batches_total == 2
+
+
+def test_a_silent_rank_does_not_hold_the_step_beyond_the_timeout() -> None:
+    agg = StepAggregator("n0", timeout_s=2.0)
+    for rank in range(4):
+        agg.feed(_c("j", rank, 0, 1.0), now=0.0)
+    assert len(agg.drain(2.0).batches) == 1
+    for rank in range(3):  # rank 3 hangs
+        agg.feed(_c("j", rank, 1, 1.0), now=10.0)
+    assert agg.drain(11.9).batches == ()
+    (batch,) = agg.drain(12.0).batches
+    assert batch.ranks.tolist() == [0, 1, 2]
+    assert agg.stats.incomplete_total == 1
+    agg.feed(_c("j", 3, 1, 9.0), now=12.5)  # the straggler's datagram after emission
+    assert agg.drain(12.5).batches == () and agg.stats.late_total == 1
+
+
+def test_progress_marks_complete_the_step_and_set_its_time() -> None:
+    agg = StepAggregator("n0", timeout_s=5.0)
+    for rank in range(2):
+        agg.feed(_c("j", rank, 0, 1.0), 0.0)
+        agg.feed(_p("j", rank, 0, 50.0 + rank), 0.0)
+    assert agg.drain(5.0).batches[0].ts == 51.0
+    agg.feed(_c("j", 0, 1, 1.0, ts=60.0), 6.0)
+    agg.feed(_c("j", 1, 1, 1.2, ts=60.2), 6.0)
+    assert agg.drain(6.0).batches == ()  # the job sends progress marks: wait for them
+    agg.feed(_p("j", 0, 1, 61.0), 6.1)
+    agg.feed(_p("j", 1, 1, 61.5), 6.1)
+    (batch,) = agg.drain(6.1).batches
+    assert batch.ts == 61.5 and batch.compute_s.tolist() == [1.0, 1.2]
+
+
+def test_jobs_are_batched_apart() -> None:
+    agg = StepAggregator("n0", timeout_s=1.0)
+    agg.feed(_c("a", 0, 0, 1.0), 0.0)
+    agg.feed(_c("b", 1, 0, 2.0), 0.0)
+    batches = sorted(agg.drain(1.0).batches, key=lambda b: b.job)
+    assert [(b.job, b.ranks.tolist()) for b in batches] == [("a", [0]), ("b", [1])]
+
+
+@pytest.mark.parametrize("garbage", [
+    b"", b"\xff\xfe", b"not json", b"[1,2,3]", b'{"t":"x"}', b'{"t":"c","job":"j"}',
+    b'{"t":"c","job":"j","rank":-1,"gpu":0,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"c","job":"j","rank":0,"gpu":0,"step":0,"s":1e300,"ts":1.0}',
+    b'{"t":"c","job":"","rank":0,"gpu":0,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"e","event":"x"}', b'{"t":"e","event":{"kind":"no_such_kind","ts":1.0}}',
+    b'{"t":"e","event":{"kind":"xid","ts":1.0,"code":"79"}}', b'{"t":"c","job":"j","rank":true,"gpu":0,'
+    b'"step":0,"s":1.0,"ts":1.0}', b"1" * 70000,
+])
+def test_garbage_is_counted_and_dropped(garbage: bytes) -> None:
+    agg = StepAggregator("n0")
+    agg.feed(garbage, 0.0)
+    out = agg.drain(100.0)
+    assert out.batches == () and out.events == ()
+    assert agg.stats.garbage_total == 1 and agg.last_garbage
+
+
+def test_event_datagrams_are_forwarded_with_the_node_filled_in() -> None:
+    agg = StepAggregator("n0009")
+    event = {"kind": "sdc_check", "ts": 77.0, "job": "train-1", "rank": 72, "gpu": 0, "step": 50,
+             "data": {"check": "selfcheck", "passed": False, "classification": "transient", "digests": ["ab"],
+                      "duration_s": 0.3, "peer_ranks": [], "culprit_rank": None, "tolerance": None}}
+    agg.feed(orjson.dumps({"t": "e", "event": event}), 1.0)
+    agg.feed(orjson.dumps({"t": "e", "event": {"kind": "hang_report", "rank": 3, "step": 9,
+                                               "data": {"stacks": "Thread 0x1 ...", "last_collective": None,
+                                                        "timeout_s": 90.0}}}), 2.0)
+    sdc, hang = agg.drain(2.0).events
+    assert sdc.node == "n0009" and sdc.kind is EventKind.SDC_CHECK and sdc.data["passed"] is False
+    assert hang.kind is EventKind.HANG_REPORT and hang.ts == 2.0  # no ts: the probe's clock
+    assert agg.stats.events_total == 2
+
+
+def test_open_steps_are_bounded() -> None:
+    agg = StepAggregator("n0", timeout_s=1e9, max_open=8)
+    for step in range(20):  # steps pile up while nothing completes them
+        agg.feed(_c("j", 0, step, 1.0), 0.0)
+    assert agg.stats.open_steps == 8 and agg.stats.evicted_total == 12
+    assert [b.step for b in agg.drain(0.0).batches] == list(range(12))

@@ -1,0 +1,160 @@
+"""The NVML source against recorded NVML answers.
+
+These machines have no GPU: every test here replays recorded field values through
+:class:`fleethealth.probe.recorded.NvmlReplay`, which has pynvml's call surface and raises pynvml's
+own ``NVMLError`` classes, so the adapter's unit conversions, error handling and fallbacks are the
+real ones. ``bench/gpu_nvml.py`` (via ``bench/gpu_check.sh nvml``) runs the same source on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pynvml
+import pytest
+
+from fleethealth.errors import DeviceError
+from fleethealth.probe.nvml import NvmlSource
+from fleethealth.probe.recorded import NvmlReplay
+from fleethealth.probe.sources import StallGuard, create_source
+from fleethealth.schema import ClockReason, EventKind, Telemetry, decode, encode
+
+
+def _open(path, **kwargs) -> tuple[NvmlSource, NvmlReplay]:
+    replay = NvmlReplay(path)
+    source = NvmlSource("n0003", "r00", nvml=replay, **kwargs)
+    source.open()
+    return source, replay
+
+
+def test_h100_columns_units_and_fault_signatures(recording) -> None:
+    source, _ = _open(recording("nvml_h100_faults.json"), xid_events=False)
+    tel = source.sample(1000.0).telemetry
+    c = tel.columns
+    assert tel.gpu.tolist() == [0, 1, 2, 3]
+    assert tel.model == "NVIDIA H100 80GB HBM3" and tel.uuid[3].startswith("GPU-e09a4b6c")
+    assert c["power_w"][0] == pytest.approx(312.45)          # mW -> W
+    assert c["power_limit_w"].tolist() == [700.0] * 4
+    assert c["mem_temp_c"].tolist() == [36.0, 40.0, 37.0, 39.0]  # NVML_FI_DEV_MEMORY_TEMP field value
+    # GPU 1: the HW power brake bit (0x80) with HW slowdown, clocks pulled to 705 MHz
+    reasons = ClockReason(int(c["clock_reasons"][1]))
+    assert ClockReason.HW_POWER_BRAKE in reasons and ClockReason.HW_SLOWDOWN in reasons
+    assert int(c["clock_reasons"][1]) & 0x80 and not int(c["clock_reasons"][0]) & 0x80
+    assert c["sm_clock_mhz"][1] == 705.0 and c["sm_clock_max_mhz"][1] == 1980.0
+    # GPU 2: PCIe downtrained to Gen3 x8 of Gen5 x16, with replays
+    assert (c["pcie_gen"][2], c["pcie_gen_max"][2], c["pcie_width"][2], c["pcie_width_max"][2]) == (3, 5, 8, 16)
+    assert c["pcie_replay"][2] == 1543.0
+    downtrained = (c["pcie_gen"] < c["pcie_gen_max"]) | (c["pcie_width"] < c["pcie_width_max"])
+    assert downtrained.tolist() == [False, False, True, False]
+    # GPU 3: a row remap pending after an uncorrectable error; NVLink links down, counters summed
+    assert c["remap_pending"].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert (c["remap_correctable"][3], c["remap_uncorrectable"][3], c["remap_failure"][3]) == (12.0, 1.0, 0.0)
+    assert (c["ecc_sbe_volatile"][3], c["ecc_dbe_volatile"][3], c["ecc_sbe_aggregate"][3]) == (37.0, 1.0, 212.0)
+    assert c["nvlink_links_up"].tolist() == [18.0, 18.0, 18.0, 16.0]
+    assert c["nvlink_links_max"].tolist() == [18.0] * 4
+    assert (c["nvlink_replay"][3], c["nvlink_recovery"][3], c["nvlink_crc_flit"][3], c["nvlink_crc_data"][3]) == (
+        136.0, 19.0, 57.0, 4.0)
+    # Hopper retires no pages: NOT_SUPPORTED becomes NaN, never an error
+    assert np.isnan(c["retired_sbe"]).all() and np.isnan(c["retired_pending"]).all()
+    # the sample is a valid wire message
+    again = decode(Telemetry, encode(tel))
+    assert again.columns["clock_reasons"][1] == 0x88 and math.isnan(again.columns["retired_dbe"][0])
+
+
+def test_old_driver_falls_back_to_deprecated_calls_and_reads_retired_pages(recording) -> None:
+    source, _ = _open(recording("nvml_v100_r470.json"), xid_events=False)
+    c = source.sample(1.0).telemetry.columns
+    assert c["temp_c"].tolist() == [52.0, 52.0]                   # nvmlDeviceGetTemperature fallback
+    assert c["clock_reasons"].tolist() == [0x20, 0x20]            # ...ClocksThrottleReasons fallback
+    assert c["retired_sbe"].tolist() == [0.0, 2.0] and c["retired_dbe"].tolist() == [0.0, 1.0]
+    assert c["retired_pending"].tolist() == [0.0, 1.0]
+    assert np.isnan(c["remap_pending"]).all() and np.isnan(c["mem_temp_c"]).all()
+    assert c["nvlink_links_up"].tolist() == [6.0, 6.0]
+
+
+def test_xid_arrives_through_the_event_set_thread(recording) -> None:
+    source, replay = _open(recording("nvml_h100_faults.json"), xid_wait_ms=20)
+    try:
+        replay.add_xid(1, 79)
+        deadline = time.monotonic() + 5
+        xids = []
+        while time.monotonic() < deadline and len(xids) < 2:
+            xids += [e for e in source.sample(2.0).events if e.kind is EventKind.XID]
+            time.sleep(0.02)
+        assert sorted((e.gpu, e.code) for e in xids) == [(1, 79), (3, 48)]
+        assert all(e.node == "n0003" and e.ts == 2.0 for e in xids)
+    finally:
+        source.close()
+
+
+def test_gpu_off_the_bus_is_one_event_not_a_crash(recording) -> None:
+    source, replay = _open(recording("nvml_h100_faults.json"), xid_events=False)
+    source.sample(1.0)
+    replay.lose_gpu(2)
+    first = source.sample(2.0)
+    lost = [e for e in first.events if e.kind is EventKind.GPU_LOST]
+    assert [(e.gpu, e.data["uuid"][:12]) for e in lost] == [(2, "GPU-b83d1f07")]
+    assert np.isnan(first.telemetry.columns["temp_c"][2]) and first.telemetry.columns["temp_c"][1] == 47.0
+    second = source.sample(3.0)
+    assert not [e for e in second.events if e.kind is EventKind.GPU_LOST]  # reported once
+    assert second.telemetry.columns["power_w"][3] == pytest.approx(309.87)
+
+
+def test_missing_nvml_library_is_one_clear_line() -> None:
+    """The real pynvml on this GPU-less machine: libnvidia-ml.so.1 is absent."""
+    source = create_source("nvml", node="n0", rack="r0")
+    with pytest.raises(DeviceError) as info:
+        source.open()
+    text = str(info.value)
+    assert "\n" not in text and "libnvidia-ml.so.1" in text and "--source dcgm" in text and "--source sim" in text
+
+
+def test_driver_not_loaded_is_named(recording) -> None:
+    replay = NvmlReplay(recording("nvml_h100_faults.json"))
+    replay.fail_init(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    with pytest.raises(DeviceError, match="kernel driver is not loaded"):
+        NvmlSource("n0", "r0", nvml=replay).open()
+
+
+def test_a_wedged_driver_call_becomes_telemetry_stalled_and_sampling_resumes(recording) -> None:
+    source, replay = _open(recording("nvml_h100_faults.json"), xid_events=False)
+    guard = StallGuard(source, node="n0003", timeout_s=0.2)
+    try:
+        assert guard.sample(1.0).sample is not None
+        replay.block("nvmlDeviceGetPowerUsage")
+        stalled = guard.sample(2.0)
+        assert stalled.sample is None and stalled.error is None
+        assert [e.kind for e in stalled.events] == [EventKind.TELEMETRY_STALLED]
+        assert stalled.events[0].data == {"source": "nvml", "timeout_s": 0.2} and guard.stalled
+        again = guard.sample(3.0)  # still wedged: no second event, returns at once
+        assert again.sample is None and again.events == ()
+        assert guard.stalls_total == 1
+        replay.release()
+        deadline = time.monotonic() + 5
+        while guard.stalled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resumed = guard.sample(4.0)
+        assert resumed.sample is not None and resumed.sample.telemetry.ts == 4.0 and not guard.stalled
+    finally:
+        replay.release()
+        guard.close()
+
+
+def test_recorder_writes_a_recording_that_replays_the_same_sample(recording, tmp_path) -> None:
+    """bench/gpu_nvml.py --record wraps the real pynvml; here it wraps a replay of a recording."""
+    from fleethealth.probe.recorded import NvmlRecorder
+
+    original = NvmlReplay(recording("nvml_v100_r470.json"))
+    recorder = NvmlRecorder(original, note="round trip")
+    source = NvmlSource("n0", "r0", nvml=recorder, xid_events=False)
+    source.open()
+    first = source.sample(1.0).telemetry
+    recorder.dump(tmp_path / "rec.json")
+    again = NvmlSource("n0", "r0", nvml=NvmlReplay(tmp_path / "rec.json"), xid_events=False)
+    again.open()
+    second = again.sample(1.0).telemetry
+    for name, col in first.columns.items():
+        np.testing.assert_array_equal(col, second.columns[name], err_msg=name)
+    assert second.uuid == first.uuid
