@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleethealth.injob.records import checkpoint_event, hang_report_event, sdc_check_event
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry
 from fleethealth.sim.faults import EFFECTS, Frame, sdc_failures
 from fleethealth.sim.scenario import Scenario
@@ -197,17 +198,19 @@ class FleetSim:
                     failing[self.node_index[fault["node"]] * self.gpus + fault["gpu"]] = kind
             world = self.n_nodes * self.gpus
             for rank in range(world):
-                node = self.node_names[rank // self.gpus]
                 failed = failing.get(rank)
-                peers = [] if check == "selfcheck" else [(rank + world // 2) % world, (rank + 1) % world]
-                events.append(_sdc_event(node, ts, job.id, rank, rank % self.gpus, step, check,
-                                         passed=failed is None, peers=peers,
-                                         classification=None if failed is None else
-                                         "transient" if failed == "selfcheck" else "persistent"))
+                kind = failed or check
+                culprit = rank if failed == "replay" else None
+                events.append(sdc_check_event(
+                    ts=ts, check=kind, passed=failed is None, node=self.node_names[rank // self.gpus], job=job.id,
+                    rank=rank, gpu=rank % self.gpus, step=step, culprit_rank=culprit,
+                    peer_ranks=[] if kind == "selfcheck" else [(rank + world // 2) % world, (rank + 1) % world],
+                    tolerance=None if kind == "selfcheck" else 5.0,
+                    classification=None if failed is None else "transient" if failed == "selfcheck" else "persistent"))
         if step > 0 and step % checks.checkpoint_every == 0:
-            events.append(Event(node=self.node_names[0], ts=ts, kind=EventKind.CHECKPOINT, job=job.id, step=step,
-                                data={"step": step, "uri": f"ckpt://{job.id}/step-{step:08d}",
-                                      "last_verified_step": self._watermark(step)}))
+            events.append(checkpoint_event(ts=ts, step=step, uri=f"ckpt://{job.id}/step-{step:08d}",
+                                           last_verified_step=self._watermark(step), node=self.node_names[0],
+                                           job=job.id))
         return events
 
     def _watermark(self, step: int) -> int | None:
@@ -257,23 +260,15 @@ class _SimFrame(Frame):
         return out
 
 
-def _sdc_event(node: str, ts: float, job: str, rank: int, gpu: int, step: int, check: str, *, passed: bool,
-               peers: list[int], classification: str | None) -> Event:
-    culprit = None if passed or check == "selfcheck" else rank
-    return Event(node=node, ts=ts, kind=EventKind.SDC_CHECK, job=job, gpu=gpu, rank=rank, step=step,
-                 data={"check": check, "passed": passed, "classification": classification,
-                       "digests": [], "duration_s": 0.0, "peer_ranks": peers, "culprit_rank": culprit,
-                       "tolerance": None if check == "selfcheck" else 5.0})
+_STACKS = {"compute": 'File "train.py", line 88 in forward\n  cudaStreamSynchronize (GPU not responding)',
+           "all_reduce": 'File "torch/distributed/distributed_c10d.py", line 2501 in all_reduce'}
 
 
 def _hang_event(node: str, ts: float, job: str, rank: int, gpu: int, step: int, timeout: float,
                 stuck_in: str) -> Event:
-    frames = {"compute": 'File "train.py", line 88 in forward\n  cudaStreamSynchronize (GPU not responding)',
-              "all_reduce": 'File "torch/distributed/distributed_c10d.py", line 2501 in all_reduce'}[stuck_in]
-    return Event(node=node, ts=ts, kind=EventKind.HANG_REPORT, job=job, gpu=gpu, rank=rank, step=step,
-                 message=f"no step completed in {timeout:.0f} s",
-                 data={"stacks": f"Thread 0x7f00 (most recent call first):\n  {frames}",
-                       "last_collective": "all_reduce" if stuck_in == "all_reduce" else None, "timeout_s": timeout})
+    return hang_report_event(ts=ts, stacks=f"Thread 0x7f00 (most recent call first):\n  {_STACKS[stuck_in]}",
+                             timeout_s=timeout, last_collective="all_reduce" if stuck_in == "all_reduce" else None,
+                             node=node, job=job, rank=rank, gpu=gpu, step=step)
 
 
 def _interruption(node: str, ts: float, job: str, step: int, cause: str, detected_by: str, detection_s: float,
