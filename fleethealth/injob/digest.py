@@ -1,0 +1,205 @@
+"""Gradient digests computed on the device: a bitwise one for the self-check, a numeric fingerprint
+for the cross-rank replay.
+
+**Bitwise digest.** Each tensor's raw bits are read as 64-bit words (float32 pairs, bfloat16 /
+float16 quadruples, float64 as is; the few elements left over are widened one by one) and cut into
+chunks of :data:`CHUNK` words. Per chunk the device computes two wrapping (two's complement,
+modulo 2^64) integer sums::
+
+    s1 = sum(words)            s2 = sum(words XOR key[position])
+
+``key`` is a fixed pseudo-random word per position, so ``s2`` also changes when values move. Only
+these ``2 x chunks`` integers leave the device (the gradients never do); the host hashes them with
+the dtypes and shapes into a 128-bit hex string, compared with ``==``. A single flipped bit changes
+one word by +-2^k with k < 64, which is never 0 modulo 2^64, so it always changes ``s1`` and the
+digest. The one deliberate exception: with ``canonical_zero`` (the default) -0.0 and +0.0 count as
+equal, because accumulating a gradient into a zeroed buffer turns -0.0 into +0.0 and is not a fault.
+Modular sums are associative and commutative, so the digest is deterministic on every device and
+equal across devices for equal bits.
+
+**Fingerprint.** For the replay, where two devices legitimately differ in the last bits, each tensor
+gives ``[sum, sum of squares, key-signed sum, n]`` in float64; :func:`fingerprint_distance` scales
+the differences by their Cauchy-Schwarz bounds, so the distance is a relative error in [0, inf).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["CHUNK", "BitDigest", "PendingDigest", "bit_digest", "bit_digest_async", "fingerprint",
+           "fingerprint_distance"]
+
+CHUNK = 1 << 20
+"""64-bit words per chunk; the position key is this long (8 MiB on each device)."""
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_keys: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _key(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    cache = (str(device), dtype)
+    key = _keys.get(cache)
+    if key is None:
+        gen = torch.Generator().manual_seed(0x5DC_F1EE7)
+        info = torch.iinfo(dtype)
+        key = torch.randint(info.min, info.max, (CHUNK,), generator=gen, dtype=torch.int64).to(dtype)
+        key = _keys[cache] = key.to(device)
+    return key
+
+
+def _rows(t: torch.Tensor, canonical_zero: bool) -> list[torch.Tensor]:
+    """The ``(s1, s2)`` rows of one tensor, still on its device (int64, shape ``(2,)`` each)."""
+    t = t.detach()
+    if canonical_zero and t.is_floating_point():
+        t = t + 0.0  # -0.0 + 0.0 == +0.0; every other value (NaN payloads included) is unchanged
+    flat = t.reshape(-1)
+    per_word = 8 // flat.element_size()
+    n = flat.numel()
+    m = n - n % per_word
+    try:
+        words = flat[:m].view(torch.int64)
+    except RuntimeError:  # a view at an odd offset (e.g. inside a DDP bucket): realign by copying
+        words = flat[:m].clone().view(torch.int64)
+    key = _key(flat.device, torch.int64)
+    rows = [torch.stack([chunk.sum(), torch.bitwise_xor(chunk, key[:chunk.numel()]).sum()])
+            for chunk in words.split(CHUNK)]
+    if m < n:  # fewer than 8 bytes' worth of elements left: widen each (exact)
+        tail = flat[m:].view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
+        rows.append(torch.stack([tail.sum(), torch.bitwise_xor(tail, key[:tail.numel()]).sum()]))
+    return rows
+
+
+@dataclass(frozen=True, eq=False)
+class BitDigest:
+    """A bitwise digest of a list of tensors. ``parts`` has shape ``(chunks, 2)`` (int64 sums);
+    ``bounds[i]:bounds[i + 1]`` are the rows of tensor ``i``; ``names`` label the tensors.
+
+    Equality is exact (``==`` on the integer sums and the layout); :meth:`mismatches` names the tensors
+    whose bits differ.
+    """
+
+    parts: np.ndarray
+    bounds: tuple[int, ...]
+    layout: tuple[str, ...]
+    names: tuple[str, ...]
+
+    @property
+    def hex(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update("|".join(self.layout).encode())
+        h.update(np.ascontiguousarray(self.parts, dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BitDigest):
+            return NotImplemented
+        return self.layout == other.layout and np.array_equal(self.parts, other.parts)
+
+    def __hash__(self) -> int:
+        return hash(self.hex)
+
+    def mismatches(self, other: BitDigest) -> list[str]:
+        """Names of the tensors whose bits differ (all of them when the layouts differ)."""
+        if self.layout != other.layout:
+            return list(self.names)
+        out = []
+        for i, name in enumerate(self.names):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            if not np.array_equal(self.parts[a:b], other.parts[a:b]):
+                out.append(name)
+        return out
+
+
+class PendingDigest:
+    """A digest whose integer sums are still on the device; :meth:`result` copies them (one sync)."""
+
+    def __init__(self, parts: list[torch.Tensor], bounds: tuple[int, ...], layout: tuple[str, ...],
+                 names: tuple[str, ...]) -> None:
+        self._parts = torch.stack(parts) if parts else None
+        self._bounds, self._layout, self._names = bounds, layout, names
+
+    def result(self) -> BitDigest:
+        parts = (np.zeros((0, 2), dtype=np.int64) if self._parts is None
+                 else self._parts.cpu().numpy().astype(np.int64))
+        return BitDigest(parts=parts, bounds=self._bounds, layout=self._layout, names=self._names)
+
+
+def bit_digest_async(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None, *,
+                     canonical_zero: bool = True) -> PendingDigest:
+    """Queue the digest of ``tensors`` on their device without waiting for it (see the module doc)."""
+    names = tuple(names) if names is not None else tuple(str(i) for i in range(len(tensors)))
+    if len(names) != len(tensors):
+        raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+    parts: list[torch.Tensor] = []
+    bounds = [0]
+    layout = []
+    for t in tensors:
+        layout.append(f"{t.dtype}{tuple(t.shape)}")
+        parts += _rows(t, canonical_zero)
+        bounds.append(len(parts))
+    return PendingDigest(parts, tuple(bounds), tuple(layout), names)
+
+
+def bit_digest(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None, *,
+               canonical_zero: bool = True) -> BitDigest:
+    """The bitwise digest of ``tensors`` (see the module doc); one device sync."""
+    return bit_digest_async(tensors, names, canonical_zero=canonical_zero).result()
+
+
+def fingerprint(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """Per tensor ``[sum, sum of squares, key-signed sum, n]`` in float64; shape ``(len(tensors), 4)``."""
+    rows: list[torch.Tensor] = []
+    for t in tensors:
+        flat = t.detach().reshape(-1).to(torch.float64)
+        key = _key(flat.device, torch.int64)
+        acc = torch.zeros(3, dtype=torch.float64, device=flat.device)
+        for chunk in flat.split(CHUNK):
+            sign = 1.0 - 2.0 * (key[:chunk.numel()] & 1).to(torch.float64)
+            acc = acc + torch.stack([chunk.sum(), (chunk * chunk).sum(), (chunk * sign).sum()])
+        rows.append(torch.cat([acc, torch.tensor([float(flat.numel())], dtype=torch.float64,
+                                                 device=flat.device)]))
+    if not rows:
+        return np.zeros((0, 4))
+    return torch.stack(rows).cpu().numpy()
+
+
+def _scaled(a: np.ndarray, b: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff = np.abs(a - b)
+        out = np.where(scale > 0, diff / np.where(scale > 0, scale, 1.0), np.where(diff == 0, 0.0, np.inf))
+    same_nonfinite = ~np.isfinite(a) & ~np.isfinite(b) & ((a == b) | (np.isnan(a) & np.isnan(b)))
+    out = np.where(same_nonfinite, 0.0, out)
+    return np.where(np.isnan(out), np.inf, out)
+
+
+def fingerprint_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Relative distance between two fingerprints of the same tensors: 0 when bitwise equal.
+
+    Each tensor's sums are scaled by ``sqrt(sumsq * n) + sqrt(n) * rms`` (their Cauchy-Schwarz bound,
+    plus the same bound for a tensor at the whole gradient's RMS, so a tensor whose gradient is pure
+    rounding noise, e.g. a bias ahead of a normalisation, does not dominate); sums of squares by
+    ``sumsq + n * rms^2``. Matching NaN / inf entries count as equal; NaN or inf against a finite
+    value gives ``inf``. Raises ``ValueError`` when the shapes differ.
+    """
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 2 or a.shape[1] != 4:
+        raise ValueError(f"fingerprints of different layouts: {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    if not np.array_equal(a[:, 3], b[:, 3]):
+        return float("inf")
+    n = a[:, 3]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sq = np.fmax(a[:, 1], b[:, 1])
+        finite = np.isfinite(sq)
+        ms = float(sq[finite].sum() / max(n[finite].sum(), 1.0)) if finite.any() else 0.0
+        bound = np.sqrt(sq * n) + np.sqrt(n * ms)
+        sq_scale = sq + n * ms
+    d = np.stack([_scaled(a[:, 0], b[:, 0], bound), _scaled(a[:, 1], b[:, 1], sq_scale),
+                  _scaled(a[:, 2], b[:, 2], bound)])
+    return float(d.max())
