@@ -176,8 +176,10 @@ def _run_probe(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if args.duration is not None:
-        threading.Timer(args.duration, stop.set).start()
+    timer = threading.Timer(args.duration, stop.set) if args.duration is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     started = time.monotonic()
     with Probe(source, config, dsn=args.kafka, on_connect=on_connect) as probe:
         print(f"fleethealth probe: node {config.node}, source {args.source}, bus {args.kafka}, "
@@ -267,11 +269,15 @@ def _cmd_query(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default="fleethealth-data", metavar="DIR",
                    help="the demo's data directory (default: %(default)s)")
     p.add_argument("--store", default=None, metavar="DSN", help="a store DSN instead of DIR/store")
+    p.add_argument("--api", default=None, metavar="URL",
+                   help="a running `fleethealth serve` to ask instead (default: tried at http://127.0.0.1:8080 "
+                        "when no --store is given, since the server then owns the embedded store)")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
     p.set_defaults(run=_run_query)
 
 
 def _run_query(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     import orjson
@@ -279,14 +285,20 @@ def _run_query(args: argparse.Namespace) -> int:
     from fleethealth.errors import ConfigError
     from fleethealth.store import open_store
 
-    dsn = args.store
-    if dsn is None:
-        path = Path(args.data) / "store"
-        if not path.is_dir():
-            raise ConfigError(f"no store at {path} (run `fleethealth demo --data {args.data}` first)")
-        dsn = f"chdb://{path.resolve()}"
-    with open_store(dsn) as store:
-        result = store.query(args.sql, readonly=True)
+    from fleethealth.api.client import DEFAULT_URL, query_via_api, server_running
+
+    api = args.api or (DEFAULT_URL if args.store is None and server_running(DEFAULT_URL) else None)
+    if api is not None:
+        result = query_via_api(api, args.sql, os.environ.get("FLEETHEALTH_API_TOKEN"))
+    else:
+        dsn = args.store
+        if dsn is None:
+            path = Path(args.data) / "store"
+            if not path.is_dir():
+                raise ConfigError(f"no store at {path} (run `fleethealth demo --data {args.data}` first)")
+            dsn = f"chdb://{path.resolve()}"
+        with open_store(dsn) as store:
+            result = store.query(args.sql, readonly=True)
     if args.json:
         for row in result.dicts():
             sys.stdout.write(orjson.dumps(row, default=str).decode() + "\n")
@@ -425,14 +437,15 @@ def _run_selftest(args: argparse.Namespace) -> int:
                 records = [orjson.loads(line) for line in fh if line.strip()]
         except (OSError, orjson.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read baselines from {args.baseline}: {exc}") from exc
+    fleet = BaselineBook.from_records(records).fleet
     store = None
     if args.store:
         from fleethealth.store import open_store
 
         store = open_store(args.store)
         store.migrate()
-        records += [e.data for e in store.events(kind="selftest")]
-    book = BaselineBook.from_records(records, slow_fraction=args.slow_fraction, min_samples=1 if args.baseline else 3)
+        fleet = {**BaselineBook.from_store(store).fleet, **fleet}
+    book = BaselineBook(fleet=fleet, slow_fraction=args.slow_fraction, min_samples=1 if args.baseline else 3)
     err = Console(stderr=True)
     try:
         with Progress(console=err, transient=True) as bar:

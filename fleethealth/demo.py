@@ -1,7 +1,8 @@
 """``fleethealth demo``: one scenario through the whole system on the embedded parts.
 
-The simulated fleet publishes what its node probes would — telemetry, per-node step batches,
-events — to the embedded Kafka-protocol broker; the detector runner consumes them as a consumer
+The simulated fleet hands what its node probes would see — telemetry, per-node step batches,
+events — to the probe's delivery path (the bounded disk spool in ``DATA/spool``, then the
+idempotent producer) into the embedded Kafka-protocol broker; the detector runner consumes them as a consumer
 group, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
 result is exported from the store to ``OUT/findings.jsonl`` and ``OUT/recommendations.jsonl``.
 Nothing is mocked: the same runner, bus and store code runs against a Kafka cluster and a
@@ -19,8 +20,11 @@ from pathlib import Path
 import orjson
 
 from fleethealth.broker import EmbeddedBroker
-from fleethealth.bus import Producer, ensure_topics
+from fleethealth.bus import ensure_topics
 from fleethealth.detectors.runner import Runner
+from fleethealth.errors import BusUnavailable
+from fleethealth.probe.delivery import Delivery
+from fleethealth.probe.spool import Spool
 from fleethealth.schema import Finding, Recommendation
 from fleethealth.sim import FleetSim, Scenario
 from fleethealth.store import Store, open_store
@@ -63,11 +67,12 @@ def export_jsonl(store: Store, out: Path) -> tuple[list[Finding], list[Recommend
 
 
 def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | None = None) -> DemoResult:
-    """Run ``scenario`` end to end; the store in ``data/store`` is recreated empty first."""
+    """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first."""
     started = time.perf_counter()
     store_dir = data / "store"
-    if store_dir.exists():
-        shutil.rmtree(store_dir)
+    for stale in (store_dir, data / "spool"):
+        if stale.exists():
+            shutil.rmtree(stale)
     data.mkdir(parents=True, exist_ok=True)
     sim = FleetSim(scenario)
     with EmbeddedBroker(log_path=data / "broker.log") as broker, open_store(f"chdb://{store_dir}") as store:
@@ -75,14 +80,23 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         ensure_topics(broker.dsn)
         t0 = time.perf_counter()
         published = 0
-        with Producer(broker.dsn, client_id="fleethealth-demo-fleet") as producer:
+        delivery = Delivery(broker.dsn, Spool(data / "spool"), client_id="fleethealth-demo-probes",
+                            batch_records=5000)
+        try:
             for tick in sim.run():
                 for msg in (*tick.telemetry, *tick.batches, *tick.events):
-                    producer.publish(msg)
+                    delivery.submit(msg)
                 published += len(tick.telemetry) + len(tick.batches) + len(tick.events)
                 if progress is not None and tick.step is not None:
                     progress("publish", tick.step + 1, scenario.job.steps)
-            producer.flush()
+            delivered = 0
+            while delivered < published:
+                sent = delivery.step(force=True)
+                if sent == 0 and delivery.stats().last_error:
+                    raise BusUnavailable(f"the probes could not deliver to the broker: {delivery.stats().last_error}")
+                delivered += sent
+        finally:
+            delivery.close()
         t1 = time.perf_counter()
         with Runner(broker.dsn, store, group="fleethealth-demo") as runner:
             consumed = 0
