@@ -1,1 +1,65 @@
-"""Streaming detectors (pure ``update(batch) -> findings``) and the runner that feeds them."""
+"""Streaming detectors (pure ``update(...) -> list[Finding]``) and the runner that feeds them.
+
+Every detector here is an estimator in scikit-learn's manner: keyword-only parameters stored by
+``__init__``, checked on the first ``update`` (:class:`~fleethealth.errors.ConfigError`), running
+state in attributes ending in ``_``, no I/O and no wall clock — event time comes in with the
+data. ``tests/detectors/test_common.py`` runs them all through one set of checks.
+
+What the runner calls, per input:
+
+* **an assembled step** of one job (all ranks, columnar) — one straggler detector *per job*
+  (its state is indexed by rank)::
+
+      findings = straggler.update(step, ranks, compute_s, groups)      # StragglerDetector()
+      # fill node / gpu / job / ts from the placement, then diagnose:
+      res = diagnoser.diagnose(node, gpu)                                # Diagnoser()
+      f = dataclasses.replace(f, node=node, gpu=gpu, job=job, ts=ts, diagnosis=res.diagnosis,
+                              evidence={**f.evidence, **res.evidence})
+      findings = rack_episodes.update(findings, diagnoser.rack_of)      # RackEpisodes()
+
+  ``SeedRule()`` has the same interface (seed 000's rule, the benchmark baseline).
+* **step batches, events and the event-time watermark** — ``hang.update(batches, events, now)``
+  (:class:`HangDetector`; one instance for all jobs).
+* **telemetry samples and events** — ``diagnoser.observe(samples)``;
+  ``health.update(samples, events)`` (:class:`HealthRules`: ``ecc`` / ``xid`` / ``thermal`` /
+  ``link``); ``predictor.update(samples, events)`` (:class:`FailurePredictor`:
+  ``failure_risk``; loads the shipped model on first use, needs scikit-learn).
+* **events** — ``sdc.update(events)`` (:class:`SdcDetector`: ``sdc`` from ``sdc_check`` records).
+
+Bad values inside otherwise valid input have a defined behaviour (dropped and counted in a
+``*_total_`` attribute); malformed calls raise :class:`~fleethealth.errors.SchemaError`.
+"""
+
+from fleethealth.detectors.diagnosis import (
+    Diagnoser,
+    DiagnosisResult,
+    DiagnosisThresholds,
+    RackEpisodes,
+    diagnose_straggler,
+)
+from fleethealth.detectors.hang import HangDetector
+from fleethealth.detectors.health import HealthRules
+from fleethealth.detectors.predict import FailurePredictor, GpuFeatures, load_model
+from fleethealth.detectors.sdc import SdcDetector
+from fleethealth.detectors.straggler import SeedRule, StragglerDetector, robust_z
+from fleethealth.detectors.xid import XID_CATALOG, XidInfo, XidSeverity
+
+__all__ = [
+    "SeedRule",
+    "StragglerDetector",
+    "robust_z",
+    "HangDetector",
+    "Diagnoser",
+    "DiagnosisResult",
+    "DiagnosisThresholds",
+    "RackEpisodes",
+    "diagnose_straggler",
+    "HealthRules",
+    "XID_CATALOG",
+    "XidInfo",
+    "XidSeverity",
+    "SdcDetector",
+    "FailurePredictor",
+    "GpuFeatures",
+    "load_model",
+]

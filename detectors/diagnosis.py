@@ -1,0 +1,239 @@
+"""Why is a straggler slow? Seed 000 revision R2's ``diagnose_straggler`` on node telemetry.
+
+Classify before evicting (R2): evicting a symptom whose cause is the aisle just moves it.
+:func:`diagnose_straggler` is a pure function of the straggler node's latest
+:class:`~fleethealth.schema.Telemetry` (and the one before it, for counter rates) and its rack
+peers' latest samples. The branches, in R2's order:
+
+1. **Thermal or power cap** — the GPU's temperature above ``thermal_limit_c``, a thermal
+   clock-event bit (``SW_THERMAL``/``HW_THERMAL``) or the hardware power brake. Then the rack
+   decides: if the peers' median temperature is also above the limit, or at least
+   ``peer_throttle_share`` of the peers throttle too, it is ``ENVIRONMENTAL`` (alert facilities,
+   evicting will not help), else ``NODE_THERMAL`` (a fan or paste problem: evict). ``SW_POWER_CAP``
+   alone does not count: a busy GPU sits at its power limit in normal operation.
+2. **NVLink** — fewer links up than the GPU has, or CRC / replay / recovery counters rising
+   faster than ``nvlink_errors_per_s`` between the two samples → ``NODE_LINK``.
+3. **NIC** — the node NIC's shared utilisation above ``nic_util_band`` → ``NETWORK_CONTENTION``.
+4. Otherwise ``UNKNOWN``.
+
+The evidence (values, thresholds, peers) is a JSON-ready dict that goes into the finding.
+:class:`Diagnoser` is the small stateful helper a runner keeps: it remembers the latest two
+samples of every node and answers ``diagnose(node, gpu)``. :class:`RackEpisodes` folds many
+``ENVIRONMENTAL`` stragglers of one rack into one finding per rack episode, not 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fleethealth.detectors.params import check_float
+
+from fleethealth.errors import SchemaError
+from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
+
+__all__ = ["DiagnosisThresholds", "DiagnosisResult", "diagnose_straggler", "Diagnoser", "RackEpisodes"]
+
+_THROTTLE_BITS = int(ClockReason.thermal() | ClockReason.HW_POWER_BRAKE)
+_NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+
+
+@dataclass(frozen=True)
+class DiagnosisThresholds:
+    """Limits of :func:`diagnose_straggler` (defaults suit H100-class GPUs)."""
+
+    thermal_limit_c: float = 85.0
+    """GPU core temperature above which the GPU slows itself (H100 slowdown temperature)."""
+    peer_throttle_share: float = 0.5
+    """Share of rack peers throttling too that makes the cause environmental."""
+    nvlink_errors_per_s: float = 1.0
+    """NVLink CRC + replay + recovery errors per second, summed over the node, still in band."""
+    nic_util_band: float = 0.85
+    """NIC shared utilisation above which the network is contended."""
+
+    def __post_init__(self) -> None:
+        check_float(self, "thermal_limit_c", self.thermal_limit_c, minimum=-273.0)
+        check_float(self, "peer_throttle_share", self.peer_throttle_share, strict=True, maximum=1.0)
+        check_float(self, "nvlink_errors_per_s", self.nvlink_errors_per_s)
+        check_float(self, "nic_util_band", self.nic_util_band, maximum=1.0)
+
+
+@dataclass(frozen=True)
+class DiagnosisResult:
+    """A diagnosis and the numbers behind it (``evidence`` is JSON-ready)."""
+
+    diagnosis: Diagnosis
+    evidence: dict[str, Any]
+
+
+def _num(x: float) -> float | None:
+    return None if not math.isfinite(x) else round(float(x), 4)
+
+
+def _rows(sample: Telemetry, gpu: int | None) -> np.ndarray:
+    if gpu is None:
+        return np.ones(sample.gpu.shape, dtype=bool)
+    rows = sample.gpu == gpu
+    return rows if rows.any() else np.ones(sample.gpu.shape, dtype=bool)
+
+
+def _throttled(sample: Telemetry) -> np.ndarray:
+    bits = np.nan_to_num(sample.columns["clock_reasons"], nan=0.0).astype(np.int64)
+    return (bits & _THROTTLE_BITS) != 0
+
+
+def _node_temp(sample: Telemetry) -> float:
+    temps = sample.columns["temp_c"]
+    return float(np.nanmedian(temps)) if np.isfinite(temps).any() else math.nan
+
+
+def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
+    """NVLink error counters' growth per second over the node (NaN without a usable earlier sample)."""
+    if previous is None or previous.ts >= sample.ts or previous.gpu.shape != sample.gpu.shape:
+        return math.nan
+    total = 0.0
+    for name in _NVLINK_COUNTERS:
+        delta = np.nan_to_num(sample.columns[name] - previous.columns[name], nan=0.0)
+        total += float(np.clip(delta, 0.0, None).sum())  # a counter reset is not a negative rate
+    return total / (sample.ts - previous.ts)
+
+
+def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gpu: int | None = None,
+                       previous: Telemetry | None = None,
+                       thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> DiagnosisResult:
+    """Classify a straggler on ``sample.node`` (GPU ``gpu``, or the whole node when None).
+
+    ``peers`` are the latest samples of the other nodes in the rack (the node itself is skipped
+    if present); ``previous`` is the node's sample before ``sample`` (for counter rates).
+    """
+    th = thresholds
+    rows = _rows(sample, gpu)
+    cols = sample.columns
+    temps = cols["temp_c"][rows]
+    temp = float(np.nanmax(temps)) if np.isfinite(temps).any() else math.nan
+    reasons = int(np.bitwise_or.reduce(np.nan_to_num(cols["clock_reasons"][rows], nan=0.0).astype(np.int64)))
+    evidence: dict[str, Any] = {
+        "node": sample.node, "rack": sample.rack, "gpu": gpu, "sample_ts": sample.ts,
+        "temp_c": _num(temp), "thermal_limit_c": th.thermal_limit_c,
+        "clock_reasons": [r.name for r in ClockReason if r & reasons],
+    }
+    hot = temp > th.thermal_limit_c or bool(reasons & _THROTTLE_BITS)
+    if hot:
+        others = [p for p in peers if p.node != sample.node]
+        peer_temps = np.array([_node_temp(p) for p in others])
+        finite = peer_temps[np.isfinite(peer_temps)]
+        median = float(np.median(finite)) if finite.size else math.nan
+        share = float(np.mean([_throttled(p).any() for p in others])) if others else 0.0
+        evidence.update(peers=len(others), peer_median_temp_c=_num(median), peer_throttle_share=round(share, 4),
+                        peer_throttle_share_limit=th.peer_throttle_share)
+        rack_hot = median > th.thermal_limit_c or (bool(others) and share >= th.peer_throttle_share)
+        return DiagnosisResult(Diagnosis.ENVIRONMENTAL if rack_hot else Diagnosis.NODE_THERMAL, evidence)
+    up, top = cols["nvlink_links_up"], cols["nvlink_links_max"]
+    down = np.isfinite(up) & np.isfinite(top) & (up < top)
+    rate = _nvlink_rate(sample, previous)
+    evidence.update(nvlink_links_up=_num(float(np.nansum(up))) if np.isfinite(up).any() else None,
+                    nvlink_links_max=_num(float(np.nansum(top))) if np.isfinite(top).any() else None,
+                    nvlink_gpus_degraded=sample.gpu[down].tolist(), nvlink_errors_per_s=_num(rate),
+                    nvlink_errors_per_s_band=th.nvlink_errors_per_s)
+    if down.any() or rate > th.nvlink_errors_per_s:
+        return DiagnosisResult(Diagnosis.NODE_LINK, evidence)
+    evidence.update(nic_util=_num(sample.nic_util), nic_util_band=th.nic_util_band)
+    if sample.nic_util > th.nic_util_band:
+        return DiagnosisResult(Diagnosis.NETWORK_CONTENTION, evidence)
+    return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
+
+
+class Diagnoser:
+    """Remembers each node's latest two telemetry samples and diagnoses stragglers on demand.
+
+    ``observe(samples)`` keeps, per node, the newest sample and the one before it (older or
+    duplicate samples are ignored and counted in ``stale_total_``); ``diagnose(node, gpu)``
+    runs :func:`diagnose_straggler` against the node's rack peers. A node never seen gives
+    ``UNKNOWN`` with ``evidence["telemetry"] = "missing"``.
+    """
+
+    def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> None:
+        self.thresholds = thresholds
+        self.latest_: dict[str, Telemetry] = {}
+        self.previous_: dict[str, Telemetry] = {}
+        self.racks_: dict[str, set[str]] = {}
+        self.stale_total_ = 0
+
+    def observe(self, samples: Iterable[Telemetry]) -> None:
+        for sample in samples:
+            last = self.latest_.get(sample.node)
+            if last is not None and sample.ts <= last.ts:
+                self.stale_total_ += 1
+                continue
+            if last is not None:
+                self.previous_[sample.node] = last
+                if last.rack != sample.rack:
+                    self.racks_.get(last.rack, set()).discard(sample.node)
+            self.latest_[sample.node] = sample
+            self.racks_.setdefault(sample.rack, set()).add(sample.node)
+
+    def rack_of(self, node: str) -> str | None:
+        sample = self.latest_.get(node)
+        return None if sample is None else sample.rack
+
+    def diagnose(self, node: str, gpu: int | None = None) -> DiagnosisResult:
+        sample = self.latest_.get(node)
+        if sample is None:
+            return DiagnosisResult(Diagnosis.UNKNOWN, {"node": node, "gpu": gpu, "telemetry": "missing"})
+        peers = [self.latest_[n] for n in sorted(self.racks_.get(sample.rack, ())) if n != node]
+        return diagnose_straggler(sample, peers, gpu=gpu, previous=self.previous_.get(node),
+                                  thresholds=self.thresholds)
+
+
+class RackEpisodes:
+    """Fold ``ENVIRONMENTAL`` stragglers of one rack into one finding per (job, rack) episode.
+
+    ``update(findings, rack_of)`` passes every other finding through unchanged. The first
+    ``ENVIRONMENTAL`` straggler of a rack opens an episode and is replaced by one rack finding
+    (``detector="straggler.rack"``, ``rank``/``gpu`` None, ``evidence["rack"]``, the first
+    straggler's rank, node and diagnosis evidence). Later ones in the same rack are absorbed
+    (counted in ``episodes_``) until ``quiet_s`` of event time passes without one; then the next
+    opens a new episode. Findings whose rack is unknown pass through; a non-finite ``ts`` raises
+    :class:`~fleethealth.errors.SchemaError`.
+    """
+
+    name = "straggler.rack"
+
+    def __init__(self, *, quiet_s: float = 1800.0) -> None:
+        self.quiet_s = quiet_s
+
+    def update(self, findings: Sequence[Finding], rack_of: Callable[[str], str | None]) -> list[Finding]:
+        if not hasattr(self, "episodes_"):
+            check_float(self, "quiet_s", self.quiet_s, strict=True)
+            self.episodes_: dict[tuple[str | None, str], dict[str, Any]] = {}
+        out = []
+        for f in findings:
+            if not math.isfinite(f.ts):
+                raise SchemaError("ts", f"finding {f.id} has a non-finite event time {f.ts!r}")
+            rack = rack_of(f.node) if f.node else None
+            if f.kind is not FindingKind.STRAGGLER or f.diagnosis is not Diagnosis.ENVIRONMENTAL or rack is None:
+                out.append(f)
+                continue
+            key = (f.job, rack)
+            ep = self.episodes_.get(key)
+            if ep is not None and f.ts - ep["last_ts"] <= self.quiet_s:
+                ep["last_ts"] = max(ep["last_ts"], f.ts)
+                ep["nodes"].add(f.node)
+                ep["stragglers"] += 1
+                continue
+            self.episodes_[key] = {"opened_ts": f.ts, "last_ts": f.ts, "nodes": {f.node}, "stragglers": 1}
+            evidence = {"rack": rack, "first_rank": f.rank, "first_node": f.node, "first_gpu": f.gpu,
+                        "first_slowdown": f.slowdown, "straggler": dict(f.evidence)}
+            out.append(dataclasses.replace(f, rank=None, gpu=None, detector=self.name, evidence=evidence))
+        return out
+
+    def open_episodes(self) -> dict[str, int]:
+        """Stragglers absorbed so far per rack (all jobs), for metrics and tests."""
+        counts: dict[str, int] = {}
+        for (_, rack), ep in getattr(self, "episodes_", {}).items():
+            counts[rack] = counts.get(rack, 0) + ep["stragglers"]
+        return counts

@@ -1,0 +1,274 @@
+"""Hang detection: a progress check in event time, never a liveness check (seed 000 §7).
+
+A hung rank is alive; what stops is progress. Per job, :class:`HangDetector` keeps every rank's
+last completed step and the event time it arrived (from :class:`~fleethealth.schema.StepBatch`),
+the time the job last made progress, and a window of step durations. When progress has stopped
+for longer than the step timeout — ``timeout_factor`` × the ``quantile`` step time, floored at
+``min_timeout_s`` (seed: 3 × p99, ~90 s at scale) — the job is hung, and it yields **one**
+``hang`` finding naming the ranks and nodes that are behind (the lowest last step, which
+includes ranks that stopped reporting) with the stack dumps the in-job watchdogs sent as
+``hang_report`` events.
+
+Timeline of one hang::
+
+    last progress ──timeout──▶ deadline ──(wait for the behind ranks' stacks, ≤ stack_grace_s)──▶ finding
+
+The finding is emitted at the deadline if every behind rank's stack is already in, else as soon
+as they are, or at ``deadline + stack_grace_s`` with what arrived, or earlier when the job
+resumes or is reported interrupted. Its ``ts`` is that moment in event time (not the caller's
+clock), so a replay yields the same finding.
+
+Not a hang: a job interrupted for a known cause (an ``interruption`` event before the deadline —
+a lost GPU, a planned restart) and a job whose ranks are all level with no watchdog report (it
+finished or is idle; counted in ``idle_total_``). After an interruption the job's rank state
+starts afresh, since a restarted job may resume from an earlier step.
+
+``update(batches, events, now)``: ``now`` is the newest event time the caller has seen (the
+runner passes its watermark); it must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fleethealth.detectors.params import check_float, check_int
+
+from fleethealth.errors import SchemaError
+from fleethealth.injob.records import HangReport
+from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
+
+__all__ = ["HangDetector"]
+
+
+@dataclass
+class _Job:
+    """Running state of one job (mutable; private to the detector)."""
+
+    last_step: np.ndarray = field(default_factory=lambda: np.full(0, -1, dtype=np.int64))
+    last_ts: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    node_of: np.ndarray = field(default_factory=lambda: np.full(0, -1, dtype=np.int64))
+    gpu_of: np.ndarray = field(default_factory=lambda: np.full(0, -1, dtype=np.int64))
+    nodes: list[str] = field(default_factory=list)
+    node_index: dict[str, int] = field(default_factory=dict)
+    max_step: int = -1
+    max_step_ts: float = math.nan
+    progress_ts: float = math.nan
+    durations: deque[float] = field(default_factory=deque)
+    stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    interrupted: bool = False
+    reported: bool = False
+    deadline: float = math.nan
+
+    def grow(self, top: int) -> None:
+        if top < self.last_step.size:
+            return
+        new = max(top + 1, 2 * self.last_step.size, 64)
+        for name, fill in (("last_step", -1), ("last_ts", 0.0), ("node_of", -1), ("gpu_of", -1)):
+            old = getattr(self, name)
+            arr = np.full(new, fill, dtype=old.dtype)
+            arr[: old.size] = old
+            setattr(self, name, arr)
+
+
+class HangDetector:
+    """One ``hang`` finding per stalled job, naming the ranks behind and attaching their stacks.
+
+    Parameters are keyword-only and checked on the first ``update`` (``ConfigError``):
+    ``timeout_factor`` × the ``quantile`` of the last ``window`` step durations, floored at
+    ``min_timeout_s``; ``stack_grace_s`` how long past the deadline to wait for watchdog stacks;
+    ``max_listed`` caps the ranks and stacks listed in the evidence.
+    """
+
+    name = "hang"
+
+    def __init__(self, *, timeout_factor: float = 3.0, quantile: float = 0.99, min_timeout_s: float = 30.0,
+                 window: int = 512, stack_grace_s: float = 90.0, max_listed: int = 64) -> None:
+        self.timeout_factor = timeout_factor
+        self.quantile = quantile
+        self.min_timeout_s = min_timeout_s
+        self.window = window
+        self.stack_grace_s = stack_grace_s
+        self.max_listed = max_listed
+
+    # ------------------------------------------------------------ state
+    def _start(self) -> None:
+        check_float(self, "timeout_factor", self.timeout_factor, strict=True)
+        check_float(self, "quantile", self.quantile, strict=True, maximum=1.0)
+        check_float(self, "min_timeout_s", self.min_timeout_s, strict=True)
+        check_int(self, "window", self.window, minimum=1)
+        check_float(self, "stack_grace_s", self.stack_grace_s)
+        check_int(self, "max_listed", self.max_listed, minimum=1)
+        self.jobs_: dict[str, _Job] = {}
+        self.idle_total_ = 0
+        self.ignored_events_total_ = 0
+
+    def timeout_s(self, job: str) -> float:
+        """The current step timeout of ``job`` (the floor until step durations are known)."""
+        state = self.jobs_.get(job) if hasattr(self, "jobs_") else None
+        if state is None or not state.durations:
+            return float(self.min_timeout_s)
+        q = float(np.quantile(np.fromiter(state.durations, dtype=np.float64), self.quantile))
+        return max(float(self.min_timeout_s), self.timeout_factor * q)
+
+    def forget(self, job: str) -> None:
+        """Drop a job that ended (a scheduler said so); it will not be reported as hung."""
+        if hasattr(self, "jobs_"):
+            self.jobs_.pop(job, None)
+
+    # ------------------------------------------------------------ input
+    def _batch(self, b: StepBatch) -> None:
+        job = self.jobs_.setdefault(b.job, _Job())
+        if job.interrupted:
+            self.jobs_[b.job] = job = _Job(durations=job.durations)
+        ranks = np.asarray(b.ranks, dtype=np.int64)
+        if ranks.size == 0:
+            return
+        job.grow(int(ranks.max()))
+        node = job.node_index.setdefault(b.node, len(job.nodes))
+        if node == len(job.nodes):
+            job.nodes.append(b.node)
+        job.node_of[ranks] = node
+        job.gpu_of[ranks] = np.asarray(b.gpus, dtype=np.int64)
+        newer = job.last_step[ranks] < b.step
+        if newer.any():
+            job.last_step[ranks[newer]] = b.step
+            job.last_ts[ranks[newer]] = b.ts
+            job.progress_ts = b.ts if math.isnan(job.progress_ts) else max(job.progress_ts, b.ts)
+            job.reported = False
+            job.deadline = math.nan
+            job.stacks.clear()
+        if b.step > job.max_step:
+            if job.max_step >= 0 and b.ts > job.max_step_ts:
+                job.durations.append((b.ts - job.max_step_ts) / (b.step - job.max_step))
+                while len(job.durations) > self.window:
+                    job.durations.popleft()
+            job.max_step, job.max_step_ts = b.step, b.ts
+
+    def _event(self, e: Event) -> list[Finding]:
+        if e.kind not in (EventKind.HANG_REPORT, EventKind.INTERRUPTION):
+            return []
+        job = self.jobs_.get(e.job) if e.job is not None else None
+        if job is None:
+            self.ignored_events_total_ += 1
+            return []
+        if e.kind is EventKind.HANG_REPORT:
+            try:
+                report = HangReport.from_event(e)
+            except SchemaError:
+                self.ignored_events_total_ += 1
+                return []
+            if e.rank is not None and len(job.stacks) < 4 * self.max_listed:
+                job.stacks[e.rank] = {"rank": e.rank, "node": e.node, "gpu": e.gpu, "step": e.step, "ts": e.ts,
+                                      "last_collective": report.last_collective, "stacks": report.stacks}
+            return []
+        out = self._report(e.job, job, e.ts, "interrupted") if self._pending(job) else []
+        job.interrupted = True
+        return out
+
+    # ------------------------------------------------------------ decision
+    def _behind(self, job: _Job) -> np.ndarray:
+        known = np.flatnonzero(job.node_of >= 0)
+        if known.size == 0:
+            return known
+        steps = job.last_step[known]
+        low = int(steps.min())
+        return known[steps == low] if low < job.max_step else np.empty(0, dtype=np.int64)
+
+    def _report(self, name: str, job: _Job, ts: float, why: str) -> list[Finding]:
+        job.reported = True
+        behind = self._behind(job)
+        listed = behind[: self.max_listed]
+        culprits = behind.tolist()
+        if behind.size == 0:
+            # Every rank is level: the watchdogs' reports are the only pointer (the odd stack out).
+            by_stack: dict[str, list[int]] = {}
+            for rank, rec in job.stacks.items():
+                by_stack.setdefault(rec["stacks"], []).append(rank)
+            if len(by_stack) > 1:
+                culprits = sorted(min(by_stack.values(), key=len))
+            listed = np.asarray(culprits[: self.max_listed], dtype=np.int64)
+        nodes = sorted({job.nodes[i] for i in job.node_of[listed].tolist() if i >= 0})
+        stacks = sorted(job.stacks.values(), key=lambda r: (r["rank"] not in set(culprits), r["rank"]))
+        first = int(listed[0]) if listed.size else None
+        node = (job.nodes[job.node_of[first]] if first is not None and job.node_of[first] >= 0
+                else stacks[0]["node"] if stacks else job.nodes[0])
+        stuck_step = int(job.last_step[listed].min()) + 1 if listed.size else job.max_step + 1
+        evidence = {
+            "why": why, "timeout_s": round(self.timeout_s(name), 3), "last_progress_ts": job.progress_ts,
+            "stalled_s": round(ts - job.progress_ts, 3), "max_step": job.max_step,
+            "behind_ranks": [int(r) for r in listed], "behind_count": int(len(culprits)),
+            "behind_nodes": nodes, "last_steps": sorted({int(s) for s in job.last_step[listed]}),
+            "stacks": stacks[: self.max_listed],
+        }
+        one = len(culprits) == 1 and first is not None
+        return [Finding(kind=FindingKind.HANG, node=node, ts=float(ts), job=name,
+                        gpu=int(job.gpu_of[first]) if one and job.gpu_of[first] >= 0 else None,
+                        rank=first if one else None, step=stuck_step, detector=self.name, evidence=evidence)]
+
+    def _check(self, name: str, job: _Job, now: float) -> list[Finding]:
+        if job.reported or job.interrupted or math.isnan(job.progress_ts):
+            return []
+        if math.isnan(job.deadline):
+            deadline = job.progress_ts + self.timeout_s(name)
+            if now <= deadline:
+                return []
+            job.deadline = deadline
+        behind = self._behind(job)
+        if behind.size == 0 and not job.stacks:
+            if now > job.deadline + self.stack_grace_s:
+                job.reported = True  # level and silent: finished or idle, not hung
+                self.idle_total_ += 1
+            return []
+        have = set(job.stacks)
+        if behind.size and all(int(r) in have for r in behind[: self.max_listed]):
+            last = max(job.stacks[int(r)]["ts"] for r in behind[: self.max_listed])
+            return self._report(name, job, max(job.deadline, last), "timeout")
+        if behind.size == 0 and job.stacks:
+            return self._report(name, job, max(job.deadline, max(r["ts"] for r in job.stacks.values())), "timeout")
+        if now >= job.deadline + self.stack_grace_s:
+            return self._report(name, job, job.deadline + self.stack_grace_s, "timeout")
+        return []
+
+    def _advances(self, job: _Job, b: StepBatch) -> bool:
+        ranks = np.asarray(b.ranks, dtype=np.int64)
+        if ranks.size == 0:
+            return False
+        if int(ranks.max()) >= job.last_step.size:
+            return True
+        return bool((job.last_step[ranks] < b.step).any())
+
+    def update(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float) -> list[Finding]:
+        """Fold in step batches and events in event-time order; return new ``hang`` findings.
+
+        Before each input the job is checked at that input's time, so a stall is seen even when
+        the caller hands over a long stretch at once; finally every job is checked at ``now``.
+        """
+        if not hasattr(self, "jobs_"):
+            self._start()
+        if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+            raise SchemaError("now", f"expected a finite event time, got {now!r}")
+        items: list[tuple[float, int, int, StepBatch | Event]] = [(b.ts, 0, i, b) for i, b in enumerate(batches)]
+        items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
+        out: list[Finding] = []
+        for ts, _, _, item in sorted(items, key=lambda x: x[:3]):
+            job = self.jobs_.get(item.job) if item.job is not None else None
+            if job is not None:
+                out += self._check(item.job, job, ts)
+            if isinstance(item, StepBatch):
+                if job is not None and self._pending(job) and self._advances(job, item):
+                    out += self._report(item.job, job, max(ts, job.deadline), "resumed")
+                self._batch(item)
+            else:
+                out += self._event(item)
+        for name, job in self.jobs_.items():
+            out += self._check(name, job, float(now))
+        return out
+
+    @staticmethod
+    def _pending(job: _Job) -> bool:
+        return not (job.reported or job.interrupted or math.isnan(job.deadline))

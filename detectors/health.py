@@ -1,0 +1,190 @@
+"""Telemetry health rules: ECC, Xid, power brake and PCIe downtraining, debounced into episodes.
+
+Rules (per GPU, on each node's telemetry and the node's events):
+
+=========  ==================================================================================
+``ecc``    uncorrectable errors since driver load (``critical``), a row-remap failure
+           (``critical``), a row remap or page retirement pending (``warning``), retired pages
+           growing since the node's previous sample (``warning``)
+``xid``    each Xid event, read through :mod:`fleethealth.detectors.xid` (severity, action,
+           remedy); codes below ``min_xid_severity`` are counted, not reported
+``thermal`` the hardware power brake clock-event bit (``HW_POWER_BRAKE``): an external power
+           event, the kind that hits several nodes at once
+``link``   PCIe link trained below its maximum generation or width (generation only while the
+           GPU is busy: idle GPUs lower their PCIe generation to save power)
+=========  ==================================================================================
+
+Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
+on the first sample (event) where the rule holds and emits one finding; it stays open while the
+rule keeps holding, and closes only after ``clear_after_s`` of event time without it. A flapping
+signal (a power-brake storm at 10 per second) therefore yields one finding, not thousands. An
+episode whose severity rises (a pending remap that becomes uncorrectable errors) emits once more,
+with ``evidence["escalated_from"]``.
+
+``update(telemetry, events) -> list[Finding]``: pure, event time only. Samples of a node older
+than its newest one are ignored (``stale_total_``); NaN fields never satisfy a rule; an Xid event
+without a code is counted in ``invalid_events_total_`` and skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fleethealth.detectors.params import check_float
+from fleethealth.detectors.xid import XidSeverity, lookup
+
+from fleethealth.errors import ConfigError
+from fleethealth.schema import ClockReason, Event, EventKind, Finding, FindingKind, Telemetry
+
+__all__ = ["HealthRules"]
+
+_WARN, _CRIT = XidSeverity.WARNING, XidSeverity.CRITICAL
+
+
+@dataclass
+class _Episode:
+    opened_ts: float
+    last_ts: float
+    severity: XidSeverity
+    count: int = 1
+
+
+def _col(sample: Telemetry, name: str) -> np.ndarray:
+    return sample.columns[name]
+
+
+class HealthRules:
+    """ECC / Xid / power-brake / PCIe rules with episode debouncing (see the module docstring).
+
+    Parameters (keyword-only, checked on the first ``update``): ``clear_after_s`` quiet event
+    time that closes an episode; ``pcie_busy_util_pct`` utilisation above which a lower PCIe
+    generation counts as downtraining; ``min_xid_severity`` the least severe Xid reported.
+    """
+
+    name = "health"
+
+    def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
+                 min_xid_severity: str = "warning") -> None:
+        self.clear_after_s = clear_after_s
+        self.pcie_busy_util_pct = pcie_busy_util_pct
+        self.min_xid_severity = min_xid_severity
+
+    def _start(self) -> None:
+        check_float(self, "clear_after_s", self.clear_after_s, strict=True)
+        check_float(self, "pcie_busy_util_pct", self.pcie_busy_util_pct, maximum=100.0)
+        try:
+            self.min_severity_ = XidSeverity(self.min_xid_severity)
+        except ValueError:
+            known = ", ".join(s.value for s in XidSeverity)
+            raise ConfigError(f"HealthRules: min_xid_severity must be one of {known}, "
+                              f"got {self.min_xid_severity!r}") from None
+        self.episodes_: dict[tuple[str, int | None, str], _Episode] = {}
+        self.previous_: dict[str, Telemetry] = {}
+        self.stale_total_ = 0
+        self.suppressed_total_ = 0
+        self.xid_below_min_total_ = 0
+        self.invalid_events_total_ = 0
+
+    # ------------------------------------------------------------ episodes
+    def _hit(self, key: tuple[str, int | None, str], ts: float, severity: XidSeverity) -> XidSeverity | None:
+        """Record that a rule holds; return None if suppressed, else the severity it rose from (or itself)."""
+        ep = self.episodes_.get(key)
+        if ep is None or ts - ep.last_ts > self.clear_after_s:
+            self.episodes_[key] = _Episode(ts, ts, severity)
+            return severity
+        ep.last_ts = max(ep.last_ts, ts)
+        ep.count += 1
+        if severity.rank > ep.severity.rank:
+            before, ep.severity = ep.severity, severity
+            return before
+        self.suppressed_total_ += 1
+        return None
+
+    def _emit(self, kind: FindingKind, node: str, gpu: int | None, ts: float, severity: XidSeverity,
+              evidence: dict[str, Any], *, rule: str, job: str | None = None, step: int | None = None
+              ) -> list[Finding]:
+        before = self._hit((node, gpu, rule), ts, severity)
+        if before is None:
+            return []
+        evidence = {"severity": severity.value, **evidence}
+        if before is not severity:
+            evidence["escalated_from"] = before.value
+        return [Finding(kind=kind, node=node, ts=float(ts), job=job, gpu=gpu, step=step,
+                        detector=f"{self.name}.{kind.value}", evidence=evidence)]
+
+    # ------------------------------------------------------------ rules
+    def _telemetry(self, s: Telemetry) -> list[Finding]:
+        prev = self.previous_.get(s.node)
+        if prev is not None and s.ts <= prev.ts:
+            self.stale_total_ += 1
+            return []
+        self.previous_[s.node] = s
+        out: list[Finding] = []
+        dbe = _col(s, "ecc_dbe_volatile")
+        failure = _col(s, "remap_failure") > 0
+        pending = (_col(s, "remap_pending") > 0) | (_col(s, "retired_pending") > 0)
+        retired = _col(s, "retired_sbe") + _col(s, "retired_dbe")
+        grown = np.zeros(s.gpu.shape, dtype=bool)
+        if prev is not None and prev.gpu.shape == s.gpu.shape and np.array_equal(prev.gpu, s.gpu):
+            grown = retired - (_col(prev, "retired_sbe") + _col(prev, "retired_dbe")) > 0
+        critical = (dbe > 0) | failure
+        ecc = critical | pending | grown
+        for i in np.flatnonzero(ecc).tolist():
+            reasons = [name for name, hit in (("uncorrectable", dbe[i] > 0), ("remap_failure", failure[i]),
+                                              ("pending", pending[i]), ("retired_growth", grown[i])) if hit]
+            ev = {"reasons": reasons, "uncorrectable": _f(dbe[i]), "remap_failure": bool(failure[i]),
+                  "remap_pending": _f(_col(s, "remap_pending")[i]), "retired_pages": _f(retired[i]),
+                  "corrected_volatile": _f(_col(s, "ecc_sbe_volatile")[i])}
+            out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
+                              rule="ecc")
+        bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)
+        for i in np.flatnonzero(bits & int(ClockReason.HW_POWER_BRAKE)).tolist():
+            ev = {"clock_reasons": [r.name for r in ClockReason if r & int(bits[i])],
+                  "power_w": _f(_col(s, "power_w")[i]), "power_limit_w": _f(_col(s, "power_limit_w")[i])}
+            out += self._emit(FindingKind.THERMAL, s.node, int(s.gpu[i]), s.ts, _WARN, ev, rule="power_brake")
+        gen, gen_max = _col(s, "pcie_gen"), _col(s, "pcie_gen_max")
+        width, width_max = _col(s, "pcie_width"), _col(s, "pcie_width_max")
+        util = _col(s, "util_pct")
+        busy = ~(util < self.pcie_busy_util_pct)  # unknown utilisation counts as busy
+        low = ((gen < gen_max) & busy) | (width < width_max)
+        for i in np.flatnonzero(low).tolist():
+            ev = {"pcie_gen": _f(gen[i]), "pcie_gen_max": _f(gen_max[i]), "pcie_width": _f(width[i]),
+                  "pcie_width_max": _f(width_max[i]), "util_pct": _f(util[i])}
+            out += self._emit(FindingKind.LINK, s.node, int(s.gpu[i]), s.ts, _WARN, ev, rule="pcie")
+        return out
+
+    def _xid(self, e: Event) -> list[Finding]:
+        if e.code is None:
+            self.invalid_events_total_ += 1  # an Xid without its code says nothing to act on
+            return []
+        info = lookup(e.code)
+        severity = info.severity
+        claimed = e.data.get("severity")
+        if isinstance(claimed, str) and claimed.lower() in {s.value for s in XidSeverity}:
+            severity = max(severity, XidSeverity(claimed.lower()), key=lambda s: s.rank)
+        if severity.rank < self.min_severity_.rank:
+            self.xid_below_min_total_ += 1
+            return []
+        ev = {"code": e.code, "name": info.name, "action": info.action.value, "remedy": info.remedy,
+              "hardware": info.hardware, "message": e.message}
+        return self._emit(FindingKind.XID, e.node, e.gpu, e.ts, severity, ev, rule=f"xid{e.code}", job=e.job,
+                          step=e.step)
+
+    def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
+        """Apply the rules to new samples and events (each in event-time order); return new findings."""
+        if not hasattr(self, "episodes_"):
+            self._start()
+        out: list[Finding] = []
+        for sample in sorted(telemetry, key=lambda s: s.ts):
+            out += self._telemetry(sample)
+        for event in sorted(events, key=lambda e: e.ts):
+            if event.kind is EventKind.XID:
+                out += self._xid(event)
+        return out
+
+
+def _f(x: float) -> float | None:
+    return None if not np.isfinite(x) else float(x)

@@ -1,0 +1,114 @@
+"""SDC check results → ``sdc`` findings naming the node, GPU, rank, check and classification.
+
+The in-job library runs two checks (seed 000 R3): a bitwise **self-check** (a rank recomputes
+its own microbatch: any bit difference is a hardware fault; catches transient corruption) and a
+rare cross-rank **replay** at an empirical tolerance (catches a deterministically wrong GPU).
+Each result arrives as an ``sdc_check`` event (keys in ``fleethealth.injob.records``):
+``check``, ``passed``, ``classification`` (``transient`` | ``persistent`` | ``data_or_code`` |
+null), ``digests``, ``duration_s``, ``peer_ranks``, ``culprit_rank``, ``tolerance``.
+
+:class:`SdcDetector` turns a failing check into one finding per (node, GPU, check) episode: a
+deterministic fault fails every replay, and one finding is what the policy needs. A later
+passing check of the same GPU and kind closes the episode. ``rank`` is the culprit the replay's
+bisection named, else the reporting rank. The evidence carries the check record plus what a
+rollback needs: ``last_verified_step`` (the newest check step of the job that passed, before the
+failing one) and the job's recent ``checkpoints`` (from ``checkpoint`` events).
+
+Events with malformed check records are counted in ``invalid_total_`` and skipped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from fleethealth.detectors.params import check_int
+
+from fleethealth.errors import SchemaError
+from fleethealth.injob.records import Classification, SdcCheck
+from fleethealth.schema import Event, EventKind, Finding, FindingKind
+
+__all__ = ["SdcDetector"]
+
+
+class SdcDetector:
+    """Failing ``sdc_check`` events → ``sdc`` findings, one per (node, GPU, check) episode.
+
+    Parameters: ``keep`` how many recent passing check steps and checkpoints to remember per job.
+    """
+
+    name = "sdc"
+
+    def __init__(self, *, keep: int = 16) -> None:
+        self.keep = keep
+
+    def _start(self) -> None:
+        check_int(self, "keep", self.keep, minimum=1)
+        self.open_: dict[tuple[str, int | None, str], int] = {}
+        self.passes_: dict[str, deque[int]] = {}
+        self.checkpoints_: dict[str, deque[dict[str, Any]]] = {}
+        self.invalid_total_ = 0
+        self.failures_total_ = 0
+
+    def _remember_pass(self, job: str | None, step: int | None) -> None:
+        if job is None or step is None:
+            return
+        steps = self.passes_.setdefault(job, deque(maxlen=self.keep))
+        if step not in steps:
+            steps.append(step)
+
+    def _watermark(self, job: str | None, step: int | None) -> int | None:
+        passes = [s for s in self.passes_.get(job or "", ()) if step is None or s < step]
+        return max(passes) if passes else None
+
+    def _check(self, e: Event) -> list[Finding]:
+        try:
+            rec = SdcCheck.from_event(e)
+        except SchemaError:
+            self.invalid_total_ += 1
+            return []
+        key = (e.node, e.gpu, rec.check.value)
+        if rec.passed:
+            self.open_.pop(key, None)
+            if rec.culprit_rank is None:  # a clean step for the job, not a vote against a peer
+                self._remember_pass(e.job, e.step)
+            return []
+        self.failures_total_ += 1
+        if key in self.open_:
+            self.open_[key] += 1
+            return []
+        self.open_[key] = 1
+        evidence = {
+            "check": rec.check.value,
+            "classification": None if rec.classification is None else rec.classification.value,
+            "digests": list(rec.digests), "duration_s": rec.duration_s, "peer_ranks": list(rec.peer_ranks),
+            "culprit_rank": rec.culprit_rank, "tolerance": rec.tolerance, "reporting_rank": e.rank,
+            "hardware": rec.classification is not Classification.DATA_OR_CODE,
+            "last_verified_step": self._watermark(e.job, e.step),
+            "checkpoints": list(self.checkpoints_.get(e.job or "", ())),
+        }
+        return [Finding(kind=FindingKind.SDC, node=e.node, ts=e.ts, job=e.job, gpu=e.gpu,
+                        rank=rec.culprit_rank if rec.culprit_rank is not None else e.rank, step=e.step,
+                        detector=f"{self.name}.{rec.check.value}", evidence=evidence)]
+
+    def _checkpoint(self, e: Event) -> None:
+        step, lvs = e.data.get("step", e.step), e.data.get("last_verified_step")
+        if e.job is None or not isinstance(step, int):
+            self.invalid_total_ += 1
+            return
+        book = self.checkpoints_.setdefault(e.job, deque(maxlen=self.keep))
+        book.append({"step": step, "uri": str(e.data.get("uri", "")),
+                     "last_verified_step": lvs if isinstance(lvs, int) else None})
+
+    def update(self, events: Sequence[Event]) -> list[Finding]:
+        """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings."""
+        if not hasattr(self, "open_"):
+            self._start()
+        out: list[Finding] = []
+        for e in sorted(events, key=lambda e: e.ts):
+            if e.kind is EventKind.SDC_CHECK:
+                out += self._check(e)
+            elif e.kind is EventKind.CHECKPOINT:
+                self._checkpoint(e)
+        return out

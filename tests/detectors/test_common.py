@@ -1,0 +1,256 @@
+"""One set of checks for every detector (scikit-learn's common-test habit): builds with defaults,
+is deterministic for the same input, handles NaN / empty / one-rank input with a clear error or a
+defined result, and never mutates its input."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import fleethealth.detectors as detectors
+import numpy as np
+import pytest
+from fleethealth.detectors import (
+    FailurePredictor,
+    GpuFeatures,
+    HangDetector,
+    HealthRules,
+    RackEpisodes,
+    SdcDetector,
+    SeedRule,
+    StragglerDetector,
+)
+
+from fleethealth.errors import SchemaError
+from fleethealth.injob.records import sdc_check_event
+from fleethealth.schema import (
+    ClockReason,
+    Diagnosis,
+    Event,
+    EventKind,
+    Finding,
+    FindingKind,
+    StepBatch,
+    Telemetry,
+    decode,
+    encode,
+)
+
+Call = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to drive one detector: ``feed(det, call)`` runs one update; inputs are lists of calls."""
+
+    name: str
+    make: Callable[[], Any]
+    feed: Callable[[Any, Call], list]
+    valid: Callable[[], list[Call]]
+    nan: Callable[[], list[Call]]
+    one: Callable[[], list[Call]]
+    empty: Call
+    nan_raises: bool = False
+    expect_valid: bool = True  # the valid input must produce at least one result
+    expect_one: bool = False
+
+
+# ---------------------------------------------------------------- inputs
+def _steps(n_steps: int, n: int = 64, slow: float = 0.3, nan: bool = False) -> list[Call]:
+    rng = np.random.default_rng(1)
+    out = []
+    for s in range(n_steps):
+        t = 2.0 * np.exp(0.02 * rng.standard_normal(n))
+        t[5 % n] *= 1 + slow
+        if nan:
+            t[7] = np.nan
+        out.append((s, np.arange(n), t, None))
+    return out
+
+
+def _batch(step: int, ts: float, ranks: list[int]) -> StepBatch:
+    r = np.asarray(ranks, dtype=np.int32)
+    return StepBatch(job="j", step=step, node=f"n{r[0] // 8:04d}", ts=ts, ranks=r, gpus=(r % 8).astype(np.int16),
+                     compute_s=np.full(r.size, 1.6))
+
+
+def _hang_calls(ranks: list[int]) -> list[Call]:
+    calls: list[Call] = [([_batch(s, 100.0 + 2 * s, ranks)], [], 100.0 + 2 * s) for s in range(10)]
+    calls.append(([_batch(10, 120.0, ranks[1:])] if len(ranks) > 1 else [], [], 120.0))
+    calls.append(([], [], 1000.0))
+    return calls
+
+
+def _sample(ts: float, n_gpu: int = 4, nan: bool = False, brake: bool = False, dbe: float = 0.0) -> Telemetry:
+    if nan:
+        return Telemetry.from_columns("n0001", "r00", ts, np.arange(n_gpu))
+    cols = {"ecc_dbe_volatile": np.full(n_gpu, 0.0), "clock_reasons": np.zeros(n_gpu), "temp_c": np.full(n_gpu, 66.0),
+            "retired_sbe": np.zeros(n_gpu), "retired_dbe": np.zeros(n_gpu), "ecc_sbe_volatile": np.zeros(n_gpu)}
+    cols["ecc_dbe_volatile"][0] = dbe
+    if brake:
+        cols["clock_reasons"][0] = int(ClockReason.HW_POWER_BRAKE)
+    return Telemetry.from_columns("n0001", "r00", ts, np.arange(n_gpu), nic_util=0.3, **cols)
+
+
+def _xid(ts: float, code: int = 79) -> Event:
+    return Event(node="n0001", ts=ts, kind=EventKind.XID, gpu=0, code=code)
+
+
+def _health_valid() -> list[Call]:
+    return [([_sample(0.0)], []), ([_sample(60.0, dbe=2.0)], [_xid(61.0)])]
+
+
+def _sdc(ts: float, passed: bool, **kw: Any) -> Event:
+    return sdc_check_event(ts=ts, check="selfcheck", passed=passed, node="n0001", job="j", rank=3, gpu=3, step=50,
+                           **kw)
+
+
+def _nan_sdc() -> Event:
+    return Event(node="n0001", ts=1.0, kind=EventKind.SDC_CHECK, job="j", rank=3, gpu=3, step=50,
+                 data={"check": "selfcheck", "passed": False, "duration_s": math.nan})
+
+
+def _predict_calls(n_gpu: int = 4, nan: bool = False) -> list[Call]:
+    calls = []
+    for i in range(40):
+        s = _sample(600.0 * i, n_gpu=n_gpu, nan=nan)
+        if not nan:
+            s.columns["ecc_sbe_volatile"][0] = 40.0 * i * i
+            s.columns["retired_sbe"][0] = i // 4
+            s.columns["remap_pending"] = np.where(np.arange(n_gpu) == 0, float(i > 20), 0.0)
+        calls.append(([s], []))
+    return calls
+
+
+def _env(node: str, ts: float, slowdown: float = 0.1) -> Finding:
+    return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job="j", rank=8, step=3, slowdown=slowdown,
+                   diagnosis=Diagnosis.ENVIRONMENTAL, detector="straggler.cusum")
+
+
+_RACK = {"n0001": "r00", "n0002": "r00"}.get
+
+CASES = [
+    Case("SeedRule", SeedRule, lambda d, c: d.update(*c), lambda: _steps(120), lambda: _steps(120, nan=True),
+         lambda: _steps(5, n=1), (0, np.array([], dtype=int), np.array([]), None)),
+    Case("StragglerDetector", StragglerDetector, lambda d, c: d.update(*c), lambda: _steps(20),
+         lambda: _steps(20, nan=True), lambda: _steps(5, n=1), (0, np.array([], dtype=int), np.array([]), None)),
+    Case("HangDetector", HangDetector, lambda d, c: d.update(*c), lambda: _hang_calls(list(range(16))),
+         lambda: [([], [], math.nan)], lambda: _hang_calls([0]),
+         ([], [], 0.0), nan_raises=True, expect_one=False),
+    Case("HealthRules", HealthRules, lambda d, c: d.update(*c), _health_valid,
+         lambda: [([_sample(0.0, nan=True)], [])], lambda: [([_sample(0.0, n_gpu=1, brake=True)], [])], ([], []),
+         expect_one=True),
+    Case("SdcDetector", SdcDetector, lambda d, c: d.update(c[0]), lambda: [([_sdc(1.0, True), _sdc(2.0, False)],)],
+         lambda: [([_nan_sdc()],)], lambda: [([_sdc(1.0, False, classification="transient")],)], ([],),
+         expect_one=True),
+    Case("GpuFeatures", GpuFeatures, lambda d, c: d.update(*c), _predict_calls, lambda: _predict_calls(nan=True),
+         lambda: _predict_calls(n_gpu=1), ([], []), expect_one=True),
+    Case("FailurePredictor", FailurePredictor, lambda d, c: d.update(*c), _predict_calls,
+         lambda: _predict_calls(nan=True), lambda: _predict_calls(n_gpu=1), ([], []), expect_one=True),
+    Case("RackEpisodes", RackEpisodes, lambda d, c: d.update(c[0], _RACK),
+         lambda: [([_env("n0001", 10.0), _env("n0002", 11.0)],)], lambda: [([_env("n0001", math.nan)],)],
+         lambda: [([_env("n0001", 10.0)],)], ([],), nan_raises=True, expect_one=True),
+]
+IDS = [c.name for c in CASES]
+
+
+def _run(case: Case, calls: list[Call]) -> list:
+    det = case.make()
+    out = []
+    for call in calls:
+        out += case.feed(det, call)
+    return out
+
+
+def _canon(results: list) -> list:
+    return [r.to_obj() if hasattr(r, "to_obj") else (r.node, r.ts, r.gpu.tolist(), r.X.round(9).tolist())
+            for r in results]
+
+
+def test_every_exported_detector_is_covered():
+    exported = {n for n in detectors.__all__ if isinstance(getattr(detectors, n), type)
+                and hasattr(getattr(detectors, n), "update")}
+    assert exported == set(IDS)
+
+
+def test_exported_names():
+    for name in detectors.__all__:
+        assert getattr(detectors, name) is not None
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_builds_with_defaults_and_only_stores_params(case):
+    det = case.make()
+    assert not [k for k in vars(det) if k.endswith("_") and not k.startswith("_")]
+    out = _run(case, case.valid())
+    if case.expect_valid:
+        assert out, f"{case.name} found nothing in its valid input"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_deterministic_for_the_same_input(case):
+    assert _canon(_run(case, case.valid())) == _canon(_run(case, case.valid()))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_empty_input_is_a_defined_no_op(case):
+    det = case.make()
+    assert case.feed(det, case.empty) == []
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_nan_input_is_a_clear_error_or_defined(case):
+    if case.nan_raises:
+        with pytest.raises(SchemaError):
+            _run(case, case.nan())
+        return
+    out = _run(case, case.nan())
+    for r in out:  # whatever is produced carries no NaN from the input
+        if isinstance(r, Finding):
+            assert r.z is None or math.isfinite(r.z)
+            assert r.rank != 7  # the rank whose time was NaN is never a straggler
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_one_rank_input(case):
+    out = _run(case, case.one())
+    if case.expect_one:
+        assert out
+    elif case.name in ("SeedRule", "StragglerDetector"):
+        assert out == []  # one rank has no peers: nothing to compare, never a straggler
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_findings_survive_the_wire(case):
+    """Every finding encodes to JSON and decodes to the same object (no NumPy scalars in evidence)."""
+    for f in _run(case, case.valid()) + _run(case, case.one()):
+        if isinstance(f, Finding):
+            f = dataclasses.replace(f, node=f.node or "n0000")  # stragglers leave the node to the runner
+            assert decode(Finding, encode(f)).to_obj() == f.to_obj()
+            assert json.loads(json.dumps(f.evidence)) == f.evidence
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_input_not_mutated(case):
+    calls = case.valid()
+    before = copy.deepcopy(calls)
+    _run(case, calls)
+    for a, b in zip(calls, before, strict=True):
+        assert _same(a, b)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b, equal_nan=True)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Telemetry):
+        return a.ts == b.ts and all(_same(a.columns[k], b.columns[k]) for k in a.columns)
+    if isinstance(a, StepBatch):
+        return a.step == b.step and _same(a.compute_s, b.compute_s) and _same(a.ranks, b.ranks)
+    return a == b

@@ -1,0 +1,178 @@
+"""Straggler diagnosis (seed 000 R2) on hand-made telemetry for each class, the rack episode
+aggregator, and one pass over the fleet simulator's telemetry for every straggler fault kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from fleethealth.detectors.diagnosis import (
+    Diagnoser,
+    DiagnosisThresholds,
+    RackEpisodes,
+    diagnose_straggler,
+)
+
+from fleethealth.errors import ConfigError
+from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
+
+
+def _sample(node="n0001", rack="r00", ts=100.0, *, temp=66.0, reasons=0, links_up=18.0, crc=0.0,
+            nic=0.35, hot_gpu=None):
+    temps = np.full(8, temp)
+    bits = np.zeros(8)
+    if hot_gpu is not None:
+        temps[hot_gpu] = 92.0
+        bits[hot_gpu] = reasons
+    else:
+        bits[:] = reasons
+    up = np.full(8, 18.0)
+    up[0] = links_up
+    return Telemetry.from_columns(node, rack, ts, np.arange(8), nic_util=nic, temp_c=temps, clock_reasons=bits,
+                                  nvlink_links_up=up, nvlink_links_max=np.full(8, 18.0),
+                                  nvlink_crc_flit=np.full(8, crc), nvlink_replay=np.zeros(8),
+                                  nvlink_crc_data=np.zeros(8), nvlink_recovery=np.zeros(8))
+
+
+def _peers(n=7, **kw):
+    return [_sample(f"n{i:04d}", **kw) for i in range(2, 2 + n)]
+
+
+def test_hot_gpu_with_cool_peers_is_node_thermal():
+    thermal = ClockReason.SW_THERMAL | ClockReason.HW_THERMAL
+    res = diagnose_straggler(_sample(hot_gpu=3, reasons=thermal), _peers(), gpu=3)
+    assert res.diagnosis is Diagnosis.NODE_THERMAL
+    ev = res.evidence
+    assert ev["temp_c"] == 92.0 and ev["thermal_limit_c"] == 85.0 and ev["peers"] == 7
+    assert ev["peer_median_temp_c"] == pytest.approx(66.0) and ev["peer_throttle_share"] == 0.0
+    assert set(ev["clock_reasons"]) == {"SW_THERMAL", "HW_THERMAL"}
+
+
+def test_thermal_clock_reason_alone_enters_thermal_branch():
+    res = diagnose_straggler(_sample(reasons=ClockReason.HW_THERMAL, temp=80.0), _peers())
+    assert res.diagnosis is Diagnosis.NODE_THERMAL
+
+
+def test_hot_rack_is_environmental_by_temperature_or_by_throttling_share():
+    by_temp = diagnose_straggler(_sample(temp=88.0), _peers(temp=87.0))
+    assert by_temp.diagnosis is Diagnosis.ENVIRONMENTAL
+    assert by_temp.evidence["peer_median_temp_c"] == 87.0
+    # a hot aisle 15 °C up stays under the limit, but the whole rack throttles
+    aisle = diagnose_straggler(_sample(temp=81.0, reasons=ClockReason.SW_THERMAL),
+                               _peers(temp=81.0, reasons=ClockReason.SW_THERMAL))
+    assert aisle.diagnosis is Diagnosis.ENVIRONMENTAL and aisle.evidence["peer_throttle_share"] == 1.0
+
+
+def test_power_cap_alone_is_not_thermal_but_power_brake_is():
+    capped = diagnose_straggler(_sample(reasons=ClockReason.SW_POWER_CAP), _peers())
+    assert capped.diagnosis is Diagnosis.UNKNOWN
+    brake = diagnose_straggler(_sample(reasons=ClockReason.HW_POWER_BRAKE), _peers())
+    assert brake.diagnosis is Diagnosis.NODE_THERMAL
+
+
+def test_links_down_is_node_link():
+    res = diagnose_straggler(_sample(links_up=12.0), _peers(), gpu=5)
+    assert res.diagnosis is Diagnosis.NODE_LINK
+    assert res.evidence["nvlink_gpus_degraded"] == [0]
+
+
+def test_rising_link_error_counters_need_the_previous_sample():
+    before, now = _sample(ts=100.0, crc=10.0), _sample(ts=102.0, crc=30.0)  # 8 GPUs x 20 / 2 s = 80/s
+    assert diagnose_straggler(now, _peers()).diagnosis is Diagnosis.UNKNOWN
+    res = diagnose_straggler(now, _peers(), previous=before)
+    assert res.diagnosis is Diagnosis.NODE_LINK and res.evidence["nvlink_errors_per_s"] == 80.0
+    slow_growth = diagnose_straggler(_sample(ts=200.0, crc=10.1), _peers(), previous=before)
+    assert slow_growth.diagnosis is Diagnosis.UNKNOWN
+    reset = diagnose_straggler(_sample(ts=104.0, crc=0.0), _peers(), previous=now)
+    assert reset.diagnosis is Diagnosis.UNKNOWN  # a counter reset is not an error burst
+
+
+def test_nic_beyond_band_is_network_contention_else_unknown():
+    res = diagnose_straggler(_sample(nic=0.97), _peers())
+    assert res.diagnosis is Diagnosis.NETWORK_CONTENTION
+    assert res.evidence["nic_util"] == 0.97 and res.evidence["nic_util_band"] == 0.85
+    quiet = diagnose_straggler(_sample(), _peers())
+    assert quiet.diagnosis is Diagnosis.UNKNOWN and quiet.evidence["nic_util"] == 0.35
+
+
+def test_nan_fields_and_no_peers_are_handled():
+    blank = Telemetry.from_columns("n0001", "r00", 1.0, np.arange(4))
+    res = diagnose_straggler(blank, [])
+    assert res.diagnosis is Diagnosis.UNKNOWN and res.evidence["temp_c"] is None
+    alone = diagnose_straggler(_sample(hot_gpu=1, reasons=ClockReason.HW_THERMAL), [], gpu=1)
+    assert alone.diagnosis is Diagnosis.NODE_THERMAL and alone.evidence["peers"] == 0
+    assert math.isnan(res.evidence["sample_ts"]) is False
+
+
+def test_thresholds_validate():
+    with pytest.raises(ConfigError, match="nic_util_band"):
+        DiagnosisThresholds(nic_util_band=2.0)
+    tight = DiagnosisThresholds(nic_util_band=0.3)
+    assert diagnose_straggler(_sample(), _peers(), thresholds=tight).diagnosis is Diagnosis.NETWORK_CONTENTION
+
+
+def test_diagnoser_keeps_two_samples_and_rack_peers():
+    d = Diagnoser()
+    d.observe([_sample(ts=100.0, crc=0.0)] + _peers(ts=100.0))
+    d.observe([_sample(ts=102.0, crc=50.0)] + _peers(ts=102.0))
+    d.observe([_sample(ts=101.0, crc=0.0)])  # late sample: ignored
+    assert d.stale_total_ == 1
+    assert d.diagnose("n0001").diagnosis is Diagnosis.NODE_LINK
+    assert d.rack_of("n0003") == "r00"
+    missing = d.diagnose("n9999", gpu=2)
+    assert missing.diagnosis is Diagnosis.UNKNOWN and missing.evidence["telemetry"] == "missing"
+
+
+def _straggler(node, rank, ts, diagnosis=Diagnosis.ENVIRONMENTAL, job="train-1"):
+    return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job=job, rank=rank, gpu=rank % 8, step=10,
+                   z=4.0, slowdown=0.1, diagnosis=diagnosis, detector="straggler.cusum", evidence={"arm": 3})
+
+
+def test_rack_episode_folds_64_environmental_stragglers_into_one():
+    racks = {f"n{i:04d}": f"r{i // 8:02d}" for i in range(32)}
+    agg = RackEpisodes(quiet_s=600.0)
+    stragglers = [_straggler(f"n{16 + r // 8:04d}", 128 + r, 1000.0 + r) for r in range(64)]
+    other = _straggler("n0003", 24, 1001.0, diagnosis=Diagnosis.NODE_THERMAL)
+    out = agg.update(stragglers[:30] + [other], racks.get) + agg.update(stragglers[30:], racks.get)
+    rack = [f for f in out if f.detector == "straggler.rack"]
+    assert len(rack) == 1 and other in out and len(out) == 2
+    assert rack[0].diagnosis is Diagnosis.ENVIRONMENTAL and rack[0].rank is None
+    assert rack[0].evidence["rack"] == "r02" and rack[0].evidence["first_rank"] == 128
+    assert agg.open_episodes() == {"r02": 64}
+    # after a quiet period, a new episode in the same rack; another job has its own episode
+    later = agg.update([_straggler("n0017", 130, 5000.0), _straggler("n0017", 130, 5001.0, job="train-2")],
+                       racks.get)
+    assert len(later) == 2 and all(f.detector == "straggler.rack" for f in later)
+    unknown_rack = _straggler("n0999", 1, 6000.0)
+    assert agg.update([unknown_rack], racks.get) == [unknown_rack]
+
+
+def test_simulated_faults_get_their_diagnosis():
+    """The fleet simulator's telemetry for each straggler fault kind, diagnosed per R2."""
+    from fleethealth.sim.fleet import FleetSim
+    from fleethealth.sim.scenario import Scenario
+
+    scenario = Scenario.from_obj({
+        "seed": 3, "fleet": {"racks": 4, "nodes_per_rack": 8, "gpus_per_node": 8}, "job": {"steps": 40},
+        "faults": [{"kind": "thermal_straggler", "node": "n0013", "gpu": 3, "start_step": 5},
+                   {"kind": "hot_aisle", "rack": "r02", "start_step": 5},
+                   {"kind": "nvlink_degraded", "node": "n0025", "start_step": 5},
+                   {"kind": "nic_contention", "node": "n0005", "start_step": 5}]})
+    sim = FleetSim(scenario)
+    d = Diagnoser()
+    for step in (20, 21):
+        d.observe(sim.step(step).telemetry)
+    assert d.diagnose("n0013", 3).diagnosis is Diagnosis.NODE_THERMAL
+    assert {d.diagnose(f"n{i:04d}", 0).diagnosis for i in range(16, 24)} == {Diagnosis.ENVIRONMENTAL}
+    assert d.diagnose("n0025", 1).diagnosis is Diagnosis.NODE_LINK
+    assert d.diagnose("n0005", 2).diagnosis is Diagnosis.NETWORK_CONTENTION
+    healthy = [n for n in sim.node_names if n not in {"n0013", "n0025", "n0005"} and sim.rack_of(n) != "r02"]
+    assert {d.diagnose(n).diagnosis for n in healthy} == {Diagnosis.UNKNOWN}
+
+
+def test_results_are_frozen():
+    res = diagnose_straggler(_sample(), [])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.diagnosis = Diagnosis.NODE_LINK  # type: ignore[misc]

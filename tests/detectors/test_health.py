@@ -1,0 +1,135 @@
+"""Telemetry health rules and the Xid catalog: each rule fires on its signal, flapping input yields
+one episode, escalation re-reports, healthy simulator telemetry yields nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fleethealth.detectors.health import HealthRules
+from fleethealth.detectors.xid import XID_CATALOG, XidSeverity, lookup
+
+from fleethealth.errors import ConfigError
+from fleethealth.schema import Action, ClockReason, Event, EventKind, FindingKind, Telemetry
+
+
+def _t(ts, node="n0001", **cols):
+    base = {"ecc_dbe_volatile": 0.0, "remap_failure": 0.0, "remap_pending": 0.0, "retired_pending": 0.0,
+            "retired_sbe": 2.0, "retired_dbe": 0.0, "clock_reasons": 0.0, "pcie_gen": 5.0, "pcie_gen_max": 5.0,
+            "pcie_width": 16.0, "pcie_width_max": 16.0, "util_pct": 97.0, "ecc_sbe_volatile": 0.0}
+    full = {k: np.full(4, v) for k, v in base.items()}
+    for name, (gpu, value) in cols.items():
+        full[name][gpu] = value
+    return Telemetry.from_columns(node, "r00", ts, np.arange(4), **full)
+
+
+def _xid(code, ts, node="n0003", gpu=2, **data):
+    return Event(node=node, ts=ts, kind=EventKind.XID, job="train-1", gpu=gpu, step=7, code=code, data=data)
+
+
+def test_catalog_covers_the_named_codes_with_severity_and_action():
+    for code in (48, 63, 64, 74, 79, 94, 95, 119, 120):
+        info = XID_CATALOG[code]
+        assert info.code == code and info.name and info.remedy
+    for code in (48, 64, 74, 79, 95, 119, 120):
+        assert lookup(code).severity is XidSeverity.CRITICAL and lookup(code).action is Action.DRAIN
+    assert lookup(63).severity is XidSeverity.WARNING and lookup(94).severity is XidSeverity.ERROR
+    assert lookup(13).hardware is False
+    unknown = lookup(9999)
+    assert unknown.action is Action.PAGE and unknown.severity is XidSeverity.WARNING
+
+
+def test_xid_storm_is_one_finding_per_code_and_gpu():
+    rules = HealthRules(clear_after_s=600.0)
+    storm = [_xid(74, 100.0 + 0.1 * i) for i in range(500)] + [_xid(74, 100.0, gpu=3), _xid(79, 150.0)]
+    found = rules.update([], storm)
+    assert [(f.kind, f.gpu, f.evidence["code"]) for f in found] == [
+        (FindingKind.XID, 2, 74), (FindingKind.XID, 3, 74), (FindingKind.XID, 2, 79)]
+    f = found[0]
+    assert f.evidence["severity"] == "critical" and f.evidence["action"] == "drain" and f.job == "train-1"
+    assert f.step == 7 and f.detector == "health.xid"
+    assert rules.suppressed_total_ == 499
+    # quiet for longer than clear_after_s: a new episode
+    assert len(rules.update([], [_xid(74, 100.0 + 50.0 + 601.0)])) == 1
+
+
+def test_info_xids_are_counted_not_reported_and_reported_severity_can_raise_it():
+    rules = HealthRules()
+    assert rules.update([], [_xid(45, 1.0), _xid(56, 2.0)]) == []
+    assert rules.xid_below_min_total_ == 2
+    (f,) = rules.update([], [_xid(13, 3.0, severity="critical")])
+    assert f.evidence["severity"] == "critical"
+    assert rules.update([], [Event(node="n1", ts=4.0, kind=EventKind.XID)]) == []
+    assert rules.invalid_events_total_ == 1
+
+
+def test_ecc_rules_and_escalation():
+    rules = HealthRules()
+    assert rules.update([_t(0.0), _t(10.0)]) == []
+    (grow,) = rules.update([_t(20.0, retired_sbe=(1, 3.0))])
+    assert grow.kind is FindingKind.ECC and grow.gpu == 1 and grow.evidence["reasons"] == ["retired_growth"]
+    assert grow.evidence["severity"] == "warning"
+    # still growing, then pending: same episode (no new finding)
+    assert rules.update([_t(30.0, retired_sbe=(1, 4.0)), _t(40.0, retired_sbe=(1, 4.0), remap_pending=(1, 1.0))]) == []
+    (worse,) = rules.update([_t(50.0, retired_sbe=(1, 4.0), remap_pending=(1, 1.0), ecc_dbe_volatile=(1, 2.0))])
+    assert worse.evidence["severity"] == "critical" and worse.evidence["escalated_from"] == "warning"
+    assert worse.evidence["uncorrectable"] == 2.0
+    (fail,) = rules.update([_t(60.0, node="n0009", remap_failure=(0, 1.0))])
+    assert fail.evidence["remap_failure"] is True and fail.evidence["severity"] == "critical"
+
+
+def test_flapping_power_brake_is_one_thermal_episode():
+    rules = HealthRules(clear_after_s=300.0)
+    brake = int(ClockReason.HW_POWER_BRAKE | ClockReason.HW_SLOWDOWN)
+    samples = [_t(float(i), clock_reasons=(0, brake if i % 2 else 0)) for i in range(200)]
+    (f,) = rules.update(samples)
+    assert f.kind is FindingKind.THERMAL and f.ts == 1.0 and "HW_POWER_BRAKE" in f.evidence["clock_reasons"]
+    assert rules.update([_t(1000.0, clock_reasons=(0, brake))])[0].ts == 1000.0
+    # software power capping alone is normal at full load
+    assert HealthRules().update([_t(1.0, clock_reasons=(0, int(ClockReason.SW_POWER_CAP)))]) == []
+
+
+def test_pcie_downtraining_width_always_generation_only_when_busy():
+    rules = HealthRules()
+    (w,) = rules.update([_t(1.0, pcie_width=(2, 8.0))])
+    assert w.kind is FindingKind.LINK and w.gpu == 2 and w.evidence["pcie_width"] == 8.0
+    assert rules.update([_t(2.0, node="n0002", pcie_gen=(0, 1.0), util_pct=(0, 0.0))]) == []
+    (g,) = rules.update([_t(3.0, node="n0002", pcie_gen=(0, 3.0))])
+    assert g.evidence["pcie_gen"] == 3.0
+
+
+def test_stale_samples_and_nan_fields():
+    rules = HealthRules()
+    rules.update([_t(10.0)])
+    assert rules.update([_t(5.0, ecc_dbe_volatile=(0, 1.0))]) == []
+    assert rules.stale_total_ == 1
+    blank = Telemetry.from_columns("n0005", "r00", 1.0, np.arange(2))
+    assert rules.update([blank]) == []
+
+
+def test_bad_parameters():
+    with pytest.raises(ConfigError, match="min_xid_severity"):
+        HealthRules(min_xid_severity="loud").update([], [])
+    with pytest.raises(ConfigError, match="clear_after_s"):
+        HealthRules(clear_after_s=0).update([], [])
+
+
+def test_simulated_ecc_precursor_and_healthy_fleet():
+    """Simulator telemetry: the precursor GPU gets ECC findings (then Xid 63/48/64/79); no other GPU
+    of the fleet gets any health finding."""
+    from fleethealth.sim.fleet import FleetSim
+    from fleethealth.sim.scenario import Scenario
+
+    sim = FleetSim(Scenario.from_obj({
+        "seed": 9, "fleet": {"racks": 2, "nodes_per_rack": 4, "gpus_per_node": 8}, "job": {"steps": 120},
+        "faults": [{"kind": "ecc_precursor", "node": "n0006", "gpu": 1, "start_step": 10, "fail_step": 100},
+                   {"kind": "xid", "node": "n0003", "gpu": 4, "step": 50, "code": 79}]}))
+    rules = HealthRules()
+    found = []
+    for frame in sim.run():
+        found += rules.update(frame.telemetry, frame.events)
+    assert {(f.node, f.gpu) for f in found} == {("n0006", 1), ("n0003", 4)}
+    ecc = [f for f in found if f.kind is FindingKind.ECC]
+    assert ecc[0].step is None and ecc[0].evidence["severity"] == "warning"
+    assert ecc[-1].evidence["severity"] == "critical"
+    xids = sorted(f.evidence["code"] for f in found if f.kind is FindingKind.XID and f.node == "n0006")
+    assert xids == [48, 63, 64, 79]

@@ -1,0 +1,176 @@
+"""Failure predictor: features on hand-made telemetry (rates, deltas, Xid classes, slopes, GPU loss),
+the shipped artifact (metadata, size, version check), failure_risk findings on a simulated precursor,
+and the training script's path end to end on two small runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from fleethealth.detectors.predict import (
+    FEATURES,
+    MODEL_NAME,
+    FailurePredictor,
+    GpuFeatures,
+    ModelArtifact,
+    _default_paths,
+    load_model,
+)
+
+from fleethealth.errors import ConfigError
+from fleethealth.schema import Event, EventKind, FindingKind, Telemetry
+
+F = {name: i for i, name in enumerate(FEATURES)}
+
+
+def _sample(ts, node="n0001", **cols):
+    base = {name: np.zeros(2) for name in ("ecc_sbe_volatile", "retired_sbe", "retired_dbe", "remap_correctable",
+                                           "remap_uncorrectable", "remap_pending", "retired_pending",
+                                           "ecc_dbe_volatile", "nvlink_crc_flit", "nvlink_crc_data",
+                                           "nvlink_replay", "nvlink_recovery", "pcie_replay")}
+    base.update(temp_c=np.full(2, 66.0), nvlink_links_up=np.full(2, 18.0), nvlink_links_max=np.full(2, 18.0))
+    for name, value in cols.items():
+        base[name] = np.asarray(value, dtype=np.float64)
+    return Telemetry.from_columns(node, "r00", ts, np.arange(2), **base)
+
+
+def test_rates_deltas_and_levels():
+    feats = GpuFeatures()
+    rows = []
+    for i in range(13):  # one sample every 5 min for an hour
+        ts = 300.0 * i
+        rows += feats.update([_sample(ts, ecc_sbe_volatile=[10.0 * i, 0.0], retired_sbe=[i // 6, 0],
+                                      remap_pending=[float(i > 10), 0.0], temp_c=[66.0 + 0.5 * i, 66.0],
+                                      nvlink_crc_flit=[0.0, 30.0 * i], nvlink_links_up=[18.0, 16.0])])
+    last = rows[-1]
+    assert last.X.shape == (2, len(FEATURES)) and last.gpu.tolist() == [0, 1]
+    x, y = last.X
+    assert x[F["sbe_rate_short_per_h"]] == pytest.approx(120.0)  # 10 per 5 min
+    assert x[F["sbe_rate_recent_per_h"]] == pytest.approx(120.0)
+    assert x[F["sbe_accel_per_h"]] == pytest.approx(0.0)
+    assert x[F["sbe_count_short"]] == 120.0 and x[F["sbe_volatile_log"]] == pytest.approx(np.log1p(120.0))
+    assert x[F["retired_pages_delta"]] == 2.0 and x[F["remap_pending"]] == 1.0
+    assert x[F["temp_slope_c_per_h"]] == pytest.approx(6.0)
+    assert x[F["temp_margin_c"]] == pytest.approx(85.0 - 72.0)
+    assert y[F["nvlink_err_rate_per_h"]] == pytest.approx(360.0) and y[F["nvlink_links_down"]] == 2.0
+    assert y[F["sbe_rate_short_per_h"]] == 0.0
+
+
+def test_resolution_stale_samples_and_xid_classes():
+    feats = GpuFeatures(resolution_s=60.0)
+    assert len(feats.update([_sample(0.0), _sample(30.0), _sample(60.0)])) == 2  # 30 s is under resolution
+    assert feats.update([_sample(10.0)]) == [] and feats.stale_total_ == 1
+    events = [Event(node="n0001", ts=100.0, kind=EventKind.XID, gpu=0, code=code) for code in (63, 48, 74, 13, 62)]
+    (row,) = feats.update([_sample(200.0)], events)
+    x = row.X[0]
+    assert (x[F["xid_ecc"]], x[F["xid_nvlink"]], x[F["xid_app"]], x[F["xid_hw_other"]]) == (2, 1, 1, 1)
+    assert row.X[1][F["xid_ecc"]] == 0
+
+
+def test_lost_gpu_starts_a_fresh_history():
+    feats = GpuFeatures()
+    for i in range(6):
+        feats.update([_sample(300.0 * i, ecc_sbe_volatile=[500.0 * i, 0.0])])
+    lost = Event(node="n0001", ts=1600.0, kind=EventKind.XID, gpu=0, code=79)
+    feats.update([], [lost])
+    (row,) = feats.update([_sample(1900.0, ecc_sbe_volatile=[0.0, 0.0])])
+    assert row.X[0][F["sbe_rate_short_per_h"]] == 0.0 and row.X[0][F["xid_hw_other"]] == 0.0
+    assert feats.lost_[("n0001", 0)] == 1600.0
+
+
+def test_shipped_artifact_metadata_and_size():
+    model_path, meta_path = _default_paths()
+    meta = json.loads(meta_path.read_text())
+    assert meta["name"] == MODEL_NAME and meta["features"] == list(FEATURES)
+    assert meta["sklearn"] and meta["estimator"] == "HistGradientBoostingClassifier"
+    assert 0 < meta["threshold"] <= 1 and meta["horizon_s"] == 86_400.0
+    assert model_path.stat().st_size < 400_000
+    art = load_model()
+    assert art.predict_proba(np.zeros((3, len(FEATURES)))).shape == (3,)
+
+
+def test_version_mismatch_and_bad_artifacts_are_clear_errors(tmp_path):
+    model_path, meta_path = _default_paths()
+    shutil.copy(model_path, tmp_path / "m.joblib")
+    meta = json.loads(meta_path.read_text())
+    (tmp_path / "m.json").write_text(json.dumps({**meta, "sklearn": "0.0.1"}))
+    with pytest.raises(ConfigError, match=r"scikit-learn 0\.0\.1.*retrain with"):
+        load_model(tmp_path / "m.joblib")
+    with pytest.raises(ConfigError, match="retrain"):
+        FailurePredictor(model=tmp_path / "m.joblib").update([], [])
+    assert load_model(tmp_path / "m.joblib", check_version=False).meta["sklearn"] == "0.0.1"
+    (tmp_path / "m.json").write_text(json.dumps({**meta, "features": ["x"]}))
+    with pytest.raises(ConfigError, match="other features"):
+        load_model(tmp_path / "m.joblib")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_model(tmp_path / "absent.joblib")
+
+
+def test_simulated_precursor_is_flagged_before_failure_and_healthy_gpus_are_not():
+    """A 32-GPU simulated fleet (2 s steps) with one ecc_precursor GPU and background noise on others."""
+    from fleethealth.sim.fleet import FleetSim
+    from fleethealth.sim.scenario import Scenario
+
+    sim = FleetSim(Scenario.from_obj({
+        "seed": 11, "fleet": {"racks": 1, "nodes_per_rack": 4, "gpus_per_node": 8}, "job": {"steps": 600},
+        "faults": [{"kind": "ecc_precursor", "node": "n0002", "gpu": 6, "start_step": 50, "fail_step": 500}]}))
+    det = FailurePredictor()
+    found = []
+    for frame in sim.run():
+        found += det.update(frame.telemetry, frame.events)
+    assert [(f.node, f.gpu) for f in found] == [("n0002", 6)]
+    f = found[0]
+    assert f.kind is FindingKind.FAILURE_RISK and f.ts < sim.step_ts(500)
+    assert f.probability >= det.threshold_ and f.evidence["horizon_s"] == 86_400.0
+    top = f.evidence["top_features"]
+    assert top and top[0]["feature"] in FEATURES and top[0]["probability_without"] < f.probability
+    assert set(f.evidence["features"]) == set(FEATURES)
+
+
+class _Always:
+    """A stand-in classifier scoring every row ``p`` (tests the episode logic, not the model)."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def predict_proba(self, X):
+        return np.column_stack([np.full(len(X), 1 - self.p), np.full(len(X), self.p)])
+
+
+def _artifact(p: float) -> ModelArtifact:
+    return ModelArtifact(model=_Always(p), meta={"name": "stub", "threshold": 0.5, "horizon_s": 86_400.0,
+                                                 "reference": [0.0] * len(FEATURES)})
+
+
+def test_probability_needs_hard_evidence_and_fires_once_per_episode():
+    det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0)
+    found = []
+    for i in range(30):  # GPU 0: a steady trickle (2 per 5 min); GPU 1: corrected errors piling up
+        found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[2.0 * i, 40.0 * i])])
+    assert [(f.gpu, f.ts) for f in found] == [(1, 600.0)]  # 80 errors in the hour passes the 50 floor
+    assert found[0].probability == 0.99 and found[0].evidence["model"] == "stub"
+    lost = Event(node="n0001", ts=9000.0, kind=EventKind.XID, gpu=1, code=79)
+    assert det.update([_sample(9100.0, ecc_sbe_volatile=[60.0, 9999.0])], [lost]) == []  # muted after loss
+    quiet = FailurePredictor(model=_artifact(0.1))
+    assert quiet.update([_sample(0.0, remap_pending=[1.0, 0.0])]) == []
+
+
+def test_threshold_parameter_is_validated():
+    with pytest.raises(ConfigError, match="threshold"):
+        FailurePredictor(threshold=1.5).update([], [])
+
+
+def test_training_script_round_trip(tmp_path):
+    from fleethealth.detectors import predict_train as pt
+
+    spec = pt.make_run(101)
+    assert spec == pt.make_run(101)  # deterministic for the seed
+    X, y = pt.collect(spec)
+    assert X.shape[1] == len(FEATURES) and 0 < y.sum() < len(y)
+    art = pt.train([101, 103])
+    path = pt.save(art, tmp_path)
+    loaded = load_model(path)
+    assert loaded.meta["train_seeds"] == [101, 103]
+    np.testing.assert_allclose(loaded.predict_proba(X[:50]), art.predict_proba(X[:50]))
