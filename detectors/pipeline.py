@@ -4,11 +4,12 @@
 does that) and returns findings and recommendations. It does no I/O and reads no clock: the
 event time of the newest message is "now". What it calls, in order, for each ``feed``:
 
-1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules and the
-   failure predictor;
-2. step batches → the :class:`StepAssembler` (one step across nodes) → the straggler
-   detector → partial findings completed with node, GPU, job and time from the placement;
-3. events → the hang detector (with step progress), SDC results, Xid rules;
+1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
+   power brake, PCIe) and the failure predictor;
+2. step batches → the :class:`StepAssembler` (one step across nodes) → the job's straggler
+   detector (one per job: its state is indexed by rank) → partial findings completed with
+   node, GPU, job and time from the placement;
+3. events → the hang detector (with step progress), SDC check results, Xid rules;
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
@@ -20,13 +21,16 @@ event time of the newest message is "now". What it calls, in order, for each ``f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from fleethealth.detectors.assembly import AssembledStep, StepAssembler
 from fleethealth.detectors.diagnosis import Diagnoser, RackEpisodes
 from fleethealth.detectors.hang import HangDetector
+from fleethealth.detectors.health import HealthRules
+from fleethealth.detectors.predict import FailurePredictor
+from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 
 from fleethealth.errors import SchemaError
@@ -36,6 +40,8 @@ from fleethealth.policy.paging import Pager
 from fleethealth.schema import Event, EventKind, Finding, Message, Recommendation, StepBatch, Telemetry
 
 __all__ = ["Pipeline", "Output"]
+
+StragglerLike = SeedRule | StragglerDetector
 
 
 @dataclass
@@ -54,24 +60,30 @@ class Pipeline:
     """All detectors of the streaming tier behind one ``feed(messages) -> Output``.
 
     Every part may be replaced by a keyword argument (tests pass small or seeded ones); the
-    defaults are the production detectors. ``straggler`` is any object with the straggler
-    contract (``SeedRule`` or ``StragglerDetector``); ``policy`` is a :class:`PolicyEngine`,
-    or None for findings only (then no pager either).
+    defaults are the production detectors. ``straggler`` builds one straggler detector per job
+    (``StragglerDetector``, ``SeedRule`` or a ``functools.partial`` of either); ``policy`` is a
+    :class:`PolicyEngine`, or None for findings only (then no pager either).
     """
 
-    def __init__(self, *, straggler: SeedRule | StragglerDetector | None = None, hang: HangDetector | None = None,
-                 diagnoser: Diagnoser | None = None, rack_episodes: RackEpisodes | None = None,
+    def __init__(self, *, straggler: Callable[[], StragglerLike] = StragglerDetector,
+                 hang: HangDetector | None = None, diagnoser: Diagnoser | None = None,
+                 rack_episodes: RackEpisodes | None = None, health: HealthRules | None = None,
+                 sdc: SdcDetector | None = None, predictor: FailurePredictor | None = None,
                  assembler: StepAssembler | None = None, policy: PolicyEngine | None = None,
                  pager: Pager | None = None, diagnosis_wait_s: float = 10.0) -> None:
-        self.straggler = straggler if straggler is not None else StragglerDetector()
+        self.straggler = straggler
         self.hang = hang if hang is not None else HangDetector()
         self.diagnoser = diagnoser if diagnoser is not None else Diagnoser()
         self.rack_episodes = rack_episodes if rack_episodes is not None else RackEpisodes()
+        self.health = health if health is not None else HealthRules()
+        self.sdc = sdc if sdc is not None else SdcDetector()
+        self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
         self.policy = policy
         self.pager = pager if pager is not None else Pager()
-        self.interruptions_: list[Interruption] = []
         self.diagnosis_wait_s = diagnosis_wait_s
+        self.stragglers_: dict[str, StragglerLike] = {}
+        self.interruptions_: list[Interruption] = []
         self.now_ = float("-inf")
         self.pending_: list[Finding] = []
         self.steps_total_ = 0
@@ -79,12 +91,14 @@ class Pipeline:
     # ------------------------------------------------------------------ feeding
     def feed(self, messages: Sequence[Message]) -> Output:
         """Process messages in event-time order; return what they concluded."""
+        telemetry: list[Telemetry] = []
         batches: list[StepBatch] = []
         events: list[Event] = []
         ready: list[Finding] = []
         for m in messages:
             self.now_ = max(self.now_, m.ts)
             if isinstance(m, Telemetry):
+                telemetry.append(m)
                 self.diagnoser.observe((m,))
                 if self.pending_:
                     ready += self._diagnosable(final=False)
@@ -96,20 +110,23 @@ class Pipeline:
                 events.append(m)
         for step in self.assembler.flush(self.now_):
             self.pending_ += self._stragglers(step)
-        return self._conclude(ready, batches, events, final=False)
+        return self._conclude(ready, telemetry, batches, events, final=False)
 
     def drain(self) -> Output:
         """End of input: emit open steps and undiagnosed findings with what is known."""
         for step in self.assembler.drain():
             self.pending_ += self._stragglers(step)
-        return self._conclude([], [], [], final=True)
+        return self._conclude([], [], [], [], final=True)
 
     # ------------------------------------------------------------------ internals
-    def _conclude(self, ready: list[Finding], batches: list[StepBatch], events: list[Event],
-                  *, final: bool) -> Output:
+    def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],
+                  events: list[Event], *, final: bool) -> Output:
         out = Output()
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out.findings += self.hang.update(batches, events, now)
+        out.findings += self.sdc.update(events)
+        out.findings += self.health.update(telemetry, events)
+        out.findings += self.predictor.update(telemetry, events)
         ready += self._diagnosable(final)
         out.findings += self.rack_episodes.update(ready, self.diagnoser.rack_of)
         if self.policy is None:
@@ -131,7 +148,10 @@ class Pipeline:
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:
         self.steps_total_ += 1
-        found = self.straggler.update(step.step, step.ranks, step.compute_s, step.groups)
+        detector = self.stragglers_.get(step.job)
+        if detector is None:
+            detector = self.stragglers_[step.job] = self.straggler()
+        found = detector.update(step.step, step.ranks, step.compute_s, step.groups)
         if not found:
             return []
         out = []
@@ -152,7 +172,7 @@ class Pipeline:
             if final or caught_up or self.now_ - f.ts >= self.diagnosis_wait_s:
                 result = self.diagnoser.diagnose(f.node, f.gpu)
                 ready.append(dataclasses.replace(f, diagnosis=result.diagnosis,
-                                                 evidence={**f.evidence, "diagnosis": result.evidence}))
+                                                 evidence={**f.evidence, **result.evidence}))
             else:
                 waiting.append(f)
         self.pending_ = waiting

@@ -69,3 +69,39 @@ def test_bad_scenario_is_one_line_and_exit_2(tmp_path: Path, text: str, needle: 
     assert run.returncode == 2
     assert needle in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path: Path) -> None:
+    """DESIGN.md "Fault scenarios": each kind's expected outcome, on the shipped scenario."""
+    run = subprocess.run([sys.executable, "-m", "fleethealth.cli", "demo", "--json", "--out", str(tmp_path / "out"),
+                          "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    findings = _jsonl(tmp_path / "out" / "findings.jsonl")
+    recs = _jsonl(tmp_path / "out" / "recommendations.jsonl")
+
+    def kinds(node: str) -> set[tuple[str, str | None]]:
+        return {(f["kind"], f["diagnosis"]) for f in findings if f["node"] == node}
+
+    assert kinds("n0013") == {("straggler", "NODE_THERMAL")}                       # thermal_straggler
+    rack_r02 = {f"n{i:04d}" for i in range(16, 24)}
+    env = [f for f in findings if f["diagnosis"] == "ENVIRONMENTAL"]                 # hot_aisle: one rack episode
+    assert len(env) == 1 and env[0]["node"] in rack_r02 and env[0]["evidence"]["rack"] == "r02"
+    assert kinds("n0021") == {("straggler", "NODE_LINK")}                          # nvlink_degraded
+    assert kinds("n0005") == {("straggler", "NETWORK_CONTENTION")}                 # nic_contention
+    ecc_gpu = [f for f in findings if f["node"] == "n0007"]
+    risk = [f for f in ecc_gpu if f["kind"] == "failure_risk"]                       # ecc_precursor, before it fails
+    assert risk and risk[0]["gpu"] == 1 and risk[0]["probability"] >= 0.5
+    fail_ts = min(f["ts"] for f in ecc_gpu if f["kind"] == "xid" and f["evidence"].get("code") == 79)
+    assert risk[0]["ts"] < fail_ts
+    sdc = {(f["node"], f["gpu"], f["detector"]) for f in findings if f["kind"] == "sdc"}
+    assert sdc == {("n0030", 5, "sdc.selfcheck"), ("n0011", 2, "sdc.replay")}      # sdc_transient / _deterministic
+    assert [(f["node"], f["rank"]) for f in findings if f["kind"] == "hang"] == [("n0002", 16)]  # hang
+    assert ("xid", None) in kinds("n0019")                                           # xid 79
+    faulty = {"n0013", "n0021", "n0005", "n0007", "n0030", "n0011", "n0002", "n0019"} | rack_r02
+    assert {f["node"] for f in findings} <= faulty                                   # no healthy node flagged
+
+    acted = {(r["action"], r["node"]) for r in recs if r["action"] != "none"}
+    assert ("alert_facilities", env[0]["node"]) in acted
+    assert not {n for a, n in acted if a == "evict"} & (rack_r02 - {"n0021"})       # no eviction for the hot aisle
+    assert {("quarantine", "n0011"), ("rollback", "n0011"), ("quarantine", "n0030"), ("rollback", "n0030")} <= acted

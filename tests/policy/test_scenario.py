@@ -4,8 +4,6 @@ detectors, then the policy (DESIGN.md "Fault scenarios" expected outcomes for th
 from __future__ import annotations
 
 from fleethealth.detectors.pipeline import Pipeline
-from fleethealth.detectors.sdc import SdcDetector
-
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.schema import Action, Diagnosis, Guard
 from fleethealth.sim.fleet import FleetSim
@@ -16,13 +14,11 @@ def test_default_scenario_hot_aisle_sdc_and_guards():
     sim = FleetSim(Scenario.default())
     policy = PolicyEngine(fleet_nodes=sim.n_nodes, nodes_per_rack=sim.scenario.fleet.nodes_per_rack)
     pipe = Pipeline(policy=policy)
-    sdc = SdcDetector()
     recs, findings = [], []
     for s in sim.run():
         out = pipe.feed(sorted([*s.telemetry, *s.batches, *s.events], key=lambda m: m.ts))
-        found = sdc.update(s.events)
-        recs += out.recommendations + policy.decide(found, s.ts)
-        findings += out.findings + found
+        recs += out.recommendations
+        findings += out.findings
     out = pipe.drain()
     recs += out.recommendations
     findings += out.findings
@@ -43,4 +39,11 @@ def test_default_scenario_hot_aisle_sdc_and_guards():
                              for r in rollbacks)
     # every recommendation explains itself
     assert all(r.reason and "guards_fired" in r.evidence for r in recs)
-    assert not policy.breaker_.status().open
+    # six nodes leave the pool within the hour (evict, drain for failure risk and Xid 79, two
+    # quarantines, the hang's drain) on a 32-node fleet: the breaker trips on the sixth and pages once
+    removing = [r for r in recs if r.action in (Action.EVICT, Action.DRAIN, Action.QUARANTINE)
+                and r.guard is Guard.ALLOWED]
+    assert len({r.node for r in removing}) == 5
+    assert policy.breaker_.status().open
+    pages = [r for r in recs if r.action is Action.PAGE]
+    assert len(pages) == 1 and pages[0].guard is Guard.NEEDS_HUMAN and "circuit breaker" in pages[0].reason
