@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import orjson
+
 from fleethealth.kernels.abft import encode_operands, verify_product
 from fleethealth.kernels.backend import Backend
 

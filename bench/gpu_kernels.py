@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 import orjson
+
+from fleethealth.errors import DeviceError
 from fleethealth.kernels.abft import run_abft
 from fleethealth.kernels.backend import Backend, Precision, cuda_device_count, encode
 from fleethealth.kernels.collective import run_nccl
 from fleethealth.kernels.gemm import gemm_tflops, run_exact, run_repeat
 from fleethealth.kernels.memory import Pattern, run_memory
-
-from fleethealth.errors import DeviceError
 
 
 def _event_time(cp: Any, fn: Callable[[], Any], iters: int) -> float:

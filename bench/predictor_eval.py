@@ -22,7 +22,6 @@ from pathlib import Path
 from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor, load_model
 from fleethealth.detectors.predict_train import EVAL_SEEDS, Score, make_run
-
 from fleethealth.schema import FindingKind
 from fleethealth.sim.fleet import FleetSim
 

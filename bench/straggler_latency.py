@@ -20,6 +20,7 @@ import json
 import time
 
 import numpy as np
+
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.detectors.synth import StepNoise, step_times
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from fleethealth.detectors.params import check_float
 
+from fleethealth.detectors.params import check_float
 from fleethealth.errors import SchemaError
 from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
 

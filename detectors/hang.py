@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from fleethealth.detectors.params import check_float, check_int
 
+from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import SchemaError
 from fleethealth.injob.records import HangReport
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch

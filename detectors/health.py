@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from fleethealth.detectors.params import check_float
 from fleethealth.detectors.xid import XidSeverity, lookup
-
 from fleethealth.errors import ConfigError
 from fleethealth.schema import ClockReason, Event, EventKind, Finding, FindingKind, Telemetry
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from fleethealth.detectors.assembly import AssembledStep, StepAssembler
 from fleethealth.detectors.diagnosis import Diagnoser, RackEpisodes
 from fleethealth.detectors.hang import HangDetector
@@ -32,7 +33,6 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
-
 from fleethealth.errors import SchemaError
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.policy.goodput import Interruption

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from fleethealth.detectors.predict import (
     FEATURES,
     MODEL_NAME,
@@ -38,7 +39,6 @@ from fleethealth.detectors.predict import (
     GpuFeatures,
     ModelArtifact,
 )
-
 from fleethealth.schema import Finding
 from fleethealth.sim.fleet import FleetSim
 from fleethealth.sim.scenario import Scenario

@@ -24,11 +24,11 @@ import hashlib
 import threading
 from collections.abc import Hashable, Sequence
 
-from fleethealth.detectors.assembly import EventTimeBuffer
-from fleethealth.detectors.pipeline import Output, Pipeline
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleethealth.bus import Consumer, Producer, Record
+from fleethealth.detectors.assembly import EventTimeBuffer
+from fleethealth.detectors.pipeline import Output, Pipeline
 from fleethealth.policy.persist import load_engine, save_engine
 from fleethealth.schema import Event, StepBatch, Telemetry, Topic
 from fleethealth.store import Store

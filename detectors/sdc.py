@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleethealth.detectors.params import check_int
-
 from fleethealth.errors import SchemaError
 from fleethealth.injob.records import Classification, SdcCheck
 from fleethealth.schema import Event, EventKind, Finding, FindingKind

@@ -36,8 +36,8 @@ import math
 from typing import Any
 
 import numpy as np
-from fleethealth.detectors.params import check_float, check_int
 
+from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.schema import MAX_COMPUTE_S, Finding, FindingKind
 

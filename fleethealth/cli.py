@@ -282,10 +282,9 @@ def _run_query(args: argparse.Namespace) -> int:
 
     import orjson
 
+    from fleethealth.api.client import DEFAULT_URL, query_via_api, server_running
     from fleethealth.errors import ConfigError
     from fleethealth.store import open_store
-
-    from fleethealth.api.client import DEFAULT_URL, query_via_api, server_running
 
     api = args.api or (DEFAULT_URL if args.store is None and server_running(DEFAULT_URL) else None)
     if api is not None:

@@ -52,12 +52,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend, Precision, encode, widen
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.gemm import gemm_tflops
 from fleethealth.kernels.results import MAX_REPORTED, Mismatch, SelfTestResult, Verdict
-
-from fleethealth.errors import ConfigError
 
 __all__ = [
     "AbftCheck",

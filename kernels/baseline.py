@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from fleethealth.kernels.results import SelfTestResult, Verdict
 
 from fleethealth.errors import ConfigError
+from fleethealth.kernels.results import SelfTestResult, Verdict
 from fleethealth.schema import Event, EventKind
 
 __all__ = ["DEFAULT_SLOW_FRACTION", "SHIPPED", "Baseline", "BaselineBook", "model_family"]

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 import orjson
-from fleethealth.kernels.faults import Fault, FaultKind, Injected
-from fleethealth.kernels.results import MAX_REPORTED, Mismatch, SelfTestResult, Verdict, bits_of
 
 from fleethealth.errors import ConfigError, DeviceError
+from fleethealth.kernels.faults import Fault, FaultKind, Injected
+from fleethealth.kernels.results import MAX_REPORTED, Mismatch, SelfTestResult, Verdict, bits_of
 
 __all__ = ["contribution", "expected_sum", "bus_bandwidth", "RankReport", "run_gloo", "run_nccl", "merge_reports"]
 

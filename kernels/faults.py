@@ -16,9 +16,9 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
-from fleethealth.kernels.backend import raw_bits
 
 from fleethealth.errors import ConfigError
+from fleethealth.kernels.backend import raw_bits
 
 __all__ = ["FaultKind", "Fault", "Injected", "flip_bit"]
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend, Precision, encode, raw_bits
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.results import MAX_REPORTED, Mismatch, SelfTestResult, Verdict, bits_of
-
-from fleethealth.errors import ConfigError
 
 __all__ = [
     "KnownProblem",

@@ -28,11 +28,11 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.results import MAX_REPORTED, Mismatch, SelfTestResult, Verdict, bits_of
-
-from fleethealth.errors import ConfigError
 
 __all__ = ["Pattern", "MemoryScan", "MemoryTester", "run_memory", "expected_words"]
 

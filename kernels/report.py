@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
+
 from fleethealth.kernels.results import SelfTestResult, Verdict
 
 __all__ = ["EXIT_PASS", "EXIT_FAIL", "EXIT_CANNOT_RUN", "exit_code", "json_line", "render_table", "summary"]

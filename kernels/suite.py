@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.abft import run_abft
 from fleethealth.kernels.backend import Backend, Precision
 from fleethealth.kernels.baseline import BaselineBook
@@ -26,8 +27,6 @@ from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.gemm import run_exact, run_repeat
 from fleethealth.kernels.memory import Pattern, run_memory
 from fleethealth.kernels.results import SelfTestResult
-
-from fleethealth.errors import ConfigError
 
 __all__ = ["SUITES", "GROUPS", "Step", "SuiteSizes", "SIZES", "plan", "expected_tests", "run_suite"]
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import orjson
-from fleethealth.kernels.results import SelfTestResult, Verdict
-from fleethealth.sweeps.plan import read_node_list, validate_node
 
 from fleethealth.errors import ConfigError, DeviceError, SchemaError
+from fleethealth.kernels.results import SelfTestResult, Verdict
+from fleethealth.sweeps.plan import read_node_list, validate_node
 
 __all__ = ["NodeStatus", "NodeRun", "LocalLauncher", "SrunLauncher", "run_node", "parse_records",
            "slurm_idle_nodes"]

@@ -16,12 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.baseline import BaselineBook
 from fleethealth.sweeps.launch import LocalLauncher, NodeRun, NodeStatus, SrunLauncher, run_node
 from fleethealth.sweeps.plan import NodeRisk, rank_nodes, risk_from_store
 from fleethealth.sweeps.release import ReleaseDecision, apply_release, release_decision
-
-from fleethealth.errors import ConfigError
 
 __all__ = ["NodeOutcome", "SweepReport", "run_sweep"]
 

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import fleethealth.detectors as detectors
 import numpy as np
 import pytest
+
+import fleethealth.detectors as detectors
 from fleethealth.detectors import (
     FailurePredictor,
     GpuFeatures,
@@ -25,7 +26,6 @@ from fleethealth.detectors import (
     SeedRule,
     StragglerDetector,
 )
-
 from fleethealth.errors import SchemaError
 from fleethealth.injob.records import sdc_check_event
 from fleethealth.schema import (

@@ -8,13 +8,13 @@ import math
 
 import numpy as np
 import pytest
+
 from fleethealth.detectors.diagnosis import (
     Diagnoser,
     DiagnosisThresholds,
     RackEpisodes,
     diagnose_straggler,
 )
-
 from fleethealth.errors import ConfigError
 from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fleethealth.detectors.hang import HangDetector
 
+from fleethealth.detectors.hang import HangDetector
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.schema import Event, EventKind, FindingKind, StepBatch
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.xid import XID_CATALOG, XidSeverity, lookup
-
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Action, ClockReason, Event, EventKind, FindingKind, Telemetry
 

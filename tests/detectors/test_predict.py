@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from fleethealth.detectors.predict import (
     FEATURES,
     MODEL_NAME,
@@ -18,7 +19,6 @@ from fleethealth.detectors.predict import (
     _default_paths,
     load_model,
 )
-
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Event, EventKind, FindingKind, Telemetry
 

@@ -4,7 +4,6 @@ rollback watermark and the checkpoints; the simulator's transient and determinis
 from __future__ import annotations
 
 from fleethealth.detectors.sdc import SdcDetector
-
 from fleethealth.injob.records import checkpoint_event, sdc_check_event
 from fleethealth.schema import Event, EventKind, FindingKind
 

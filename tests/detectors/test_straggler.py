@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector, robust_z
 from fleethealth.detectors.synth import StepNoise, step_times
-
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.schema import FindingKind
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.abft import (
     ABFT_FLIP_BIT,
     accumulation_u,
@@ -17,8 +19,6 @@ from fleethealth.kernels.abft import (
 from fleethealth.kernels.backend import Backend, Precision, encode, widen
 from fleethealth.kernels.faults import Fault, flip_bit
 from fleethealth.kernels.results import Verdict
-
-from fleethealth.errors import ConfigError
 
 CPU = Backend.for_device("cpu")
 

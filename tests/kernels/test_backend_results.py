@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 
-import fleethealth.kernels as kernels
 import numpy as np
 import pytest
+
+import fleethealth.kernels as kernels
+from fleethealth.errors import ConfigError, DeviceError, SchemaError
 from fleethealth.kernels.backend import Backend, resolve_devices
 from fleethealth.kernels.baseline import BaselineBook, model_family
 from fleethealth.kernels.report import exit_code, summary
 from fleethealth.kernels.results import Mismatch, SelfTestResult, Verdict, bits_of
-
-from fleethealth.errors import ConfigError, DeviceError, SchemaError
 from fleethealth.schema import Event, EventKind, decode, encode
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.collective import (
     RankReport,
     _diff,
@@ -16,8 +18,6 @@ from fleethealth.kernels.collective import (
 )
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.results import Verdict
-
-from fleethealth.errors import ConfigError
 
 
 def test_known_sum_is_exact_and_contributions_differ_per_rank() -> None:

@@ -4,6 +4,7 @@ region are all detected, and each is located (matrix, row, column and bit; or by
 from __future__ import annotations
 
 import numpy as np
+
 from fleethealth.kernels.backend import Backend, Precision
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.gemm import run_exact

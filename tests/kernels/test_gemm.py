@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend, Precision, encode, widen
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.gemm import exact_reference, known_problem, pick_magnitude, run_exact, run_repeat
 from fleethealth.kernels.results import Verdict
-
-from fleethealth.errors import ConfigError
 
 CPU = Backend.for_device("cpu")
 

@@ -4,11 +4,11 @@ RawKernels, NCCL collectives. Skipped, with the reason, on a machine without CuP
 from __future__ import annotations
 
 import pytest
+
+from fleethealth.errors import DeviceError
 from fleethealth.kernels.backend import Backend, Precision, cuda_device_count
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.results import Verdict
-
-from fleethealth.errors import DeviceError
 
 
 def _gpus() -> int:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend
 from fleethealth.kernels.faults import Fault
 from fleethealth.kernels.memory import MemoryTester, Pattern, expected_words, run_memory
 from fleethealth.kernels.results import Verdict
-
-from fleethealth.errors import ConfigError
 
 CPU = Backend.for_device("cpu")
 

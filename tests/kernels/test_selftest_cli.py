@@ -8,9 +8,9 @@ import uuid
 
 import orjson
 import pytest
-from fleethealth.kernels.suite import SIZES, plan
 
 from fleethealth.cli import main
+from fleethealth.kernels.suite import SIZES, plan
 
 
 def _records(out: str) -> list[dict]:

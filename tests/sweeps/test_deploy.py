@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fleethealth.sweeps as sweeps
 import yaml
 
+import fleethealth.sweeps as sweeps
 from fleethealth.cli import build_parser
 
 ROOT = Path(__file__).parents[2]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from fleethealth.errors import ConfigError, DeviceError, SchemaError
 from fleethealth.sweeps.launch import (
     LocalLauncher,
     NodeStatus,
@@ -19,8 +21,6 @@ from fleethealth.sweeps.launch import (
     run_node,
     slurm_idle_nodes,
 )
-
-from fleethealth.errors import ConfigError, DeviceError, SchemaError
 
 from .conftest import srun_calls
 

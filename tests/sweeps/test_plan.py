@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from fleethealth.sweeps.plan import rank_nodes, read_node_list, risk_from_store, validate_node
 
 from fleethealth.errors import ConfigError
 from fleethealth.policy import quarantine
 from fleethealth.schema import Finding, FindingKind
+from fleethealth.sweeps.plan import rank_nodes, read_node_list, risk_from_store, validate_node
 
 
 @pytest.mark.parametrize("name", ["n0001", "gpu-a17.cluster_x", "A"])

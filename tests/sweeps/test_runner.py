@@ -11,14 +11,14 @@ import time
 import uuid
 
 import pytest
+
+from fleethealth.errors import ConfigError
 from fleethealth.kernels.results import SelfTestResult
+from fleethealth.policy import quarantine
+from fleethealth.schema import Finding, FindingKind
 from fleethealth.sweeps.launch import NodeRun, SrunLauncher
 from fleethealth.sweeps.release import release_decision
 from fleethealth.sweeps.runner import run_sweep
-
-from fleethealth.errors import ConfigError
-from fleethealth.policy import quarantine
-from fleethealth.schema import Finding, FindingKind
 
 from .conftest import RECORDINGS, record_node, srun_calls
 
