@@ -7,22 +7,15 @@ when ``create_app`` is first used, so ``fleethealth.api.client`` works without i
 
 from __future__ import annotations
 
-from typing import Any
+from fleethealth.lazy import lazy_exports
 
-__all__ = ["create_app", "query_via_api", "server_running", "check_select", "QueryRefused"]
+_EXPORTS = {
+    "create_app": "app",
+    "query_via_api": "client",
+    "server_running": "client",
+    "check_select": "sqlgate",
+    "QueryRefused": "sqlgate",
+}
+__all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "create_app":
-        from fleethealth.api.app import create_app
-
-        return create_app
-    if name in ("query_via_api", "server_running"):
-        from fleethealth.api import client
-
-        return getattr(client, name)
-    if name in ("check_select", "QueryRefused"):
-        from fleethealth.api import sqlgate
-
-        return getattr(sqlgate, name)
-    raise AttributeError(f"module 'fleethealth.api' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ modules (digest, guard, crossrank) load on first use of one of their names.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fleethealth.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     # torch-free
@@ -54,14 +53,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fleethealth.injob' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fleethealth.injob.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ the package loads neither NVML, DCGM nor the simulator.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fleethealth.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "Probe": "daemon",
@@ -42,14 +41,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fleethealth.probe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fleethealth.probe.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
