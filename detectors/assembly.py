@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterable
+import math
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -44,6 +45,8 @@ class EventTimeBuffer(Generic[T]):
         return len(self._heap)
 
     def push(self, ts: float, partition: Hashable, item: T) -> None:
+        if not math.isfinite(ts):
+            raise ValueError(f"event time must be finite, got {ts}")
         heapq.heappush(self._heap, (ts, next(self._seq), partition, item))
         if ts > self.latest_.get(partition, float("-inf")):
             self.latest_[partition] = ts
@@ -64,9 +67,14 @@ class EventTimeBuffer(Generic[T]):
             out.append((partition, item))
         return out
 
-    def pending(self) -> list[tuple[Hashable, T]]:
-        """Items still held, in event-time order (for working out which offsets are safe to commit)."""
-        return [(p, item) for _, _, p, item in sorted(self._heap)]
+    def held(self, key: Callable[[T], tuple[Hashable, int]]) -> dict[Hashable, int]:
+        """Per group (e.g. partition), the smallest number ``key(item)`` gives among items still held."""
+        out: dict[Hashable, int] = {}
+        for _, _, _, item in self._heap:
+            group, value = key(item)
+            if value < out.get(group, value + 1):
+                out[group] = value
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,16 +92,27 @@ class AssembledStep:
     complete: bool
 
 
+@dataclass
+class _OpenStep:
+    parts: list[StepBatch]
+    nodes: set[str]
+    ranks: set[int]
+    covered: int = 0  # how many of the job's known ranks are in ``ranks``
+
+
 class StepAssembler:
     """Join per-node :class:`StepBatch` messages into whole steps (see the module docstring).
 
-    ``timeout_s`` is in event time: a step is emitted incomplete once a message ``timeout_s``
-    newer than its first batch has been seen.
+    ``timeout_s`` is in the job's own event time: a step is emitted incomplete once a batch of
+    the same job ``timeout_s`` newer than the step's first batch arrives (a skewed clock on another
+    job or an event cannot cut it short). Coverage is by rank identity, not count: a step is
+    complete when it holds every rank the job has shown (in any earlier step, late ones included).
+    A batch whose ranks another node already reported for that step is a duplicate and dropped.
     """
 
     def __init__(self, *, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
-        self._open: dict[tuple[str, int], list[StepBatch]] = {}
+        self._open: dict[tuple[str, int], _OpenStep] = {}
         self._ranks_known: dict[str, set[int]] = {}
         self._done: dict[str, int] = {}
         self.late_total = 0
@@ -102,35 +121,66 @@ class StepAssembler:
     def add(self, batch: StepBatch) -> list[AssembledStep]:
         """Take one batch; return the steps it completes, and any its event time makes overdue."""
         job, step = batch.job, batch.step
+        ranks = batch.ranks.tolist()
+        known = self._ranks_known.setdefault(job, set())
         if step <= self._done.get(job, -1) and (job, step) not in self._open:
+            self._learn(job, ranks)  # a late node still tells how many ranks the job has
             self.late_total += 1
             return []
-        parts = self._open.setdefault((job, step), [])
-        if any(b.node == batch.node for b in parts):
+        entry = self._open.get((job, step))
+        if entry is None:
+            entry = self._open[(job, step)] = _OpenStep([], set(), set())
+        if batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks):
             self.duplicate_total += 1
             return []
-        parts.append(batch)
-        out = self.flush(batch.ts)
-        known = self._ranks_known.get(job)
-        if (job, step) in self._open and known and sum(len(b.ranks) for b in parts) >= len(known):
+        entry.parts.append(batch)
+        entry.nodes.add(batch.node)
+        entry.ranks.update(ranks)
+        entry.covered += len(known.intersection(ranks))
+        out = self.flush(batch.ts, job=job)
+        if (job, step) in self._open and known and entry.covered >= len(known):
             out.append(self._emit(job, step, complete=True))
         return out
 
-    def flush(self, now: float) -> list[AssembledStep]:
-        """Emit open steps whose first batch is older than ``now - timeout_s``."""
-        due = [key for key, parts in self._open.items() if parts[0].ts + self.timeout_s <= now]
-        return [self._emit(job, step, complete=False) for job, step in sorted(due, key=lambda k: k[1])]
+    def flush(self, now: float, *, job: str | None = None) -> list[AssembledStep]:
+        """Emit open steps (of ``job``, or of every job) whose first batch is older than ``now - timeout_s``."""
+        due = [key for key, entry in self._open.items()
+               if (job is None or key[0] == job) and entry.parts[0].ts + self.timeout_s <= now]
+        return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
 
     def drain(self) -> list[AssembledStep]:
         """Emit everything still open (end of input)."""
         return [self._emit(job, step, complete=False) for job, step in sorted(self._open, key=lambda k: k[1])]
 
-    def _emit(self, job: str, step: int, *, complete: bool) -> AssembledStep:
-        parts = self._open.pop((job, step))
-        self._done[job] = max(self._done.get(job, -1), step)
+    def restart(self, job: str) -> None:
+        """The job was interrupted and restarts, perhaps from an earlier step: its step numbers may repeat."""
+        self._done.pop(job, None)
+
+    def forget(self, job: str) -> None:
+        """Drop everything about a job that ended (no batch for a long time)."""
+        self._done.pop(job, None)
+        self._ranks_known.pop(job, None)
+        for key in [k for k in self._open if k[0] == job]:
+            del self._open[key]
+
+    def open_steps(self) -> set[tuple[str, int]]:
+        """(job, step) pairs still waiting for batches."""
+        return set(self._open)
+
+    def _learn(self, job: str, ranks: list[int]) -> None:
+        """Add ranks to the job's known set; when it grows, recount the coverage of its open steps."""
         known = self._ranks_known.setdefault(job, set())
-        for b in parts:
-            known.update(b.ranks.tolist())
+        before = len(known)
+        known.update(ranks)
+        if len(known) != before:
+            for (j, _), entry in self._open.items():
+                if j == job:
+                    entry.covered = len(known & entry.ranks)
+
+    def _emit(self, job: str, step: int, *, complete: bool) -> AssembledStep:
+        parts = self._open.pop((job, step)).parts
+        self._done[job] = max(self._done.get(job, -1), step)
+        self._learn(job, [r for b in parts for r in b.ranks.tolist()])
         groups = None
         if all(b.groups is not None for b in parts):
             groups = np.concatenate([b.groups for b in parts])

@@ -59,6 +59,7 @@ class _Job:
     max_step_ts: float = math.nan
     progress_ts: float = math.nan
     durations: deque[float] = field(default_factory=deque)
+    timeout: float = math.nan  # cached step timeout; NaN when the durations changed since
     stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
     interrupted: bool = False
     reported: bool = False
@@ -112,8 +113,10 @@ class HangDetector:
         state = self.jobs_.get(job) if hasattr(self, "jobs_") else None
         if state is None or not state.durations:
             return float(self.min_timeout_s)
-        q = float(np.quantile(np.fromiter(state.durations, dtype=np.float64), self.quantile))
-        return max(float(self.min_timeout_s), self.timeout_factor * q)
+        if math.isnan(state.timeout):
+            q = float(np.quantile(np.fromiter(state.durations, dtype=np.float64), self.quantile))
+            state.timeout = max(float(self.min_timeout_s), self.timeout_factor * q)
+        return state.timeout
 
     def forget(self, job: str) -> None:
         """Drop a job that ended (a scheduler said so); it will not be reported as hung."""
@@ -145,6 +148,7 @@ class HangDetector:
         if b.step > job.max_step:
             if job.max_step >= 0 and b.ts > job.max_step_ts:
                 job.durations.append((b.ts - job.max_step_ts) / (b.step - job.max_step))
+                job.timeout = math.nan
                 while len(job.durations) > self.window:
                     job.durations.popleft()
             job.max_step, job.max_step_ts = b.step, b.ts

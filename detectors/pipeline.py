@@ -70,7 +70,7 @@ class Pipeline:
                  rack_episodes: RackEpisodes | None = None, health: HealthRules | None = None,
                  sdc: SdcDetector | None = None, predictor: FailurePredictor | None = None,
                  assembler: StepAssembler | None = None, policy: PolicyEngine | None = None,
-                 pager: Pager | None = None, diagnosis_wait_s: float = 10.0) -> None:
+                 pager: Pager | None = None, diagnosis_wait_s: float = 10.0, job_idle_s: float = 6 * 3600.0) -> None:
         self.straggler = straggler
         self.hang = hang if hang is not None else HangDetector()
         self.diagnoser = diagnoser if diagnoser is not None else Diagnoser()
@@ -82,8 +82,11 @@ class Pipeline:
         self.policy = policy
         self.pager = pager if pager is not None else Pager()
         self.diagnosis_wait_s = diagnosis_wait_s
+        self.job_idle_s = job_idle_s
         self.stragglers_: dict[str, StragglerLike] = {}
-        self.interruptions_: list[Interruption] = []
+        self.interruptions_: dict[str, Interruption] = {}
+        self.clock_: dict[str, float] = {}
+        self.job_seen_: dict[str, float] = {}
         self.now_ = float("-inf")
         self.pending_: list[Finding] = []
         self.steps_total_ = 0
@@ -96,20 +99,21 @@ class Pipeline:
         events: list[Event] = []
         ready: list[Finding] = []
         for m in messages:
-            self.now_ = max(self.now_, m.ts)
             if isinstance(m, Telemetry):
                 telemetry.append(m)
+                self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.diagnoser.observe((m,))
                 if self.pending_:
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
                 batches.append(m)
+                self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
+                self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
                 for step in self.assembler.add(m):
                     self.pending_ += self._stragglers(step)
             else:
                 events.append(m)
-        for step in self.assembler.flush(self.now_):
-            self.pending_ += self._stragglers(step)
+        self._advance_clock(events)
         return self._conclude(ready, telemetry, batches, events, final=False)
 
     def drain(self) -> Output:
@@ -117,6 +121,26 @@ class Pipeline:
         for step in self.assembler.drain():
             self.pending_ += self._stragglers(step)
         return self._conclude([], [], [], [], final=True)
+
+    def open_steps(self) -> set[tuple[str, int]]:
+        """(job, step) pairs whose conclusions are not out yet: steps still being assembled and
+        steps whose straggler findings wait for telemetry. A runner must not commit past their input."""
+        return self.assembler.open_steps() | {(f.job or "", f.step or 0) for f in self.pending_}
+
+    def _advance_clock(self, events: list[Event]) -> None:
+        """Event time "now": the median over nodes of their newest telemetry or step report, so one
+        node (or one event) with a clock far ahead cannot make every other job look hung or late."""
+        if self.clock_:
+            now = float(np.median(np.fromiter(self.clock_.values(), dtype=np.float64, count=len(self.clock_))))
+        else:
+            now = max((e.ts for e in events), default=self.now_)
+        self.now_ = max(self.now_, now)
+        idle = [job for job, seen in self.job_seen_.items() if seen < self.now_ - self.job_idle_s]
+        for job in idle:
+            del self.job_seen_[job]
+            self.stragglers_.pop(job, None)
+            self.assembler.forget(job)
+            self.hang.forget(job)
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],
@@ -134,16 +158,19 @@ class Pipeline:
         self.policy.observe(events)
         if out.findings:
             out.recommendations += self.policy.decide(out.findings, now)
-        fresh = []
+        fresh = False
         for ev in events:
-            if ev.kind is EventKind.INTERRUPTION:
+            if ev.kind is EventKind.INTERRUPTION and ev.id not in self.interruptions_:
                 try:
-                    fresh.append(Interruption.from_event(ev))
+                    self.interruptions_[ev.id] = Interruption.from_event(ev)
                 except SchemaError:
                     continue  # an interruption record without a job cannot be attributed; it is stored anyway
+                self.assembler.restart(ev.job or "")
+                fresh = True
         if fresh:
-            self.interruptions_ += fresh
-            out.recommendations += self.pager.evaluate(self.interruptions_, now).to_recommendations(now)
+            horizon = now - self.pager.recent_s - self.pager.rate_window_s
+            self.interruptions_ = {k: i for k, i in self.interruptions_.items() if i.ts >= horizon}
+            out.recommendations += self.pager.evaluate(self.interruptions_.values(), now).to_recommendations(now)
         return out
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:

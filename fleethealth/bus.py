@@ -413,9 +413,18 @@ class Consumer:
         out: list[tuple[Record | None, Any, int]] = []
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
+            # one bulk decode per partition's records (columnar for step batches); each value still
+            # gets its own result, so a bad one is dead-lettered with its own reason
+            bulk = iter(schema.decode_many(cls, [r.value for r in records if r.value is not None])
+                        if cls is not DeadLetter else ())
             for rec in records:
                 try:
-                    msg = self._decode(cls, rec.value)
+                    if cls is DeadLetter or rec.value is None:
+                        msg = self._decode(cls, rec.value)
+                    else:
+                        msg = next(bulk)
+                        if isinstance(msg, Exception):
+                            raise msg
                 except SchemaError as exc:
                     self._dead_letter(rec, f"{exc.field}: {exc.problem}")
                     out.append((None, tp, rec.offset + 1))
@@ -488,9 +497,15 @@ class Consumer:
         end is not known yet (no fetch has answered for it).
         """
         out: dict[tuple[str, int], int | None] = {}
-        for tp in self._kc.assignment():
-            end = self._kc.highwater(tp)
-            out[(tp.topic, tp.partition)] = None if end is None else max(0, end - self._kc.position(tp))
+        try:
+            for tp in self._kc.assignment():
+                end = self._kc.highwater(tp)
+                position = None if end is None else self._kc.position(tp, timeout_ms=1000)
+                out[(tp.topic, tp.partition)] = None if position is None else max(0, end - position)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "reading consumer positions", self.dsn) from exc
+            raise
         return out
 
     def close(self) -> None:

@@ -45,10 +45,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fleethealth.demo import run_demo
+    from fleethealth.detectors.runner import tune_gc
     from fleethealth.report import demo_summary
     from fleethealth.sim import Scenario
 
     scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
+    tune_gc()
     result = run_demo(scenario, Path(args.out), Path(args.data), progress=None if args.json else _progress())
     print(demo_summary(result, as_json=args.json))
     return 0
@@ -92,11 +94,12 @@ def _run_detect(args: argparse.Namespace) -> int:
     import threading
 
     from fleethealth.bus import ensure_topics
-    from fleethealth.detectors.runner import Runner
+    from fleethealth.detectors.runner import Runner, tune_gc
     from fleethealth.store import open_store
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    tune_gc()
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -111,6 +114,7 @@ def _run_detect(args: argparse.Namespace) -> int:
 
 
 COMMANDS.append(_cmd_detect)
+
 
 
 def _cmd_probe(sub: argparse._SubParsersAction) -> None:

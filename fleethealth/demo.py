@@ -32,6 +32,8 @@ from fleethealth.store import Store, open_store
 __all__ = ["DemoResult", "run_demo", "export_jsonl"]
 
 Progress = Callable[[str, int, int], None]
+_DELIVERY_BATCH = 5000
+_STALL_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class DemoResult:
 def export_jsonl(store: Store, out: Path) -> tuple[list[Finding], list[Recommendation]]:
     """Write the store's findings and recommendations as JSON lines (DESIGN.md's contract)."""
     out.mkdir(parents=True, exist_ok=True)
-    findings = sorted(store.findings(), key=lambda f: (f.ts, f.kind.value, f.node, f.rank or -1))
+    findings = sorted(store.findings(), key=lambda f: (f.ts, f.kind.value, f.node, -1 if f.rank is None else f.rank))
     recs = sorted(store.recommendations(), key=lambda r: (r.ts, r.node, r.action.value))
     for name, rows in (("findings.jsonl", findings), ("recommendations.jsonl", recs)):
         with open(out / name, "wb") as fh:
@@ -81,27 +83,40 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         t0 = time.perf_counter()
         published = 0
         delivery = Delivery(broker.dsn, Spool(data / "spool"), client_id="fleethealth-demo-probes",
-                            batch_records=5000)
+                            batch_records=_DELIVERY_BATCH)
+        delivered = 0
+
+        def deliver(backlog: int) -> int:
+            sent = 0
+            while published - delivered - sent > backlog:
+                n = delivery.step(force=True)
+                if n == 0:
+                    raise BusUnavailable(f"the probes could not deliver to the broker: {delivery.stats().last_error}")
+                sent += n
+            return sent
+
         try:
             for tick in sim.run():
                 for msg in (*tick.telemetry, *tick.batches, *tick.events):
                     delivery.submit(msg)
                 published += len(tick.telemetry) + len(tick.batches) + len(tick.events)
+                delivered += deliver(_DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
                 if progress is not None and tick.step is not None:
                     progress("publish", tick.step + 1, scenario.job.steps)
-            delivered = 0
-            while delivered < published:
-                sent = delivery.step(force=True)
-                if sent == 0 and delivery.stats().last_error:
-                    raise BusUnavailable(f"the probes could not deliver to the broker: {delivery.stats().last_error}")
-                delivered += sent
+            delivered += deliver(0)
         finally:
             delivery.close()
         t1 = time.perf_counter()
         with Runner(broker.dsn, store, group="fleethealth-demo") as runner:
-            consumed = 0
+            consumed, last_progress = 0, time.monotonic()
             while consumed + runner.consumer.dead_lettered_total < published:
-                consumed += runner.process_once(1.0)
+                got = runner.process_once(1.0)
+                consumed += got
+                if got:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > _STALL_S:
+                    raise BusUnavailable(f"the detectors read {consumed} of {published} messages and then nothing "
+                                         f"for {_STALL_S:.0f} s")
                 if progress is not None:
                     progress("detect", consumed, published)
             runner.drain()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntFlag, StrEnum
 from typing import Any, ClassVar, Self, TypeVar
@@ -41,6 +42,7 @@ __all__ = [
     "Message",
     "encode",
     "decode",
+    "decode_many",
     "TOPIC_TYPES",
 ]
 
@@ -580,3 +582,128 @@ def decode(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T:
     if version != SCHEMA_VERSION:
         raise SchemaError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     return cls.from_obj(obj)  # type: ignore[attr-defined]
+
+
+def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Exception]:
+    """Decode many values of one message type (a poll's worth); one result per value, in order.
+
+    Each result is the message, or the exception :func:`decode` raises for that value (a
+    :class:`SchemaError` naming the field) — returned, not raised, so one bad value does not
+    hide the rest. Results and errors are exactly :func:`decode`'s: step batches are validated
+    columnar over the whole poll (one NumPy pass for ranks, GPUs and compute times), and any value
+    that pass does not accept outright is decoded alone by :func:`decode`.
+    """
+    out: list[Any] = [None] * len(raws)
+    fast: list[tuple[int, dict[str, Any]]] = []
+    for i, raw in enumerate(raws):
+        try:
+            obj = orjson.loads(raw)
+        except (orjson.JSONDecodeError, TypeError):
+            obj = None
+        if cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
+            fast.append((i, obj))
+        else:
+            out[i] = _decode_one(cls, obj if type(obj) is dict else raw)
+    if fast:
+        for (i, obj), msg in zip(fast, _steps_columnar([obj for _, obj in fast]), strict=True):
+            out[i] = msg if msg is not None else _decode_one(cls, obj)
+    return out
+
+
+def _decode_one(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T | Exception:
+    try:
+        return decode(cls, raw)
+    except Exception as exc:  # returned to the caller, which reports it per value
+        return exc
+
+
+def _step_shape_ok(obj: dict[str, Any]) -> bool:
+    """The scalar fields of a step batch are valid and its arrays are lists of one length."""
+    if obj.get("v") != SCHEMA_VERSION:
+        return False
+    job, node, step, ts = obj.get("job"), obj.get("node"), obj.get("step"), obj.get("ts")
+    if type(job) is not str or not job or type(node) is not str or not node:
+        return False
+    if type(step) is not int or not 0 <= step <= _INT_MAX:
+        return False
+    if type(ts) is float:
+        if not 0.0 <= ts < math.inf:
+            return False
+    elif type(ts) is not int or ts < 0:
+        return False
+    ranks, gpus, compute, groups = obj.get("ranks"), obj.get("gpus"), obj.get("compute_s"), obj.get("groups")
+    if type(ranks) is not list or type(gpus) is not list or type(compute) is not list:
+        return False
+    n = len(ranks)
+    return n > 0 and len(gpus) == n and len(compute) == n and (
+        groups is None or (type(groups) is list and len(groups) == n))
+
+
+_I32 = np.iinfo(np.int32)
+_I16_MAX = int(np.iinfo(np.int16).max)
+
+
+def _column(lists: list[list[Any]], counts: np.ndarray, dtype: type, low: float,
+            high: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Concatenate ``lists`` (lengths ``counts``) into one array; also a per-list flag of lists with an
+    element of the wrong type or outside ``[low, high]`` (or not finite). None when NumPy cannot
+    convert them at all (then every list is decoded alone)."""
+    allowed = {int} if dtype is np.int64 else {int, float}
+    flat = list(itertools.chain.from_iterable(lists))
+    bad = np.zeros(len(lists), dtype=bool)
+    if not set(map(type, flat)) <= allowed:  # rare: find the lists at fault, zero them
+        bad = np.fromiter((not set(map(type, x)) <= allowed for x in lists), dtype=bool, count=len(lists))
+        flat = list(itertools.chain.from_iterable([0] * len(x) if b else x for x, b in zip(lists, bad, strict=True)))
+    try:
+        arr = np.array(flat, dtype=dtype)
+    except (OverflowError, ValueError):
+        return None
+    wrong = (arr < low) | (arr > high)
+    if dtype is np.float64:
+        wrong |= ~np.isfinite(arr)
+    if wrong.any():
+        bad[np.repeat(np.arange(len(lists)), counts)[wrong]] = True
+    return arr, bad
+
+
+def _split(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """Views of ``flat`` cut into consecutive pieces of ``counts`` elements."""
+    if counts.size and (counts == counts[0]).all():
+        return list(flat.reshape(counts.size, int(counts[0])))  # the common case: one node size
+    ends = np.cumsum(counts).tolist()
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def _steps_columnar(objs: list[dict[str, Any]]) -> list[StepBatch | None]:
+    """Step batches from objects :func:`_step_shape_ok` accepted; None where one needs :func:`decode`."""
+    m = len(objs)
+    counts = np.fromiter((len(o["ranks"]) for o in objs), dtype=np.int64, count=m)
+    bad = np.zeros(m, dtype=bool)
+    columns = []
+    for name, dtype, low, high in (("ranks", np.int64, 0, _I32.max), ("gpus", np.int64, 0, _I16_MAX),
+                                   ("compute_s", np.float64, 0.0, MAX_COMPUTE_S)):
+        got = _column([o[name] for o in objs], counts, dtype, low, high)
+        if got is None:
+            return [None] * m
+        columns.append(got[0])
+        bad |= got[1]
+    ranks, gpus, compute = columns
+    seg = np.repeat(np.arange(m), counts)
+    order = np.lexsort((ranks, seg))
+    same = (ranks[order][1:] == ranks[order][:-1]) & (seg[order][1:] == seg[order][:-1])
+    bad[seg[order][1:][same]] = True
+    groups: list[np.ndarray | None] = [None] * m
+    with_groups = [k for k, o in enumerate(objs) if o.get("groups") is not None]
+    if with_groups:
+        got = _column([objs[k]["groups"] for k in with_groups], counts[with_groups], np.int64, _I32.min, _I32.max)
+        if got is None:
+            return [None] * m
+        bad[with_groups] |= got[1]
+        for k, g in zip(with_groups, _split(got[0].astype(np.int32), counts[with_groups]), strict=True):
+            groups[k] = g
+    parts = zip(_split(ranks.astype(np.int32), counts), _split(gpus.astype(np.int16), counts),
+                _split(compute, counts), groups, strict=True)
+    return [None if is_bad else  # decode() names the problem
+            StepBatch(job=obj["job"], step=obj["step"], node=obj["node"], ts=float(obj["ts"]), ranks=r, gpus=g,
+                      compute_s=c, groups=grp)
+            for obj, is_bad, (r, g, c, grp) in zip(objs, bad.tolist(), parts, strict=True)]

@@ -8,6 +8,7 @@ that is not in the fleet — is a :class:`ConfigError` naming it, never silently
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -63,8 +64,8 @@ def _typed(where: str, value: Any, kind: type) -> Any:
             raise ConfigError(f"scenario: '{where}' must be >= 0, got {value}")
         return value
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
-            raise ConfigError(f"scenario: '{where}' must be a non-negative number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"scenario: '{where}' must be a finite non-negative number, got {value!r}")
         return float(value)
     if not isinstance(value, str) or not value:
         raise ConfigError(f"scenario: '{where}' must be a non-empty string, got {value!r}")
@@ -180,13 +181,13 @@ class Scenario:
         raw_faults = obj.get("faults") or []
         if not isinstance(raw_faults, list):
             raise ConfigError("scenario: 'faults' must be a list")
-        faults = tuple(_fault(i, f, fleet, job) for i, f in enumerate(raw_faults))
+        faults = tuple(_fault(i, f, fleet, job, checks) for i, f in enumerate(raw_faults))
         start = _typed("start_ts", obj.get("start_ts", DEFAULT_START_TS), float)
         return cls(seed=seed, fleet=fleet, job=job, faults=faults, checks=checks, start_ts=start,
                    name=str(obj.get("name", name)))
 
 
-def _fault(index: int, raw: Any, fleet: FleetSpec, job: JobSpec) -> FaultSpec:
+def _fault(index: int, raw: Any, fleet: FleetSpec, job: JobSpec, checks: ChecksSpec) -> FaultSpec:
     where = f"faults[{index}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"scenario: {where} must be a mapping")
@@ -219,10 +220,21 @@ def _fault(index: int, raw: Any, fleet: FleetSpec, job: JobSpec) -> FaultSpec:
     gpu = params.get("gpu")
     if gpu is not None and gpu >= fleet.gpus_per_node:
         raise ConfigError(f"scenario: {where}: gpu {gpu} out of range (0..{fleet.gpus_per_node - 1})")
-    for key in ("start_step", "step", "fail_step", "end_step"):
+    for key in ("start_step", "step", "fail_step"):
         value = params.get(key)
         if value is not None and value >= job.steps:
             raise ConfigError(f"scenario: {where}: {key} {value} is past the job's last step ({job.steps - 1})")
+    end = params.get("end_step")
+    if end is not None and not params["start_step"] < end <= job.steps:
+        raise ConfigError(f"scenario: {where}: end_step (exclusive) must be after start_step and at most "
+                          f"{job.steps}, got {end}")
     if kind == "ecc_precursor" and params["fail_step"] <= params["start_step"]:
         raise ConfigError(f"scenario: {where}: fail_step must come after start_step")
+    if kind in ("sdc_transient", "sdc_deterministic"):
+        every = checks.selfcheck_every if kind == "sdc_transient" else checks.replay_every
+        first = max(every, -(-params["start_step"] // every) * every)
+        if first >= job.steps:
+            what = "self-check" if kind == "sdc_transient" else "replay"
+            raise ConfigError(f"scenario: {where}: no {what} runs at or after start_step {params['start_step']} "
+                              f"(every {every} steps, job of {job.steps}): the fault could never be seen")
     return FaultSpec(kind=kind, params=params)

@@ -60,3 +60,39 @@ def test_late_and_duplicate_batches_are_counted_not_rescored() -> None:
     asm.flush(10.0)
     assert asm.add(_batch(0, 1, 11.0)) == [] and asm.late_total == 1
     assert asm.drain() == []
+
+
+def test_a_partial_first_step_does_not_make_later_partial_steps_complete() -> None:
+    """Coverage is by rank identity, and late nodes are learned at once: a job first seen with one
+    node must not keep emitting steps without its other nodes (the slow one would always be dropped)."""
+    asm = StepAssembler(timeout_s=5.0)
+    asm.add(_batch(0, 3, 0.0))
+    asm.flush(10.0)  # step 0 went out with node 3 only
+    assert asm.add(_batch(1, 0, 11.0)) == []  # node 0 has as many ranks as the job showed, but other ones
+    done = asm.add(_batch(1, 3, 11.0))       # every known rank is in: complete
+    assert [(s.step, s.ranks.size) for s in done] == [(1, 8)]
+    assert asm.add(_batch(1, 1, 11.5)) == [] and asm.late_total == 1  # late, but now known
+    assert asm.add(_batch(2, 3, 12.0)) == [] and asm.add(_batch(2, 0, 12.0)) == []
+    assert [(s.step, s.ranks.size, s.complete) for s in asm.add(_batch(2, 1, 12.5))] == [(2, 12, True)]
+
+
+def test_a_rank_reported_by_two_nodes_is_a_duplicate_not_a_crash() -> None:
+    asm = StepAssembler(timeout_s=5.0)
+    asm.add(_batch(0, 0, 0.0))
+    moved = StepBatch(job="j", step=0, node="n0099", ts=0.5, ranks=np.arange(4, dtype=np.int32),
+                      gpus=np.arange(4, dtype=np.int16), compute_s=np.ones(4))
+    assert asm.add(moved) == [] and asm.duplicate_total == 1
+    assert [s.ranks.size for s in asm.drain()] == [4]
+
+
+def test_interruption_lets_step_numbers_repeat_and_forget_drops_a_job() -> None:
+    asm = StepAssembler(timeout_s=5.0)
+    asm.add(_batch(5, 0, 0.0))
+    asm.drain()
+    asm.add(_batch(4, 0, 1.0))
+    assert asm.late_total == 1
+    asm.restart("j")
+    assert [s.step for s in asm.add(_batch(4, 0, 2.0))] == [4]
+    assert asm.add(_batch(6, 1, 3.0)) == [] and asm.open_steps() == {("j", 6)}
+    asm.forget("j")
+    assert asm.open_steps() == set() and asm.drain() == []

@@ -37,6 +37,13 @@ def test_defaults_fill_optional_fields() -> None:
         ({"fleet": {"racks": 2, "shelves": 3}}, "unknown field 'fleet.shelves'"),
         ({"job": {"steps": "many"}}, "'job.steps' must be an integer"),
         ({"speed": 3}, "unknown field 'speed'"),
+        ({"job": {"step_time_s": float("inf")}}, "'job.step_time_s' must be a finite"),
+        ({"faults": [{"kind": "nic_contention", "node": "n0001", "start_step": 50, "end_step": 20}]},
+         "end_step (exclusive) must be after start_step"),
+        ({"job": {"steps": 100}, "faults": [{"kind": "sdc_transient", "node": "n0001", "gpu": 0, "start_step": 60}],
+          "checks": {"selfcheck_every": 50}}, "no self-check runs at or after start_step 60"),
+        ({"job": {"steps": 100}, "faults": [{"kind": "sdc_deterministic", "node": "n0001", "gpu": 0,
+                                             "start_step": 0}]}, "no replay runs"),
         ([1, 2], "expected a mapping"),
     ],
 )
@@ -52,6 +59,12 @@ def test_malformed_file_is_one_clear_error(tmp_path) -> None:
         Scenario.load(bad)
     with pytest.raises(ConfigError, match="cannot read"):
         Scenario.load(tmp_path / "missing.yaml")
+
+
+def test_end_step_is_exclusive_and_may_be_the_job_length() -> None:
+    sc = Scenario.from_obj({"job": {"steps": 100}, "faults": [{"kind": "nic_contention", "node": "n0001",
+                                                               "start_step": 10, "end_step": 100}]})
+    assert sc.faults[0]["end_step"] == 100
 
 
 def test_json_scenarios_load(tmp_path) -> None:
