@@ -1,0 +1,455 @@
+"""The detector runner on the real broker and chDB: SIGKILLed at random points it neither loses nor
+duplicates a row, and a flood of malformed input is dead-lettered with reasons while valid input
+keeps flowing.
+
+The runner consumes every input topic from the beginning, so each of these tests starts a broker of
+its own (the same Tansu binary as the session ``broker`` fixture, ~0.3 s): messages other tests left
+in shared topics would otherwise be consumed too, and the counts checked here would not be exact.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from fleethealth.broker import EmbeddedBroker
+from fleethealth.bus import Consumer, DeadLetter, Producer, ensure_topics
+from fleethealth.detectors.runner import Runner
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry, Topic
+from fleethealth.sim import FleetSim, Scenario
+from fleethealth.store import open_store
+
+WORKER = Path(__file__).with_name("_runner_worker.py")
+
+
+@pytest.fixture
+def own_broker() -> Iterator[EmbeddedBroker]:
+    with EmbeddedBroker() as running:
+        ensure_topics(running.dsn, partitions=4)
+        yield running
+
+
+def _uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------------------- crash test
+class _Worker:
+    """One runner process; its output lines are read by a thread into a queue."""
+
+    def __init__(self, dsn: str, store_dir: Path, group: str, max_records: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(store_dir), group, str(max_records)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put("<eof>")
+
+    def wait_for(self, predicate, timeout_s: float) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if predicate(line) or line == "<eof>":
+                return line
+        return None
+
+    @property
+    def polled(self) -> int:
+        return sum(int(line.split()[1]) for line in self.seen if line.startswith("polled "))
+
+
+def _published_scenario(dsn: str, job: str, steps: int) -> tuple[dict[tuple[int, int], float], int, int]:
+    """Publish a small fleet's run; return ``{(step, rank): compute_s}``, telemetry rows and events."""
+    scenario = Scenario.from_obj({
+        "seed": 11, "fleet": {"racks": 2, "nodes_per_rack": 2, "gpus_per_node": 4},
+        "job": {"id": job, "steps": steps, "step_time_s": 1.0},
+        "faults": [{"kind": "thermal_straggler", "node": "n0001", "gpu": 2, "start_step": 40, "slowdown": 0.3}],
+    })
+    expected: dict[tuple[int, int], float] = {}
+    gpu_rows = events = 0
+    with Producer(dsn, client_id="crash-fleet") as producer:
+        for tick in FleetSim(scenario).run():
+            for msg in (*tick.telemetry, *tick.batches, *tick.events):
+                producer.publish(msg)
+            for b in tick.batches:
+                expected.update(zip(((b.step, int(r)) for r in b.ranks), b.compute_s.tolist(), strict=True))
+            gpu_rows += sum(t.gpu.size for t in tick.telemetry)
+            events += len(tick.events)
+        producer.flush()
+    return expected, gpu_rows, events
+
+
+def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(own_broker: EmbeddedBroker,
+                                                                               tmp_path: Path) -> None:
+    """Kill the runner (SIGKILL, no cleanup) at five random points, restart it in the same consumer
+    group each time, let the last one finish: every published (job, step, rank) row is in
+    ``rank_steps`` exactly once, with the value that was published; telemetry and events likewise.
+
+    Rows are counted with ``FINAL``: a replay after a crash may write a block again under a different
+    deduplication token (the records a restarted runner polls together differ from the killed one's),
+    so exactly-once is what ReplacingMergeTree on the natural key (job, step, rank) makes of it — one
+    row per key after a merge, and with ``FINAL`` before one. Inserts repeated with the same token
+    (offsets covered) are dropped at insert time. The test also checks that the kills did replay
+    records (more records polled over all runs than were published), so the path is exercised.
+    """
+    job = _uid("crash")
+    steps = 400
+    expected, gpu_rows, n_events = _published_scenario(own_broker.dsn, job, steps)
+    store_dir = tmp_path / "store"
+    group = _uid("crash-group")
+    rng = random.Random(20261129)
+    polled_total = kills = 0
+    for _ in range(5):
+        worker = _Worker(own_broker.dsn, store_dir, group, max_records=25)
+        got = worker.wait_for(lambda line: line.startswith("polled ") and line != "polled 0", timeout_s=30.0)
+        assert got is not None and got != "<eof>", f"the runner made no progress: {worker.seen[-5:]}"
+        time.sleep(rng.uniform(0.0, 0.5))
+        worker.proc.send_signal(signal.SIGKILL)
+        assert worker.proc.wait(timeout=10) == -signal.SIGKILL
+        worker.wait_for(lambda line: False, timeout_s=0.2)  # collect what it printed before dying
+        assert "done" not in worker.seen, "the runner finished before it was killed: nothing left to crash on"
+        kills += 1
+        polled_total += worker.polled
+    final = _Worker(own_broker.dsn, store_dir, group, max_records=25)
+    assert final.wait_for(lambda line: line == "done", timeout_s=60.0) == "done", final.seen[-5:]
+    assert final.proc.wait(timeout=10) == 0
+    polled_total += final.polled
+    assert kills == 5
+    published = len(expected) // 4 + gpu_rows // 4 + n_events  # 4 ranks / GPUs per message
+    assert polled_total > published, "no record was delivered twice: the kills never interrupted a batch"
+
+    with open_store(f"chdb://{store_dir}") as store:
+        res = store.query("SELECT step, rank, compute_s FROM rank_steps FINAL WHERE job = {job:String} "
+                          "ORDER BY step, rank", {"job": job})
+        keys = [(int(s), int(r)) for s, r, _ in res.rows]
+        assert len(keys) == len(set(keys)) == len(expected) == steps * 16
+        assert {k: c for (k, (_, _, c)) in zip(keys, res.rows, strict=True)} == expected
+        assert store.query("SELECT count() FROM gpu_samples FINAL").rows[0][0] == gpu_rows
+        assert store.query("SELECT count() FROM events FINAL").rows[0][0] == n_events
+        dup = store.query("SELECT id, count() AS c FROM findings FINAL GROUP BY id HAVING c > 1")
+        assert dup.rows == []
+        stragglers = store.findings(kind="straggler", job=job)
+        assert {(f.node, f.gpu) for f in stragglers} == {("n0001", 2)}
+
+
+# ---------------------------------------------------------------------------------------- fuzz test
+T0 = 1_767_225_600.0
+_STR_FIELDS = {"job", "node", "rack"}
+_REQUIRED = {
+    Topic.STEPS: ("job", "step", "node", "ts", "ranks", "gpus", "compute_s"),
+    Topic.TELEMETRY: ("node", "rack", "ts", "gpu"),
+    Topic.EVENTS: ("node", "ts", "kind"),
+}
+_DATA_KEYS = ("check", "passed", "classification", "digests", "duration_s", "peer_ranks", "culprit_rank",
+              "tolerance", "stacks", "last_collective", "timeout_s", "suite", "verdict", "step", "uri",
+              "last_verified_step", "cause", "detected_by", "lost_steps", "restart_s", "detection_s",
+              "isolation_s", "reconfiguration_s", "reload_s", "severity")
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.text(max_size=4),
+                     st.floats(allow_nan=False, allow_infinity=False, width=32))
+_NOT_A_STRING = st.one_of(st.none(), st.just(""), st.integers(), st.booleans(), st.lists(st.integers(), max_size=2))
+_NOT_AN_ARRAY = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.booleans(),
+                          st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+_NOT_A_TIME = st.one_of(st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False),
+                        st.integers(max_value=-1), st.text(max_size=3), st.booleans(), st.none(),
+                        st.lists(st.floats(0, 1), max_size=2))
+_NOT_A_COUNT = st.one_of(st.integers(max_value=-1), st.integers(2**63, 2**64 - 1), st.text(max_size=3), st.booleans(),
+                         st.floats(allow_nan=False, allow_infinity=False), st.none())
+_BAD_COMPUTE = st.one_of(st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False),
+                         st.floats(min_value=86_400.5, allow_nan=False, allow_infinity=False),
+                         st.none(), st.text(max_size=3), st.booleans())
+
+
+def _good(topic: Topic, tag: str, i: int) -> dict:
+    if topic is Topic.STEPS:
+        return {"v": 1, "job": f"{tag}-bad", "step": i, "node": "n0", "ts": T0 + i, "ranks": [0, 1, 2],
+                "gpus": [0, 1, 2], "compute_s": [1.0, 1.1, 0.9]}
+    if topic is Topic.TELEMETRY:
+        return {"v": 1, "node": f"{tag}-bad", "rack": "r0", "ts": T0 + i, "gpu": [0, 1],
+                "columns": {"temp_c": [60.0, 61.0]}}
+    return {"v": 1, "node": f"{tag}-bad", "ts": T0 + i, "kind": "xid", "code": 79}
+
+
+def _dumps(obj: object) -> bytes:
+    """stdlib JSON, which (unlike orjson) writes NaN / Infinity literals and integers above 2**64."""
+    import json
+
+    return json.dumps(obj).encode()
+
+
+@st.composite
+def _malformed(draw, tag: str, i: int) -> tuple[Topic, bytes, str]:
+    """One malformed value for one input topic and the field its dead-letter reason must name."""
+    topic = draw(st.sampled_from(list(_REQUIRED)))
+    obj = _good(topic, tag, i)
+    case = draw(st.sampled_from(["bytes", "not_object", "version", "missing", "wrong_type", "non_finite",
+                                 "topic_specific"]))
+    if case == "bytes":
+        raw = draw(st.binary(max_size=48))
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return topic, raw, "<message>"
+        return topic, raw, "v" if isinstance(parsed, dict) else "<message>"
+    if case == "not_object":
+        return topic, _dumps(draw(st.one_of(_SCALARS, st.lists(st.integers(), max_size=3)))), "<message>"
+    if case == "version":
+        obj["v"] = draw(st.one_of(st.integers().filter(lambda v: v != 1), st.text(max_size=3), st.none()))
+        return topic, _dumps(obj), "v"
+    if case == "missing":
+        name = draw(st.sampled_from(_REQUIRED[topic]))
+        del obj[name]
+        return topic, _dumps(obj), name
+    if case == "non_finite":
+        name = "compute_s" if topic is Topic.STEPS else "ts"
+        value = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        obj[name] = [1.0, value, 1.0] if name == "compute_s" else value
+        return topic, _dumps(obj), "<message>"  # NaN / Infinity are not JSON: the parser refuses them
+    if case == "wrong_type":
+        name = draw(st.sampled_from(_REQUIRED[topic]))
+        if name in _STR_FIELDS:
+            obj[name] = draw(_NOT_A_STRING)
+        elif name == "step":
+            obj[name] = draw(_NOT_A_COUNT)
+        elif name == "ts":
+            obj[name] = draw(_NOT_A_TIME)
+        elif name == "kind":
+            obj[name] = draw(st.one_of(st.text(max_size=8).filter(lambda k: k not in set(EventKind)), _NOT_A_COUNT))
+        else:
+            obj[name] = draw(_NOT_AN_ARRAY)
+        return topic, _dumps(obj), name
+    # topic_specific: values of the right type that are still wrong
+    if topic is Topic.STEPS:
+        problem = draw(st.sampled_from(["compute", "empty", "duplicate", "negative_rank", "short_gpus",
+                                        "groups"]))
+        if problem == "compute":
+            obj["compute_s"][draw(st.integers(0, 2))] = draw(_BAD_COMPUTE)
+            return topic, _dumps(obj), "compute_s"
+        if problem == "empty":
+            obj.update(ranks=[], gpus=[], compute_s=[])
+            return topic, _dumps(obj), "ranks"
+        if problem == "duplicate":
+            obj["ranks"] = [4, 4, 5]
+            return topic, _dumps(obj), "ranks"
+        if problem == "negative_rank":
+            obj["ranks"] = [0, -draw(st.integers(1, 100)), 2]
+            return topic, _dumps(obj), "ranks"
+        if problem == "short_gpus":
+            obj["gpus"] = obj["gpus"][: draw(st.integers(0, 2))]
+            return topic, _dumps(obj), "gpus"
+        obj["groups"] = draw(st.one_of(st.just([0, 1]), st.just([0, 1.5, 2]), _NOT_AN_ARRAY.filter(
+            lambda g: g is not None)))
+        return topic, _dumps(obj), "groups"
+    if topic is Topic.TELEMETRY:
+        problem = draw(st.sampled_from(["unknown_column", "short_column", "bad_value", "negative_gpu"]))
+        if problem == "unknown_column":
+            name = draw(st.text(min_size=1, max_size=6).filter(lambda c: c not in GPU_FIELDS))
+            obj["columns"][name] = [1.0, 2.0]
+            return topic, _dumps(obj), f"columns.{name}"
+        if problem == "short_column":
+            obj["columns"]["power_w"] = [500.0] * draw(st.sampled_from([0, 1, 3]))
+            return topic, _dumps(obj), "power_w"
+        if problem == "bad_value":
+            obj["columns"]["temp_c"] = [60.0, draw(st.one_of(st.text(max_size=2), st.booleans(),
+                                                              st.lists(st.integers(), max_size=1)))]
+            return topic, _dumps(obj), "temp_c"
+        obj["gpu"] = [0, -draw(st.integers(1, 8))]
+        return topic, _dumps(obj), "gpu"
+    problem = draw(st.sampled_from(["kind", "data", "message", "optional_int"]))
+    if problem == "kind":
+        obj["kind"] = draw(st.text(min_size=1, max_size=12).filter(lambda k: k not in set(EventKind)))
+        return topic, _dumps(obj), "kind"
+    if problem == "data":
+        obj["data"] = draw(st.one_of(st.lists(st.integers(), max_size=2), st.integers(), st.text(max_size=3)))
+        return topic, _dumps(obj), "data"
+    if problem == "message":
+        obj["message"] = draw(st.one_of(st.integers(), st.booleans(), st.lists(st.text(max_size=2), max_size=2)))
+        return topic, _dumps(obj), "message"
+    name = draw(st.sampled_from(["gpu", "rank", "step", "code"]))
+    obj[name] = draw(_NOT_A_COUNT.filter(lambda v: v is not None))
+    return topic, _dumps(obj), name
+
+
+@st.composite
+def _valid(draw, tag: str, i: int):
+    """A schema-valid message; events carry arbitrary ``data`` for their kind (the pipeline must cope)."""
+    which = draw(st.sampled_from(["steps", "telemetry", "event"]))
+    ts = T0 + draw(st.floats(0.0, 3600.0))
+    if which == "steps":
+        n = draw(st.integers(1, 8))
+        compute = draw(st.lists(st.floats(0.0, 86_400.0), min_size=n, max_size=n))
+        groups = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+        return StepBatch(job=f"{tag}-ok", step=i, node=f"{tag}-n{i % 3}", ts=ts,
+                         ranks=np.arange(n, dtype=np.int32), gpus=np.arange(n, dtype=np.int16),
+                         compute_s=np.asarray(compute), groups=None if groups is None else np.asarray(groups, np.int32))
+    if which == "telemetry":
+        g = draw(st.integers(1, 8))
+        temp = draw(st.lists(st.one_of(st.floats(0.0, 120.0), st.just(math.nan)), min_size=g, max_size=g))
+        return Telemetry.from_columns(f"{tag}-t{i}", "r0", ts, np.arange(g), temp_c=temp,
+                                      clock_reasons=[float(draw(st.integers(0, 511)))] * g)
+    kind = draw(st.sampled_from(list(EventKind)))
+    data = draw(st.dictionaries(st.sampled_from(_DATA_KEYS), _SCALARS, max_size=4))
+    opt = st.one_of(st.none(), st.integers(0, 10_000))
+    return Event(node=f"{tag}-e{i}", ts=ts, kind=kind, job=draw(st.one_of(st.none(), st.just(f"{tag}-ok"))),
+                 gpu=draw(opt), rank=draw(opt), step=draw(opt), code=draw(opt), message=draw(st.text(max_size=8)),
+                 data=data)
+
+
+_MALFORMED_PER_EXAMPLE = 110
+_EXAMPLES = 12
+
+
+def test_malformed_input_is_dead_lettered_with_reasons_while_valid_input_keeps_flowing(
+        own_broker: EmbeddedBroker, store) -> None:
+    """Hypothesis generates >= 1,000 malformed values over ``fh.steps``, ``fh.telemetry`` and
+    ``fh.events`` — random bytes, JSON that is not an object, wrong or missing versions, missing
+    fields, wrong types, NaN / infinite / negative / absurd compute times, unknown enum values,
+    arrays of the wrong length — interleaved with valid messages (events with arbitrary ``data`` for
+    their kind). One runner processes them all: each malformed value is in ``fh.deadletter`` once,
+    with a reason naming the field that is wrong; every valid message is in the store; the runner
+    never raises. Each example publishes a batch and checks it, so a failure shrinks to a small one.
+    """
+    tag = _uid("fuzz")
+    counter = iter(range(10**9))
+    seen_malformed: list[int] = []
+    with Runner(own_broker.dsn, store, group=_uid("fuzz-runner"), registry=CollectorRegistry()) as runner, \
+            Consumer(own_broker.dsn, [Topic.DEADLETTER], _uid("fuzz-dl"), session_timeout_s=2.0,
+                     max_poll_interval_s=2.0) as letters, Producer(own_broker.dsn, client_id="fuzz") as producer:
+        taken = 0
+
+        @settings(max_examples=_EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def one_batch(data: st.DataObject) -> None:
+            nonlocal taken
+            bad = [data.draw(_malformed(tag, next(counter))) for _ in range(_MALFORMED_PER_EXAMPLE)]
+            good = [data.draw(_valid(tag, next(counter))) for _ in range(data.draw(st.integers(10, 30)))]
+            base = next(counter)
+            expected_reason: dict[str, str] = {}
+            order = data.draw(st.permutations(range(len(bad) + len(good))))
+            for j in order:
+                if j < len(bad):
+                    topic, raw, field = bad[j]
+                    key = f"{tag}:{base}:{j}"
+                    expected_reason[key] = field
+                    producer.publish_raw(topic.value, raw, key.encode())
+                else:
+                    producer.publish(good[j - len(bad)])
+            producer.flush()
+            total = len(bad) + len(good)
+            deadline = time.monotonic() + 60.0
+            while runner.consumer.consumed_total + runner.consumer.dead_lettered_total - taken < total \
+                    or len(runner.buffer):
+                assert time.monotonic() < deadline, "the runner stopped taking input"
+                runner.process_once(0.2)
+            taken = runner.consumer.consumed_total + runner.consumer.dead_lettered_total
+
+            got: dict[str, DeadLetter] = {}
+            deadline = time.monotonic() + 30.0
+            while len(got) < len(expected_reason) and time.monotonic() < deadline:
+                for rec in letters.poll(0.2):
+                    if isinstance(rec.msg, DeadLetter) and (rec.msg.key or "").startswith(f"{tag}:{base}:"):
+                        assert rec.msg.key not in got, f"dead-lettered twice: {rec.msg.key}"
+                        got[rec.msg.key] = rec.msg
+            assert set(got) == set(expected_reason)
+            for key, letter in got.items():
+                field = letter.reason.split(": ", 1)[0]
+                assert field == expected_reason[key], (letter.reason, letter.raw)
+                assert letter.reason.strip() != f"{field}:"
+            seen_malformed.append(len(bad))
+
+            batches = [m for m in good if isinstance(m, StepBatch)]
+            samples = [m for m in good if isinstance(m, Telemetry)]
+            events = [m for m in good if isinstance(m, Event)]
+            steps = [b.step for b in batches]
+            res = store.query("SELECT count() FROM rank_steps FINAL WHERE job = {j:String} "
+                              "AND step IN {s:Array(UInt64)}", {"j": f"{tag}-ok", "s": steps})
+            assert res.rows[0][0] == sum(b.ranks.size for b in batches)
+            nodes = [t.node for t in samples]
+            res = store.query("SELECT count() FROM gpu_samples FINAL WHERE node IN {n:Array(String)}", {"n": nodes})
+            assert res.rows[0][0] == sum(t.gpu.size for t in samples)
+            res = store.query("SELECT count() FROM events FINAL WHERE id IN {i:Array(String)}",
+                              {"i": [e.id for e in events]})
+            assert res.rows[0][0] == len(events)
+
+        one_batch()
+        assert sum(seen_malformed) >= 1000
+        # still alive and still correct after the flood
+        producer.publish(StepBatch(job=f"{tag}-after", step=0, node="n0", ts=T0 + 4000.0,
+                                   ranks=np.arange(4, dtype=np.int32), gpus=np.arange(4, dtype=np.int16),
+                                   compute_s=np.ones(4)))
+        producer.flush()
+        deadline = time.monotonic() + 30.0
+        after = "SELECT count() FROM rank_steps WHERE job = {j:String}"
+        while not store.query(after, {"j": f"{tag}-after"}).rows[0][0]:
+            assert time.monotonic() < deadline, "a valid message after the flood never reached the store"
+            runner.process_once(0.2)
+
+
+# ---------------------------------------------------------------------------------------- bulk decode
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, Exception) or isinstance(b, Exception):
+        return type(a) is type(b) and str(a) == str(b)
+    if isinstance(a, StepBatch) and isinstance(b, StepBatch):
+        arrays = ("ranks", "gpus", "compute_s", "groups")
+        return (a.job, a.step, a.node, a.ts) == (b.job, b.step, b.node, b.ts) and all(
+            (getattr(a, k) is None and getattr(b, k) is None) or (
+                getattr(a, k) is not None and getattr(b, k) is not None and getattr(a, k).dtype == getattr(b, k).dtype
+                and np.array_equal(getattr(a, k), getattr(b, k))) for k in arrays)
+    return orjson.dumps(a.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(  # type: ignore[union-attr]
+        b.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)  # type: ignore[union-attr]
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_decode_many_gives_exactly_what_decode_gives(data: st.DataObject) -> None:
+    """The consumer's bulk decode (columnar validation over a whole poll, falling back per value) returns,
+    value by value, the message or the very error ``decode`` gives — for the fuzz test's malformed values
+    mixed with valid ones, on every input topic."""
+    from fleethealth import schema
+
+    tag = "d"
+    values: dict[Topic, list[bytes]] = {t: [] for t in _REQUIRED}
+    for i in range(data.draw(st.integers(1, 60))):
+        if data.draw(st.booleans()):
+            topic, raw, _ = data.draw(_malformed(tag, i))
+        else:
+            msg = data.draw(_valid(tag, i))
+            topic, raw = msg.TOPIC, schema.encode(msg)
+        values[topic].append(raw)
+    for topic, raws in values.items():
+        cls = schema.TOPIC_TYPES[topic]
+        expected = []
+        for raw in raws:
+            try:
+                expected.append(schema.decode(cls, raw))
+            except Exception as exc:
+                expected.append(exc)
+        got = schema.decode_many(cls, raws)
+        assert len(got) == len(raws)
+        for raw, a, b in zip(raws, got, expected, strict=True):
+            assert _same(a, b), (raw, a, b)
