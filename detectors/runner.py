@@ -136,6 +136,15 @@ class Runner:
 
     # ------------------------------------------------------------------ one batch
     def _handle(self, released: Sequence[tuple[Hashable, Record]], *, final: bool = False) -> None:
+        try:
+            self._write(released, final=final)
+        except BaseException:
+            # not written, not committed: hold the records again so a retry cannot commit past them
+            for partition, rec in released:
+                self.buffer.push(rec.msg.ts, partition, rec)
+            raise
+
+    def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         ready = [rec for _, rec in released]
         out = self.pipeline.feed([r.msg for r in ready])
         if final:

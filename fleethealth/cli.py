@@ -549,6 +549,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         store = stack.enter_context(open_store(store_dsn))
         store.migrate()
         hook = None
+        server: uvicorn.Server | None = None
+        failed: list[BaseException] = []
         if not args.no_detect:
             from fleethealth.bus import ensure_topics
             from fleethealth.detectors.runner import Runner
@@ -556,7 +558,17 @@ def _run_serve(args: argparse.Namespace) -> int:
             ensure_topics(dsn)
             runner = stack.enter_context(Runner(dsn, store, registry=registry))
             hook = getattr(getattr(runner.pipeline, "policy", None), "reset_breaker", None)
-            thread = threading.Thread(target=runner.run, args=(stop,), name="fleethealth-detect", daemon=True)
+
+            def detect() -> None:  # a dead detector must not leave an API that looks healthy
+                try:
+                    runner.run(stop)
+                except Exception as exc:
+                    failed.append(exc)
+                    print(f"fleethealth serve: the detectors stopped: {exc}", file=sys.stderr, flush=True)
+                    if server is not None:
+                        server.should_exit = True
+
+            thread = threading.Thread(target=detect, name="fleethealth-detect", daemon=True)
             thread.start()
             stack.callback(thread.join, 10.0)
             stack.callback(stop.set)
@@ -566,12 +578,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order
         handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
         try:
-            uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+            if not failed:
+                server.run()
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-    return 0
+    return 1 if failed else 0
 
 
 COMMANDS.append(_cmd_serve)
