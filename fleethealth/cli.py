@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleethealth",
         description="Fleet health and silent-data-corruption detection for synchronous GPU training jobs.",
+        epilog="start here:\n"
+               "  fleethealth demo                      a faulty 256-GPU job through Kafka, detectors and ClickHouse\n"
+               "  fleethealth query \"SELECT * FROM findings\" --data fleethealth-data\n"
+               "  fleethealth budget young-daly --checkpoint-s 30 --mtbf-h 3.1 --restart-s 600\n"
+               "on a GPU node: fleethealth probe --source nvml --kafka kafka://broker:9092\n"
+               "every command has --help; expected errors print one line and exit 2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"fleethealth {__version__}")
