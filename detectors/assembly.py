@@ -124,7 +124,7 @@ class StepAssembler:
         ranks = batch.ranks.tolist()
         known = self._ranks_known.setdefault(job, set())
         if step <= self._done.get(job, -1) and (job, step) not in self._open:
-            self._learn(job, ranks)  # a late node still tells how many ranks the job has
+            self._learn(job, [batch.ranks])  # a late node still tells how many ranks the job has
             self.late_total += 1
             return []
         entry = self._open.get((job, step))
@@ -167,11 +167,12 @@ class StepAssembler:
         """(job, step) pairs still waiting for batches."""
         return set(self._open)
 
-    def _learn(self, job: str, ranks: list[int]) -> None:
+    def _learn(self, job: str, ranks: list[np.ndarray]) -> None:
         """Add ranks to the job's known set; when it grows, recount the coverage of its open steps."""
         known = self._ranks_known.setdefault(job, set())
         before = len(known)
-        known.update(ranks)
+        for arr in ranks:
+            known.update(arr.tolist())
         if len(known) != before:
             for (j, _), entry in self._open.items():
                 if j == job:
@@ -180,7 +181,7 @@ class StepAssembler:
     def _emit(self, job: str, step: int, *, complete: bool) -> AssembledStep:
         parts = self._open.pop((job, step)).parts
         self._done[job] = max(self._done.get(job, -1), step)
-        self._learn(job, [r for b in parts for r in b.ranks.tolist()])
+        self._learn(job, [b.ranks for b in parts])
         groups = None
         if all(b.groups is not None for b in parts):
             groups = np.concatenate([b.groups for b in parts])
