@@ -59,6 +59,10 @@ class EventTimeBuffer(Generic[T]):
         """
         return min((self.latest_.get(p, float("-inf")) for p in live), default=float("inf"))
 
+    def nth_ts(self, n: int) -> float:
+        """The event time of the ``n``-th oldest item held (1-based)."""
+        return heapq.nsmallest(n, self._heap)[-1][0]
+
     def release(self, watermark: float) -> list[tuple[Hashable, T]]:
         """Pop every item with ``ts <= watermark``, oldest first, as ``(partition, item)``."""
         out = []

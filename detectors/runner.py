@@ -68,6 +68,7 @@ class _Metrics:
 class Runner:
     """Feed the detection :class:`Pipeline` from the bus and persist what it concludes.
 
+    ``max_held`` bounds the records held for event-time order (beyond it the oldest go early).
     ``group`` names the consumer group (replicas share it); ``publish`` turns off writing findings
     and recommendations back to Kafka (the store always gets them). ``session_timeout_s`` is how
     long a killed runner's partitions stay assigned to it (Tansu's group join also waits about half
@@ -77,6 +78,7 @@ class Runner:
 
     def __init__(self, bus_dsn: str, store: Store, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
                  publish: bool = True, max_records: int = 2000, lateness_s: float = 5.0,
+                 max_held: int = 200_000,
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
                  registry: CollectorRegistry | None = None) -> None:
         self.store = store
@@ -84,6 +86,8 @@ class Runner:
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
+        self.max_held = max_held
+        self.released_early_total = 0
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
         self.consumer = Consumer(bus_dsn, INPUT_TOPICS, group, producer=self.producer,
@@ -100,9 +104,19 @@ class Runner:
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
         lag = self.consumer.lag()
-        self._handle(self.buffer.release(self._watermark(records, lag)))
+        self._handle(self.buffer.release(self._bound(self._watermark(records, lag))))
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
+
+    def _bound(self, watermark: float) -> float:
+        """Past ``max_held`` records held for event-time order, release the oldest anyway (counted in
+        ``released_early_total``): a partition that lags far behind the others in a catch-up must not
+        grow the buffer without limit; the detectors have a defined behaviour for late input."""
+        excess = len(self.buffer) - self.max_held
+        if excess <= 0:
+            return watermark
+        self.released_early_total += excess
+        return max(watermark, self.buffer.nth_ts(excess))
 
     def _watermark(self, records: Sequence[Record], lag: dict[tuple[str, int], int | None]) -> float:
         """How far in event time it is safe to go: the low watermark over partitions with unread data;

@@ -453,3 +453,34 @@ def test_decode_many_gives_exactly_what_decode_gives(data: st.DataObject) -> Non
         assert len(got) == len(raws)
         for raw, a, b in zip(raws, got, expected, strict=True):
             assert _same(a, b), (raw, a, b)
+
+
+# ---------------------------------------------------------------------------------------- bounded buffer
+def test_the_reorder_buffer_stays_bounded_and_nothing_is_lost(own_broker, tmp_path: Path) -> None:
+    """Steps (one partition) and telemetry (another) over the same event-time span, read a few
+    records a poll: whichever runs ahead waits in the reorder buffer, but never more than
+    ``max_held`` records (the oldest go early and are counted), and everything reaches the store."""
+    n = 120
+    with Producer(own_broker.dsn) as producer:
+        for k in range(n):
+            producer.publish(Telemetry.from_columns("n0001", "r00", 1000.0 + k, [0], temp_c=[60.0]))
+        for k in range(n):
+            producer.publish(StepBatch(job="paced", step=k, node="n0001", ts=1000.0 + k,
+                                       ranks=np.array([0], dtype=np.int32), gpus=np.array([0], dtype=np.int16),
+                                       compute_s=np.array([1.0])))
+        producer.flush()
+    held = []
+    with open_store(f"chdb://{tmp_path}/store") as store:
+        store.migrate()
+        with Runner(own_broker.dsn, store, group=_uid("paced"), max_records=7, max_held=10, publish=False,
+                    registry=CollectorRegistry(), session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+            deadline = time.monotonic() + 60
+            while runner.consumer.consumed_total < 2 * n and time.monotonic() < deadline:
+                runner.process_once(0.5)
+                held.append(len(runner.buffer))
+            runner.drain()
+            early = runner.released_early_total
+        stored = store.query("SELECT count() FROM rank_steps FINAL WHERE job = 'paced'").rows[0][0]
+        samples = store.query("SELECT count() FROM gpu_samples FINAL WHERE node = 'n0001'").rows[0][0]
+    assert (stored, samples) == (n, n)
+    assert max(held) <= 10 and early > 0
