@@ -89,6 +89,7 @@ class Pipeline:
         self.job_seen_: dict[str, float] = {}
         self.now_ = float("-inf")
         self.pending_: list[Finding] = []
+        self.waiting_racks_: set[str | None] = set()
         self.steps_total_ = 0
 
     # ------------------------------------------------------------------ feeding
@@ -103,14 +104,14 @@ class Pipeline:
                 telemetry.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.diagnoser.observe((m,))
-                if self.pending_:
+                if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
                 batches.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
                 for step in self.assembler.add(m):
-                    self.pending_ += self._stragglers(step)
+                    self._wait(self._stragglers(step))
             else:
                 events.append(m)
         self._advance_clock(events)
@@ -119,7 +120,7 @@ class Pipeline:
     def drain(self) -> Output:
         """End of input: emit open steps and undiagnosed findings with what is known."""
         for step in self.assembler.drain():
-            self.pending_ += self._stragglers(step)
+            self._wait(self._stragglers(step))
         return self._conclude([], [], [], [], final=True)
 
     def open_steps(self) -> set[tuple[str, int]]:
@@ -188,6 +189,12 @@ class Pipeline:
                                            ts=step.ts))
         return out
 
+    def _wait(self, findings: list[Finding]) -> None:
+        """Hold stragglers until their rack's telemetry catches up (see :meth:`_diagnosable`)."""
+        if findings:
+            self.pending_ += findings
+            self.waiting_racks_ |= {self.diagnoser.rack_of(f.node) for f in findings}
+
     def _diagnosable(self, final: bool) -> list[Finding]:
         """Diagnose pending stragglers whose node and rack telemetry has caught up (or waited long enough)."""
         ready, waiting = [], []
@@ -203,4 +210,5 @@ class Pipeline:
             else:
                 waiting.append(f)
         self.pending_ = waiting
+        self.waiting_racks_ = {self.diagnoser.rack_of(f.node) for f in waiting}
         return ready

@@ -63,6 +63,11 @@ class _Metrics:
                          registry=registry)
         self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order",
                           registry=registry)
+        self.dropped = Gauge("fleethealth_detect_unscored_batches", "Step batches stored but not scored, by reason",
+                             ["reason"], registry=registry)
+        self.early = Gauge("fleethealth_detect_released_early_records",
+                           "Records released before the watermark because the reorder buffer was full",
+                           registry=registry)
 
 
 class Runner:
@@ -193,6 +198,10 @@ class Runner:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.dead_letters.set(self.consumer.dead_lettered_total)
         self.metrics.held.set(len(self.buffer))
+        assembler = self.pipeline.assembler
+        self.metrics.dropped.labels("late").set(assembler.late_total)
+        self.metrics.dropped.labels("duplicate").set(assembler.duplicate_total)
+        self.metrics.early.set(self.released_early_total)
         self.findings_total += len(out.findings)
         self.recommendations_total += len(out.recommendations)
 
