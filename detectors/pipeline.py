@@ -21,6 +21,7 @@ event time of the newest message is "now". What it calls, in order, for each ``f
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,13 +36,17 @@ from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.errors import SchemaError
 from fleethealth.policy.engine import PolicyEngine
-from fleethealth.policy.goodput import Interruption
+from fleethealth.policy.goodput import Interruption, ideal_step_time, window_goodput
 from fleethealth.policy.paging import Pager
 from fleethealth.schema import Event, EventKind, Finding, Message, Recommendation, StepBatch, Telemetry
 
 __all__ = ["Pipeline", "Output"]
 
 StragglerLike = SeedRule | StragglerDetector
+GOODPUT_WINDOW_S = 3600.0
+"""Goodput for the pager's collapse rule is measured over the last hour (seed 000 R5)."""
+GOODPUT_MIN_WINDOW_S = 600.0
+"""A job younger than this has too little history for a goodput figure."""
 
 
 @dataclass
@@ -87,6 +92,8 @@ class Pipeline:
         self.interruptions_: dict[str, Interruption] = {}
         self.clock_: dict[str, float] = {}
         self.job_seen_: dict[str, float] = {}
+        self.job_first_: dict[str, float] = {}
+        self.step_ends_: dict[str, deque[float]] = {}
         self.now_ = float("-inf")
         self.pending_: list[Finding] = []
         self.waiting_racks_: set[str | None] = set()
@@ -140,6 +147,8 @@ class Pipeline:
         for job in idle:
             del self.job_seen_[job]
             self.stragglers_.pop(job, None)
+            self.step_ends_.pop(job, None)
+            self.job_first_.pop(job, None)
             self.assembler.forget(job)
             self.hang.forget(job)
 
@@ -159,7 +168,8 @@ class Pipeline:
         self.policy.observe(events)
         if out.findings:
             out.recommendations += self.policy.decide(out.findings, now)
-        fresh = False
+        fresh: set[str] = set()
+        at = now  # an interruption record is itself evidence that its job's time has reached it
         for ev in events:
             if ev.kind is EventKind.INTERRUPTION and ev.id not in self.interruptions_:
                 try:
@@ -167,15 +177,40 @@ class Pipeline:
                 except SchemaError:
                     continue  # an interruption record without a job cannot be attributed; it is stored anyway
                 self.assembler.restart(ev.job or "")
-                fresh = True
+                fresh.add(ev.job or "")
+                at = max(at, ev.ts)
         if fresh:
-            horizon = now - self.pager.recent_s - self.pager.rate_window_s
+            horizon = at - self.pager.recent_s - self.pager.rate_window_s
             self.interruptions_ = {k: i for k, i in self.interruptions_.items() if i.ts >= horizon}
-            out.recommendations += self.pager.evaluate(self.interruptions_.values(), now).to_recommendations(now)
+            report = self.pager.evaluate(self.interruptions_.values(), at, goodput_1h=self._worst_goodput(fresh, at))
+            out.recommendations += report.to_recommendations(at)
         return out
+
+    def _worst_goodput(self, jobs: set[str], now: float) -> float | None:
+        """The lowest goodput over the last hour (or the job's life, from 10 minutes on) among ``jobs``."""
+        values = []
+        for job in jobs:
+            ends = self.step_ends_.get(job)
+            if not ends or len(ends) < 3:
+                continue
+            window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
+            if window < GOODPUT_MIN_WINDOW_S:
+                continue
+            ts = np.fromiter(ends, dtype=np.float64, count=len(ends))
+            gaps = np.diff(ts)
+            gaps = gaps[gaps > 0]  # steps reported at one instant (a replay) carry no duration
+            if gaps.size:
+                mine = [i for i in self.interruptions_.values() if i.job == job]
+                values.append(window_goodput(ts, ideal_step_time(gaps), mine, now, window))
+        return min(values, default=None)
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:
         self.steps_total_ += 1
+        ends = self.step_ends_.setdefault(step.job, deque())
+        ends.append(step.ts)
+        while ends and ends[0] < step.ts - GOODPUT_WINDOW_S:
+            ends.popleft()
+        self.job_first_.setdefault(step.job, step.ts)
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()

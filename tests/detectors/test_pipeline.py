@@ -1,0 +1,53 @@
+"""The pipeline wiring that no single detector owns: goodput into the pager, clocks, job pruning."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.policy.engine import PolicyEngine
+from fleethealth.schema import Action, Event, EventKind, StepBatch, Telemetry
+
+T0 = 1_767_225_600.0
+
+
+def _steps(job: str, n: int, every_s: float = 2.0) -> list[StepBatch]:
+    return [StepBatch(job=job, step=k, node="n0000", ts=T0 + every_s * k, ranks=np.arange(4, dtype=np.int32),
+                      gpus=np.arange(4, dtype=np.int16), compute_s=np.full(4, 1.6)) for k in range(n)]
+
+
+def _interruption(job: str, ts: float, lost: int, node: str) -> Event:
+    return Event(node=node, ts=ts, kind=EventKind.INTERRUPTION, job=job, step=599,
+                 data={"cause": "gpu_failure", "detected_by": "xid", "lost_steps": lost, "restart_s": 600.0})
+
+
+def _pages(lost: int) -> list[str]:
+    pipe = Pipeline(policy=PolicyEngine())
+    pipe.feed(_steps("j", 600))
+    out = pipe.feed([_interruption("j", T0 + 1200.0, lost, "n0000")])  # no telemetry: the record's own time counts
+    return [r.reason for r in out.recommendations if r.action is Action.PAGE]
+
+
+def test_goodput_collapse_pages_when_restarts_eat_the_hour() -> None:
+    pages = _pages(lost=500)  # 600 steps done in 20 min, 500 of them lost again: goodput ≈ 0.17
+    assert len(pages) == 1 and "goodput" in pages[0]
+
+
+def test_a_routine_interruption_does_not_page() -> None:
+    assert _pages(lost=10) == []
+
+
+def test_one_node_with_a_clock_far_ahead_does_not_move_now() -> None:
+    pipe = Pipeline()
+    pipe.feed([Telemetry.from_columns(f"n{i:04d}", "r00", T0 + 10.0, [0]) for i in range(5)])
+    pipe.feed([Telemetry.from_columns("n0009", "r00", T0 + 86_400.0, [0]),
+               Event(node="n0009", ts=T0 + 86_400.0, kind=EventKind.XID, gpu=0, code=13)])
+    assert pipe.now_ == T0 + 10.0
+
+
+def test_jobs_idle_for_hours_are_forgotten() -> None:
+    pipe = Pipeline(job_idle_s=600.0)
+    pipe.feed(_steps("old", 5))
+    pipe.feed([Telemetry.from_columns("n0000", "r00", T0 + 3600.0, [0])])
+    assert "old" not in pipe.stragglers_ and "old" not in pipe.step_ends_
+    assert pipe.assembler.open_steps() == set()
