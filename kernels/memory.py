@@ -165,8 +165,9 @@ class _HostOps:
     """The patterns over a NumPy buffer, block by block (``block`` words, a multiple of 64), each block
     viewed as rows of 64 words so the periodic patterns compare against one broadcast row."""
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, max_errors: int) -> None:
         self.block = block
+        self.max_errors = max_errors
 
     def _blocks(self, size: int, descending: bool = False) -> list[int]:
         starts = list(range(0, size, self.block))
@@ -184,21 +185,26 @@ class _HostOps:
             buf[s:e].reshape(-1, _PERIOD)[...] = self._want(kind, p, s, e - s)
 
     def check(self, buf: np.ndarray, chk: _Check) -> tuple[np.ndarray, np.ndarray, int]:
-        found_i, found_o = [], []
+        """Mismatches as (word indices, observed words, total count); at most ``max_errors`` are kept,
+        the rest only counted, so a dead region cannot exhaust host memory."""
+        found_i, found_o, total, room = [], [], 0, self.max_errors
         for s in self._blocks(buf.size, chk.descending):
             e = min(buf.size, s + self.block)
             rows = buf[s:e].reshape(-1, _PERIOD)
             bad = rows != self._want(chk.kind, chk.p, s, e - s)
             if bad.any():
                 where = np.flatnonzero(bad)
-                found_i.append(where.astype(np.uint64) + np.uint64(s))
-                found_o.append(rows.reshape(-1)[where].copy())
+                total += int(where.size)
+                if room > 0:
+                    where = where[:room]
+                    room -= int(where.size)
+                    found_i.append(where.astype(np.uint64) + np.uint64(s))
+                    found_o.append(rows.reshape(-1)[where].copy())
             if chk.rewrite is not None:
                 rows[...] = self._want(*chk.rewrite, s, e - s)
         if not found_i:
-            return np.empty(0, np.uint64), np.empty(0, np.uint64), 0
-        idx = np.concatenate(found_i)
-        return idx, np.concatenate(found_o), int(idx.size)
+            return np.empty(0, np.uint64), np.empty(0, np.uint64), total
+        return np.concatenate(found_i), np.concatenate(found_o), total
 
 
 @functools.lru_cache(maxsize=4)
@@ -258,7 +264,7 @@ class MemoryTester:
         with backend.activate():  # buffer, error slots and kernels all on this device
             self.words = backend.xp.empty(words, dtype=backend.xp.uint64)
             self.ops: _HostOps | _CudaOps = (_CudaOps(backend, max_errors) if backend.is_gpu
-                                             else _HostOps(block_words))
+                                             else _HostOps(block_words, max_errors))
         self._passes = 0
 
     @property

@@ -87,3 +87,18 @@ def test_bad_sizes_raise() -> None:
         MemoryTester(CPU, 100)
     with pytest.raises(ConfigError, match="multiple of 64"):
         MemoryTester(CPU, 1 << 12, block_words=100)
+
+
+def test_a_dead_region_is_counted_in_full_but_only_max_errors_are_kept() -> None:
+    """Corrupt every word after the fill: the host check keeps at most ``max_errors`` locations
+    (a dead bank must not exhaust host memory) and still counts every mismatch."""
+    tester = MemoryTester(CPU, 1 << 16, max_errors=100)
+    words = (1 << 16) // 8
+    ops, buf = tester.ops, np.zeros(words, dtype=np.uint64)
+    ops.fill(buf, 0, 7)
+    buf ^= np.uint64(1)
+    from fleethealth.kernels.memory import _Check
+
+    idx, observed, total = ops.check(buf, _Check(kind=0, p=7))
+    assert total == words and idx.size == observed.size == 100
+    assert (observed == np.uint64(6)).all()
