@@ -22,11 +22,17 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "Sender", "WireMessage", "parse"]
+__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender", "WireMessage", "parse"]
 
 DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
 MAX_DATAGRAM = 200_000
-"""Larger datagrams (a very deep stack dump) are truncated by the sender, never split."""
+"""Larger datagrams (a very deep stack dump) are dropped (and counted) by the sender, never split."""
+MAX_RANK = 2**31 - 1
+"""The largest rank a datagram may carry (step batches hold ranks as int32)."""
+MAX_GPU = 2**15 - 1
+"""The largest local GPU index a datagram may carry (step batches hold GPUs as int16)."""
+MAX_STEP = 2**63 - 1
+"""The largest step a datagram may carry (int64 downstream)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +74,11 @@ def parse(datagram: bytes) -> WireMessage:
         raise ValueError(f"missing field {exc.args[0]!r}") from None
     if not isinstance(job, str) or not job:
         raise ValueError("job must be a non-empty string")
-    for name, v in (("rank", rank), ("gpu", gpu), ("step", step)):
+    for name, v, most in (("rank", rank, MAX_RANK), ("gpu", gpu, MAX_GPU), ("step", step, MAX_STEP)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative integer")
+        if v > most:
+            raise ValueError(f"{name} {v} is out of range (at most {most})")
     for name, v in (("ts", ts), ("s", value)):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 <= v < float("inf")):
             raise ValueError(f"{name} must be a finite non-negative number")

@@ -9,13 +9,18 @@ aggregator collects them and emits
   job has reported the step (a rank is known once it has reported a compute time within
   ``forget_s``), or when ``timeout_s`` has passed since the step's first datagram (a hung or slow
   rank must not hold the others back: the batch goes out with the ranks that did report, and is
-  counted as incomplete). When a job sends progress marks, a rank counts as reported once both its
-  compute time and its progress mark are in; the batch's ``ts`` is the latest progress mark (the
-  step's completion), else the latest compute datagram.
+  counted as incomplete). A rank that sends separate progress marks (the CUDA path) counts as
+  reported once both its compute time and its progress mark are in; a rank that sends only the
+  combined compute datagram (the CPU path) is never held for a mark. Which ranks send marks is
+  learnt per (job, rank) from the batches emitted: a rank is held while its last batched step
+  carried its mark (or the mark came late for it), so a one-off mark (``step_done`` without a
+  compute span) does not hold the rank's later steps. The batch's ``ts`` is the latest progress
+  mark (the step's completion), else the latest compute datagram.
 - one :class:`fleethealth.schema.Event` per event datagram, with this node filled in.
 
-Garbage (not JSON, wrong fields, a schema-invalid event) is counted and dropped; nothing here
-raises on input. Datagrams for a step already emitted are counted as ``late`` and dropped.
+Garbage (not JSON, wrong fields, out-of-range ranks, GPUs or steps, a schema-invalid event) is
+counted and dropped; nothing here raises on input: a datagram whose handling fails for any other
+reason is counted as garbage too. Datagrams for a step already emitted are counted as ``late`` and dropped.
 Memory is bounded: at most ``max_open`` steps wait at once (the oldest is emitted early).
 """
 
@@ -75,7 +80,8 @@ class StepAggregator:
         self.max_open = max_open
         self._open: OrderedDict[tuple[str, int], _Open] = OrderedDict()
         self._known: dict[str, dict[int, float]] = {}   # job -> rank -> last seen (now)
-        self._uses_progress: set[str] = set()
+        self._marks: dict[str, set[int]] = {}           # job -> ranks held for progress marks
+        self._batched: dict[str, dict[int, int]] = {}   # job -> rank -> last step batched with its compute
         self._job_since: dict[str, float] = {}          # job -> when its first rank reported (now)
         self._emitted: set[tuple[str, int]] = set()
         self._emitted_order: deque[tuple[str, int]] = deque()
@@ -87,20 +93,31 @@ class StepAggregator:
         self.last_garbage: str | None = None
 
     # ------------------------------------------------------------ input
-    def feed(self, datagram: bytes, now: float) -> None:
-        """Take one raw datagram; garbage is counted (``last_garbage`` keeps the reason) and dropped."""
+    def feed(self, datagram: bytes, now: float, wall: float | None = None) -> None:
+        """Take one raw datagram; garbage is counted (``last_garbage`` keeps the reason) and dropped.
+
+        ``wall`` (the wall clock, seconds since the epoch) stamps an event datagram that carries no
+        ``ts`` of its own; without it the event gets ``now``. Never raises.
+        """
         self._datagrams += 1
         try:
             msg = parse(datagram)
         except (ValueError, TypeError, OverflowError) as exc:
             self._drop(str(exc))
             return
-        self.add(msg, now)
+        try:
+            self.add(msg, now, wall)
+        except Exception as exc:  # noqa: BLE001 - one bad datagram must not stop the rest
+            self.reject(f"{type(exc).__name__}: {exc}")
 
-    def add(self, msg: WireMessage, now: float) -> None:
-        """Take one parsed datagram."""
+    def reject(self, reason: str) -> None:
+        """Count one datagram as garbage for ``reason`` (a caller whose own handling of it failed)."""
+        self._drop(reason[:500])
+
+    def add(self, msg: WireMessage, now: float, wall: float | None = None) -> None:
+        """Take one parsed datagram (``wall``: as in :meth:`feed`)."""
         if msg.kind == "e":
-            self._add_event(msg, now)
+            self._add_event(msg, now if wall is None else wall)
             return
         if msg.kind == "c" and msg.value > MAX_COMPUTE_S:
             self._drop(f"compute time {msg.value} s is not a measurement")
@@ -108,6 +125,8 @@ class StepAggregator:
         key = (msg.job, msg.step)
         if key in self._emitted:
             self._late += 1
+            if msg.kind == "p" and self._batched.get(msg.job, {}).get(msg.rank) == msg.step:
+                self._marks.setdefault(msg.job, set()).add(msg.rank)  # its mark came after the batch
             return
         entry = self._open.get(key)
         if entry is None:
@@ -122,7 +141,6 @@ class StepAggregator:
             self._job_since.setdefault(msg.job, now)
         else:
             entry.progress[msg.rank] = msg.ts
-            self._uses_progress.add(msg.job)
         if self._complete(msg.job, entry, now):
             del self._open[key]
             self._emit(key, entry, complete=True)
@@ -155,9 +173,12 @@ class StepAggregator:
         for job, ranks in list(self._known.items()):
             for rank in [r for r, seen in ranks.items() if now - seen > self.forget_s]:
                 del ranks[rank]
+                self._marks.get(job, set()).discard(rank)
+                self._batched.get(job, {}).pop(rank, None)
             if not ranks:
                 del self._known[job]
-                self._uses_progress.discard(job)
+                self._marks.pop(job, None)
+                self._batched.pop(job, None)
                 self._job_since.pop(job, None)
         out = Drained(tuple(self._ready), tuple(self._events))
         self._ready, self._events = [], []
@@ -175,7 +196,8 @@ class StepAggregator:
         known = self._known.get(job, {})
         if len(entry.compute) < len(known) or any(r not in entry.compute for r in known):
             return False
-        if job in self._uses_progress and any(r not in entry.progress for r in known):
+        marks = self._marks.get(job)
+        if marks and any(r not in entry.progress for r in marks if r in known):
             return False
         return True
 
@@ -183,17 +205,37 @@ class StepAggregator:
         self._remember_emitted(key)
         if not entry.compute:  # only progress marks (compute lost or not yet read): nothing to batch
             return
-        ranks = np.fromiter(entry.compute, dtype=np.int32, count=len(entry.compute))
-        order = np.argsort(ranks, kind="stable")
-        values = list(entry.compute.values())
-        gpus = np.fromiter((v[0] for v in values), dtype=np.int16, count=len(values))[order]
-        secs = np.fromiter((v[1] for v in values), dtype=np.float64, count=len(values))[order]
-        ts = max(entry.progress.values()) if entry.progress else max(v[2] for v in values)
-        self._ready.append(StepBatch(job=key[0], step=key[1], node=self.node, ts=float(ts), ranks=ranks[order],
-                                     gpus=gpus, compute_s=secs))
+        self._learn_marks(key, entry)
+        try:
+            ranks = np.fromiter(entry.compute, dtype=np.int32, count=len(entry.compute))
+            order = np.argsort(ranks, kind="stable")
+            values = list(entry.compute.values())
+            gpus = np.fromiter((v[0] for v in values), dtype=np.int16, count=len(values))[order]
+            secs = np.fromiter((v[1] for v in values), dtype=np.float64, count=len(values))[order]
+            ts = max(entry.progress.values()) if entry.progress else max(v[2] for v in values)
+            batch = StepBatch(job=key[0], step=key[1], node=self.node, ts=float(ts), ranks=ranks[order],
+                              gpus=gpus, compute_s=secs)
+        except (OverflowError, ValueError, TypeError, SchemaError) as exc:  # values parse() would refuse
+            self._drop(f"step {key[1]} of job {key[0]!r} cannot be batched: {exc}")
+            return
+        self._ready.append(batch)
         self._batches += 1
         if not complete:
             self._incomplete += 1
+
+    def _learn_marks(self, key: tuple[str, int], entry: _Open) -> None:
+        """Hold each rank batched here for marks next time iff its mark for this step is in."""
+        job, step = key
+        marks = self._marks.setdefault(job, set())
+        batched = self._batched.setdefault(job, {})
+        for rank in entry.compute:
+            if batched.get(rank, -1) > step:
+                continue  # an older step emitted late (timeout or eviction) says nothing new
+            batched[rank] = step
+            if rank in entry.progress:
+                marks.add(rank)
+            else:
+                marks.discard(rank)
 
     def _remember_emitted(self, key: tuple[str, int]) -> None:
         self._emitted.add(key)

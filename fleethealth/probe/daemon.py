@@ -211,11 +211,19 @@ class Probe:
                 return
             if not ready:
                 continue
-            datagrams = listener.receive()
-            now = self._monotonic()
+            try:
+                datagrams = listener.receive()
+            except OSError:  # closed under us, or a transient socket error: try again
+                if self._closing.wait(0.05):
+                    return
+                continue
+            now, wall = self._monotonic(), self._clock()
             with self._agg_lock:
                 for datagram in datagrams:
-                    self.aggregator.feed(datagram, now)
+                    try:
+                        self.aggregator.feed(datagram, now, wall)
+                    except Exception as exc:  # noqa: BLE001 - never lose the thread to one datagram
+                        self.aggregator.reject(f"{type(exc).__name__}: {exc}")
 
     def run(self, stop: threading.Event, *, max_ticks: int | None = None) -> int:
         """Tick every ``interval_s`` until ``stop`` is set (or ``max_ticks``); return ticks done."""

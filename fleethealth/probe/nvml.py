@@ -13,7 +13,11 @@ utilisation. A field the GPU does not support is NaN, never an error.
 
 Xid errors arrive through an NVML event set (``nvmlEventTypeXidCriticalError``) waited on by a
 background thread and are returned as ``xid`` events with the next sample. A GPU that falls off
-the bus (``NVML_ERROR_GPU_IS_LOST``) yields one ``gpu_lost`` event and NaN columns, not a crash.
+the bus (``NVML_ERROR_GPU_IS_LOST``) yields one ``gpu_lost`` event and NaN columns, not a crash,
+including a GPU already lost when the probe starts (its index is enumerated on its own and the
+event goes out with the first sample). The Xid thread skips GPUs it cannot register (reporting
+each failure, lost GPUs aside, as a ``probe_error`` event) and keeps waiting after an event-set
+error, backing off and reporting the error once as a ``probe_error`` event until a wait succeeds.
 
 The library handle is injected (``nvml=``): production passes nothing and gets ``pynvml``; the
 tests pass a recorded-values object with the same call surface, since these machines have no GPU.
@@ -50,19 +54,20 @@ class NvmlSource:
     """Telemetry of every GPU on this node through NVML.
 
     ``nvml`` is the library module (``pynvml`` when omitted) or any object with the same calls,
-    constants and ``NVMLError``. ``xid_events`` starts the Xid event-set thread on ``open()``.
+    constants and ``NVMLError``. ``xid_events`` starts the Xid event-set thread on ``open()``;
+    after an event-set error it retries with a backoff doubling up to ``xid_backoff_max_s``.
     """
 
     name = "nvml"
 
     def __init__(self, node: str, rack: str, *, nvml: Any = None, xid_events: bool = True,
-                 xid_wait_ms: int = 500) -> None:
+                 xid_wait_ms: int = 500, xid_backoff_max_s: float = 5.0) -> None:
         self.node = node
         self.rack = rack
         self._nvml = nvml
         self._xid_events = xid_events
         self._xid_wait_ms = xid_wait_ms
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []   # None where the GPU was lost before it could be enumerated
         self._uuids: tuple[str, ...] = ()
         self._model = ""
         self._lost: set[int] = set()
@@ -71,6 +76,7 @@ class NvmlSource:
         self._stop = threading.Event()
         self._xid_thread: threading.Thread | None = None
         self.xid_thread_error: str | None = None
+        self._xid_backoff_max_s = xid_backoff_max_s
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -82,14 +88,49 @@ class NvmlSource:
                               f"{_MISSING_HINT}") from exc
         try:
             count = nv.nvmlDeviceGetCount()
-            self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-            self._uuids = tuple(_text(nv.nvmlDeviceGetUUID(h)) for h in self._handles)
-            self._model = _text(nv.nvmlDeviceGetName(self._handles[0])) if self._handles else ""
         except nv.NVMLError as exc:
             raise DeviceError(f"NVML source: cannot enumerate GPUs ({_nvml_reason(nv, exc)})") from exc
-        if self._xid_events and self._handles:
+        handles: list[Any] = []
+        uuids: list[str] = []
+        for i in range(count):
+            handle, uuid = self._enumerate(i)
+            handles.append(handle)
+            uuids.append(uuid)
+        self._handles, self._uuids = handles, tuple(uuids)
+        self._model = self._read_model()
+        if self._xid_events and any(i not in self._lost for i in range(count)):
             self._xid_thread = threading.Thread(target=self._watch_xid, name="fh-nvml-xid", daemon=True)
             self._xid_thread.start()
+
+    def _enumerate(self, i: int) -> tuple[Any, str]:
+        """GPU ``i``'s handle and UUID; a GPU already off the bus is marked lost (its ``gpu_lost``
+        event goes out with the first sample) instead of failing the whole node."""
+        nv = self._nvml
+        handle = None
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(i)
+            return handle, _text(nv.nvmlDeviceGetUUID(handle))
+        except nv.NVMLError as exc:
+            if _code(exc) != nv.NVML_ERROR_GPU_IS_LOST:
+                raise DeviceError(f"NVML source: cannot enumerate GPU {i} ({_nvml_reason(nv, exc)})") from exc
+            self._lost.add(i)
+            self._pending.append(Event(node=self.node, ts=0.0, kind=EventKind.GPU_LOST, gpu=i,
+                                       message=f"GPU {i} fell off the bus ({_nvml_reason(nv, exc)})",
+                                       data={"uuid": "", "source": "nvml"}))
+            return handle, ""
+
+    def _read_model(self) -> str:
+        nv = self._nvml
+        for i, handle in enumerate(self._handles):
+            if i in self._lost:
+                continue
+            try:
+                return _text(nv.nvmlDeviceGetName(handle))
+            except nv.NVMLError as exc:
+                if _code(exc) != nv.NVML_ERROR_GPU_IS_LOST:
+                    raise DeviceError(f"NVML source: cannot read the name of GPU {i} "
+                                      f"({_nvml_reason(nv, exc)})") from exc
+        return ""
 
     def close(self) -> None:
         self._stop.set()
@@ -206,26 +247,28 @@ class NvmlSource:
         nv = self._nvml
         try:
             event_set = nv.nvmlEventSetCreate()
-            index: dict[Any, int] = {}
-            for i, h in enumerate(self._handles):
-                try:
-                    nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
-                    index[_handle_key(h)] = i
-                except nv.NVMLError as exc:
-                    if _code(exc) != nv.NVML_ERROR_NOT_SUPPORTED:
-                        raise
         except nv.NVMLError as exc:
-            self.xid_thread_error = _nvml_reason(nv, exc)
+            self._xid_error(None, f"cannot create the NVML event set, no Xid events on this node "
+                                  f"({_nvml_reason(nv, exc)})")
             return
         try:
+            index = self._register_xid(event_set)
+            backoff = 0.0
             while not self._stop.is_set():
                 try:
                     data = nv.nvmlEventSetWait_v2(event_set, self._xid_wait_ms)
                 except nv.NVMLError as exc:
                     if _code(exc) == nv.NVML_ERROR_TIMEOUT:
+                        backoff = 0.0
                         continue
-                    self.xid_thread_error = _nvml_reason(nv, exc)
-                    return
+                    reason = _nvml_reason(nv, exc)
+                    if backoff == 0.0 or reason != self.xid_thread_error:  # once per spell of failures
+                        self._xid_error(None, f"waiting for Xid events failed ({reason}); retrying")
+                    self.xid_thread_error = reason
+                    backoff = min(max(2 * backoff, self._xid_wait_ms / 1000), self._xid_backoff_max_s)
+                    self._stop.wait(backoff)
+                    continue
+                backoff = 0.0
                 if not data.eventType & nv.nvmlEventTypeXidCriticalError:
                     continue
                 gpu = index.get(_handle_key(data.device))
@@ -239,6 +282,30 @@ class NvmlSource:
                 nv.nvmlEventSetFree(event_set)
             except nv.NVMLError:
                 pass
+
+    def _register_xid(self, event_set: Any) -> dict[Any, int]:
+        """Register every GPU still on the bus for Xid events; one GPU failing skips only that GPU."""
+        nv = self._nvml
+        index: dict[Any, int] = {}
+        for i, h in enumerate(self._handles):
+            if i in self._lost or h is None:
+                continue
+            try:
+                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
+                index[_handle_key(h)] = i
+            except nv.NVMLError as exc:
+                code = _code(exc)
+                if code == nv.NVML_ERROR_NOT_SUPPORTED or code == nv.NVML_ERROR_GPU_IS_LOST:
+                    continue  # no Xid events on this GPU; a lost GPU is reported by the next sample
+                self._xid_error(i, f"cannot watch GPU {i} for Xid errors ({_nvml_reason(nv, exc)})")
+        return index
+
+    def _xid_error(self, gpu: int | None, message: str) -> None:
+        self.xid_thread_error = message
+        event = Event(node=self.node, ts=0.0, kind=EventKind.PROBE_ERROR, gpu=gpu, message=message[:2000],
+                      data={"source": "nvml", "part": "xid"})
+        with self._pending_lock:
+            self._pending.append(event)
 
 
 class _GpuLost(Exception):

@@ -56,9 +56,11 @@ class NvmlReplay:
     """Answer NVML calls from a recording. Constants and ``NVMLError`` come from ``pynvml`` itself
     (a pure-Python module that imports without the driver), so error handling is the real one.
 
-    Test hooks: :meth:`lose_gpu` makes every later call on a GPU raise ``NVML_ERROR_GPU_IS_LOST``;
-    :meth:`block` makes one call wait until :meth:`release` (a wedged driver); :meth:`fail_init`
-    makes ``nvmlInit`` raise a given NVML error.
+    Test hooks: :meth:`lose_gpu` makes every later call on a GPU raise ``NVML_ERROR_GPU_IS_LOST``
+    (enumerating it and registering it for events included); :meth:`block` makes one call wait
+    until :meth:`release` (a wedged driver); :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
+    error; :meth:`fail_register` makes registering one GPU for events raise one; :meth:`fail_wait`
+    makes the next ``times`` event-set waits raise one.
     """
 
     def __init__(self, recording: dict[str, Any] | str | Path) -> None:
@@ -75,7 +77,11 @@ class NvmlReplay:
         self._lost: set[int] = set()
         self._blocked: dict[str, threading.Event] = {}
         self._init_error: int | None = None
+        self._register_errors: dict[int, int] = {}
+        self._wait_errors: list[int] = []
+        self._lock = threading.Lock()
         self.calls = 0
+        self.waits = 0
 
     # ------------------------------------------------------------ test hooks
     def lose_gpu(self, index: int) -> None:
@@ -92,8 +98,16 @@ class NvmlReplay:
     def fail_init(self, code: int) -> None:
         self._init_error = code
 
+    def fail_register(self, index: int, code: int) -> None:
+        self._register_errors[index] = code
+
+    def fail_wait(self, code: int, times: int = 1) -> None:
+        with self._lock:
+            self._wait_errors.extend([code] * times)
+
     def add_xid(self, gpu: int, code: int) -> None:
-        self._xid.append({"gpu": gpu, "code": code})
+        with self._lock:
+            self._xid.append({"gpu": gpu, "code": code})
 
     # ------------------------------------------------------------ library surface
     def __getattr__(self, name: str) -> Any:
@@ -114,10 +128,16 @@ class NvmlReplay:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
         if not 0 <= index < len(self.devices):
             raise self._lib.NVMLError(self._lib.NVML_ERROR_INVALID_ARGUMENT)
+        if index in self._lost:
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_GPU_IS_LOST)
         return _Handle(index)
 
     def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: Any) -> None:
-        return None
+        if handle.index in self._lost:
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_GPU_IS_LOST)
+        code = self._register_errors.get(handle.index)
+        if code is not None:
+            raise self._lib.NVMLError(code)
 
     def nvmlEventSetCreate(self) -> object:
         return object()
@@ -126,8 +146,13 @@ class NvmlReplay:
         return None
 
     def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> SimpleNamespace:
-        if self._xid:
-            xid = self._xid.pop(0)
+        with self._lock:
+            self.waits += 1
+            error = self._wait_errors.pop(0) if self._wait_errors else None
+            xid = self._xid.pop(0) if error is None and self._xid else None
+        if error is not None:
+            raise self._lib.NVMLError(error)
+        if xid is not None:
             return SimpleNamespace(device=_Handle(xid["gpu"]), eventType=self._lib.nvmlEventTypeXidCriticalError,
                                    eventData=xid["code"], gpuInstanceId=0, computeInstanceId=0)
         threading.Event().wait(min(timeout_ms, 20) / 1000.0)

@@ -7,6 +7,7 @@ import pytest
 
 from fleethealth.probe.aggregator import StepAggregator
 from fleethealth.schema import EventKind, StepBatch, decode, encode
+from fleethealth.wire import WireMessage
 
 
 def _c(job: str, rank: int, step: int, s: float, ts: float = 100.0, gpu: int | None = None) -> bytes:
@@ -83,6 +84,12 @@ def test_jobs_are_batched_apart() -> None:
     b'{"t":"e","event":"x"}', b'{"t":"e","event":{"kind":"no_such_kind","ts":1.0}}',
     b'{"t":"e","event":{"kind":"xid","ts":1.0,"code":"79"}}', b'{"t":"c","job":"j","rank":true,"gpu":0,'
     b'"step":0,"s":1.0,"ts":1.0}', b"1" * 70000,
+    # in range for JSON, out of range for the batch's int32 ranks / int16 GPUs / int64 steps
+    b'{"t":"c","job":"j","rank":0,"gpu":40000,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"c","job":"j","rank":1099511627776,"gpu":0,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"c","job":"j","rank":2147483648,"gpu":0,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"c","job":"j","rank":0,"gpu":32768,"step":0,"s":1.0,"ts":1.0}',
+    b'{"t":"c","job":"j","rank":0,"gpu":0,"step":9223372036854775808,"s":1.0,"ts":1.0}',
 ])
 def test_garbage_is_counted_and_dropped(garbage: bytes) -> None:
     agg = StepAggregator("n0")
@@ -103,8 +110,13 @@ def test_event_datagrams_are_forwarded_with_the_node_filled_in() -> None:
                                                         "timeout_s": 90.0}}}), 2.0)
     sdc, hang = agg.drain(2.0).events
     assert sdc.node == "n0009" and sdc.kind is EventKind.SDC_CHECK and sdc.data["passed"] is False
-    assert hang.kind is EventKind.HANG_REPORT and hang.ts == 2.0  # no ts: the probe's clock
+    assert hang.kind is EventKind.HANG_REPORT and hang.ts == 2.0  # no ts, no wall clock given: ``now``
     assert agg.stats.events_total == 2
+    agg.feed(orjson.dumps({"t": "e", "event": {"kind": "hang_report", "rank": 3, "step": 10,
+                                               "data": {"stacks": "", "last_collective": None, "timeout_s": 90.0}}}),
+             3.0, wall=1_700_000_000.0)
+    (late,) = agg.drain(3.0).events
+    assert late.ts == 1_700_000_000.0  # the wall clock when given, never the monotonic ``now``
 
 
 def test_open_steps_are_bounded() -> None:
@@ -113,3 +125,100 @@ def test_open_steps_are_bounded() -> None:
         agg.feed(_c("j", 0, step, 1.0), 0.0)
     assert agg.stats.open_steps == 8 and agg.stats.evicted_total == 12
     assert [b.step for b in agg.drain(0.0).batches] == list(range(12))
+
+
+def test_out_of_range_numbers_are_named_and_the_largest_valid_ones_batch() -> None:
+    agg = StepAggregator("n0", timeout_s=1.0)
+    agg.feed(_c("j", 2**31, 0, 1.0, gpu=0), 0.0)
+    assert agg.stats.garbage_total == 1 and "rank 2147483648 is out of range" in (agg.last_garbage or "")
+    agg.feed(_c("j", 2**31 - 1, 0, 1.0, gpu=2**15 - 1), 0.0)
+    agg.feed(orjson.dumps({"t": "c", "job": "j", "rank": 0, "gpu": 0, "step": 2**63 - 1, "s": 1.0, "ts": 1.0}), 0.0)
+    batches = sorted(agg.drain(1.0).batches, key=lambda b: b.step)
+    assert [(b.step, b.ranks.tolist(), b.gpus.tolist()) for b in batches] == [
+        (0, [2**31 - 1], [2**15 - 1]), (2**63 - 1, [0], [0])]
+    assert agg.stats.garbage_total == 1
+
+
+def test_a_parsed_message_that_cannot_be_batched_is_garbage_not_a_crash() -> None:
+    """``add`` takes already parsed messages; values ``parse`` would refuse must not break ``drain``."""
+    agg = StepAggregator("n0", timeout_s=1.0)
+    agg.add(WireMessage("c", "j", 2**40, 0, 0, 1.0, 1.0), 0.0)
+    agg.feed(_c("j", 1, 1, 1.0), 0.0)
+    out = agg.drain(1.0)
+    assert [b.step for b in out.batches] == [1]
+    assert agg.stats.garbage_total == 1 and "cannot be batched" in (agg.last_garbage or "")
+
+
+def test_a_failure_inside_handling_counts_the_datagram_as_garbage(monkeypatch) -> None:
+    """Fault injected into the aggregator's own handling: ``feed`` never raises on input."""
+    agg = StepAggregator("n0", timeout_s=1.0)
+    real_add = agg.add
+
+    def add(msg: WireMessage, now: float, wall: float | None = None) -> None:
+        if msg.rank == 7:
+            raise RuntimeError("injected")
+        real_add(msg, now, wall)
+
+    monkeypatch.setattr(agg, "add", add)
+    agg.feed(_c("j", 7, 0, 1.0), 0.0)
+    agg.feed(_c("j", 0, 0, 1.0), 0.0)
+    assert agg.stats.garbage_total == 1 and agg.last_garbage == "RuntimeError: injected"
+    assert [b.ranks.tolist() for b in agg.drain(1.0).batches] == [[0]]
+
+
+def _learn(agg: StepAggregator, ranks: range, marks: tuple[int, ...]) -> None:
+    """Step 0 of job ``j``: every rank's compute, a progress mark from ``marks``; out at the timeout."""
+    for rank in ranks:
+        agg.feed(_c("j", rank, 0, 1.0), 0.0)
+    for rank in marks:
+        agg.feed(_p("j", rank, 0, 50.0), 0.0)
+    assert len(agg.drain(5.0).batches) == 1
+
+
+def test_one_progress_mark_does_not_hold_a_cpu_timer_job_for_good() -> None:
+    """CPU-path ranks send only the combined compute datagram; one ``step_done`` without a compute
+    span sends a lone progress mark, which must not make every later step wait for the timeout."""
+    agg = StepAggregator("n0", timeout_s=5.0)
+    _learn(agg, range(2), marks=())
+    agg.feed(_p("j", 0, 1, 60.0), 6.0)            # rank 0: step_done(1) without a compute span
+    agg.feed(_c("j", 1, 1, 1.0), 6.0)
+    assert agg.drain(6.0).batches == ()            # rank 0's compute for step 1 never comes
+    assert [b.ranks.tolist() for b in agg.drain(11.0).batches] == [[1]]
+    for step in range(2, 6):
+        now = 12.0 + step
+        agg.feed(_c("j", 0, step, 1.0), now)
+        agg.feed(_c("j", 1, step, 1.0), now)
+        (batch,) = agg.drain(now).batches            # out at once, not after the timeout
+        assert batch.step == step and batch.ranks.tolist() == [0, 1]
+
+
+def test_only_the_ranks_that_send_progress_marks_are_waited_for() -> None:
+    agg = StepAggregator("n0", timeout_s=5.0)
+    _learn(agg, range(3), marks=(1,))              # rank 1 times on the GPU path, ranks 0 and 2 on the CPU
+    for rank in range(3):
+        agg.feed(_c("j", rank, 1, 1.0, ts=60.0), 6.0)
+    assert agg.drain(6.0).batches == ()            # rank 1's mark is still due
+    agg.feed(_p("j", 1, 1, 61.0), 6.1)
+    (batch,) = agg.drain(6.1).batches
+    assert batch.ts == 61.0 and batch.ranks.tolist() == [0, 1, 2]
+
+
+def test_a_mark_lost_once_is_learnt_again_from_the_next_late_mark() -> None:
+    agg = StepAggregator("n0", timeout_s=5.0)
+    _learn(agg, range(2), marks=(0, 1))
+    agg.feed(_c("j", 0, 1, 1.0), 6.0)
+    agg.feed(_c("j", 1, 1, 1.0), 6.0)
+    agg.feed(_p("j", 0, 1, 61.0), 6.0)             # rank 1's mark for step 1 is lost
+    assert len(agg.drain(11.0).batches) == 1       # out at the timeout: rank 1 no longer held
+    agg.feed(_c("j", 0, 2, 1.0), 12.0)
+    agg.feed(_p("j", 0, 2, 62.0), 12.0)
+    agg.feed(_c("j", 1, 2, 1.0), 12.0)             # complete before rank 1's mark: it goes out
+    assert len(agg.drain(12.0).batches) == 1
+    agg.feed(_p("j", 1, 2, 62.5), 12.1)            # the mark came late: rank 1 sends marks after all
+    assert agg.stats.late_total == 1
+    for rank in range(2):
+        agg.feed(_c("j", rank, 3, 1.0), 13.0)
+    agg.feed(_p("j", 0, 3, 63.0), 13.0)
+    assert agg.drain(13.0).batches == ()           # held for rank 1's mark again
+    agg.feed(_p("j", 1, 3, 63.5), 13.1)
+    assert agg.drain(13.1).batches[0].ts == 63.5

@@ -22,11 +22,11 @@ from fleethealth.probe.spool import Spool
 from fleethealth.schema import TOPIC_TYPES, Event, EventKind, StepBatch, Telemetry, Topic, decode
 
 
-def _probe(tmp_path, source, *, socket_path=None, stall_timeout_s=5.0, step_timeout_s=5.0) -> Probe:
+def _probe(tmp_path, source, *, socket_path=None, stall_timeout_s=5.0, step_timeout_s=5.0, **kwargs) -> Probe:
     config = ProbeConfig(node="n0003", rack="r00", socket_path=socket_path, metrics_port=None,
                          stall_timeout_s=stall_timeout_s, step_timeout_s=step_timeout_s)
     delivery = Delivery("kafka://127.0.0.1:9", Spool(tmp_path / "spool"))
-    return Probe(source, config, delivery=delivery).open(background_delivery=False)
+    return Probe(source, config, delivery=delivery, **kwargs).open(background_delivery=False)
 
 
 def _spooled(probe: Probe) -> list[object]:
@@ -136,6 +136,61 @@ def test_rank_datagrams_become_one_batch_per_step_and_garbage_is_counted(tmp_pat
         rogue.close()
         for timer in timers:
             timer.close()
+        probe.close(drain_timeout_s=0.0)
+
+
+def test_out_of_range_datagrams_and_a_failing_datagram_do_not_stop_the_socket(tmp_path, replay, monkeypatch) -> None:
+    """A GPU index past int16 is garbage (not a crash of the batch), and a fault injected into the
+    handling of one datagram is counted while the socket thread keeps serving the ranks."""
+    sock_path = str(tmp_path / "run" / "probe.sock")
+    probe = _probe(tmp_path, NvmlSource("n0003", "r00", nvml=replay, xid_events=False), socket_path=sock_path,
+                   step_timeout_s=0.2)
+    real_add = probe.aggregator.add
+
+    def add(msg, now, wall=None):
+        if msg.job == "boom":
+            raise RuntimeError("injected fault")
+        real_add(msg, now, wall)
+
+    monkeypatch.setattr(probe.aggregator, "add", add)
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        def send(job: str, step: int, gpu: int) -> None:
+            rank.sendto(orjson.dumps({"t": "c", "job": job, "rank": 0, "gpu": gpu, "step": step, "s": 0.1,
+                                      "ts": 1.0}), sock_path)
+
+        send("job-a", 0, 40000)
+        send("boom", 0, 0)
+        _wait_for(probe, datagrams=2)
+        send("job-a", 1, 0)
+        _wait_for(probe, datagrams=3)
+        probe.pump(time.monotonic() + 0.5)
+        probe.tick(now=5.0)
+        assert probe._receiver is not None and probe._receiver.is_alive()
+        batches = [m for m in _spooled(probe) if isinstance(m, StepBatch)]
+        assert [(b.job, b.step, b.gpus.tolist()) for b in batches] == [("job-a", 1, [0])]
+        health = probe.health()
+        assert health.datagrams_total == 3 and health.datagrams_garbage_total == 2
+    finally:
+        rank.close()
+        probe.close(drain_timeout_s=0.0)
+
+
+def test_an_event_datagram_without_ts_is_stamped_with_the_wall_clock(tmp_path, replay) -> None:
+    sock_path = str(tmp_path / "run" / "probe.sock")
+    probe = _probe(tmp_path, NvmlSource("n0003", "r00", nvml=replay, xid_events=False), socket_path=sock_path,
+                   clock=lambda: 1_700_000_000.5)  # the monotonic clock stays time.monotonic
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        rank.sendto(orjson.dumps({"t": "e", "event": {"kind": "hang_report", "job": "job-a", "rank": 3, "step": 9,
+                                                       "data": {"stacks": "Thread 0x1", "last_collective": None,
+                                                                "timeout_s": 90.0}}}), sock_path)
+        _wait_for(probe, datagrams=1)
+        probe.tick(now=1_700_000_001.0)
+        (hang,) = [m for m in _spooled(probe) if isinstance(m, Event) and m.kind is EventKind.HANG_REPORT]
+        assert hang.ts == 1_700_000_000.5 and hang.node == "n0003"
+    finally:
+        rank.close()
         probe.close(drain_timeout_s=0.0)
 
 

@@ -158,3 +158,73 @@ def test_recorder_writes_a_recording_that_replays_the_same_sample(recording, tmp
     for name, col in first.columns.items():
         np.testing.assert_array_equal(col, second.columns[name], err_msg=name)
     assert second.uuid == first.uuid
+
+
+def _collect(source: NvmlSource, until, timeout_s: float = 5.0) -> list:
+    """Sample until ``until(events)`` holds (the Xid thread runs on its own) or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    events: list = []
+    while time.monotonic() < deadline and not until(events):
+        events += source.sample(2.0).events
+        time.sleep(0.01)
+    return events
+
+
+def test_a_gpu_lost_before_start_is_reported_not_a_failed_start(recording) -> None:
+    """GPU 2 already off the bus: enumerating it answers GPU_IS_LOST; the other three are sampled,
+    one gpu_lost event goes out with the first sample, and Xid events still arrive for the rest."""
+    replay = NvmlReplay(recording("nvml_h100_faults.json"))
+    replay.lose_gpu(2)
+    source = NvmlSource("n0003", "r00", nvml=replay, xid_wait_ms=20)
+    source.open()
+    try:
+        first = source.sample(1.0)
+        lost = [e for e in first.events if e.kind is EventKind.GPU_LOST]
+        assert [(e.gpu, e.ts, e.node) for e in lost] == [(2, 1.0, "n0003")] and "GPU is lost" in lost[0].message
+        tel = first.telemetry
+        assert tel.gpu.tolist() == [0, 1, 2, 3] and tel.uuid[2] == "" and tel.uuid[3].startswith("GPU-e09a4b6c")
+        assert np.isnan(tel.columns["temp_c"][2]) and tel.columns["temp_c"][1] == 47.0
+        assert tel.model == "NVIDIA H100 80GB HBM3"
+        replay.add_xid(1, 79)
+        events = list(first.events)
+        events += _collect(source, lambda ev: len([e for e in events + ev if e.kind is EventKind.XID]) >= 2)
+        assert sorted((e.gpu, e.code) for e in events if e.kind is EventKind.XID) == [(1, 79), (3, 48)]
+        assert len([e for e in events if e.kind is EventKind.GPU_LOST]) == 1
+        assert not [e for e in events if e.kind is EventKind.PROBE_ERROR]
+    finally:
+        source.close()
+
+
+def test_a_gpu_that_cannot_be_registered_for_xid_leaves_the_others_watched(recording) -> None:
+    replay = NvmlReplay(recording("nvml_h100_faults.json"))
+    replay.fail_register(0, pynvml.NVML_ERROR_UNKNOWN)
+    source = NvmlSource("n0003", "r00", nvml=replay, xid_wait_ms=20)
+    source.open()
+    try:
+        replay.add_xid(1, 79)
+        events = _collect(source, lambda ev: len([e for e in ev if e.kind is EventKind.XID]) >= 2)
+        assert sorted((e.gpu, e.code) for e in events if e.kind is EventKind.XID) == [(1, 79), (3, 48)]
+        (error,) = [e for e in events if e.kind is EventKind.PROBE_ERROR]
+        assert error.gpu == 0 and "cannot watch GPU 0" in error.message and error.data["source"] == "nvml"
+        assert error.ts == 2.0
+    finally:
+        source.close()
+
+
+def test_an_event_set_wait_error_is_reported_once_and_the_xid_thread_keeps_going(recording) -> None:
+    """nvmlEventSetWait_v2 answers GPU_IS_LOST three times in a row: one probe_error event, a
+    backoff, and the Xid events queued behind the errors still arrive."""
+    replay = NvmlReplay(recording("nvml_h100_faults.json"))
+    replay.fail_wait(pynvml.NVML_ERROR_GPU_IS_LOST, times=3)
+    source = NvmlSource("n0003", "r00", nvml=replay, xid_wait_ms=10, xid_backoff_max_s=0.05)
+    source.open()
+    try:
+        replay.add_xid(2, 94)
+        events = _collect(source, lambda ev: len([e for e in ev if e.kind is EventKind.XID]) >= 2)
+        assert sorted((e.gpu, e.code) for e in events if e.kind is EventKind.XID) == [(2, 94), (3, 48)]
+        errors = [e for e in events if e.kind is EventKind.PROBE_ERROR]
+        assert len(errors) == 1 and "waiting for Xid events failed" in errors[0].message
+        assert source.xid_thread_error is not None and replay.waits >= 5
+    finally:
+        source.close()
+    assert source._xid_thread is not None and not source._xid_thread.is_alive()
