@@ -26,7 +26,7 @@ from fleethealth.injob.replay import choose_judge, replay_pairs, vote
 if TYPE_CHECKING:
     from fleethealth.injob.guard import SdcGuard
 
-__all__ = ["Incident", "ReplayRound", "replay_round_plan", "run_replay"]
+__all__ = ["Incident", "ReplayRound", "replay_round_plan", "run_replay", "pair_distances"]
 
 Job = tuple[int, int]
 """``(source rank, computing rank)``: the computing rank recomputes the source's microbatch."""
@@ -104,13 +104,23 @@ def _run_jobs(guard: SdcGuard, batch: Any, jobs: list[Job]) -> dict[Job, np.ndar
     return out
 
 
+def _first_round(guard: SdcGuard, batch: Any, pairs: list[tuple[int, int]]
+                 ) -> tuple[dict[Job, np.ndarray], dict[tuple[int, int], float]]:
+    fp1 = _run_jobs(guard, batch, [(s, s) for s, _ in pairs] + list(pairs))
+    return fp1, {pair: fingerprint_distance(fp1[(pair[0], pair[0])], fp1[pair]) for pair in pairs}
+
+
+def pair_distances(guard: SdcGuard, batch: Any, pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's replay distance on this step's microbatches (collective): what the replay
+    compares with its tolerance, so the calibration measures exactly that quantity."""
+    return list(_first_round(guard, batch, pairs)[1].values())
+
+
 def run_replay(guard: SdcGuard, batch: Any, pairs: list[tuple[int, int]], tolerance: float,
                domains: Sequence[int] | None = None) -> ReplayRound:
     """Replay ``pairs`` (collective), vote on disagreements, classify the liars."""
     t0 = time.perf_counter()
-    jobs1: list[Job] = [(s, s) for s, _ in pairs] + list(pairs)
-    fp1 = _run_jobs(guard, batch, jobs1)
-    distances = {pair: fingerprint_distance(fp1[(pair[0], pair[0])], fp1[pair]) for pair in pairs}
+    fp1, distances = _first_round(guard, batch, pairs)
     bad = [pair for pair in pairs if not distances[pair] <= tolerance]
     judges = {pair: choose_judge(pair[0], pair[1], guard.world, domains) for pair in bad}
     fp2: dict[Job, np.ndarray] = {}

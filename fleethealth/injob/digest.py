@@ -6,16 +6,21 @@ float16 quadruples, float64 as is; the few elements left over are widened one by
 chunks of :data:`CHUNK` words. Per chunk the device computes two wrapping (two's complement,
 modulo 2^64) integer sums::
 
-    s1 = sum(words)            s2 = sum(words XOR key[position])
+    s1 = sum(words)            s2 = sum(mix(words XOR key[position]))
+    mix(x) = x ^= x >>> 29;  x *= 0xBF58476D1CE4E5B9;  x ^= x >>> 32    (>>>: logical shift)
 
-``key`` is a fixed pseudo-random word per position, so ``s2`` also changes when values move. Only
-these ``2 x chunks`` integers leave the device (the gradients never do); the host hashes them with
-the dtypes and shapes into a 128-bit hex string, compared with ``==``. A single flipped bit changes
-one word by +-2^k with k < 64, which is never 0 modulo 2^64, so it always changes ``s1`` and the
-digest. The one deliberate exception: with ``canonical_zero`` (the default) -0.0 and +0.0 count as
-equal, because accumulating a gradient into a zeroed buffer turns -0.0 into +0.0 and is not a fault.
-Modular sums are associative and commutative, so the digest is deterministic on every device and
-equal across devices for equal bits.
+``key`` is a fixed pseudo-random word per position, so ``s2`` also changes when values move. ``mix``
+is a bijection of 64-bit words (xorshift and multiplication by an odd constant are invertible) and
+is not linear, so two changes in different words of a chunk cancel in ``s2`` only by a 2^-64-ish
+accident: a linear keyed sum would miss two flips of the same bit position in opposite directions
+whenever the two key bits match, about a quarter of all double flips. Only these ``2 x chunks``
+integers leave the device (the gradients never do); the host hashes them with the dtypes and shapes
+into a 128-bit hex string, compared with ``==``. A single flipped bit changes one word by +-2^k with
+k < 64, which is never 0 modulo 2^64, so it always changes ``s1`` and the digest. The one deliberate
+exception: with ``canonical_zero`` (the default) -0.0 and +0.0 count as equal, because accumulating
+a gradient into a zeroed buffer turns -0.0 into +0.0 and is not a fault. Modular sums are
+associative and commutative, so the digest is deterministic on every device and equal across
+devices for equal bits.
 
 **Fingerprint.** For the replay, where two devices legitimately differ in the last bits, each tensor
 gives ``[sum, sum of squares, key-signed sum, n]`` in float64; :func:`fingerprint_distance` scales
@@ -38,6 +43,8 @@ CHUNK = 1 << 20
 """64-bit words per chunk; the position key is this long (8 MiB on each device)."""
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIX = 0xBF58476D1CE4E5B9 - (1 << 64)  # an odd 64-bit constant (splitmix64's), as a signed int64
+_LOW = {k: (1 << (64 - k)) - 1 for k in (29, 32)}  # masks turning ``>> k`` into a logical shift
 _keys: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
 
@@ -66,12 +73,25 @@ def _rows(t: torch.Tensor, canonical_zero: bool) -> list[torch.Tensor]:
     except RuntimeError:  # a view at an odd offset (e.g. inside a DDP bucket): realign by copying
         words = flat[:m].clone().view(torch.int64)
     key = _key(flat.device, torch.int64)
-    rows = [torch.stack([chunk.sum(), torch.bitwise_xor(chunk, key[:chunk.numel()]).sum()])
-            for chunk in words.split(CHUNK)]
+    rows = [torch.stack([chunk.sum(), _mixed_sum(chunk, key)]) for chunk in words.split(CHUNK)]
     if m < n:  # fewer than 8 bytes' worth of elements left: widen each (exact)
         tail = flat[m:].view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
-        rows.append(torch.stack([tail.sum(), torch.bitwise_xor(tail, key[:tail.numel()]).sum()]))
+        rows.append(torch.stack([tail.sum(), _mixed_sum(tail, key)]))
     return rows
+
+
+def _mixed_sum(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``sum(mix(words ^ key))`` on the device with wrapping int64 arithmetic (see the module doc).
+
+    Two scratch buffers of the chunk's size, updated in place; logical shifts are arithmetic shifts
+    with the sign-extended bits masked off."""
+    x = torch.bitwise_xor(words, key[:words.numel()])
+    t = torch.bitwise_right_shift(x, 29)
+    x ^= t.bitwise_and_(_LOW[29])
+    x.mul_(_MIX)
+    torch.bitwise_right_shift(x, 32, out=t)
+    x ^= t.bitwise_and_(_LOW[32])
+    return x.sum()
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,13 +172,17 @@ def bit_digest(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = No
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """Per tensor ``[sum, sum of squares, key-signed sum, n]`` in float64; shape ``(len(tensors), 4)``."""
+    """Per tensor ``[sum, sum of squares, key-signed sum, n]`` in float64; shape ``(len(tensors), 4)``.
+
+    Each tensor is widened to float64 one chunk of :data:`CHUNK` elements at a time, so the
+    temporary memory is a few chunks (tens of MiB), not four times the largest gradient."""
     rows: list[torch.Tensor] = []
     for t in tensors:
-        flat = t.detach().reshape(-1).to(torch.float64)
+        flat = t.detach().reshape(-1)
         key = _key(flat.device, torch.int64)
         acc = torch.zeros(3, dtype=torch.float64, device=flat.device)
-        for chunk in flat.split(CHUNK):
+        for part in flat.split(CHUNK):  # widened chunk by chunk: float64 scratch stays <= CHUNK elements
+            chunk = part.to(torch.float64)
             sign = 1.0 - 2.0 * (key[:chunk.numel()] & 1).to(torch.float64)
             acc = acc + torch.stack([chunk.sum(), (chunk * chunk).sum(), (chunk * sign).sum()])
         rows.append(torch.cat([acc, torch.tensor([float(flat.numel())], dtype=torch.float64,

@@ -29,10 +29,23 @@ What runs where:
 
 Every check result is emitted through a :class:`~fleethealth.injob.report.Reporter` (to the node probe
 unless a sink is given) and feeds :attr:`SdcGuard.watermark`.
+
+Where the host waits for the device. ``skip_update`` must be known before ``optimizer.step()``, so
+:meth:`SdcGuard.after_backward` reads to the host, every step, one copy of ``[loss, total gradient
+norm]`` (one synchronisation) and, in a distributed job with ``sync_invariants``, the all-gather of
+one integer per rank (under NCCL a device collective read back: a second synchronisation; under gloo
+a CPU collective). Check steps add the digest copies (two integers per chunk) and the all-gather of
+the self-check outcome; replay steps the fingerprints and object collectives. Nothing else waits:
+the DDP per-bucket norms kept for re-checking after an anomaly stay on the device.
+
+A watchdog passed to the guard runs start-up, self-checks and replays under its wider
+``check_timeout_s`` (:meth:`~fleethealth.injob.watchdog.HangWatchdog.checking`), so a slow healthy check
+is not reported or aborted as a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -50,7 +63,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from fleethealth.errors import ConfigError
-from fleethealth.injob.crossrank import ReplayRound, replay_round_plan, run_replay
+from fleethealth.injob.crossrank import ReplayRound, pair_distances, replay_round_plan, run_replay
 from fleethealth.injob.digest import (
     BitDigest,
     PendingDigest,
@@ -61,7 +74,7 @@ from fleethealth.injob.digest import (
 )
 from fleethealth.injob.invariants import Invariants, InvariantVerdict, NonFiniteHook, default_on_nonfinite
 from fleethealth.injob.records import CheckKind, Classification, classify, sdc_check_event
-from fleethealth.injob.replay import ReplayCalibration
+from fleethealth.injob.replay import MIN_REPLAY_TOLERANCE, ReplayCalibration
 from fleethealth.injob.report import Reporter
 from fleethealth.injob.watchdog import HangWatchdog
 from fleethealth.injob.watermark import Watermark
@@ -140,7 +153,8 @@ class SdcGuard:
     ``model`` is a module or a ``DistributedDataParallel`` wrapper; ``loss_fn(module, batch)`` computes
     the scalar loss of one microbatch (the guard calls it on the unwrapped module to recompute).
     ``every`` / ``replay_every``: check cadences in steps (0 disables). ``calibration``: the stored
-    replay tolerance; without one the guard measures the rank-to-rank spread at start-up (robust 5 sigma).
+    replay tolerance; without one the guard measures the replay pairs' own distances at start-up
+    (robust 5 sigma, at least ``nondeterminism_margin`` x the largest and at least ``replay_floor``).
     ``domains``: failure domain per rank (e.g. node or rack index) for choosing the third rank.
     ``compare_training_pass``: digest the training pass's gradients (needs one microbatch per step);
     ``False`` compares two recomputations instead (for gradient accumulation). ``sync_invariants=False``
@@ -154,7 +168,8 @@ class SdcGuard:
                  invariants: Invariants | None = None, on_nonfinite: NonFiniteHook = default_on_nonfinite,
                  watchdog: HangWatchdog | None = None, deterministic: bool = True,
                  compare_training_pass: bool = True, sync_invariants: bool = True,
-                 nondeterminism_margin: float = 10.0, nondeterminism_floor: float = 1e-6) -> None:
+                 nondeterminism_margin: float = 10.0, nondeterminism_floor: float = 1e-6,
+                 replay_floor: float = MIN_REPLAY_TOLERANCE) -> None:
         if every < 0 or replay_every < 0:
             raise ConfigError("every and replay_every must be >= 0 (0 disables)")
         self.model = model
@@ -180,6 +195,7 @@ class SdcGuard:
         self.compare_training_pass = compare_training_pass
         self.sync_invariants = sync_invariants
         self.margin, self.floor = nondeterminism_margin, nondeterminism_floor
+        self.replay_floor = float(replay_floor)
         self.watermark = Watermark()
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
@@ -223,9 +239,17 @@ class SdcGuard:
             torch.use_deterministic_algorithms(self._det_prev[0], warn_only=self._det_prev[1])
             self._det_prev = None
 
+    def _checking(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """The watchdog's wider limit around a long check (nothing without a watchdog)."""
+        return self.watchdog.checking(what) if self.watchdog is not None else contextlib.nullcontext()
+
     def startup(self, batch: Any) -> StartupReport:
         """Probe determinism on ``batch`` and, in a distributed job without a stored calibration,
-        measure the healthy replay spread (collective: every rank calls it)."""
+        measure the replay pairs' healthy distances (collective: every rank calls it)."""
+        with self._checking("startup"):
+            return self._startup(batch)
+
+    def _startup(self, batch: Any) -> StartupReport:
         op = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -269,15 +293,14 @@ class SdcGuard:
         return self.startup_report
 
     def _calibrate(self, batch: Any) -> ReplayCalibration:
-        """Every rank computes rank 0's microbatch; distances to the element-wise median give the spread."""
-        box = [(_to_cpu(batch), self.rng_snapshot()) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global(self.group, 0), group=self.group)
-        fp = fingerprint(self._recompute(_to_device(box[0][0], self.device), rng=box[0][1]))
-        fps: list[Any] = [None] * self.world
-        dist.all_gather_object(fps, fp, group=self.group)
-        median = np.median(np.stack(fps), axis=0)
-        return ReplayCalibration.from_distances([_distance(f, median) for f in fps], sigmas=self.sigmas,
-                                                robust=True)
+        """The replay pairs (``r`` and ``r + world // 2``) each compute the source's microbatch, as a
+        replay does; their distances set the tolerance (:meth:`ReplayCalibration.from_pair_distances`)."""
+        distances = pair_distances(self, batch, replay_round_plan(self.world))
+        cal = ReplayCalibration.from_pair_distances(distances, sigmas=self.sigmas, margin=self.margin,
+                                                    floor=self.replay_floor)
+        _log.info("fleethealth: replay calibrated on %d pair distances (max %.3g): tolerance %.3g",
+                  len(distances), max(distances, default=0.0), cal.tolerance)
+        return cal
 
     # ------------------------------------------------------------------ schedule
     def selfcheck_due(self, step: int) -> bool:
@@ -385,15 +408,29 @@ class SdcGuard:
                            for i in idx)
         return da == db, (da.hex, db.hex), mismatched
 
-    def _grad_norm(self) -> float:
+    def _loss_and_norm(self, loss: torch.Tensor | float) -> tuple[float, float]:
+        """The loss and the total 2-norm of the ``.grad`` tensors, read to the host in one copy (the
+        step's one forced synchronisation outside the collectives). Per-gradient norms are combined
+        with ``torch.linalg.vector_norm``, which every supported torch has."""
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.nn.utils.get_total_norm(grads))
+        values: list[torch.Tensor] = []
+        if isinstance(loss, torch.Tensor):
+            values.append(loss.detach().reshape(()).to(self.device, torch.float64))
+        if grads:
+            foreach = getattr(torch, "_foreach_norm", None)
+            norms = foreach(grads) if foreach is not None else [torch.linalg.vector_norm(g) for g in grads]
+            values.append(torch.linalg.vector_norm(torch.stack([n.to(self.device, torch.float64) for n in norms])))
+        host = torch.stack(values).cpu().tolist() if values else []
+        loss_value = host.pop(0) if isinstance(loss, torch.Tensor) else float(loss)
+        return float(loss_value), float(host[0]) if grads else 0.0
 
     # ------------------------------------------------------------------ checks
     def selfcheck(self, step: int, batch: Any) -> CheckResult:
         """Recompute ``batch`` and compare with the training pass (or a first recomputation); emits."""
+        with self._checking("selfcheck"):
+            return self._selfcheck(step, batch)
+
+    def _selfcheck(self, step: int, batch: Any) -> CheckResult:
         t0 = time.perf_counter()
         tol = None
         if self.selfcheck_tolerance is None:
@@ -445,6 +482,10 @@ class SdcGuard:
         pairs). Returns this rank's results (one per pair it took part in) and emits them."""
         if not self.distributed:
             return []
+        with self._checking("replay"):
+            return self._replay(step, batch, sources)
+
+    def _replay(self, step: int, batch: Any, sources: list[int] | None) -> list[CheckResult]:
         if self.calibration is None:
             self.calibration = self._calibrate(batch)
         plan = replay_round_plan(self.world, sources)
@@ -487,8 +528,8 @@ class SdcGuard:
         self._loss_scale = None if loss_scale is None else float(loss_scale)
         if self.startup_report is None:
             self.startup(batch)
-        loss_value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        norm = self._grad_norm() / (self._loss_scale or 1.0)
+        loss_value, norm = self._loss_and_norm(loss)
+        norm /= self._loss_scale or 1.0
         if self._loss_scale is not None and math.isfinite(loss_value) and not math.isfinite(norm):
             self.scaler_overflows_total += 1
             inv = InvariantVerdict(step, loss_value, norm, self.invariants.ceiling(), False, "")

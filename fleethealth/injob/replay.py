@@ -23,7 +23,13 @@ import numpy as np
 
 from fleethealth.errors import ConfigError
 
-__all__ = ["ReplayCalibration", "Vote", "replay_pairs", "choose_judge", "vote"]
+__all__ = ["ReplayCalibration", "Vote", "replay_pairs", "choose_judge", "vote", "MIN_REPLAY_TOLERANCE"]
+
+MIN_REPLAY_TOLERANCE = 1e-6
+"""The least replay tolerance a start-up calibration sets (a relative fingerprint distance). Ranks
+that were bitwise equal at start-up may later differ in the last bits (another kernel choice, a
+different microbatch shape); one part in a million of a tensor's sums is far below a corruption the
+replay is for, which the bitwise self-check does not already catch."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,18 @@ class ReplayCalibration:
         else:
             center, spread = float(d.mean()), float(d.std())
         return cls(center=center, spread=spread, samples=int(d.size), sigmas=sigmas, floor=floor)
+
+    @classmethod
+    def from_pair_distances(cls, distances: Sequence[float] | np.ndarray, *, sigmas: float = 5.0,
+                            margin: float = 10.0, floor: float = MIN_REPLAY_TOLERANCE) -> ReplayCalibration:
+        """The start-up calibration: ``distances`` are healthy replay pairs' own distances (each pair's
+        two ranks computing the same microbatch, exactly what the replay compares). Robust statistics,
+        with the floor raised to ``margin x`` the largest healthy distance: with one pair (two ranks)
+        the spread is 0, and when most pairs are bitwise equal the median and MAD are 0, so without it
+        every replay of a pair that differs healthily would be a false alarm."""
+        d = np.asarray(distances, dtype=np.float64).ravel()
+        high = float(d.max()) if d.size and np.isfinite(d).all() else 0.0
+        return cls.from_distances(d, sigmas=sigmas, floor=max(floor, margin * high), robust=True)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

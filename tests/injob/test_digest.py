@@ -102,3 +102,64 @@ def test_fingerprint_distance_nonfinite_and_layout() -> None:
     with pytest.raises(ValueError):
         fingerprint_distance(zeros, fingerprint([torch.zeros(4), torch.zeros(2)]))
     assert fingerprint_distance(zeros, fingerprint([torch.zeros(5)])) == float("inf")
+
+
+def _flip_words(t: torch.Tensor, flips: list[tuple[int, int]]) -> torch.Tensor:
+    """Flip bit ``bit`` of 64-bit word ``word`` for each ``(word, bit)`` (float32 pairs form a word)."""
+    out = t.clone()
+    words = out.reshape(-1).view(torch.int64)
+    for word, bit in flips:
+        words[word] ^= torch.iinfo(torch.int64).min if bit == 63 else 1 << bit
+    return out
+
+
+def test_double_bit_flips_in_one_chunk_are_all_caught() -> None:
+    """Two flips of the same bit position in opposite directions (one word gains 2^k, the other loses
+    it) cancel in a plain sum and, whenever their key bits match, in a linearly keyed sum too (about a
+    quarter of all such pairs); the mixed sum catches every one, as well as random pairs."""
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(5))
+    words = t.view(torch.int64)
+    base = bit_digest([t], canonical_zero=False)
+    rng = np.random.default_rng(6)
+    opposite = 0
+    for trial in range(1500):
+        bit = int(rng.integers(64))
+        if trial % 3 == 2:  # a random pair of bits in two random words
+            i, j = rng.choice(words.numel(), size=2, replace=False)
+            flips = [(int(i), bit), (int(j), int(rng.integers(64)))]
+        else:  # same bit, one word with it clear (+2^k) and one with it set (-2^k)
+            has = ((words >> bit) & 1).bool().numpy()
+            clear, set_ = np.flatnonzero(~has), np.flatnonzero(has)
+            if not len(clear) or not len(set_):
+                continue
+            flips = [(int(rng.choice(clear)), bit), (int(rng.choice(set_)), bit)]
+            opposite += 1
+        d = bit_digest([_flip_words(t, flips)], canonical_zero=False)
+        assert d != base, (trial, flips)
+    assert opposite > 900  # the hard case was really exercised
+
+
+def test_fingerprint_widens_to_float64_one_chunk_at_a_time() -> None:
+    """The replay fingerprint of a large gradient never holds a float64 copy of the whole tensor
+    (4x a bfloat16 gradient): every float64 tensor the ops produce has at most CHUNK elements."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float64:
+                    self.largest = max(self.largest, o.numel())
+            return out
+
+    big = torch.randn(2 * CHUNK + 5, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with _Largest() as seen:
+        fp = fingerprint([big])
+    assert 0 < seen.largest <= CHUNK
+    ref = big.double()
+    assert fp[0, 3] == big.numel() and fp[0, 0] == pytest.approx(float(ref.sum()), rel=1e-9)
+    assert fp[0, 1] == pytest.approx(float((ref * ref).sum()), rel=1e-9)

@@ -6,6 +6,7 @@ would corrupt one computation and not its recomputation.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -326,3 +327,55 @@ def test_mixed_precision_loss_scale_keeps_the_bits_matching(make_guard, events: 
     assert [e.step for e in events if not e.data["passed"]] == [20]
     assert len(events) == 8 and skipped == [] and guard.scaler_overflows_total == 1
     assert scaler.get_scale() < 2.0**16  # the scaler saw the overflow and backed off
+
+
+def test_gradient_norm_needs_no_torch_2_6_helper(make_guard, monkeypatch) -> None:
+    """The injob extra allows torch >= 2.3; torch.nn.utils.get_total_norm only exists from 2.6."""
+    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    model = _model()
+    guard = make_guard(model, every=2)
+    batch = (torch.randn(8, 8, generator=torch.Generator().manual_seed(3)), torch.randint(0, 3, (8,)))
+    guard.begin(0)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    verdict = guard.after_backward(0, batch, loss)
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm().item()
+    assert verdict.invariants.grad_norm == pytest.approx(expected, rel=1e-6)
+    assert verdict.invariants.loss == pytest.approx(loss.item()) and not verdict.failed
+
+
+def test_slow_checks_are_not_reported_as_a_hang(make_guard) -> None:
+    """Watchdog timeout 0.1 s with abort=True; every recomputation (start-up probe, self-checks)
+    takes 0.25 s. The checks run under the wider check limit, so nothing fires or aborts; a real
+    stall after the last step still fires."""
+    from fleethealth.injob.watchdog import HangWatchdog
+
+    aborted: list[bool] = []
+    wd = HangWatchdog(0.1, reporter=Reporter(rank=3, sink=lambda e: None), abort=True,
+                      abort_fn=lambda: aborted.append(True), poll_s=0.01)
+    model = _model()
+    training = {"on": False}
+
+    def slow_loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if not training["on"]:
+            time.sleep(0.25)
+        return loss_fn(module, batch)
+
+    guard = make_guard(model, every=2, watchdog=wd)
+    guard.loss_fn = slow_loss
+    gen = torch.Generator().manual_seed(7)
+    with wd:
+        for step in range(3):
+            batch = (torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+            guard.begin(step)
+            training["on"] = True
+            loss = slow_loss(model, batch)
+            loss.backward()
+            training["on"] = False
+            assert not guard.after_backward(step, batch, loss).failed
+            model.zero_grad()
+        assert wd.fired_total == 0 and not aborted and guard.checks_total == 2
+        deadline = time.monotonic() + 5.0
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert wd.fired_total == 1 and aborted and wd.last_report.step == 2

@@ -86,3 +86,24 @@ def test_thread_fires_without_any_beat() -> None:
 def test_bad_timeout() -> None:
     with pytest.raises(ConfigError):
         HangWatchdog(0.0)
+
+
+def test_a_check_runs_under_the_wider_limit_and_restarts_the_step_clock() -> None:
+    wd, clock, seen = _watchdog(check_timeout_s=600.0)
+    wd.beat(7)
+    clock.t += 80.0
+    with wd.checking("replay"):
+        clock.t += 500.0  # a slow replay: far past the step timeout, within the check limit
+        assert wd.poll(clock()) is None and wd.limit_s == 600.0
+    clock.t += 89.0  # the rest of the step gets a full step timeout after the check
+    assert wd.poll(clock()) is None and wd.limit_s == 90.0
+    clock.t += 2.0
+    assert wd.poll(clock()) is not None
+    wd.beat(8)
+    with wd.checking("replay"):  # a check that truly stalls is still reported, at its own limit
+        clock.t += 601.0
+        event = wd.poll(clock())
+    assert event is not None and HangReport.from_event(event).timeout_s == 600.0 and len(seen) == 2
+    assert HangWatchdog(2.0).check_timeout_s == 20.0
+    with pytest.raises(ConfigError):
+        HangWatchdog(2.0, check_timeout_s=1.0)
