@@ -435,6 +435,12 @@ def _run_selftest(args: argparse.Namespace) -> int:
 
     if args.suite not in SUITES:
         raise ConfigError(f"unknown suite {args.suite!r} (known: {', '.join(SUITES)})")
+    if args.kafka:  # a malformed DSN is refused before the suite runs, not after
+        from fleethealth.bus import known_schemes, parse_dsn
+
+        scheme, _ = parse_dsn(args.kafka)
+        if f"{scheme}://" not in known_schemes().split(", "):
+            raise ConfigError(f"unknown bus scheme {scheme + '://'!r} in {args.kafka!r} (known: {known_schemes()})")
     only = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
     devices = resolve_devices(args.device)
     plan(args.suite, devices, only=only)  # validates --only before anything runs
@@ -470,18 +476,23 @@ def _run_selftest(args: argparse.Namespace) -> int:
     finally:
         if store is not None:
             store.close()
-    if args.kafka:
-        from fleethealth.bus import Producer
-
-        with Producer(args.kafka, client_id="fleethealth-selftest") as producer:
-            for event in events:
-                producer.publish(event)
-            producer.flush()
     if args.json:
         sys.stdout.write("".join(json_line(r, args.node).decode() + "\n" for r in results))
     else:
         render_table(results, Console(width=None if sys.stdout.isatty() else 140),
                      title=f"fleethealth selftest --suite {args.suite} on {args.node}")
+    sys.stdout.flush()
+    if args.kafka:  # results are printed first: a bus outage must not lose them or change the verdict
+        from fleethealth.bus import Producer
+        from fleethealth.errors import BusError
+
+        try:
+            with Producer(args.kafka, client_id="fleethealth-selftest") as producer:
+                for event in events:
+                    producer.publish(event)
+                producer.flush()
+        except BusError as exc:
+            print(f"fleethealth selftest: warning: results not published to {args.kafka}: {exc}", file=sys.stderr)
     return exit_code(results)
 
 
@@ -614,8 +625,10 @@ def _cmd_act(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-actions", type=int, default=5,
                    help="the adapter's own rate limit: at most this many actions per --window-s (default: 5)")
     p.add_argument("--window-s", type=float, default=3600.0, help="the rate-limit window, seconds (default: 3600)")
-    p.add_argument("--max-age-s", type=float, default=None, metavar="S",
-                   help="record but do not act on recommendations older than S seconds (default: no bound)")
+    p.add_argument("--max-age-s", type=float, default=1800.0, metavar="S",  # adapters.act.DEFAULT_MAX_AGE_S
+                   help="record but do not act on recommendations older than S seconds, so a replayed old "
+                        "topic never drains a recovered node (default: %(default)g, twice the policy engine's "
+                        "900 s staleness bound; 0 = no bound, for simulated fleets in their own time)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: ~/.kube/config)")
     p.add_argument("--in-cluster", action="store_true", help="use the pod's service account")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S",
@@ -639,6 +652,8 @@ def _run_act(args: argparse.Namespace) -> int:
     dsn = args.kafka or os.environ.get("FLEETHEALTH_KAFKA")
     if not dsn:
         raise ConfigError("no bus: give --kafka DSN (the one `fleethealth serve` prints) or set FLEETHEALTH_KAFKA")
+    if args.max_age_s < 0:
+        raise ConfigError(f"--max-age-s must be >= 0 (0 = no bound), got {args.max_age_s:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     adapter = (SlurmAdapter() if args.scheduler == "slurm"
                else KubernetesAdapter(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster))
@@ -654,7 +669,7 @@ def _run_act(args: argparse.Namespace) -> int:
 
             actor = Actor(adapter, journal=Journal(Path(args.data) / f"act-{args.scheduler}.jsonl"),
                           dry_run=args.dry_run, max_actions=args.max_actions, window_s=args.window_s,
-                          max_age_s=args.max_age_s, emit=emit)
+                          max_age_s=args.max_age_s or None, emit=emit)
             consumer.wait_assigned()
             last = time.monotonic()
             while not stop.is_set():

@@ -18,19 +18,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fleethealth.adapters.base import is_node_name
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Finding, FindingKind
 
 __all__ = ["NodeRisk", "validate_node", "rank_nodes", "risk_from_store", "read_node_list"]
 
-_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
 def validate_node(name: str) -> str:
-    """Return ``name`` when it is a plain host name (letters, digits, ``.``, ``_``, ``-``; at most 64,
-    not starting with a punctuation mark), else raise :class:`ConfigError`."""
-    if not isinstance(name, str) or not _NODE.fullmatch(name):
-        raise ConfigError(f"invalid node name {name!r} (letters, digits, '.', '_' and '-' only)")
+    """Return ``name`` when it is a plain node name, else raise :class:`ConfigError`; the rule is the
+    adapters' (:data:`fleethealth.adapters.base.NODE_PATTERN`), so a node a sweep accepts is one the
+    scheduler adapters and the API accept too."""
+    if not is_node_name(name):
+        raise ConfigError(f"invalid node name {name!r} (letters, digits, '.', '_' and '-' only, at most 63, "
+                          "beginning and ending with a letter or digit)")
     return name
 
 

@@ -4,8 +4,10 @@
 was the ``full`` suite, every test passed (no ``fail``, no ``slow``), and every test the full
 suite holds for the devices it ran on is there (a run narrowed with ``--only`` cannot release a
 node). The evidence handed to the quarantine book is one self-test record for the whole suite
-(``suite: full``, ``verdict: pass``, no mismatches, the node and the time of its last result),
-with the event ids of the individual results, so the release is recorded with what justified it.
+(``suite: full``, ``test: suite``, ``verdict: pass``, no mismatches, the node and the time of its
+last result, the devices and every ``[test, device]`` covered), with the event ids of the
+individual results, so the release is recorded with what justified it; completeness is one rule
+for both (:func:`fleethealth.policy.quarantine.full_suite_missing`).
 :func:`apply_release` asks :func:`fleethealth.policy.quarantine.release`, which checks the
 record again and logs the release, or the refusal and its reason (for a run that failed, was
 slow or was incomplete the record's verdict says so, and the book refuses it).
@@ -16,12 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleethealth.kernels.suite import expected_tests
+from fleethealth.policy.quarantine import FULL_SUITE, SUITE_RECORD, full_suite_missing
 from fleethealth.sweeps.launch import NodeRun, NodeStatus
 
 __all__ = ["FULL_SUITE", "ReleaseDecision", "release_decision", "apply_release"]
-
-FULL_SUITE = "full"
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def release_decision(run: NodeRun, *, quarantined: bool) -> ReleaseDecision:
         return ReleaseDecision(node, False, "node is not quarantined")
     devices = sorted({r.device for r in run.results if "," not in r.device})
     have = {(r.test, r.device) for r in run.results}
-    missing = sorted(expected_tests(FULL_SUITE, devices) - have) if devices else []
+    missing = full_suite_missing(devices, have) if devices else []
     if run.suite != FULL_SUITE:
         verdict, reason = "incomplete", f"suite {run.suite!r}: only a passing full suite releases a node"
     elif run.status is not NodeStatus.PASS:
@@ -58,8 +58,9 @@ def release_decision(run: NodeRun, *, quarantined: bool) -> ReleaseDecision:
     ts = max((r.ts for r in run.results), default=0.0)
     mismatches = [m.to_obj() for r in run.results for m in r.mismatches][:16]
     evidence = {
-        "suite": run.suite, "test": "suite", "device": ",".join(devices), "verdict": verdict,
+        "suite": run.suite, "test": SUITE_RECORD, "device": ",".join(devices), "verdict": verdict,
         "mismatches": mismatches, "node": node, "ts": ts, "tests": len(run.results), "reason": reason,
+        "devices": devices, "covered": [list(pair) for pair in sorted(have)],
         "results": [r.to_event(node).id for r in run.results],
     }
     return ReleaseDecision(node, verdict == "pass", reason, ts, evidence)

@@ -3,7 +3,9 @@
 The :class:`Actor` stands between the recommendations and a :class:`SchedulerAdapter` and owns
 the adapter's authority. For each recommendation, in this order:
 
-1. a recommendation id already in the journal is a replay: nothing happens, nothing is recorded;
+1. a recommendation id already in the journal is a replay: nothing happens, nothing is recorded
+   (a ``failed`` attempt does not count: a redelivered recommendation whose earlier attempts failed
+   is tried again, up to ``max_attempts`` attempts in all, then treated as a replay);
 2. ``guard`` other than ``allowed`` → ``skipped_guard`` (the policy wants a human or is rate-limited);
 3. an action the scheduler has no operation for → ``skipped_unsupported``;
    a recommendation older than ``max_age_s`` (when set) → ``skipped_stale``: a topic replayed
@@ -15,7 +17,7 @@ the adapter's authority. For each recommendation, in this order:
 7. otherwise the adapter applies it → ``done``, or ``failed`` with the scheduler's refusal.
 
 Every outcome is logged, appended to the journal (a JSON-lines file, so a restart or a replayed
-topic never acts twice) and handed to ``emit`` (the CLI publishes it on ``fh.events`` as a
+topic never acts twice once the record is written) and handed to ``emit`` (the CLI publishes it on ``fh.events`` as a
 ``scheduler_action`` event). The bus is passed in, not imported: :func:`run_act` takes any
 consumer with ``poll``/``commit``.
 """
@@ -35,22 +37,29 @@ from fleethealth.adapters.base import ActionRecord, Outcome, SchedulerAdapter, S
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Guard, Recommendation
 
-__all__ = ["Actor", "Journal", "run_act", "RecordSource"]
+__all__ = ["Actor", "Journal", "run_act", "RecordSource", "DEFAULT_MAX_AGE_S"]
 
 log = logging.getLogger("fleethealth.act")
+
+DEFAULT_MAX_AGE_S = 1800.0
+"""``fleethealth act``'s default staleness bound: twice the policy engine's default ``stale_after_s``
+(900 s), so a recommendation the engine made in time is acted on, and one replayed from an old
+topic is not."""
 
 
 class Journal:
     """The actor's memory of handled recommendations: a set of ids, backed by a JSON-lines file.
 
     ``path=None`` keeps it in memory only. A line that does not parse (a torn last write) is
-    skipped with a warning and ended with a newline; every complete line is kept.
+    skipped with a warning and ended with a newline; every complete line is kept. A ``failed``
+    record does not mark its id handled; :meth:`failures` counts them, so the actor can retry.
     """
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = None if path is None else Path(path)
         self.records_: list[ActionRecord] = []
         self._ids: set[str] = set()
+        self._failed: dict[str, int] = {}
         if self.path is not None and self.path.exists():
             data = self.path.read_bytes()
             if data and not data.endswith(b"\n"):
@@ -66,13 +75,26 @@ class Journal:
 
     def _remember(self, record: ActionRecord) -> None:
         self.records_.append(record)
-        self._ids.add(record.recommendation_id)
+        rid = record.recommendation_id
+        if record.outcome is Outcome.FAILED:
+            self._failed[rid] = self._failed.get(rid, 0) + 1
+        else:
+            self._ids.add(rid)
 
     def seen(self, recommendation_id: str) -> bool:
+        """True when the recommendation was handled with any outcome but ``failed``."""
         return recommendation_id in self._ids
 
+    def failures(self, recommendation_id: str) -> int:
+        """How many attempts at the recommendation failed."""
+        return self._failed.get(recommendation_id, 0)
+
     def add(self, record: ActionRecord) -> None:
-        """Append ``record`` (to the file first, so a crash never forgets an applied action)."""
+        """Append ``record`` to the file, then to memory.
+
+        The actor calls this after the scheduler call, so a crash between the two loses the record
+        of an applied action and the redelivered recommendation is applied once more; the
+        operations are idempotent (draining a drained node, cordoning a cordoned one)."""
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("ab") as fh:
@@ -101,6 +123,9 @@ class Actor:
     max_age_s:
         Recommendations whose event time is more than this many seconds behind ``clock`` are
         recorded, not acted on (``None``: no bound; simulated fleets run in their own time).
+    max_attempts:
+        A recommendation whose scheduler call failed is tried again when it is delivered again,
+        up to this many attempts in all; later deliveries are replays.
     emit:
         Called with each new :class:`ActionRecord` (e.g. to publish it on ``fh.events``).
     clock:
@@ -109,10 +134,12 @@ class Actor:
 
     def __init__(self, adapter: SchedulerAdapter, *, journal: Journal | None = None, dry_run: bool = False,
                  max_actions: int = 5, window_s: float = 3600.0, max_age_s: float | None = None,
-                 emit: Callable[[ActionRecord], None] | None = None,
+                 max_attempts: int = 3, emit: Callable[[ActionRecord], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if max_actions < 1 or window_s <= 0:
             raise ConfigError(f"rate limit needs max_actions >= 1 and window_s > 0, got {max_actions}, {window_s}")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         if max_age_s is not None and max_age_s <= 0:
             raise ConfigError(f"max_age_s must be > 0, got {max_age_s}")
         self.adapter = adapter
@@ -121,19 +148,26 @@ class Actor:
         self.max_actions = max_actions
         self.window_s = window_s
         self.max_age_s = max_age_s
+        self.max_attempts = max_attempts
         self.emit = emit
         self.clock = clock
         self.counts_: dict[Outcome, int] = {o: 0 for o in Outcome}
         self.replays_ = 0
 
     def handle(self, rec: Recommendation) -> ActionRecord | None:
-        """Decide and act on one recommendation; ``None`` for a replay of one already handled."""
-        if self.journal.seen(rec.id):
+        """Decide and act on one recommendation; ``None`` for a replay of one already handled (or
+        one whose ``max_attempts`` attempts all failed)."""
+        failed = self.journal.failures(rec.id)
+        if self.journal.seen(rec.id) or failed >= self.max_attempts:
             self.replays_ += 1
-            log.debug("recommendation %s already handled, skipped", rec.id)
+            log.debug("recommendation %s already handled (%d failed attempts), skipped", rec.id, failed)
             return None
         now = self.clock()
         outcome, detail, ops = self._decide(rec, now)
+        if outcome is Outcome.FAILED:
+            left = self.max_attempts - failed - 1
+            detail = f"{detail} (attempt {failed + 1} of {self.max_attempts}" + (
+                "; retried when delivered again)" if left else "; giving up)")
         record = ActionRecord(recommendation_id=rec.id, scheduler=self.adapter.name, node=rec.node,
                               action=rec.action, outcome=outcome, ts=now, rec_ts=rec.ts, job=rec.job,
                               detail=detail, operations=ops)

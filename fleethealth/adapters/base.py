@@ -26,10 +26,15 @@ __all__ = [
     "SchedulerAdapter",
     "check_node_name",
     "clean_reason",
+    "is_node_name",
+    "NODE_PATTERN",
 ]
 
-_NODE_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
-"""Letters, digits, ``_ . -`` inside, at most 63: no hostlist brackets, commas, spaces or ``=``."""
+NODE_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+"""The one node-name rule (adapters, API paths, sweeps): letters and digits at both ends, ``_ . -``
+inside, at most 63 characters; no hostlist brackets, commas, spaces, ``=`` or leading ``-``."""
+
+_NODE_NAME = re.compile(NODE_PATTERN)
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
@@ -123,13 +128,18 @@ class SchedulerAdapter(Protocol):
         ...
 
 
+def is_node_name(node: object) -> bool:
+    """True when ``node`` is a plain node name by :data:`NODE_PATTERN`."""
+    return isinstance(node, str) and _NODE_NAME.fullmatch(node) is not None
+
+
 def check_node_name(node: str) -> str:
     """Return ``node`` if it is a plain node name, else raise :class:`SchedulerError`.
 
     Hostlist expressions (``n[0000-0999]``), lists, spaces and ``=`` are refused: one
     recommendation names one node, and a pattern must never reach a scheduler.
     """
-    if not isinstance(node, str) or not _NODE_NAME.fullmatch(node):
+    if not is_node_name(node):
         raise SchedulerError(f"refusing node name {node!r}: expected letters, digits, '_', '.', '-' "
                              "(at most 63, no hostlist patterns)")
     return node

@@ -11,8 +11,12 @@ For ``evict``, ``drain`` and ``quarantine`` the adapter
    recommendation id (``PATCH /api/v1/nodes/{name}/status``; conditions merge by ``type``).
 
 A step whose result is already in place is not sent again, so replaying a recommendation
-makes no write. ``release`` undoes all three. Running pods are not evicted: that is the job's
-restart at its next checkpoint (``NoSchedule``, not ``NoExecute``).
+makes no write. When the cordon is fleethealth's own (the node was schedulable before), the same
+patch sets the annotation ``fleethealth.io/cordoned=true``. ``release`` undoes only what
+fleethealth did: it removes the taint and sets the condition to False, and uncordons the node
+(and drops the annotation) only when the annotation says fleethealth cordoned it; a node a person
+cordoned stays cordoned. Running pods are not evicted: that is the job's restart at its next
+checkpoint (``NoSchedule``, not ``NoExecute``).
 
 The client is imported only when an adapter is built without an ``api`` object.
 """
@@ -26,9 +30,11 @@ from typing import Any
 from fleethealth.adapters.base import SchedulerError, UnknownNode, check_node_name, clean_reason
 from fleethealth.schema import Action, Recommendation
 
-__all__ = ["KubernetesAdapter", "TAINT_KEY", "CONDITION_TYPE"]
+__all__ = ["KubernetesAdapter", "TAINT_KEY", "CONDITION_TYPE", "CORDON_ANNOTATION"]
 
 TAINT_KEY = "fleethealth.io/unhealthy"
+CORDON_ANNOTATION = "fleethealth.io/cordoned"
+"""Set to ``"true"`` when fleethealth made the node unschedulable, so a release undoes only that."""
 CONDITION_TYPE = "FleetHealthUnhealthy"
 _ACTIONS = frozenset({Action.EVICT, Action.DRAIN, Action.QUARANTINE})
 _SMP = "application/strategic-merge-patch+json"
@@ -117,7 +123,10 @@ class KubernetesAdapter:
             if cordoned and mine and mine[0].get("value") == value:
                 break
             others = [t for t in taints if not (t["key"] == TAINT_KEY and t["effect"] == "NoSchedule")]
-            body = {"metadata": {"resourceVersion": current.metadata.resource_version},
+            meta: dict[str, Any] = {"resourceVersion": current.metadata.resource_version}
+            if not cordoned:
+                meta["annotations"] = {CORDON_ANNOTATION: "true"}
+            body = {"metadata": meta,
                     "spec": {"unschedulable": True,
                              "taints": [*others, {"key": TAINT_KEY, "value": value, "effect": "NoSchedule"}]}}
             try:
@@ -140,14 +149,21 @@ class KubernetesAdapter:
         return tuple(done)
 
     def release(self, node: str, *, ts: float, message: str = "released") -> tuple[str, ...]:
-        """Uncordon ``node``, remove the fleethealth taint and set the condition to False."""
+        """Remove the fleethealth taint, set the condition to False, and uncordon ``node`` only when
+        fleethealth cordoned it (:data:`CORDON_ANNOTATION`); a person's cordon is left in place."""
         node = _k8s_node(node)
         current = self._read(node)
         spec = current.spec
         taints = [_taint_obj(t) for t in (spec.taints or [])] if spec is not None else []
         kept = [t for t in taints if t["key"] != TAINT_KEY]
-        body = {"metadata": {"resourceVersion": current.metadata.resource_version},
-                "spec": {"unschedulable": False, "taints": kept}}
+        annotations = (current.metadata.annotations or {}) if current.metadata is not None else {}
+        ours = annotations.get(CORDON_ANNOTATION) == "true"
+        meta: dict[str, Any] = {"resourceVersion": current.metadata.resource_version}
+        node_spec: dict[str, Any] = {"taints": kept}
+        if ours:
+            meta["annotations"] = {CORDON_ANNOTATION: None}
+            node_spec = {"unschedulable": False, **node_spec}
+        body = {"metadata": meta, "spec": node_spec}
         try:
             self._api.patch_node(node, body, field_manager=self.field_manager, _content_type=_SMP)
             self._api.patch_node_status(node, {"status": {"conditions": [{
@@ -156,7 +172,8 @@ class KubernetesAdapter:
                 field_manager=self.field_manager, _content_type=_SMP)
         except Exception as exc:
             raise self._translate(exc, node, "release") from exc
-        return (f"PATCH /api/v1/nodes/{node} unschedulable=false remove taint {TAINT_KEY}",
+        spec_op = "unschedulable=false " if ours else "(cordon not ours, kept) "
+        return (f"PATCH /api/v1/nodes/{node} {spec_op}remove taint {TAINT_KEY}",
                 f"PATCH /api/v1/nodes/{node}/status condition {CONDITION_TYPE}=False")
 
     # ------------------------------------------------------------ helpers

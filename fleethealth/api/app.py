@@ -17,6 +17,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -29,12 +30,28 @@ from fleethealth.api import routes
 from fleethealth.api.views import NotFound
 from fleethealth.errors import StoreError
 
-__all__ = ["create_app", "ApiMetrics", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_EXECUTION_S"]
+__all__ = ["create_app", "ApiMetrics", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_EXECUTION_S", "QueryLimits"]
 
 log = logging.getLogger("fleethealth.api")
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_MAX_EXECUTION_S = 10.0
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """Store-side bounds on one analyst query beyond rows and time (ClickHouse settings)."""
+
+    max_memory_bytes: int = 2 * 1024**3
+    """``max_memory_usage``: the query fails rather than grow past this."""
+    max_read_bytes: int = 20 * 1024**3
+    """``max_bytes_to_read``: the query fails rather than scan more."""
+    max_result_bytes: int = 32 * 1024**2
+    """``max_result_bytes``: the result is cut (``result_overflow_mode='break'``) past this."""
+
+    def __post_init__(self) -> None:
+        if min(self.max_memory_bytes, self.max_read_bytes, self.max_result_bytes) < 1:
+            raise ValueError(f"query limits must be positive, got {self}")
 
 
 class ApiMetrics:
@@ -80,13 +97,14 @@ def _bearer(token: str | None, metrics: ApiMetrics) -> Callable[..., str]:
 def create_app(store: Any, *, token: str | None, max_rows: int = DEFAULT_MAX_ROWS,
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
-               clock: Callable[[], float] = time.time) -> FastAPI:
+               clock: Callable[[], float] = time.time, limits: QueryLimits | None = None) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.Store`.
 
     ``token`` guards the write endpoints (``None``: writes refused). ``max_rows`` and
-    ``max_execution_s`` bound ``POST /v1/query``. ``on_breaker_reset`` is called after a reset
-    is stored, so a policy engine in the same process closes its breaker at once (others pick
-    the reset up from the ``breaker`` table). ``clock`` stamps acknowledgements and resets.
+    ``max_execution_s`` bound ``POST /v1/query``, with ``limits`` (memory, bytes read, result
+    bytes; :class:`QueryLimits`). ``on_breaker_reset`` is called after a reset is stored, so a
+    policy engine in the same process closes its breaker at once (others pick the reset up from
+    the ``breaker`` table). ``clock`` stamps acknowledgements and resets.
     """
     if max_rows < 1 or max_execution_s <= 0:
         raise ValueError(f"max_rows must be >= 1 and max_execution_s > 0, got {max_rows}, {max_execution_s}")
@@ -98,6 +116,7 @@ def create_app(store: Any, *, token: str | None, max_rows: int = DEFAULT_MAX_ROW
     app.state.metrics = metrics
     app.state.max_rows = max_rows
     app.state.max_execution_s = max_execution_s
+    app.state.limits = limits if limits is not None else QueryLimits()
     app.state.on_breaker_reset = on_breaker_reset
     app.state.clock = clock
     require = _bearer(token, metrics)

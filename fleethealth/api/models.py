@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleethealth.adapters.base import NODE_PATTERN
+
 __all__ = [
     "NODE_PATTERN",
     "JOB_PATTERN",
@@ -33,7 +35,6 @@ __all__ = [
     "Problem",
 ]
 
-NODE_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}$"
 
 

@@ -106,9 +106,11 @@ def read_router() -> APIRouter:
             state.metrics.query_refused.labels(exc.reason.value).inc()
             raise HTTPException(400, detail=exc.problem) from None
         limit = min(body.max_rows or state.max_rows, state.max_rows)
+        bounds = state.limits
         settings = (f"SETTINGS max_result_rows={limit}, result_overflow_mode='break', "
-                    f"max_result_bytes={256 * 1024 * 1024}, max_execution_time={state.max_execution_s:g}, "
-                    "readonly=1")
+                    f"max_result_bytes={bounds.max_result_bytes}, max_execution_time={state.max_execution_s:g}, "
+                    f"max_memory_usage={bounds.max_memory_bytes}, max_bytes_to_read={bounds.max_read_bytes}, "
+                    "read_overflow_mode='throw', readonly=1")
         start = time.perf_counter()
         try:
             result = _store(request).query(f"{statement}{settings}")

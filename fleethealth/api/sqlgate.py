@@ -12,11 +12,15 @@ punctuation and semicolons, skipping comments, and refuses before anything reach
 * table functions that reach outside the store (``file``, ``url``, ``s3``, ``remote``, ...).
 
 The gate is the first line; the second is the store itself: the statement runs with the
-ClickHouse settings ``readonly=1``, ``max_result_rows`` and ``max_execution_time``.
+ClickHouse settings ``readonly=1``, ``max_result_rows``, ``max_result_bytes``,
+``max_execution_time``, ``max_memory_usage`` and ``max_bytes_to_read``.
 
-Where the lexer and ClickHouse could disagree, the lexer hides less than ClickHouse does:
-it does not nest block comments and reads ``$$`` heredocs as bare text, so text ClickHouse
-would skip is still checked here, never the other way round.
+Where the lexer and ClickHouse could read the same text differently, the gate refuses instead
+of guessing: ClickHouse nests block comments, reads ``$$ ... $$`` (and ``$tag$ ... $tag$``) as
+heredoc strings and ``#`` followed by a space or ``!`` as a line comment, so a ``/*`` inside a
+block comment, any ``$`` or ``#`` outside strings, quoted names and comments, and control
+characters other than whitespace are refused (reason ``ambiguous``). What remains is lexed the
+same way by both: a token the gate checks is a token ClickHouse runs.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class RefusalReason(StrEnum):
     FORBIDDEN_KEYWORD = "forbidden_keyword"
     FORMAT_CLAUSE = "format_clause"
     TABLE_FUNCTION = "table_function"
+    AMBIGUOUS = "ambiguous"
 
 
 class QueryRefused(SchemaError):
@@ -104,6 +109,25 @@ def _skip_quoted(sql: str, start: int, quote: str) -> int:
     raise QueryRefused(RefusalReason.UNTERMINATED, f"unterminated {what} starting at offset {start}")
 
 
+_ASCII_SPACE = frozenset(" \t\n\r\f\v")
+"""Whitespace as ClickHouse reads it."""
+
+_AMBIGUOUS_CHARS = frozenset("$#")
+"""Refused outside strings: ``$`` opens a ClickHouse heredoc, ``# `` and ``#!`` a line comment."""
+
+
+def _skip_block_comment(sql: str, start: int) -> int:
+    """Return the offset after the ``*/`` closing the comment at ``start``; refuse a nested ``/*``."""
+    end = sql.find("*/", start + 2)
+    if end < 0:
+        raise QueryRefused(RefusalReason.UNTERMINATED, f"unterminated comment starting at offset {start}")
+    nested = sql.find("/*", start + 2, end + 1)
+    if nested >= 0:
+        raise QueryRefused(RefusalReason.AMBIGUOUS,
+                           f"nested comment at offset {nested} is not allowed (ClickHouse nests block comments)")
+    return end + 2
+
+
 def tokenize(sql: str) -> list[Token]:
     """Split ``sql`` into tokens, dropping whitespace and comments; raise on unterminated ones."""
     tokens: list[Token] = []
@@ -111,16 +135,17 @@ def tokenize(sql: str) -> list[Token]:
     n = len(sql)
     while i < n:
         ch = sql[i]
-        if ch.isspace():
+        if ch in _ASCII_SPACE:
             i += 1
         elif sql.startswith("--", i):
             end = sql.find("\n", i)
             i = n if end < 0 else end + 1
         elif sql.startswith("/*", i):
-            end = sql.find("*/", i + 2)
-            if end < 0:
-                raise QueryRefused(RefusalReason.UNTERMINATED, f"unterminated comment starting at offset {i}")
-            i = end + 2
+            i = _skip_block_comment(sql, i)
+        elif ch in _AMBIGUOUS_CHARS or (ord(ch) < 32 and ch not in _ASCII_SPACE):
+            raise QueryRefused(RefusalReason.AMBIGUOUS,
+                               f"character {ch!r} outside a string is not allowed (offset {i}); "
+                               "ClickHouse may read it as a heredoc or comment")
         elif ch in "'\"`":
             end = _skip_quoted(sql, i, ch)
             kind = TokenKind.STRING if ch == "'" else TokenKind.QUOTED

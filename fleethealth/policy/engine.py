@@ -42,6 +42,7 @@ from fleethealth.errors import ConfigError
 from fleethealth.injob.watermark import rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
 from fleethealth.policy.guards import (
+    DEFAULT_MAX_SKEW_S,
     CircuitBreaker,
     GuardName,
     JobRateLimiter,
@@ -188,10 +189,13 @@ class PolicyEngine:
                 continue
             self.seen_.add(fid, f.ts)
             if is_stale(f.ts, now, self.stale_after_s):
-                out.append(self._rec(Action.NONE, f, now, f"finding is {now - f.ts:.0f} s old, beyond the "
-                                     f"{self.stale_after_s:.0f} s staleness bound: recorded, not acted on",
-                                     {"age_s": now - f.ts, "stale_after_s": self.stale_after_s},
-                                     fired=[GuardName.STALE]))
+                age = now - f.ts
+                why = (f"finding is {age:.0f} s old, beyond the {self.stale_after_s:.0f} s staleness bound"
+                       if age >= 0 else f"finding is stamped {-age:.0f} s after the decision time, beyond "
+                       f"the {DEFAULT_MAX_SKEW_S:.0f} s clock-skew bound")
+                out.append(self._rec(Action.NONE, f, now, f"{why}: recorded, not acted on",
+                                     {"age_s": age, "stale_after_s": self.stale_after_s,
+                                      "max_skew_s": DEFAULT_MAX_SKEW_S}, fired=[GuardName.STALE]))
                 continue
             out.extend(self._decide_one(f, now))
         self.seen_.prune(now - 2 * self.stale_after_s)
@@ -206,8 +210,7 @@ class PolicyEngine:
         if kind is FindingKind.FAILURE_RISK:
             return self._failure_risk(f, now)
         if kind is FindingKind.HANG:
-            return self._guarded(Action.DRAIN, f, now, f"hang attributed to {f.node}: drain it so the "
-                                 "restart does not land on the same node", {"step": f.step})
+            return self._hang(f, now)
         if kind in (FindingKind.XID, FindingKind.ECC):
             return self._hardware_error(f, now)
         return [self._rec(Action.NONE, f, now, f"{kind.value} finding reported; a node is acted on "
@@ -256,7 +259,7 @@ class PolicyEngine:
             fired.append(GuardName.SAME_RACK)
             reason += f"; the last eviction ({self.rack_.last_node_}) was also in rack {rack}: needs a human"
         job = f.job or ""
-        since = self.rate_.since_last(job, f.ts)
+        since = self.rate_.since_last(job, now)
         if since is not None:
             fired.append(GuardName.RATE_LIMIT)
             ev["since_last_eviction_s"] = since
@@ -264,7 +267,7 @@ class PolicyEngine:
                        f"(limit one per {self.rate_.window_s:.0f} s)")
         recs = self._guarded(Action.EVICT, f, now, reason, ev, fired=fired)
         if recs[0].guard is Guard.ALLOWED:
-            self.rate_.note(job, f.ts)
+            self.rate_.note(job, now)
             self.rack_.note(rack, f.node)
             self.evicted_[f.node] = f.ts
             if diag is Diagnosis.UNKNOWN:
@@ -353,6 +356,16 @@ class PolicyEngine:
         recs = self._guarded(Action.DRAIN, f, now, f"failure risk {p:.2f} on {f.node} (GPU {f.gpu}): drain at "
                              f"the next checkpoint boundary ({where}), a planned restart instead of an "
                              "interruption", {**ev, "planned": True})
+        if recs[0].guard is Guard.ALLOWED:
+            self.drained_.add(f.node)
+        return recs
+
+    def _hang(self, f: Finding, now: float) -> list[Recommendation]:
+        ev = {"step": f.step}
+        if f.node in self.drained_:
+            return [self._rec(Action.NONE, f, now, f"hang attributed to {f.node}: already draining", ev)]
+        recs = self._guarded(Action.DRAIN, f, now, f"hang attributed to {f.node}: drain it so the restart "
+                             "does not land on the same node", ev)
         if recs[0].guard is Guard.ALLOWED:
             self.drained_.add(f.node)
         return recs

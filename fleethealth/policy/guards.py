@@ -7,7 +7,8 @@ in the same rack without a human. Beyond the seed, from field reports of remedia
 * a fleet circuit breaker — more than a share of the fleet's nodes recommended for drain, evict or
   quarantine inside a window trips it, and only an explicit reset closes it;
 * idempotency — a finding id seen before yields nothing the second time;
-* staleness — a finding older than a bound (against the decision time) is recorded, not acted on.
+* staleness — a finding older than a bound (against the decision time), or stamped further in the
+  future than a clock-skew bound, is recorded, not acted on.
 
 Each guard is a small object with its state in ``name_`` attributes and a JSON-able
 ``to_state()`` / ``load_state()`` pair, so the engine can be saved to and restored from the store.
@@ -26,6 +27,7 @@ from fleethealth.errors import ConfigError
 __all__ = [
     "GuardName",
     "is_stale",
+    "DEFAULT_MAX_SKEW_S",
     "SeenFindings",
     "JobRateLimiter",
     "RackGuard",
@@ -52,9 +54,15 @@ def _param(name: str, value: float, *, zero_ok: bool = False) -> float:
     return float(value)
 
 
-def is_stale(finding_ts: float, now: float, bound_s: float) -> bool:
-    """True when the finding is more than ``bound_s`` seconds older than the decision time."""
-    return now - finding_ts > bound_s
+DEFAULT_MAX_SKEW_S = 60.0
+"""How far past the decision time a finding may be stamped (clock skew) before it counts as stale."""
+
+
+def is_stale(finding_ts: float, now: float, bound_s: float, skew_s: float = DEFAULT_MAX_SKEW_S) -> bool:
+    """True when the finding is more than ``bound_s`` seconds older than the decision time, or stamped
+    more than ``skew_s`` seconds after it (a clock far ahead or a forged time must not escape the
+    bound, nor the rate limits that count from event time)."""
+    return now - finding_ts > bound_s or finding_ts - now > skew_s
 
 
 class SeenFindings:
@@ -81,18 +89,21 @@ class SeenFindings:
 
 
 class JobRateLimiter:
-    """At most one allowed action per job per ``window_s`` (default one straggler eviction an hour)."""
+    """At most one allowed action per job per ``window_s`` (default one straggler eviction an hour).
+
+    Times are decision times (the engine's ``now``), never a finding's own stamp, so a finding dated
+    ahead cannot open the window early. A last action recorded after ``now`` counts as inside it."""
 
     def __init__(self, *, window_s: float = 3600.0) -> None:
         self.window_s = _param("window_s", window_s)
         self.last_: dict[str, float] = {}
 
-    def since_last(self, job: str, ts: float) -> float | None:
+    def since_last(self, job: str, now: float) -> float | None:
         """Seconds since the job's last allowed action when that is inside the window, else None."""
         last = self.last_.get(job)
-        if last is None or abs(ts - last) >= self.window_s:
+        if last is None or now - last >= self.window_s:
             return None
-        return abs(ts - last)
+        return max(now - last, 0.0)
 
     def note(self, job: str, ts: float) -> None:
         self.last_[job] = ts

@@ -14,6 +14,9 @@ coincident independent failures at a small baseline cannot page on their own.
 
 :class:`Pager` is pure like the detectors: parameters in ``__init__``, the pages already sent in
 ``paged_`` (a pattern pages once per ``repage_after_s``), ``evaluate(interruptions, now)`` decides.
+A pattern's key names the rule and what it is about (the node, the job and step), never the time:
+an anomaly or a goodput collapse that lasts all day pages once a day, not once an hour. Keys older
+than ``repage_after_s`` are dropped, so ``paged_`` stays small.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ class PageReport:
     baseline_rate_per_h: float | None
 
     def to_recommendations(self, now: float) -> list[Recommendation]:
+        """One ``page`` recommendation per page; the id includes ``now``, so the same pattern paged
+        again after ``repage_after_s`` is a new recommendation, not a replay of the first."""
         return [Recommendation(action=Action.PAGE, node=p.node or "fleet", ts=now, reason=p.reason,
-                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=f"page:{p.key}",
+                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=f"page:{p.key}@{now:.0f}",
                                evidence={"rule": p.rule.value, **p.evidence})
                 for p in self.pages]
 
@@ -139,20 +144,20 @@ class Pager:
         observed = len(window) / (self.rate_window_s / 3600.0)
         baseline = self._baseline(history, now)
         if baseline is not None and len(window) >= self.rate_min_count and observed > self.rate_factor * baseline:
-            bucket = int(now // self.rate_window_s)
             found.append((Page(PageRule.FAILURE_RATE_ANOMALY, f"{len(window)} interruptions in the last "
                                f"{self.rate_window_s / 60:.0f} min: {observed:.2f}/h against a baseline of "
                                f"{baseline:.2f}/h (> {self.rate_factor:g}x): failure rate anomaly",
-                               key=f"{PageRule.FAILURE_RATE_ANOMALY}:{bucket}",
+                               key=str(PageRule.FAILURE_RATE_ANOMALY),
                                evidence={"observed_per_h": observed, "baseline_per_h": baseline,
                                          "factor": self.rate_factor, "count": len(window)}), set(window)))
 
         if goodput_1h is not None and goodput_1h < self.goodput_floor:
             found.append((Page(PageRule.GOODPUT_COLLAPSE, f"goodput over the last hour {goodput_1h:.2f} is below "
                                f"{self.goodput_floor:g}: restarts consume more time than steps",
-                               key=f"{PageRule.GOODPUT_COLLAPSE}:{int(now // self.rate_window_s)}",
+                               key=str(PageRule.GOODPUT_COLLAPSE),
                                evidence={"goodput_1h": goodput_1h, "floor": self.goodput_floor}), set(window)))
 
+        self.paged_ = {k: t for k, t in self.paged_.items() if now - t < self.repage_after_s}
         explained: set[int] = set()
         pages: list[Page] = []
         suppressed = 0

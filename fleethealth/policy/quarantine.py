@@ -25,7 +25,9 @@ __all__ = [
     "QuarantineRecord",
     "QuarantineLogEntry",
     "FULL_SUITE",
+    "SUITE_RECORD",
     "check_release",
+    "full_suite_missing",
     "quarantine",
     "release",
     "quarantined",
@@ -36,6 +38,11 @@ __all__ = [
 
 FULL_SUITE = "full"
 """The self-test suite whose pass may return a node to the pool (``SELFTEST`` record ``suite``)."""
+
+SUITE_RECORD = "suite"
+"""The ``test`` field of the one self-test record that stands for a whole suite run (it lists the
+devices tested and every ``[test, device]`` result it covers); a single test's record never
+releases a node."""
 
 _COLUMNS = ("node", "quarantined", "reason", "since", "finding_id", "runs_affected", "released_ts",
             "release_evidence", "updated_ts", "version")
@@ -78,12 +85,43 @@ class QuarantineLogEntry:
 
 
 # ---------------------------------------------------------------- pure rule
+def full_suite_missing(devices: Iterable[str], covered: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``(test, device)`` results a complete full suite on ``devices`` holds that ``covered`` lacks.
+
+    Raises :class:`ConfigError` for an empty or unknown device list.
+    """
+    from fleethealth.kernels.suite import expected_tests
+
+    have = {(str(t), str(d)) for t, d in covered}
+    return sorted(expected_tests(FULL_SUITE, list(devices)) - have)
+
+
+def _suite_coverage(rec: Mapping[str, Any]) -> str | None:
+    devices = rec.get("devices")
+    covered = rec.get("covered")
+    if not isinstance(devices, list | tuple) or not devices or not all(isinstance(d, str) for d in devices):
+        return "self-test record lists no devices; it cannot show the full suite is complete"
+    if not isinstance(covered, list | tuple) or not all(
+            isinstance(c, list | tuple) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in covered):
+        return "self-test record has no covered [test, device] list; it cannot show the full suite is complete"
+    try:
+        missing = full_suite_missing(devices, [tuple(c) for c in covered])
+    except ConfigError as exc:
+        return f"self-test devices are not valid: {exc}"
+    if missing:
+        names = ", ".join(f"{t}@{d}" for t, d in missing[:4])
+        return f"incomplete full suite: {len(missing)} tests missing ({names})"
+    return None
+
+
 def check_release(node: str, since: float, evidence: Mapping[str, Any]) -> str | None:
     """Return ``None`` when ``evidence`` may release ``node``, else the reason it may not.
 
-    ``evidence`` is a ``SELFTEST`` record (``suite``, ``verdict``, ``mismatches``, ...), either bare or
-    as an event object whose ``data`` holds it. It must be the full suite, verdict ``pass``, with no
-    mismatches, for this node (when it names one) and taken at or after ``since`` (when it has ``ts``).
+    ``evidence`` is the suite-level ``SELFTEST`` record (``test`` is :data:`SUITE_RECORD`), either
+    bare or as an event object whose ``data`` holds it. It must be the full suite, verdict ``pass``,
+    with no mismatches, name this node, carry a ``ts`` at or after ``since``, and list devices and
+    covered ``[test, device]`` results that make up the complete full suite for those devices
+    (:func:`full_suite_missing`). One test's record, or a body without node or time, is refused.
     """
     if not isinstance(evidence, Mapping):
         return f"evidence must be a self-test record object, got {type(evidence).__name__}"
@@ -103,15 +141,21 @@ def check_release(node: str, since: float, evidence: Mapping[str, Any]) -> str |
     if mismatches:
         return f"self-test reports {len(mismatches)} mismatches"
     other = rec.get("node")
-    if other is not None and other != node:
+    if other is None:
+        return "self-test record names no node"
+    if other != node:
         return f"self-test record is for node {other!r}, not {node!r}"
     ts = rec.get("ts")
-    if ts is not None:
-        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-            return f"self-test ts is not a finite number: {ts!r}"
-        if ts < since:
-            return f"self-test at ts={ts} predates the quarantine (since {since})"
-    return None
+    if ts is None:
+        return "self-test record has no ts"
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        return f"self-test ts is not a finite number: {ts!r}"
+    if ts < since:
+        return f"self-test at ts={ts} predates the quarantine (since {since})"
+    if rec.get("test") != SUITE_RECORD:
+        return (f"self-test record is one test ({rec.get('test')!r}); only the record of a complete "
+                f"{FULL_SUITE!r} suite run may release a node")
+    return _suite_coverage(rec)
 
 
 # ---------------------------------------------------------------- store I/O

@@ -9,12 +9,14 @@ real broker (``broker`` fixture), lets :func:`run_act` drain the real single-nod
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
 
 from fleethealth.adapters import Actor, Journal, Outcome, SlurmAdapter, run_act
 from fleethealth.adapters.base import ActionRecord
+from fleethealth.errors import ConfigError
 from fleethealth.schema import Action, Event, EventKind, Guard, Recommendation
 
 
@@ -167,17 +169,20 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
 
     ensure_topics(broker.dsn)
     job = f"cli-{uuid.uuid4().hex[:8]}"
-    rec = _rec("n0042", job=job, action=Action.QUARANTINE)
+    rec = _rec("n0042", job=job, action=Action.QUARANTINE, ts=time.time())
+    old = _rec("n0043", job=job, ts=time.time() - 3600.0)  # an hour old: beyond the default bound
     with Producer(broker.dsn) as producer:
         producer.publish(rec)
+        producer.publish(old)
         producer.flush()
     done = subprocess.run([sys.executable, "-m", "fleethealth.cli", "act", "--scheduler", "slurm", "--dry-run",
                            "--kafka", broker.dsn, "--group", f"g-{job}", "--data", str(tmp_path), "--idle-exit", "1"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": "/nonexistent"})
     assert done.returncode == 0, done.stderr
     journal = [orjson.loads(line) for line in (tmp_path / "act-slurm.jsonl").read_text().splitlines()]
-    (mine,) = [r for r in journal if r["job"] == job]
+    mine, stale = sorted((r for r in journal if r["job"] == job), key=lambda r: r["node"])
     assert mine["outcome"] == "dry_run" and mine["recommendation_id"] == rec.id
+    assert stale["outcome"] == "skipped_stale" and stale["recommendation_id"] == old.id
     assert mine["operations"] == [f"scontrol update NodeName=n0042 State=DRAIN "
                                   f"Reason=fleethealth quarantine {rec.id}: thermal straggler"]
     assert "dry_run" in done.stderr
@@ -197,3 +202,64 @@ def test_stale_recommendations_are_recorded_not_acted_on():
     stale = actor.handle(_rec("n0001", ts=clock.now - 901.0))
     assert stale.outcome is Outcome.SKIPPED_STALE and "901 s old" in stale.detail
     assert actor.handle(_rec("n0001", ts=clock.now - 10.0)).outcome is Outcome.DRY_RUN
+
+
+def _flaky_slurm(tmp_path, failures: int) -> tuple[SlurmAdapter, object]:
+    """Real ``sinfo``/``scontrol`` executables (shell scripts) for one node ``n0007``: ``sinfo``
+    fails the first ``failures`` calls as an unreachable slurmctld does; ``scontrol`` logs its argv."""
+    calls = tmp_path / "scontrol.log"
+    count = tmp_path / "sinfo.count"
+    sinfo = tmp_path / "sinfo"
+    sinfo.write_text(f"""#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
+if [ "$n" -lt {failures} ]; then echo "slurm_load_node: Unable to contact slurm controller" >&2; exit 1; fi
+echo n0007
+""")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    for tool in (sinfo, scontrol):
+        tool.chmod(0o755)
+    return SlurmAdapter(scontrol=str(scontrol), sinfo=str(sinfo)), calls
+
+
+def test_failed_action_is_retried_when_delivered_again(tmp_path):
+    """A failed scheduler call must not make the redelivered recommendation a replay."""
+    adapter, calls = _flaky_slurm(tmp_path, failures=1)
+    journal_path = tmp_path / "journal.jsonl"
+    actor = Actor(adapter, journal=Journal(journal_path), clock=_Clock())
+    rec = _rec("n0007")
+    first = actor.handle(rec)
+    assert first.outcome is Outcome.FAILED and "attempt 1 of 3" in first.detail and not calls.exists()
+    # the topic redelivers it (or the actor restarts on the same journal): tried again, drained
+    again = Actor(adapter, journal=Journal(journal_path), clock=_Clock()).handle(rec)
+    assert again is not None and again.outcome is Outcome.DONE
+    assert calls.read_text().startswith("update NodeName=n0007 State=DRAIN")
+    # now it is handled: a further delivery is a replay
+    assert Actor(adapter, journal=Journal(journal_path), clock=_Clock()).handle(rec) is None
+
+
+def test_retries_are_bounded(tmp_path):
+    adapter, calls = _flaky_slurm(tmp_path, failures=100)
+    actor = Actor(adapter, max_attempts=2, clock=_Clock())
+    rec = _rec("n0007")
+    assert actor.handle(rec).outcome is Outcome.FAILED
+    last = actor.handle(rec)
+    assert last.outcome is Outcome.FAILED and "giving up" in last.detail
+    assert actor.handle(rec) is None and actor.replays_ == 1 and not calls.exists()
+    with pytest.raises(ConfigError, match="max_attempts"):
+        Actor(adapter, max_attempts=0)
+
+
+def test_cli_act_bounds_staleness_by_default():
+    """Without --max-age-s, ``fleethealth act`` skips a recommendation older than twice the policy
+    engine's staleness bound (it used to act on any age)."""
+    from fleethealth.adapters.act import DEFAULT_MAX_AGE_S
+    from fleethealth.cli import build_parser
+    from fleethealth.policy.engine import PolicyEngine
+
+    assert DEFAULT_MAX_AGE_S == 2 * PolicyEngine().stale_after_s
+    args = build_parser().parse_args(["act", "--scheduler", "slurm"])
+    assert args.max_age_s == DEFAULT_MAX_AGE_S
+    assert build_parser().parse_args(["act", "--scheduler", "slurm", "--max-age-s", "0"]).max_age_s == 0
+    help_text = build_parser()._subparsers._group_actions[0].choices["act"].format_help()
+    assert "default: 1800" in help_text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fleethealth.adapters import Actor, KubernetesAdapter, Outcome, SchedulerError, UnknownNode
-from fleethealth.adapters.kubernetes import CONDITION_TYPE, TAINT_KEY
+from fleethealth.adapters.kubernetes import CONDITION_TYPE, CORDON_ANNOTATION, TAINT_KEY
 from fleethealth.schema import Action, Guard, Recommendation
 
 TS = 1795900000.0  # 2026-11-28T21:06:40Z
@@ -59,6 +59,29 @@ def test_release_removes_only_the_fleethealth_taint(k8s_replay):
     ops = KubernetesAdapter(replay.api).release("n0013", ts=1795921200.0, message="passing full self-test")
     replay.assert_all_replayed()
     assert len(ops) == 2
+
+
+def test_release_uncordons_only_a_cordon_fleethealth_made(k8s_replay):
+    """release.json: the node carries fleethealth's cordon annotation, so it is uncordoned and the
+    annotation dropped. release_human_cordon.json: a person cordoned it (no annotation), so the patch
+    leaves ``spec.unschedulable`` alone and only the taint goes (the replay fails on any other body)."""
+    ours = k8s_replay("release.json")
+    adapter = KubernetesAdapter(ours.api)
+    assert adapter.release("n0013", ts=1795921200.0, message="passing full self-test")[0].startswith(
+        "PATCH /api/v1/nodes/n0013 unschedulable=false")
+    ours.assert_all_replayed()
+    assert ours.seen[1]["body"]["metadata"]["annotations"] == {CORDON_ANNOTATION: None}
+    human = k8s_replay("release_human_cordon.json")
+    ops = KubernetesAdapter(human.api).release("n0013", ts=1795921200.0, message="passing full self-test")
+    human.assert_all_replayed()
+    assert "unschedulable" not in human.seen[1]["body"]["spec"] and "cordon not ours, kept" in ops[0]
+
+
+def test_cordon_marks_its_own_cordon(k8s_replay):
+    replay = k8s_replay("cordon_taint_condition.json")
+    KubernetesAdapter(replay.api).apply(_rec())
+    replay.assert_all_replayed()
+    assert replay.seen[1]["body"]["metadata"]["annotations"] == {CORDON_ANNOTATION: "true"}
 
 
 def test_bad_node_names_never_reach_the_api(k8s_replay):

@@ -143,8 +143,12 @@ def test_run_timeline(client):
 
 
 def _passing(node: str, ts: float) -> dict:
-    return {"node": node, "ts": ts, "suite": "full", "test": "all", "device": "gpu", "verdict": "pass",
-            "mismatches": [], "duration_s": 600.0}
+    """The suite-level record of a complete, passing full suite on the CPU."""
+    from fleethealth.kernels.suite import expected_tests
+
+    covered = [list(pair) for pair in sorted(expected_tests("full", ["cpu"]))]
+    return {"node": node, "ts": ts, "suite": "full", "test": "suite", "device": "cpu", "verdict": "pass",
+            "mismatches": [], "devices": ["cpu"], "covered": covered, "duration_s": 600.0}
 
 
 def test_quarantine_release_needs_token_and_a_full_passing_selftest(client, auth):
@@ -175,6 +179,28 @@ def test_release_by_selftest_event_id(client, store, auth):
     url = "/v1/quarantine/n0001/release"
     assert client.post(url, json={"event_id": "0" * 24}, headers=auth).status_code == 404
     assert client.post(url, json={"event_id": ev.id}, headers=auth).json()["released"] is True
+
+
+def test_one_passing_test_or_a_typed_verdict_does_not_release(client, store, auth):
+    """A per-test selftest event of the full suite, and a body with only suite and verdict, are 409."""
+    from fleethealth.schema import Event, EventKind
+
+    one = Event(node="n0001", ts=T0 + 200.0, kind=EventKind.SELFTEST,
+                data={"suite": "full", "test": "gemm_exact_fp32", "device": "cpu", "verdict": "pass",
+                      "mismatches": []})
+    store.insert_events([one])
+    url = "/v1/quarantine/n0001/release"
+    by_id = client.post(url, json={"event_id": one.id}, headers=auth)
+    assert by_id.status_code == 409 and "one test" in by_id.json()["detail"]
+    typed = client.post(url, json={"evidence": {"suite": "full", "verdict": "pass"}}, headers=auth)
+    assert typed.status_code == 409 and "names no node" in typed.json()["detail"]
+    other = client.post(url, json={"evidence": _passing("n0000", T0 + 100)}, headers=auth)
+    assert other.status_code == 409 and "not 'n0001'" in other.json()["detail"]
+    partial = {**_passing("n0001", T0 + 100)}
+    partial["covered"] = partial["covered"][1:]
+    missing = client.post(url, json={"evidence": partial}, headers=auth)
+    assert missing.status_code == 409 and "incomplete full suite" in missing.json()["detail"]
+    assert client.get("/v1/quarantine").json()["count"] == 1
 
 
 def test_breaker_reset(client, seeded, auth):

@@ -150,3 +150,57 @@ def test_readonly_does_not_stick_to_the_store(client, store_):
     assert client.post("/v1/query", json={"sql": "SELECT * FROM file('/etc/hostname')"}).status_code == 400
     store_.command("CREATE TABLE IF NOT EXISTS after_query (a UInt8) ENGINE = Memory")
     store_.command("DROP TABLE after_query")
+
+
+_HIDDEN_OUTFILE = [
+    "SELECT $$'$$ AS a INTO OUTFILE '{target}' --'",
+    "SELECT $tag$'$tag$ AS a INTO OUTFILE '{target}' --'",
+    "SELECT /* /* */ ' */ 7 AS a INTO OUTFILE '{target}' --'",
+    "SELECT /* a /*/ ' */ */ 7 AS a INTO OUTFILE '{target}' --'",
+    "SELECT 7 AS a # '\nINTO OUTFILE '{target}' --'",
+    "SELECT 7 AS a #!'\nINTO OUTFILE '{target}' --'",
+    "SELECT 7 AS a\x00 INTO OUTFILE '{target}'",
+]
+
+
+@pytest.mark.parametrize("template", _HIDDEN_OUTFILE)
+def test_text_clickhouse_would_read_differently_is_refused_and_writes_nothing(client, tmp_path, template):
+    """Heredocs, nested comments and ``#`` comments hid ``INTO OUTFILE`` from the gate while
+    ClickHouse ran it (chDB writes the file even with readonly=1). Each must be a 400, no file."""
+    target = tmp_path / "leak.txt"
+    before = _refused(client, "ambiguous")
+    response = client.post("/v1/query", json={"sql": template.format(target=target)})
+    assert response.status_code == 400, response.text
+    assert not target.exists()
+    assert _refused(client, "ambiguous") == before + 1
+
+
+def test_dollar_and_hash_inside_strings_and_comments_still_run(client):
+    sql = "SELECT '$$ # /* x' AS s, concat('#', '$') AS t -- $$ # /*\n/* $ # */"
+    out = client.post("/v1/query", json={"sql": sql})
+    assert out.status_code == 200, out.text
+    assert out.json()["rows"] == [["$$ # /* x", "#$"]]
+    with pytest.raises(QueryRefused) as err:
+        check_select("SELECT /* outer /* inner */ still comment */ 1")
+    assert err.value.reason is RefusalReason.AMBIGUOUS
+
+
+def test_memory_read_and_result_bytes_are_bounded(shared_store):
+    from fastapi.testclient import TestClient
+
+    from fleethealth.api import create_app
+    from fleethealth.api.app import QueryLimits
+
+    with TestClient(create_app(shared_store, token=None, max_rows=1_000_000,
+                               limits=QueryLimits(max_memory_bytes=8 * 1024**2, max_read_bytes=10**9,
+                                                  max_result_bytes=64 * 1024))) as tight:
+        hungry = tight.post("/v1/query", json={"sql": "SELECT length(groupArray(number)) FROM numbers(5000000)"})
+        assert hungry.status_code == 400 and "memory" in hungry.json()["detail"].lower()
+        wide = tight.post("/v1/query", json={"sql": "SELECT number FROM numbers(200000)"}).json()
+        assert 0 < wide["row_count"] < 200_000  # cut at the byte bound, not the row bound
+    with TestClient(create_app(shared_store, token=None,
+                               limits=QueryLimits(max_read_bytes=100_000))) as scan:
+        big = scan.post("/v1/query", json={"sql": "SELECT sum(number) FROM numbers(1000000)"})
+        assert big.status_code == 400 and "bytes" in big.json()["detail"].lower()
+        small = scan.post("/v1/query", json={"sql": "SELECT sum(number) FROM numbers(1000)"})
+        assert small.status_code == 200 and small.json()["rows"] == [[499500]]

@@ -209,6 +209,32 @@ def test_stale_finding_is_recorded_not_acted_on():
     assert fresh.action is Action.DRAIN and fresh.guard is Guard.ALLOWED
 
 
+def test_future_dated_finding_is_stale_and_cannot_reopen_the_rate_window():
+    """A finding stamped an hour ahead used to be acted on and, with the limiter comparing its own
+    stamp with abs(), let a second eviction of the same job through inside the hour."""
+    eng = PolicyEngine()
+    [first] = eng.decide([_straggler("n0001", T0)], now=T0)
+    assert first.action is Action.EVICT and first.guard is Guard.ALLOWED
+    [ahead] = eng.decide([_straggler("n0030", T0 + 3700)], now=T0 + 60)
+    assert ahead.action is Action.NONE and ahead.evidence["guards_fired"] == ["stale"]
+    assert "after the decision time" in ahead.reason and ahead.evidence["age_s"] == pytest.approx(-3640)
+    # a small skew is tolerated, but the limiter counts from the decision time: still rate limited
+    [skewed] = eng.decide([_straggler("n0040", T0 + 130)], now=T0 + 120)
+    assert skewed.action is Action.EVICT and skewed.guard is Guard.RATE_LIMITED
+    assert skewed.evidence["since_last_eviction_s"] == pytest.approx(120)
+
+
+def test_limiter_counts_from_decision_time_not_the_finding_stamp():
+    from fleethealth.policy.guards import JobRateLimiter, is_stale
+
+    lim = JobRateLimiter(window_s=3600)
+    lim.note("j", T0 + 7200)          # a later action already recorded
+    assert lim.since_last("j", T0) == 0.0   # never outside the window by being "far away"
+    lim.note("j", T0)
+    assert lim.since_last("j", T0 + 3600) is None and lim.since_last("j", T0 + 10) == pytest.approx(10)
+    assert is_stale(T0 + 61, T0, 900) and not is_stale(T0 + 59, T0, 900) and is_stale(T0 - 901, T0, 900)
+
+
 def test_breaker_trips_and_holds_until_reset():
     eng = PolicyEngine(fleet_nodes=100, breaker_share=0.05, breaker_min_nodes=3, breaker_window_s=600)
     xids = [_finding(FindingKind.XID, f"n{i:04d}", T0 + i, evidence={"code": 79}) for i in range(7)]
@@ -327,6 +353,16 @@ def test_xid_and_ecc_by_severity_and_hang():
         [rec] = eng.decide([f], now=T0)
         assert rec.action is want, (f, rec.reason)
         assert rec.reason and "guards_fired" in rec.evidence
+
+
+def test_a_node_drained_for_a_hang_is_drained_once():
+    eng = PolicyEngine()
+    [first] = eng.decide([_finding(FindingKind.HANG, "n0002", T0, step=450)], now=T0)
+    assert first.action is Action.DRAIN and first.guard is Guard.ALLOWED
+    [again] = eng.decide([_finding(FindingKind.HANG, "n0002", T0 + 60, step=451)], now=T0 + 60)
+    assert again.action is Action.NONE and "already draining" in again.reason
+    [xid] = eng.decide([_finding(FindingKind.XID, "n0002", T0 + 90, evidence={"code": 79})], now=T0 + 90)
+    assert xid.action is Action.NONE and "already draining" in xid.reason
 
 
 def test_recommendations_round_trip_the_wire_schema():

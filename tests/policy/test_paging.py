@@ -111,3 +111,32 @@ def test_future_interruptions_ignored_and_params_checked():
     assert Pager(baseline_per_h=BASE).evaluate([_i(10 * H, "n1", 1), _i(11 * H, "n1", 2)], now=H).interruptions == 0
     with pytest.raises(ConfigError, match="rate_factor"):
         Pager(rate_factor=0)
+
+
+def test_a_lasting_anomaly_or_collapse_pages_once_per_repage_interval_not_hourly():
+    """The anomaly and goodput-collapse keys used to carry the hour, so each new hour paged again."""
+    pager = Pager(baseline_per_h=BASE, repage_after_s=24 * H)
+    sent = []
+    for hour in range(1, 30):       # a failure every 10 min for 29 hours, goodput low throughout
+        now = hour * H + 3000
+        history = [_i(t, f"n{int(t) // 600:05d}", int(t) // 600 * 100 + 7) for t in range(0, int(now), 600)]
+        sent += [(hour, p.rule) for p in pager.evaluate(history, now=now, goodput_1h=0.2).pages]
+    assert [r for h, r in sent if h < 25] == [PageRule.FAILURE_RATE_ANOMALY, PageRule.GOODPUT_COLLAPSE]
+    assert sorted(h for h, _ in sent) == [1, 1, 25, 25]   # again only after repage_after_s
+    assert len(pager.paged_) == 2                         # one key per rule, old entries pruned
+
+
+def test_a_repage_is_a_new_recommendation():
+    pager = Pager(baseline_per_h=BASE, repage_after_s=H)
+    history = [_i(0, "n0417", 100), _i(H, "n0417", 200)]
+    first = pager.evaluate(history, now=H).to_recommendations(H)
+    later = pager.evaluate(history, now=2.5 * H).to_recommendations(2.5 * H)
+    assert len(first) == len(later) == 1 and first[0].id != later[0].id
+
+
+def test_paged_entries_older_than_the_repage_interval_are_pruned():
+    pager = Pager(baseline_per_h=BASE, repage_after_s=2 * H)
+    pager.evaluate([_i(0, "n0417", 100), _i(H, "n0417", 200)], now=H)
+    assert list(pager.paged_) == ["quarantine_ineffective:n0417"]
+    pager.evaluate([], now=4 * H)
+    assert pager.paged_ == {}

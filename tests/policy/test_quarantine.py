@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fleethealth.errors import ConfigError
+from fleethealth.kernels.suite import expected_tests
 from fleethealth.policy.quarantine import (
     QuarantineRecord,
     add_run,
@@ -18,14 +19,15 @@ from fleethealth.policy.quarantine import (
 )
 
 T0 = 1_800_000_000.0
-FULL_PASS = {"suite": "full", "test": "all", "device": "GPU5", "verdict": "pass", "mismatches": [],
-             "max_error": 0.0, "duration_s": 310.0, "throughput": 0.0, "unit": ""}
+_COVERED = [list(pair) for pair in sorted(expected_tests("full", ["cpu"]))]
+FULL_PASS = {"suite": "full", "test": "suite", "device": "cpu", "verdict": "pass", "mismatches": [],
+             "node": "n1", "ts": T0 + 1, "devices": ["cpu"], "covered": _COVERED, "duration_s": 310.0}
 
 
 def test_check_release_rules():
     """The pure rule: only a passing full suite, for this node, taken after the quarantine."""
     assert check_release("n1", T0, FULL_PASS) is None
-    assert check_release("n1", T0, {**FULL_PASS, "ts": T0 + 10, "node": "n1"}) is None
+    assert check_release("n1", T0, {**FULL_PASS, "ts": T0 + 10}) is None
     assert "suite is 'quick'" in check_release("n1", T0, {**FULL_PASS, "suite": "quick"})
     assert "verdict is 'fail'" in check_release("n1", T0, {**FULL_PASS, "verdict": "fail"})
     assert "verdict is 'slow'" in check_release("n1", T0, {**FULL_PASS, "verdict": "slow"})
@@ -34,9 +36,32 @@ def test_check_release_rules():
     assert "predates" in check_release("n1", T0, {**FULL_PASS, "ts": T0 - 1})
     assert "self-test record" in check_release("n1", T0, ["pass"])  # type: ignore[arg-type]
     # an event object carrying the record in data
-    event = {"kind": "selftest", "node": "n1", "ts": T0 + 5, "data": FULL_PASS}
+    bare = {k: v for k, v in FULL_PASS.items() if k not in ("node", "ts")}
+    event = {"kind": "selftest", "node": "n1", "ts": T0 + 5, "data": bare}
     assert check_release("n1", T0, event) is None
     assert "xid" in check_release("n1", T0, {"kind": "xid", "data": FULL_PASS})
+
+
+def test_one_test_or_an_unbound_body_never_releases():
+    """One passing test of the full suite, a hand-typed verdict without node or time, or a suite
+    record missing a test are all refused; only the complete suite's own record releases."""
+    assert "one test" in check_release("n1", T0, {**FULL_PASS, "test": "gemm_exact_fp32"})
+    assert "names no node" in check_release("n1", T0, {"suite": "full", "verdict": "pass"})
+    no_ts = {k: v for k, v in FULL_PASS.items() if k != "ts"}
+    assert "no ts" in check_release("n1", T0, no_ts)
+    no_node = {k: v for k, v in FULL_PASS.items() if k != "node"}
+    assert "names no node" in check_release("n1", T0, no_node)
+    assert "not a finite number" in check_release("n1", T0, {**FULL_PASS, "ts": float("nan")})
+    short = {**FULL_PASS, "covered": [c for c in _COVERED if c[0] != "memory_checkerboard"]}
+    assert "1 tests missing (memory_checkerboard@cpu)" in check_release("n1", T0, short)
+    assert "no devices" in check_release("n1", T0, {**FULL_PASS, "devices": []})
+    assert "covered" in check_release("n1", T0, {**FULL_PASS, "covered": "all"})
+    gpus = {**FULL_PASS, "devices": ["cuda:0", "cuda:1"]}
+    assert "tests missing" in check_release("n1", T0, gpus)  # the CPU run does not cover two GPUs
+    # a per-test selftest event as stored (node and ts on the event) is not enough either
+    per_test = {"kind": "selftest", "node": "n1", "ts": T0 + 5,
+                "data": {"suite": "full", "test": "memory_walking_ones", "device": "cpu", "verdict": "pass"}}
+    assert "one test" in check_release("n1", T0, per_test)
 
 
 def test_quarantine_record_and_runs_affected(store):
@@ -62,21 +87,24 @@ def test_quarantine_record_and_runs_affected(store):
 
 def test_release_needs_a_passing_full_selftest_and_logs_refusals(store):
     quarantine(store, "n0030", "sdc", T0, runs=["train-1"])
-    assert release(store, "n0030", T0 + 100, {**FULL_PASS, "suite": "quick"}) is False
-    assert release(store, "n0030", T0 + 200, {**FULL_PASS, "verdict": "fail", "mismatches": [[3, 7]]}) is False
-    assert release(store, "n0030", T0 + 250, {**FULL_PASS, "ts": T0 - 3600}) is False
+    ours = {**FULL_PASS, "node": "n0030"}
+    assert release(store, "n0030", T0 + 100, {**ours, "suite": "quick"}) is False
+    assert release(store, "n0030", T0 + 200, {**ours, "verdict": "fail", "mismatches": [[3, 7]]}) is False
+    assert release(store, "n0030", T0 + 250, {**ours, "ts": T0 - 3600}) is False
+    assert release(store, "n0030", T0 + 260, {"suite": "full", "verdict": "pass"}) is False
     assert [r.node for r in quarantined(store)] == ["n0030"]
-    assert release(store, "n0030", T0 + 300, {**FULL_PASS, "ts": T0 + 290, "node": "n0030"}) is True
+    assert release(store, "n0030", T0 + 300, {**ours, "ts": T0 + 290}) is True
     assert quarantined(store) == [] and record(store, "n0030") is None
     # releasing again, or an unknown node: refused and logged
     assert release(store, "n0030", T0 + 400, FULL_PASS) is False
     assert release(store, "n0404", T0 + 400, FULL_PASS) is False
     log = history(store, "n0030")
     assert [e.action for e in log] == ["quarantine", "release_refused", "release_refused", "release_refused",
-                                       "release", "release_refused"]
+                                       "release_refused", "release", "release_refused"]
     assert "suite is 'quick'" in log[1].detail and "verdict is 'fail'" in log[2].detail
-    assert "predates" in log[3].detail and log[5].detail == "node is not quarantined"
-    assert log[4].ts == pytest.approx(T0 + 300)
+    assert "predates" in log[3].detail and "names no node" in log[4].detail
+    assert log[6].detail == "node is not quarantined"
+    assert log[5].ts == pytest.approx(T0 + 300)
     assert history(store, "n0404")[0].detail == "unknown node 'n0404'"
     # a new episode starts a new since and keeps the node's earlier victims
     back = quarantine(store, "n0030", "sdc again", T0 + 1000, runs=["train-9"])

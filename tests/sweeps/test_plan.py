@@ -21,6 +21,32 @@ def test_names_that_could_be_options_or_shell_words_are_rejected(name: str) -> N
         validate_node(name)
 
 
+@pytest.mark.parametrize("name", ["n1-", "n1.", "a" * 64, "_n1", "x-"])
+def test_names_the_schedulers_refuse_are_refused_here_too(name: str) -> None:
+    """A sweep used to accept 64 characters and a trailing '-' or '.', which the adapters refuse."""
+    with pytest.raises(ConfigError, match="invalid node name"):
+        validate_node(name)
+
+
+@pytest.mark.parametrize("name", ["n0001", "gpu-a17.cluster_x", "A", "a" * 63, "a" * 64, "n1-", "n1.",
+                                  "-w", "n[0-3]", "n1,n2", "n1 ", "é1", "n1\n"])
+def test_sweeps_adapters_and_api_agree_on_node_names(name: str) -> None:
+    import re
+
+    from fleethealth.adapters.base import SchedulerError, check_node_name
+    from fleethealth.api.models import NODE_PATTERN
+
+    def accepted(check) -> bool:
+        try:
+            check(name)
+        except (ConfigError, SchedulerError):
+            return False
+        return True
+
+    api = re.fullmatch(NODE_PATTERN, name) is not None
+    assert accepted(validate_node) == accepted(check_node_name) == api
+
+
 def test_node_lists_accept_commas_spaces_comments_and_drop_repeats() -> None:
     assert read_node_list("n1,n2 n3\n# spare\nn2\nn4  # hot\n") == ["n1", "n2", "n3", "n4"]
     with pytest.raises(ConfigError):
