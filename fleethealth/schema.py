@@ -432,7 +432,11 @@ class Event:
 
     @property
     def id(self) -> str:
-        return _digest(self.kind, self.node, self.ts, self.job, self.gpu, self.rank, self.step, self.code)
+        """Stable across replays; two different events of one node at one instant (several self-test
+        results, a result and its suite record) differ by message and data."""
+        data = orjson.dumps(self.data, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+        return _digest(self.kind, self.node, self.ts, self.job, self.gpu, self.rank, self.step, self.code,
+                       self.message, data.decode())
 
     def to_obj(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "ts": self.ts, "kind": self.kind.value, "job": self.job,

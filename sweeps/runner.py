@@ -18,6 +18,7 @@ from typing import Any
 
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.baseline import BaselineBook
+from fleethealth.schema import Event, EventKind
 from fleethealth.sweeps.launch import LocalLauncher, NodeRun, NodeStatus, SrunLauncher, run_node
 from fleethealth.sweeps.plan import NodeRisk, rank_nodes, risk_from_store
 from fleethealth.sweeps.release import ReleaseDecision, apply_release, release_decision
@@ -119,9 +120,12 @@ def _record(risk: NodeRisk, node_run: NodeRun, store: Any, producer: Any, releas
     decision = None
     released = False
     if store is not None:
+        decision = release_decision(node_run, quarantined=risk.quarantined)
+        if decision.evidence:  # the whole-suite record too: an operator can release by its event id
+            events.append(Event(node=node_run.node, ts=decision.ts, kind=EventKind.SELFTEST,
+                                message=decision.reason, data=decision.evidence))
         if events:
             store.insert_events(events)
-        decision = release_decision(node_run, quarantined=risk.quarantined)
         if release and risk.quarantined:
             released = apply_release(store, decision)
     return NodeOutcome(risk, node_run, decision, released)

@@ -86,8 +86,12 @@ def test_sweep_orders_by_risk_publishes_stores_and_returns_the_healthy_quarantin
     refused = quarantine.history(store, partial_q)[-1]
     assert refused.action == "release_refused" and "incomplete" in refused.detail
 
-    # Every result is in the store and on the bus.
-    assert len(store.events(kind="selftest", node=healthy_q)) == 13
+    # Every result is in the store (13 tests plus the whole-suite record) and on the bus.
+    stored = store.events(kind="selftest", node=healthy_q)
+    assert len(stored) == 14
+    suite = [e for e in stored if e.data["test"] == "suite"]
+    assert len(suite) == 1 and suite[0].data["verdict"] == "pass"
+    assert quarantine.check_release(healthy_q, 1000.0, suite[0].data) is None  # a record an operator can cite by id
     seen: set[tuple[str, str]] = set()
     with Consumer(broker.dsn, [Topic.EVENTS], f"g-{tag}", session_timeout_s=2.0, max_poll_interval_s=2.0) as cons:
         deadline = time.monotonic() + 30
