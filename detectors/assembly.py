@@ -193,7 +193,7 @@ class StepAssembler:
             job=job, step=step, ts=max(b.ts for b in parts),
             ranks=np.concatenate([b.ranks for b in parts]),
             gpus=np.concatenate([b.gpus for b in parts]),
-            nodes=np.concatenate([np.full(len(b.ranks), b.node, dtype=object) for b in parts]),
+            nodes=np.repeat(np.array([b.node for b in parts], dtype=object), [len(b.ranks) for b in parts]),
             compute_s=np.concatenate([b.compute_s for b in parts]),
             groups=groups, complete=complete,
         )

@@ -125,7 +125,9 @@ class HangDetector:
 
     # ------------------------------------------------------------ input
     def _batch(self, b: StepBatch) -> None:
-        job = self.jobs_.setdefault(b.job, _Job())
+        job = self.jobs_.get(b.job)
+        if job is None:
+            job = self.jobs_[b.job] = _Job()
         if job.interrupted:
             self.jobs_[b.job] = job = _Job(durations=job.durations)
         ranks = np.asarray(b.ranks, dtype=np.int64)
