@@ -440,13 +440,7 @@ class Consumer:
         if value is None:
             raise SchemaError("<message>", "empty value (tombstone)")
         if cls is DeadLetter:
-            try:
-                obj = orjson.loads(value)
-            except orjson.JSONDecodeError as exc:
-                raise SchemaError("<message>", f"not valid JSON ({exc})") from exc
-            if not isinstance(obj, dict):
-                raise SchemaError("<message>", f"expected a JSON object, got {type(obj).__name__}")
-            return DeadLetter.from_obj(obj)
+            return DeadLetter.from_obj(schema.load_object(value))
         return schema.decode(cls, value)
 
     def _dead_letter(self, rec: Any, reason: str) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_many",
+    "load_object",
     "TOPIC_TYPES",
 ]
 
@@ -571,17 +572,22 @@ def encode(msg: Message) -> bytes:
     return orjson.dumps(msg.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def decode(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T:
-    """Parse and validate one message of type ``cls``; raise :class:`SchemaError` naming the field."""
+def load_object(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
+    """Parse one JSON object (a dict passes through); :class:`SchemaError` on anything else."""
     if isinstance(raw, dict):
-        obj = raw
-    else:
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise SchemaError("<message>", f"not valid JSON ({exc})") from exc
+        return raw
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SchemaError("<message>", f"not valid JSON ({exc})") from exc
     if not isinstance(obj, dict):
         raise SchemaError("<message>", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def decode(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T:
+    """Parse and validate one message of type ``cls``; raise :class:`SchemaError` naming the field."""
+    obj = load_object(raw)
     version = obj.get("v")
     if version != SCHEMA_VERSION:
         raise SchemaError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
