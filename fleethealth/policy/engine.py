@@ -50,6 +50,7 @@ from fleethealth.policy.guards import (
     SeenFindings,
     is_stale,
 )
+from fleethealth.policy.params import check_number
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
 
 __all__ = ["PolicyEngine", "Checkpoint", "XID_DRAIN", "XID_APPLICATION", "rack_of"]
@@ -85,11 +86,6 @@ def rack_of(node: str, nodes_per_rack: int) -> str:
     return f"r{int(m.group(1)) // nodes_per_rack:02d}"
 
 
-def _num(name: str, value: Any, lo: float = 0.0, *, strict: bool = False) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-    if not ok or value < lo or (strict and value == lo):
-        raise ConfigError(f"{name} must be a finite number {'>' if strict else '>='} {lo}, got {value!r}")
-    return float(value)
 
 
 class PolicyEngine:
@@ -112,13 +108,13 @@ class PolicyEngine:
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False) -> None:
-        self.restart_s = _num("restart_s", restart_s)
-        self.payback_margin = _num("payback_margin", payback_margin, strict=True)
-        self.default_remaining_s = _num("default_remaining_s", default_remaining_s)
-        self.stale_after_s = _num("stale_after_s", stale_after_s, strict=True)
-        self.nodes_per_rack = int(_num("nodes_per_rack", nodes_per_rack, 1))
-        self.facilities_episode_s = _num("facilities_episode_s", facilities_episode_s, strict=True)
-        self.failure_risk_threshold = _num("failure_risk_threshold", failure_risk_threshold)
+        self.restart_s = check_number("restart_s", restart_s, strict=False)
+        self.payback_margin = check_number("payback_margin", payback_margin)
+        self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, strict=False)
+        self.stale_after_s = check_number("stale_after_s", stale_after_s)
+        self.nodes_per_rack = int(check_number("nodes_per_rack", nodes_per_rack, minimum=1, strict=False))
+        self.facilities_episode_s = check_number("facilities_episode_s", facilities_episode_s)
+        self.failure_risk_threshold = check_number("failure_risk_threshold", failure_risk_threshold, strict=False)
         if self.failure_risk_threshold > 1:
             raise ConfigError(f"failure_risk_threshold is a probability, got {failure_risk_threshold}")
         self.dry_run = bool(dry_run)
@@ -167,7 +163,7 @@ class PolicyEngine:
         return self.posterior_.mean(diagnosis)
 
     def set_remaining(self, job: str, seconds: float) -> None:
-        self.remaining_[job] = _num("remaining seconds", seconds)
+        self.remaining_[job] = check_number("remaining seconds", seconds, strict=False)
 
     def reset_breaker(self) -> None:
         """The explicit human reset; also clears the same-rack hold."""

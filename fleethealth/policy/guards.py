@@ -17,12 +17,12 @@ All times are event times in seconds; nothing here reads a clock.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
+from fleethealth.policy.params import check_number
 
 __all__ = [
     "GuardName",
@@ -47,11 +47,6 @@ class GuardName:
     DRY_RUN = "dry_run"
 
 
-def _param(name: str, value: float, *, zero_ok: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number, got {value!r}")
-    return float(value)
 
 
 DEFAULT_MAX_SKEW_S = 60.0
@@ -95,7 +90,7 @@ class JobRateLimiter:
     ahead cannot open the window early. A last action recorded after ``now`` counts as inside it."""
 
     def __init__(self, *, window_s: float = 3600.0) -> None:
-        self.window_s = _param("window_s", window_s)
+        self.window_s = check_number("window_s", window_s)
         self.last_: dict[str, float] = {}
 
     def since_last(self, job: str, now: float) -> float | None:
@@ -162,12 +157,12 @@ class CircuitBreaker:
 
     def __init__(self, *, share: float = 0.1, min_nodes: int = 5, window_s: float = 3600.0,
                  fleet_nodes: int = 0) -> None:
-        self.share = _param("breaker_share", share)
+        self.share = check_number("breaker_share", share)
         if self.share > 1:
             raise ConfigError(f"breaker_share is a fraction of the fleet, got {share}")
-        self.min_nodes = int(_param("breaker_min_nodes", min_nodes))
-        self.window_s = _param("breaker_window_s", window_s)
-        self.fleet_nodes = int(_param("fleet_nodes", fleet_nodes, zero_ok=True))
+        self.min_nodes = int(check_number("breaker_min_nodes", min_nodes))
+        self.window_s = check_number("breaker_window_s", window_s)
+        self.fleet_nodes = int(check_number("fleet_nodes", fleet_nodes, strict=False))
         self.recent_: dict[str, float] = {}
         self.open_ = False
         self.tripped_ts_: float | None = None
