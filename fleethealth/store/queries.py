@@ -257,8 +257,9 @@ class NamedQueries:
 
     def recent_events(self, *, node: str | None = None, job: str | None = None, kind: str | None = None,
                       limit: int = 10_000) -> list[Event]:
-        """Events newest first, filtered by node, job and kind; kinds this build does not know (written
-        by a newer version) are left out, and a ``data`` that is not JSON reads as ``{"unparsed": text}``."""
+        """The ``limit`` newest events, filtered by node, job and kind; kinds this build does not know
+        (written by a newer version) are then left out, and a ``data`` that is not JSON reads as
+        ``{"unparsed": text}``."""
         clauses, params = [], {}
         for name, value in (("node", node), ("job", job), ("kind", kind)):
             if value is not None:
