@@ -137,7 +137,7 @@ def _run_runner(dsn: str, store: Store, job: str, times: np.ndarray, profile: cP
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         if runner.consumer.dead_lettered_total:
             raise RuntimeError(f"{runner.consumer.dead_lettered_total} bench messages were dead-lettered")
-    stored = store.query("SELECT count() FROM rank_steps WHERE job = {j:String} AND step >= 2", {"j": job}).rows[0][0]
+    stored = store.rank_step_count(job, first_step=2)
     if stored < times.size:
         raise RuntimeError(f"runner stored {stored} of {times.size} rank-steps")
     return Rate(samples=times.size, messages=messages, cpu_s=cpu, wall_s=wall)
@@ -192,7 +192,7 @@ def _run_naive(dsn: str, store: Store, job: str, times: np.ndarray, batch: int) 
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     finally:
         consumer.close(autocommit=False)
-    stored = store.query("SELECT count() FROM rank_steps WHERE job = {j:String}", {"j": job}).rows[0][0]
+    stored = store.rank_step_count(job)
     if stored < times.size:
         raise RuntimeError(f"the naive pipeline stored {stored} of {times.size} rank-steps")
     return Rate(samples=times.size, messages=messages, cpu_s=cpu, wall_s=wall)

@@ -43,7 +43,7 @@ from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Output, Pipeline
 from fleethealth.policy.persist import load_engine, save_engine
 from fleethealth.schema import Event, StepBatch, Telemetry, Topic
-from fleethealth.store import Store
+from fleethealth.store import StoreLike
 
 __all__ = ["Runner", "INPUT_TOPICS", "tune_gc"]
 
@@ -81,7 +81,7 @@ class Runner:
     runner's metrics (``fleethealth_detect_*``); pass a fresh one when several runners share a process.
     """
 
-    def __init__(self, bus_dsn: str, store: Store, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
+    def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
                  publish: bool = True, max_records: int = 2000, lateness_s: float = 5.0,
                  max_held: int = 200_000,
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,

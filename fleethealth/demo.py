@@ -27,7 +27,7 @@ from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
 from fleethealth.schema import Finding, Recommendation
 from fleethealth.sim import FleetSim, Scenario
-from fleethealth.store import Store, open_store
+from fleethealth.store import StoreLike, open_store
 
 __all__ = ["DemoResult", "run_demo", "export_jsonl"]
 
@@ -56,7 +56,7 @@ class DemoResult:
         return self.messages / max(self.publish_s + self.detect_s, 1e-9)
 
 
-def export_jsonl(store: Store, out: Path) -> tuple[list[Finding], list[Recommendation]]:
+def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recommendation]]:
     """Write the store's findings and recommendations as JSON lines (DESIGN.md's contract)."""
     out.mkdir(parents=True, exist_ok=True)
     findings = sorted(store.findings(), key=lambda f: (f.ts, f.kind.value, f.node, -1 if f.rank is None else f.rank))

@@ -20,13 +20,16 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.results import SelfTestResult, Verdict
 from fleethealth.schema import Event, EventKind
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["DEFAULT_SLOW_FRACTION", "SHIPPED", "Baseline", "BaselineBook", "model_family"]
 
@@ -102,19 +105,11 @@ class BaselineBook:
         return cls.from_records((e.data for e in events if e.kind is EventKind.SELFTEST), **kwargs)
 
     @classmethod
-    def from_store(cls, store: Any, *, since: float | None = None, **kwargs: Any) -> BaselineBook:
+    def from_store(cls, store: StoreLike, *, since: float | None = None, **kwargs: Any) -> BaselineBook:
         """Fleet medians computed in the store (one grouped query over the ``selftest`` events with
         verdict ``pass`` or ``slow``, optionally only those at or after event time ``since``)."""
-        where = "" if since is None else " AND ts_s >= {since:Float64}"
-        res = store.query(
-            "SELECT JSONExtractString(data, 'model') AS model, JSONExtractString(data, 'suite') AS suite, "
-            "JSONExtractString(data, 'test') AS test, median(JSONExtractFloat(data, 'throughput')) AS value, "
-            "count() AS n FROM events FINAL WHERE kind = 'selftest' "
-            "AND JSONExtractString(data, 'verdict') IN ('pass', 'slow') "
-            f"AND JSONExtractFloat(data, 'throughput') > 0{where} GROUP BY model, suite, test",
-            None if since is None else {"since": float(since)})
-        fleet = {(str(model), str(suite), str(test)): (float(value), int(n))
-                 for model, suite, test, value, n in res.rows}
+        fleet = {(model, suite, test): (value, n)
+                 for model, suite, test, value, n in store.selftest_throughput_medians(since=since)}
         return cls(fleet=fleet, **kwargs)
 
     def lookup(self, model: str, suite: str, test: str) -> Baseline | None:

@@ -16,11 +16,14 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fleethealth.adapters.base import is_node_name
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Finding, FindingKind
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["NodeRisk", "validate_node", "rank_nodes", "risk_from_store", "read_node_list"]
 
@@ -90,7 +93,8 @@ def rank_nodes(nodes: Sequence[str], findings: Iterable[Finding] = (),
     return sorted(risks, key=lambda r: r.order)
 
 
-def risk_from_store(store: Any, nodes: Sequence[str] | None = None, *, since: float | None = None) -> list[NodeRisk]:
+def risk_from_store(store: StoreLike, nodes: Sequence[str] | None = None, *,
+                    since: float | None = None) -> list[NodeRisk]:
     """Rank ``nodes`` (default: every quarantined node and every node with a finding) from the
     store's findings (since ``since``) and quarantine book."""
     from fleethealth.policy import quarantine

@@ -16,10 +16,13 @@ slow or was incomplete the record's verdict says so, and the book refuses it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleethealth.policy.quarantine import FULL_SUITE, SUITE_RECORD, full_suite_missing
 from fleethealth.sweeps.launch import NodeRun, NodeStatus
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["FULL_SUITE", "ReleaseDecision", "release_decision", "apply_release"]
 
@@ -66,7 +69,7 @@ def release_decision(run: NodeRun, *, quarantined: bool) -> ReleaseDecision:
     return ReleaseDecision(node, verdict == "pass", reason, ts, evidence)
 
 
-def apply_release(store: Any, decision: ReleaseDecision) -> bool:
+def apply_release(store: StoreLike, decision: ReleaseDecision) -> bool:
     """Hand the decision to the quarantine book; ``True`` when the node left quarantine. A refused
     decision with evidence is handed over too, so the book logs the refusal and its reason."""
     from fleethealth.policy import quarantine

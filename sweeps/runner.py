@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.baseline import BaselineBook
@@ -22,6 +22,9 @@ from fleethealth.schema import Event, EventKind
 from fleethealth.sweeps.launch import LocalLauncher, NodeRun, NodeStatus, SrunLauncher, run_node
 from fleethealth.sweeps.plan import NodeRisk, rank_nodes, risk_from_store
 from fleethealth.sweeps.release import ReleaseDecision, apply_release, release_decision
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["NodeOutcome", "SweepReport", "run_sweep"]
 
@@ -69,8 +72,9 @@ class SweepReport:
 
 
 def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLauncher, suite: str = "full",
-              device: str = "all", only: Sequence[str] | None = None, store: Any = None, producer: Any = None,
-              release: bool = True, timeout_s: float = 1800.0, parallel: int = 1, progress: Progress | None = None,
+              device: str = "all", only: Sequence[str] | None = None, store: StoreLike | None = None,
+              producer: Any = None, release: bool = True, timeout_s: float = 1800.0, parallel: int = 1,
+              progress: Progress | None = None,
               baselines: BaselineBook | None = None, run: Callable[..., Any] | None = None) -> SweepReport:
     """Sweep ``nodes`` (default with a store: its quarantined and at-risk nodes); see the module docstring.
 
@@ -112,7 +116,7 @@ def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLaun
     return SweepReport(tuple(outcomes[r.node] for r in risks))
 
 
-def _record(risk: NodeRisk, node_run: NodeRun, store: Any, producer: Any, release: bool) -> NodeOutcome:
+def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer: Any, release: bool) -> NodeOutcome:
     events = [r.to_event(node_run.node) for r in node_run.results]
     if producer is not None:
         for event in events:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,6 +29,9 @@ from fleethealth import __version__
 from fleethealth.api import routes
 from fleethealth.api.views import NotFound
 from fleethealth.errors import StoreError
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["create_app", "ApiMetrics", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_EXECUTION_S", "QueryLimits"]
 
@@ -94,11 +97,11 @@ def _bearer(token: str | None, metrics: ApiMetrics) -> Callable[..., str]:
     return require_token
 
 
-def create_app(store: Any, *, token: str | None, max_rows: int = DEFAULT_MAX_ROWS,
+def create_app(store: StoreLike, *, token: str | None, max_rows: int = DEFAULT_MAX_ROWS,
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
                clock: Callable[[], float] = time.time, limits: QueryLimits | None = None) -> FastAPI:
-    """Build the API around an open :class:`~fleethealth.store.Store`.
+    """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
     ``token`` guards the write endpoints (``None``: writes refused). ``max_rows`` and
     ``max_execution_s`` bound ``POST /v1/query``, with ``limits`` (memory, bytes read, result

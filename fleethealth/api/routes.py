@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
@@ -23,6 +23,9 @@ from fleethealth.policy import persist
 from fleethealth.policy import quarantine as qb
 from fleethealth.schema import Action, EventKind, Guard
 
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
+
 __all__ = ["read_router", "write_router"]
 
 NodeName = Annotated[str, Path(pattern=models.NODE_PATTERN, description="node name, e.g. n0013")]
@@ -33,7 +36,7 @@ _WRITE_PROBLEMS = {**_PROBLEMS, 401: {"model": models.Problem, "description": "n
                    403: {"model": models.Problem, "description": "wrong token, or writes disabled"}}
 
 
-def _store(request: Request) -> Any:
+def _store(request: Request) -> StoreLike:
     return request.app.state.store
 
 
@@ -43,7 +46,7 @@ def read_router() -> APIRouter:
     @router.get("/healthz", response_model=models.Health, tags=["service"])
     def healthz(request: Request) -> Any:
         try:
-            _store(request).query("SELECT 1")
+            _store(request).ping()
             state = "ok"
         except StoreError as exc:
             state = f"error: {exc}"
@@ -176,7 +179,7 @@ def _breaker_obj(rec: persist.BreakerRecord | None, *, engine: bool) -> dict[str
     return {**rec.to_obj(), "reset_by": rec.reset_by or None, "engine": engine}
 
 
-def _evidence(store: Any, node: str, body: models.ReleaseIn) -> dict[str, Any]:
+def _evidence(store: StoreLike, node: str, body: models.ReleaseIn) -> dict[str, Any]:
     if (body.evidence is None) == (body.event_id is None):
         raise HTTPException(422, detail="give exactly one of evidence (a self-test record) or event_id")
     if body.evidence is not None:

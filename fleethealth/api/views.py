@@ -1,6 +1,6 @@
-"""What the API reads from the store, as plain records: no HTTP here, only SQL and arithmetic.
+"""What the API reads from the store, as plain records: no HTTP and no SQL here, only arithmetic.
 
-Each function takes a :class:`~fleethealth.store.Store` (anything with ``query`` / ``insert``) and
+Each function takes a :class:`~fleethealth.store.StoreLike` (its named queries hold the SQL) and
 returns JSON-ready objects (``dict`` rows with named fields, documented by the response models
 in :mod:`fleethealth.api.models`). Unknown nodes and jobs raise :class:`NotFound`; the routes
 turn it into 404.
@@ -14,15 +14,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import UTC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 
 from fleethealth.errors import FleetHealthError
 from fleethealth.policy import quarantine as qb
 from fleethealth.policy.goodput import Interruption, Timeline, goodput, ideal_step_time, timeline
 from fleethealth.schema import Event, EventKind
+from fleethealth.store.columns import loads_lenient
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = [
     "NotFound",
@@ -42,24 +45,9 @@ __all__ = [
 MAX_STEPS = 200_000
 """A run's health reads at most this many most recent steps."""
 
-_TS = "toFloat64(toUnixTimestamp64Milli(ts)) / 1000"
-_REC_COLUMNS = ("id", "action", "node", "job", "reason", "guard", "ts_s", "finding_id", "dry_run", "evidence",
-                "acked_at", "acked_by")
-_EVENT_COLUMNS = "id, node, ts_s, kind, job, gpu, rank, step, code, message, data"
-_EVENT_KINDS = frozenset(k.value for k in EventKind)
-
 
 class NotFound(FleetHealthError, LookupError):
     """The node, job or recommendation asked for is not in the store."""
-
-
-def _json(text: str) -> Any:
-    if not text:
-        return {}
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return {"unparsed": text}
 
 
 def _finite(value: Any) -> float | None:
@@ -81,18 +69,12 @@ def _epoch(value: Any) -> float | None:
 
 
 # ---------------------------------------------------------------- existence
-def node_exists(store: Any, node: str) -> bool:
-    sql = " UNION ALL ".join(
-        f"SELECT 1 FROM (SELECT node FROM {t} WHERE node = {{node:String}} LIMIT 1)"
-        for t in ("gpu_samples", "events", "findings", "recommendations", "quarantine", "rank_steps"))
-    return bool(store.query(sql, {"node": node}).rows)
+def node_exists(store: StoreLike, node: str) -> bool:
+    return store.node_exists(node)
 
 
-def job_exists(store: Any, job: str) -> bool:
-    sql = " UNION ALL ".join(
-        f"SELECT 1 FROM (SELECT job FROM {t} WHERE job = {{job:String}} LIMIT 1)"
-        for t in ("rank_steps", "events", "findings", "recommendations"))
-    return bool(store.query(sql, {"job": job}).rows)
+def job_exists(store: StoreLike, job: str) -> bool:
+    return store.job_exists(job)
 
 
 # ---------------------------------------------------------------- recommendations
@@ -100,41 +82,29 @@ def _rec_row(row: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": row["id"], "action": row["action"], "node": row["node"], "job": row["job"] or None,
             "reason": row["reason"], "guard": row["guard"], "ts": float(row["ts_s"]),
             "finding_id": row["finding_id"] or None, "dry_run": bool(row["dry_run"]),
-            "evidence": _json(row["evidence"]), "acked_at": _epoch(row["acked_at"]),
+            "evidence": loads_lenient(row["evidence"]), "acked_at": _epoch(row["acked_at"]),
             "acked_by": row["acked_by"] or None}
 
 
-def recommendations(store: Any, *, since: float | None = None, node: str | None = None, job: str | None = None,
+def recommendations(store: StoreLike, *, since: float | None = None, node: str | None = None, job: str | None = None,
                     action: str | None = None, guard: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
     """Recommendations, newest first, filtered by event time, node, job, action and guard."""
-    where, params = ["1"], {"limit": int(limit)}
-    for name, value, cond in (("since", since, "ts_s >= {since:Float64}"), ("node", node, "node = {node:String}"),
-                              ("job", job, "job = {job:String}"), ("action", action, "action = {action:String}"),
-                              ("guard", guard, "guard = {guard:String}")):
-        if value is not None:
-            where.append(cond)
-            params[name] = value
-    res = store.query(f"SELECT {', '.join(_REC_COLUMNS)} FROM recommendations FINAL WHERE {' AND '.join(where)} "
-                      "ORDER BY ts_s DESC, id LIMIT {limit:UInt32}", params)
-    return [_rec_row(r) for r in res.dicts()]
+    rows = store.recommendation_rows(since=since, node=node, job=job, action=action, guard=guard, limit=limit)
+    return [_rec_row(r) for r in rows]
 
 
-def _rec_raw(store: Any, rec_id: str) -> dict[str, Any]:
-    cols = ("id", "action", "node", "job", "reason", "guard", "ts", "ts_s", "finding_id", "dry_run", "evidence",
-            "acked_at", "acked_by")
-    res = store.query(f"SELECT {', '.join(cols)} FROM recommendations FINAL WHERE id = {{id:String}} "
-                      "ORDER BY ts_s DESC LIMIT 1", {"id": rec_id})
-    rows = res.dicts()
-    if not rows:
+def _rec_raw(store: StoreLike, rec_id: str) -> dict[str, Any]:
+    row = store.recommendation_row(rec_id)
+    if row is None:
         raise NotFound(f"no recommendation with id {rec_id!r}")
-    return rows[0]
+    return row
 
 
-def recommendation(store: Any, rec_id: str) -> dict[str, Any]:
+def recommendation(store: StoreLike, rec_id: str) -> dict[str, Any]:
     return _rec_row(_rec_raw(store, rec_id))
 
 
-def ack(store: Any, rec_id: str, by: str, now: float) -> tuple[dict[str, Any], bool]:
+def ack(store: StoreLike, rec_id: str, by: str, now: float) -> tuple[dict[str, Any], bool]:
     """Acknowledge a recommendation; return it and whether this call acknowledged it.
 
     The row is written again with ``acked_at`` / ``acked_by`` set (the table keeps the last
@@ -144,20 +114,16 @@ def ack(store: Any, rec_id: str, by: str, now: float) -> tuple[dict[str, Any], b
     if row["acked_at"] is not None:
         return _rec_row(row), False
     stamped = {**row, "ts": float(row["ts_s"]), "acked_at": float(now), "acked_by": by}
-    store.insert("recommendations", {k: [v] for k, v in stamped.items()})
+    store.write_recommendation_row(stamped)
     return _rec_row(stamped), True
 
 
 # ---------------------------------------------------------------- nodes
-def nodes(store: Any, *, limit: int = 1000) -> list[dict[str, Any]]:
+def nodes(store: StoreLike, *, limit: int = 1000) -> list[dict[str, Any]]:
     """Every node the store has heard of, with its latest telemetry and what is open against it."""
-    latest = store.query(
-        f"SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, max(temp_c) AS max_temp_c "
-        f"FROM (SELECT node, gpu, any(rack) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
-        "FROM gpu_samples GROUP BY node, gpu) GROUP BY node").dicts()
-    findings = dict(store.query("SELECT node, count() FROM findings FINAL GROUP BY node").rows)
-    recs = dict(store.query("SELECT node, countIf(acked_at IS NULL) FROM recommendations FINAL "
-                            "GROUP BY node").rows)
+    latest = store.node_summaries()
+    findings = store.finding_counts_by_node()
+    recs = store.open_recommendations_by_node()
     held = {q.node for q in qb.quarantined(store)}
     out: dict[str, dict[str, Any]] = {}
     for row in latest:
@@ -172,37 +138,16 @@ def nodes(store: Any, *, limit: int = 1000) -> list[dict[str, Any]]:
     return [out[name] for name in sorted(out)][:limit]
 
 
-def _events(store: Any, where: str, params: Mapping[str, Any], limit: int) -> list[Event]:
-    res = store.query(f"SELECT {_EVENT_COLUMNS} FROM events FINAL WHERE {where} ORDER BY ts_s DESC, id "
-                      f"LIMIT {int(limit)}", params)
-    out = []
-    for r in res.dicts():
-        if r["kind"] not in _EVENT_KINDS:
-            continue  # written by a newer version: not this build's to show
-        out.append(Event(node=r["node"], ts=float(r["ts_s"]), kind=EventKind(r["kind"]), job=r["job"] or None,
-                         gpu=r["gpu"], rank=r["rank"], step=r["step"], code=r["code"], message=r["message"],
-                         data=_json(r["data"])))
-    return out
-
-
 def _event_obj(ev: Event) -> dict[str, Any]:
     return {"id": ev.id, **{k: v for k, v in ev.to_obj().items() if k != "v"}}
 
 
-def node_detail(store: Any, node: str, *, limit: int = 50) -> dict[str, Any]:
+def node_detail(store: StoreLike, node: str, *, limit: int = 50) -> dict[str, Any]:
     """One node: latest sample of each GPU, recent findings, recommendations, events, quarantine."""
     if not node_exists(store, node):
         raise NotFound(f"unknown node {node!r}")
-    gpus = store.query(
-        f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c, "
-        "argMax(power_w, ts) AS power_w, argMax(sm_clock_mhz, ts) AS sm_clock_mhz, "
-        "argMax(util_pct, ts) AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
-        "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, argMax(nvlink_links_up, ts) AS nvlink_links_up "
-        "FROM gpu_samples WHERE node = {node:String} GROUP BY gpu ORDER BY gpu", {"node": node}).dicts()
-    findings = store.query(
-        "SELECT id, kind, detector, job, gpu, rank, step, ts_s, diagnosis, z, slowdown, probability, evidence "
-        "FROM findings FINAL WHERE node = {node:String} ORDER BY ts_s DESC, id LIMIT {limit:UInt32}",
-        {"node": node, "limit": limit}).dicts()
+    gpus = store.node_gpu_latest(node)
+    findings = store.node_finding_rows(node, limit=limit)
     record = qb.record(store, node)
     return {
         "node": node,
@@ -212,9 +157,9 @@ def node_detail(store: Any, node: str, *, limit: int = 50) -> dict[str, Any]:
         "findings": [{**{k: v for k, v in f.items() if k not in ("ts_s", "evidence", "job")},
                       "job": f["job"] or None, "ts": float(f["ts_s"]), "z": _finite(f["z"]),
                       "slowdown": _finite(f["slowdown"]), "probability": _finite(f["probability"]),
-                      "evidence": _json(f["evidence"])} for f in findings],
+                      "evidence": loads_lenient(f["evidence"])} for f in findings],
         "recommendations": recommendations(store, node=node, limit=limit),
-        "events": [_event_obj(e) for e in _events(store, "node = {node:String}", {"node": node}, limit)],
+        "events": [_event_obj(e) for e in store.recent_events(node=node, limit=limit)],
         "quarantine": None if record is None else record.to_obj(),
         "quarantine_history": [{"ts": h.ts, "action": h.action, "detail": h.detail}
                                for h in qb.history(store, node)][-limit:],
@@ -222,25 +167,19 @@ def node_detail(store: Any, node: str, *, limit: int = 50) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- runs
-def _step_times(store: Any, job: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _step_times(store: StoreLike, job: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(steps, step_s, end_ts) of the run's most recent :data:`MAX_STEPS` steps, oldest first."""
-    res = store.query(
-        f"SELECT step, max(compute_s) AS step_s, max({_TS}) AS end_ts FROM rank_steps WHERE job = {{job:String}} "
-        "GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}", {"job": job, "limit": MAX_STEPS})
-    rows = res.rows[::-1]
+    rows = store.job_step_times(job, limit=MAX_STEPS)
     if not rows:
         return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
     arr = np.asarray(rows, dtype=np.float64)
     return arr[:, 0].astype(np.int64), arr[:, 1], arr[:, 2]
 
 
-def _slowest_rank(store: Any, job: str, last_step: int, window: int) -> dict[str, Any] | None:
+def _slowest_rank(store: StoreLike, job: str, last_step: int, window: int) -> dict[str, Any] | None:
     """The rank with the highest median compute time over the last ``window`` steps, and its ratio
     to the median rank (medians, so a checkpoint stall shared by all ranks does not dilute it)."""
-    rows = store.query(
-        "SELECT rank, any(node) AS node, any(gpu) AS gpu, quantileExact(0.5)(compute_s) AS mean_s FROM rank_steps "
-        "WHERE job = {job:String} AND step > {lo:Int64} GROUP BY rank ORDER BY mean_s DESC",
-        {"job": job, "lo": last_step - window}).dicts()
+    rows = store.rank_median_compute(job, after_step=last_step - window)
     if not rows:
         return None
     median = float(np.median([r["mean_s"] for r in rows]))
@@ -250,11 +189,11 @@ def _slowest_rank(store: Any, job: str, last_step: int, window: int) -> dict[str
             if median > 0 else None, "window_steps": window}
 
 
-def run_events(store: Any, job: str, kind: EventKind, limit: int = 10_000) -> list[Event]:
-    return _events(store, "job = {job:String} AND kind = {kind:String}", {"job": job, "kind": kind.value}, limit)
+def run_events(store: StoreLike, job: str, kind: EventKind, limit: int = 10_000) -> list[Event]:
+    return store.recent_events(job=job, kind=kind.value, limit=limit)
 
 
-def _timeline(store: Any, job: str, step_s: np.ndarray, end_ts: np.ndarray) -> Timeline:
+def _timeline(store: StoreLike, job: str, step_s: np.ndarray, end_ts: np.ndarray) -> Timeline:
     events = run_events(store, job, EventKind.INTERRUPTION)
     times = [*end_ts.tolist(), *(e.ts for e in events)]
     start = min(times)
@@ -263,7 +202,7 @@ def _timeline(store: Any, job: str, step_s: np.ndarray, end_ts: np.ndarray) -> T
     return timeline(job, events, start - (float(step_s[0]) if step_s.size else 0.0), end, ideal_step_s=ideal)
 
 
-def run_timeline(store: Any, job: str) -> dict[str, Any]:
+def run_timeline(store: StoreLike, job: str) -> dict[str, Any]:
     """Every interruption of the run with cause, node, detector, lost steps and the MTTR phases."""
     if not job_exists(store, job):
         raise NotFound(f"unknown job {job!r}")
@@ -275,18 +214,16 @@ def run_timeline(store: Any, job: str) -> dict[str, Any]:
     return _timeline(store, job, step_s, end_ts).to_obj()
 
 
-def _sdc_summary(store: Any, job: str) -> dict[str, Any]:
+def _sdc_summary(store: StoreLike, job: str) -> dict[str, Any]:
     checks = run_events(store, job, EventKind.SDC_CHECK, limit=1)
-    counts = store.query(
-        "SELECT count() AS n, countIf(JSONExtractBool(data, 'passed') = 0) AS failed FROM events FINAL "
-        "WHERE job = {job:String} AND kind = 'sdc_check'", {"job": job}).dicts()[0]
+    count, failed = store.sdc_check_counts(job)
     last = checks[0] if checks else None
     status = "none" if last is None else ("pass" if last.data.get("passed") else "fail")
-    return {"last": None if last is None else _event_obj(last), "status": status, "count": int(counts["n"]),
-            "failed": int(counts["failed"])}
+    return {"last": None if last is None else _event_obj(last), "status": status, "count": count,
+            "failed": failed}
 
 
-def run_health(store: Any, job: str, *, slow_window: int = 100) -> dict[str, Any]:
+def run_health(store: StoreLike, job: str, *, slow_window: int = 100) -> dict[str, Any]:
     """Step time p50/max, slowest rank, goodput, interruptions, quarantined nodes, last SDC check."""
     if not job_exists(store, job):
         raise NotFound(f"unknown job {job!r}")
@@ -302,8 +239,7 @@ def run_health(store: Any, job: str, *, slow_window: int = 100) -> dict[str, Any
                    goodput=goodput(step_s, overhead=tl.overhead).to_obj(), ettr=tl.ettr)
     interruptions = [Interruption.from_event(e).to_obj()
                      for e in sorted(run_events(store, job, EventKind.INTERRUPTION), key=lambda e: e.ts)]
-    placed = {r[0] for r in store.query("SELECT DISTINCT node FROM rank_steps WHERE job = {job:String}",
-                                        {"job": job}).rows}
+    placed = store.job_nodes(job)
     out["interruptions"] = interruptions
     out["quarantined_nodes"] = [q.to_obj() for q in qb.quarantined(store)
                                 if job in q.runs_affected or q.node in placed]

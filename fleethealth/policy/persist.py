@@ -10,7 +10,7 @@ closes it there, and :func:`sync_breaker` carries that into a running engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -18,6 +18,9 @@ from fleethealth.errors import StoreError
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.schema import Diagnosis
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = [
     "BreakerRecord",
@@ -49,51 +52,36 @@ class BreakerRecord:
                 "reset_ts": self.reset_ts, "reset_by": self.reset_by}
 
 
-def _next_version(store: Any, table: str, key_col: str, key: str) -> int:
-    res = store.query(f"SELECT max(version) FROM {table} WHERE {key_col} = {{k:String}}", {"k": key})
-    top = res.rows[0][0] if res.rows else None
-    return int(top or 0) + 1
-
-
-def record_outcome(store: Any, outcome: EvictionOutcome) -> None:
+def record_outcome(store: StoreLike, outcome: EvictionOutcome) -> None:
     """Append one eviction outcome to the history that P(healthy) is learned from."""
-    store.insert("eviction_outcomes", {
-        "ts": [float(outcome.ts)], "node": [outcome.node], "job": [outcome.job],
-        "diagnosis": [Diagnosis(outcome.diagnosis).value], "finding_id": [outcome.finding_id],
-        "resolved": [1 if outcome.resolved else 0],
-    })
+    store.insert_eviction_outcome(ts=float(outcome.ts), node=outcome.node, job=outcome.job,
+                                  diagnosis=Diagnosis(outcome.diagnosis).value, finding_id=outcome.finding_id,
+                                  resolved=bool(outcome.resolved))
 
 
-def outcomes(store: Any) -> list[EvictionOutcome]:
+def outcomes(store: StoreLike) -> list[EvictionOutcome]:
     """The recorded eviction outcomes, oldest first."""
-    res = store.query("SELECT toFloat64(ts) AS ts, node, job, diagnosis, finding_id, resolved FROM eviction_outcomes "
-                      "ORDER BY ts, node")
     return [EvictionOutcome(ts=float(r["ts"]), node=r["node"], job=r["job"], diagnosis=Diagnosis(r["diagnosis"]),
-                            resolved=bool(r["resolved"]), finding_id=r["finding_id"]) for r in res.dicts()]
+                            resolved=bool(r["resolved"]), finding_id=r["finding_id"])
+            for r in store.eviction_outcome_rows()]
 
 
-def breaker_record(store: Any) -> BreakerRecord | None:
+def breaker_record(store: StoreLike) -> BreakerRecord | None:
     """The fleet breaker as stored, or None when it has never tripped."""
-    res = store.query("SELECT open, toFloat64(tripped_ts) AS tripped_ts, reason, toFloat64(reset_ts) AS reset_ts, "
-                      "reset_by, version FROM breaker FINAL "
-                      "WHERE name = {n:String}", {"n": _BREAKER})
-    rows = res.dicts()
-    if not rows:
+    r = store.breaker_row(_BREAKER)
+    if r is None:
         return None
-    r = rows[0]
     return BreakerRecord(open=bool(r["open"]), tripped_ts=r["tripped_ts"], reason=r["reason"],
                          reset_ts=r["reset_ts"], reset_by=r["reset_by"], version=int(r["version"]))
 
 
-def _write_breaker(store: Any, *, open_: bool, tripped_ts: float | None, reason: str,
+def _write_breaker(store: StoreLike, *, open_: bool, tripped_ts: float | None, reason: str,
                    reset_ts: float | None, reset_by: str) -> None:
-    store.insert("breaker", {
-        "name": [_BREAKER], "open": [1 if open_ else 0], "tripped_ts": [tripped_ts], "reason": [reason],
-        "reset_ts": [reset_ts], "reset_by": [reset_by], "version": [_next_version(store, "breaker", "name", _BREAKER)],
-    })
+    store.write_breaker(_BREAKER, open_=open_, tripped_ts=tripped_ts, reason=reason, reset_ts=reset_ts,
+                        reset_by=reset_by)
 
 
-def reset_breaker(store: Any, ts: float, by: str) -> BreakerRecord:
+def reset_breaker(store: StoreLike, ts: float, by: str) -> BreakerRecord:
     """An explicit human reset of the fleet breaker at event time ``ts``, recorded with who did it."""
     old = breaker_record(store)
     _write_breaker(store, open_=False, tripped_ts=old.tripped_ts if old else None,
@@ -104,7 +92,7 @@ def reset_breaker(store: Any, ts: float, by: str) -> BreakerRecord:
     return rec
 
 
-def sync_breaker(store: Any, engine: PolicyEngine) -> None:
+def sync_breaker(store: StoreLike, engine: PolicyEngine) -> None:
     """Reconcile the engine's breaker with the stored one (the store wins for a later reset)."""
     rec = breaker_record(store)
     b = engine.breaker_
@@ -119,21 +107,18 @@ def sync_breaker(store: Any, engine: PolicyEngine) -> None:
         b.trip(rec.tripped_ts or 0.0, rec.reason)
 
 
-def save_engine(store: Any, engine: PolicyEngine, ts: float, *, key: str = "engine") -> None:
+def save_engine(store: StoreLike, engine: PolicyEngine, ts: float, *, key: str = "engine") -> None:
     """Write the engine's state (and a newly tripped breaker) to the store."""
     sync_breaker(store, engine)
-    store.insert("policy_state", {
-        "key": [key], "ts": [float(ts)], "state": [orjson.dumps(engine.to_state()).decode()],
-        "version": [_next_version(store, "policy_state", "key", key)],
-    })
+    store.write_policy_state(key, float(ts), orjson.dumps(engine.to_state()).decode())
 
 
-def load_engine(store: Any, *, key: str = "engine", **params: Any) -> PolicyEngine:
+def load_engine(store: StoreLike, *, key: str = "engine", **params: Any) -> PolicyEngine:
     """A :class:`PolicyEngine` with ``params``, its saved state, the eviction history and the breaker."""
     engine = PolicyEngine(**params)
-    res = store.query("SELECT state FROM policy_state FINAL WHERE key = {k:String}", {"k": key})
-    if res.rows:
-        engine.load_state(orjson.loads(res.rows[0][0]))
+    state = store.policy_state(key)
+    if state is not None:
+        engine.load_state(orjson.loads(state))
     engine.posterior_.load_state({})
     engine.posterior_.record_all(outcomes(store))
     sync_breaker(store, engine)

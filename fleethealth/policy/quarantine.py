@@ -7,7 +7,8 @@ written to ``quarantine_log`` with the reason, so an operator can see why a node
 
 Table ``quarantine`` (migration ``003_policy.sql``) is a ReplacingMergeTree keyed by node; each
 change writes the whole row again with a higher ``version`` and reads use ``FINAL``.
-:func:`check_release` is the pure rule; the other functions do the store I/O.
+:func:`check_release` is the pure rule; the other functions do the store I/O through the store's
+named queries (:mod:`fleethealth.store.queries`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from fleethealth.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = [
     "QuarantineRecord",
@@ -43,11 +47,6 @@ SUITE_RECORD = "suite"
 """The ``test`` field of the one self-test record that stands for a whole suite run (it lists the
 devices tested and every ``[test, device]`` result it covers); a single test's record never
 releases a node."""
-
-_COLUMNS = ("node", "quarantined", "reason", "since", "finding_id", "runs_affected", "released_ts",
-            "release_evidence", "updated_ts", "version")
-_TIMES = {"since", "released_ts", "updated_ts"}
-_SELECT = ", ".join(f"toFloat64({c}) AS {c}" if c in _TIMES else c for c in _COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -159,28 +158,9 @@ def check_release(node: str, since: float, evidence: Mapping[str, Any]) -> str |
 
 
 # ---------------------------------------------------------------- store I/O
-def _row(store: Any, node: str) -> dict[str, Any] | None:
-    res = store.query(f"SELECT {_SELECT} FROM quarantine FINAL WHERE node = {{node:String}}",
-                      {"node": node})
-    rows = res.dicts()
-    return rows[0] if rows else None
-
-
 def _to_record(row: Mapping[str, Any]) -> QuarantineRecord:
     return QuarantineRecord(node=row["node"], reason=row["reason"], since=float(row["since"]),
                             runs_affected=tuple(row["runs_affected"]), finding_id=row["finding_id"])
-
-
-def _write(store: Any, row: Mapping[str, Any]) -> None:
-    store.insert("quarantine", {name: [row[name]] for name in _COLUMNS})
-
-
-def _log(store: Any, node: str, ts: float, action: str, detail: str, evidence: Mapping[str, Any]) -> None:
-    seq = store.query("SELECT count() FROM quarantine_log WHERE node = {node:String}", {"node": node}).rows[0][0]
-    store.insert("quarantine_log", {
-        "node": [node], "ts": [float(ts)], "action": [action], "detail": [detail],
-        "evidence": [orjson.dumps(dict(evidence), default=str).decode()], "seq": [int(seq) + 1],
-    })
 
 
 def _check_node(node: str) -> None:
@@ -198,7 +178,7 @@ def _merge_runs(old: Iterable[str], new: Iterable[str]) -> list[str]:
     return out
 
 
-def quarantine(store: Any, node: str, reason: str, ts: float, finding_id: str | None = None,
+def quarantine(store: StoreLike, node: str, reason: str, ts: float, finding_id: str | None = None,
                runs: Iterable[str] = ()) -> QuarantineRecord:
     """Put ``node`` in quarantine at event time ``ts``; idempotent.
 
@@ -210,7 +190,7 @@ def quarantine(store: Any, node: str, reason: str, ts: float, finding_id: str | 
         raise ConfigError("a quarantine needs a reason")
     ts = float(ts)
     runs = tuple(runs)
-    old = _row(store, node)
+    old = store.quarantine_row(node)
     if old is not None and old["quarantined"]:
         row = {**old, "runs_affected": _merge_runs(old["runs_affected"], runs), "updated_ts": ts,
                "version": old["version"] + 1}
@@ -221,70 +201,66 @@ def quarantine(store: Any, node: str, reason: str, ts: float, finding_id: str | 
                "runs_affected": _merge_runs(prior, runs), "released_ts": None, "release_evidence": "",
                "updated_ts": ts, "version": (old["version"] + 1) if old is not None else 1}
         detail = reason
-    _write(store, row)
-    _log(store, node, ts, "quarantine", detail, {"finding_id": finding_id, "runs": list(runs)})
+    store.write_quarantine_row(row)
+    store.append_quarantine_log(node, ts, "quarantine", detail, {"finding_id": finding_id, "runs": list(runs)})
     return _to_record(row)
 
 
-def add_run(store: Any, node: str, job: str, ts: float | None = None) -> QuarantineRecord:
+def add_run(store: StoreLike, node: str, job: str, ts: float | None = None) -> QuarantineRecord:
     """Record that ``node`` interrupted run ``job``; raises :class:`ConfigError` for a node the book
     has never held. Repeats of the same job are not counted twice."""
     _check_node(node)
-    old = _row(store, node)
+    old = store.quarantine_row(node)
     if old is None:
         raise ConfigError(f"unknown node {node!r}: it has no quarantine record")
     runs = _merge_runs(old["runs_affected"], [job])
     when = float(ts) if ts is not None else float(old["updated_ts"])
     if runs != list(old["runs_affected"]):
         row = {**old, "runs_affected": runs, "updated_ts": when, "version": old["version"] + 1}
-        _write(store, row)
-        _log(store, node, when, "add_run", f"run {job} interrupted by {node}", {"job": job})
+        store.write_quarantine_row(row)
+        store.append_quarantine_log(node, when, "add_run", f"run {job} interrupted by {node}", {"job": job})
         return _to_record(row)
     return _to_record(old)
 
 
-def release(store: Any, node: str, ts: float, evidence: dict[str, Any]) -> bool:
+def release(store: StoreLike, node: str, ts: float, evidence: dict[str, Any]) -> bool:
     """Return ``node`` to the pool; ``True`` only with a passing full self-test (:func:`check_release`).
 
     Every refusal (unknown node, not quarantined, weak evidence) is logged with why and returns False.
     """
     _check_node(node)
     ts = float(ts)
-    old = _row(store, node)
+    old = store.quarantine_row(node)
     if old is None or not old["quarantined"]:
         why = "node is not quarantined" if old is not None else f"unknown node {node!r}"
-        _log(store, node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
+        store.append_quarantine_log(node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
         return False
     why = check_release(node, float(old["since"]), evidence)
     if why is not None:
-        _log(store, node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
+        store.append_quarantine_log(node, ts, "release_refused", why, evidence if isinstance(evidence, Mapping) else {})
         return False
     row = {**old, "quarantined": 0, "released_ts": ts, "updated_ts": ts, "version": old["version"] + 1,
            "release_evidence": orjson.dumps(dict(evidence), default=str).decode()}
-    _write(store, row)
-    _log(store, node, ts, "release", "passing full self-test", evidence)
+    store.write_quarantine_row(row)
+    store.append_quarantine_log(node, ts, "release", "passing full self-test", evidence)
     return True
 
 
-def quarantined(store: Any) -> list[QuarantineRecord]:
+def quarantined(store: StoreLike) -> list[QuarantineRecord]:
     """Every node now in quarantine, oldest first."""
-    res = store.query(f"SELECT {_SELECT} FROM quarantine FINAL WHERE quarantined = 1 "
-                      "ORDER BY since, node")
-    return [_to_record(row) for row in res.dicts()]
+    return [_to_record(row) for row in store.quarantined_rows()]
 
 
-def record(store: Any, node: str) -> QuarantineRecord | None:
+def record(store: StoreLike, node: str) -> QuarantineRecord | None:
     """The node's current quarantine record, or ``None`` when it is not in quarantine."""
     _check_node(node)
-    row = _row(store, node)
+    row = store.quarantine_row(node)
     return _to_record(row) if row is not None and row["quarantined"] else None
 
 
-def history(store: Any, node: str) -> list[QuarantineLogEntry]:
+def history(store: StoreLike, node: str) -> list[QuarantineLogEntry]:
     """The node's quarantine log (quarantines, runs added, releases and refused releases), in order."""
     _check_node(node)
-    res = store.query("SELECT node, toFloat64(ts) AS ts, action, detail, evidence FROM quarantine_log "
-                      "WHERE node = {node:String} ORDER BY seq", {"node": node})
     return [QuarantineLogEntry(node=r["node"], ts=float(r["ts"]), action=r["action"], detail=r["detail"],
                                evidence=orjson.loads(r["evidence"]) if r["evidence"] else {})
-            for r in res.dicts()]
+            for r in store.quarantine_log_rows(node)]

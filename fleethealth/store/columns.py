@@ -1,0 +1,186 @@
+"""Between the schema dataclasses and ClickHouse columns, both ways.
+
+Writers build one dict of columns (name -> NumPy array or list, all of one length) per batch of
+messages, concatenated over messages, so a batch is one columnar insert; :func:`prepare` fits a
+column to its ClickHouse type at insert time (times in epoch seconds become millisecond ticks).
+Readers regroup sorted result columns into messages with :func:`segments` and decode the JSON
+column of a row with :func:`row_object`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from fleethealth import schema
+from fleethealth.errors import StoreError
+from fleethealth.schema import GPU_FIELDS, Event, Finding, Recommendation, StepBatch, Telemetry
+
+__all__ = [
+    "telemetry_columns",
+    "step_columns",
+    "event_columns",
+    "finding_columns",
+    "recommendation_columns",
+    "prepare",
+    "segments",
+    "row_object",
+    "loads_lenient",
+    "dumps",
+]
+
+
+# ---------------------------------------------------------------- insert builders
+def telemetry_columns(samples: Sequence[Telemetry]) -> dict[str, Any]:
+    """``gpu_samples`` columns: one row per GPU of each sample."""
+    counts = np.fromiter((s.gpu.size for s in samples), dtype=np.int64, count=len(samples))
+    cols: dict[str, Any] = {
+        "node": np.repeat(np.array([s.node for s in samples], dtype=object), counts),
+        "rack": np.repeat(np.array([s.rack for s in samples], dtype=object), counts),
+        "gpu": np.concatenate([s.gpu for s in samples]).astype(np.uint16),
+        "ts": np.repeat(np.fromiter((s.ts for s in samples), dtype=np.float64, count=len(samples)), counts),
+        "model": np.repeat(np.array([s.model for s in samples], dtype=object), counts),
+        "uuid": np.concatenate([np.asarray(s.uuid if len(s.uuid) == s.gpu.size else ("",) * s.gpu.size,
+                                           dtype=object) for s in samples]),
+        "nic_util": np.repeat(np.fromiter((s.nic_util for s in samples), dtype=np.float64,
+                                          count=len(samples)), counts),
+    }
+    for name in GPU_FIELDS:
+        cols[name] = np.concatenate([s.columns[name] for s in samples]).astype(np.float64)
+    return cols
+
+
+def step_columns(batches: Sequence[StepBatch]) -> dict[str, Any]:
+    """``rank_steps`` columns: one row per rank of each batch (``rank_group`` -1 where none)."""
+    n = len(batches)
+    counts = np.fromiter((b.ranks.size for b in batches), dtype=np.int64, count=n)
+    total = int(counts.sum())
+    if any(b.groups is not None for b in batches):
+        groups = np.concatenate([b.groups if b.groups is not None else np.full(b.ranks.size, -1, dtype=np.int32)
+                                 for b in batches])
+    else:
+        groups = np.full(total, -1, dtype=np.int32)
+    return {
+        "job": np.repeat(np.array([b.job for b in batches], dtype=object), counts),
+        "step": np.repeat(np.fromiter((b.step for b in batches), dtype=np.uint64, count=n), counts),
+        "rank": np.concatenate([b.ranks for b in batches]).astype(np.uint32),
+        "node": np.repeat(np.array([b.node for b in batches], dtype=object), counts),
+        "gpu": np.concatenate([b.gpus for b in batches]).astype(np.uint16),
+        "ts": np.repeat(np.fromiter((b.ts for b in batches), dtype=np.float64, count=n), counts),
+        "compute_s": np.concatenate([b.compute_s for b in batches]).astype(np.float64),
+        "rank_group": groups.astype(np.int32, copy=False),
+    }
+
+
+def event_columns(events: Sequence[Event]) -> dict[str, Any]:
+    """``events`` columns."""
+    return {
+        "id": [e.id for e in events], "node": [e.node for e in events], "ts": [e.ts for e in events],
+        "ts_s": [e.ts for e in events], "kind": [e.kind.value for e in events],
+        "job": [_opt(e.job, "") for e in events], "gpu": [e.gpu for e in events],
+        "rank": [e.rank for e in events], "step": [e.step for e in events],
+        "code": [e.code for e in events], "message": [e.message for e in events],
+        "data": [dumps(e.data) for e in events],
+    }
+
+
+def finding_columns(findings: Sequence[Finding]) -> dict[str, Any]:
+    """``findings`` columns."""
+    return {
+        "id": [f.id for f in findings], "kind": [f.kind.value for f in findings],
+        "detector": [f.detector for f in findings], "job": [_opt(f.job, "") for f in findings],
+        "node": [f.node for f in findings], "gpu": [f.gpu for f in findings],
+        "rank": [f.rank for f in findings], "step": [f.step for f in findings],
+        "ts": [f.ts for f in findings], "ts_s": [f.ts for f in findings],
+        "diagnosis": [None if f.diagnosis is None else f.diagnosis.value for f in findings],
+        "z": [f.z for f in findings], "slowdown": [f.slowdown for f in findings],
+        "probability": [f.probability for f in findings], "evidence": [dumps(f.evidence) for f in findings],
+    }
+
+
+def recommendation_columns(recs: Sequence[Recommendation]) -> dict[str, Any]:
+    """``recommendations`` columns (not acknowledged)."""
+    return {
+        "id": [r.id for r in recs], "action": [r.action.value for r in recs], "node": [r.node for r in recs],
+        "job": [_opt(r.job, "") for r in recs], "reason": [r.reason for r in recs],
+        "guard": [r.guard.value for r in recs], "ts": [r.ts for r in recs], "ts_s": [r.ts for r in recs],
+        "finding_id": [_opt(r.finding_id, "") for r in recs], "dry_run": [r.dry_run for r in recs],
+        "evidence": [dumps(r.evidence) for r in recs], "acked_by": ["" for _ in recs],
+    }
+
+
+# ---------------------------------------------------------------- fitting a column to its type
+def _epoch_ms(values: Any, nullable: bool) -> list[Any]:
+    """Epoch seconds (floats; NaN/None = null when ``nullable``) -> integer milliseconds."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "M":
+        return arr.astype("datetime64[ms]").astype(np.int64).tolist()
+    if arr.dtype.kind == "O":
+        if not nullable:
+            return [int(round(float(v) * 1000.0)) for v in arr.tolist()]
+        return [None if v is None or (isinstance(v, float) and math.isnan(v)) else int(round(float(v) * 1000.0))
+                for v in arr.tolist()]
+    secs = arr.astype(np.float64)
+    ms = np.round(secs * 1000.0)
+    if not nullable:
+        if not np.isfinite(ms).all():
+            raise StoreError("a non-nullable DateTime64 column holds NaN or infinity")
+        return ms.astype(np.int64).tolist()
+    out = ms.astype(object)
+    out[~np.isfinite(ms)] = None
+    return [None if v is None else int(v) for v in out.tolist()]
+
+
+def prepare(ch_type: str, column: Any) -> Any:
+    """Fit one column to its ClickHouse type: times in seconds to ticks, text arrays to lists."""
+    base = ch_type.removeprefix("LowCardinality(").removeprefix("Nullable(")
+    nullable = "Nullable(" in ch_type
+    if base.startswith("DateTime64"):
+        return _epoch_ms(column, nullable)
+    if isinstance(column, np.ndarray):
+        if column.dtype.kind in "USO" or base.startswith(("String", "Bool")) or nullable:
+            return column.tolist()
+        return column
+    return column
+
+
+def dumps(obj: Any) -> str:
+    """A JSON column's text (NumPy values allowed)."""
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def _opt(value: Any, default: Any = None) -> Any:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------- reading rows back
+def segments(*keys: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of equal key tuples in sorted key columns."""
+    n = len(keys[0])
+    change = np.zeros(max(n - 1, 0), dtype=bool)
+    for key in keys:
+        change |= key[1:] != key[:-1]
+    bounds = np.concatenate([[0], np.flatnonzero(change) + 1, [n]])
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+
+
+def row_object(columns: Iterable[str], row: Sequence[Any], json_column: str) -> dict[str, Any]:
+    """One row as a message object for :func:`fleethealth.schema.decode`, its JSON column parsed."""
+    obj = dict(zip(columns, row, strict=True))
+    obj[json_column] = orjson.loads(obj[json_column] or "{}")
+    obj["v"] = schema.SCHEMA_VERSION
+    return obj
+
+
+def loads_lenient(text: str) -> Any:
+    """A JSON column's value: ``{}`` for empty text, ``{"unparsed": text}`` for text that is not JSON."""
+    if not text:
+        return {}
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return {"unparsed": text}

@@ -1,0 +1,185 @@
+"""The store's contract: :class:`StoreLike`, what every caller of the store types against.
+
+Detectors, the runner, the API, policy, sweeps and kernels take a ``StoreLike``, never a concrete
+client. It has three parts:
+
+* the small contract: ``query`` (-> :class:`QueryResult`), ``insert`` (columnar), ``command``,
+  ``migrate``, ``close``, and the context manager;
+* typed writers and readers of the core tables (schema dataclasses in, schema dataclasses out);
+* the named application queries, grouped by the tables they read (API views, policy state and
+  breaker, quarantine book, self-test baselines). Their SQL lives in :mod:`fleethealth.store.queries`
+  and nowhere else; rows come back as ``dict`` keyed by column name where a caller turns them into
+  its own records.
+
+This module imports only the standard library, :mod:`fleethealth.schema` and
+:mod:`fleethealth.errors`, so modules below the store (policy, kernels) may name it under
+``TYPE_CHECKING`` without an import pointing up a floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+from fleethealth.errors import StoreError
+
+if TYPE_CHECKING:
+    import os
+
+    from fleethealth.schema import Event, Finding, Recommendation, StepBatch, Telemetry
+
+__all__ = ["QueryResult", "StoreLike"]
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """Rows of a query: ``columns`` names them, ``rows`` holds one tuple per row."""
+
+    columns: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+
+    def column(self, name: str) -> list[Any]:
+        if not self.columns and not self.rows:
+            return []  # chDB names no columns for an empty result
+        try:
+            i = self.columns.index(name)
+        except ValueError:
+            raise StoreError(f"no column {name!r} in the result (columns: {', '.join(self.columns)})") from None
+        return [row[i] for row in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@runtime_checkable
+class StoreLike(Protocol):
+    """An open store. :class:`fleethealth.store.Store` is the implementation (chDB or a ClickHouse
+    server); every failure is a :class:`~fleethealth.errors.StoreError`."""
+
+    dsn: str
+
+    # ---------------------------------------------------------------- the small contract
+    def query(self, sql: str, parameters: Mapping[str, Any] | None = None, *,
+              readonly: bool = False) -> QueryResult:
+        """Run a SELECT; ``readonly`` makes the server refuse anything that writes."""
+        ...
+
+    def command(self, sql: str, parameters: Mapping[str, Any] | None = None) -> None:
+        """Run a statement that returns no rows (DDL, ALTER, OPTIMIZE, ...)."""
+        ...
+
+    def insert(self, table: str, columns: Mapping[str, Any], *, dedup_token: str | None = None) -> int:
+        """Insert columns (name -> NumPy array or sequence, all of one length); return the row count."""
+        ...
+
+    def migrate(self, directory: str | os.PathLike[str] | None = None) -> list[str]:
+        """Apply the migrations not yet applied; return their names."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    # ---------------------------------------------------------------- typed writers (core tables)
+    def insert_telemetry(self, samples: Sequence[Telemetry], *, dedup_token: str | None = None) -> int: ...
+
+    def insert_steps(self, batches: Sequence[StepBatch], *, dedup_token: str | None = None) -> int: ...
+
+    def insert_events(self, events: Sequence[Event], *, dedup_token: str | None = None) -> int: ...
+
+    def insert_findings(self, findings: Sequence[Finding], *, dedup_token: str | None = None) -> int: ...
+
+    def insert_recommendations(self, recs: Sequence[Recommendation], *, dedup_token: str | None = None) -> int: ...
+
+    # ---------------------------------------------------------------- typed readers (core tables)
+    def findings(self, *, kind: str | None = None, node: str | None = None, job: str | None = None,
+                 since: float | None = None, until: float | None = None,
+                 limit: int | None = None) -> list[Finding]: ...
+
+    def recommendations(self, *, node: str | None = None, job: str | None = None, action: str | None = None,
+                        since: float | None = None, until: float | None = None,
+                        limit: int | None = None) -> list[Recommendation]: ...
+
+    def events(self, kind: str | None = None, node: str | None = None, *, job: str | None = None,
+               since: float | None = None, until: float | None = None, limit: int | None = None) -> list[Event]: ...
+
+    def steps(self, job: str, *, first_step: int = 0, last_step: int | None = None,
+              node: str | None = None) -> list[StepBatch]: ...
+
+    def telemetry(self, *, node: str | None = None, since: float | None = None,
+                  until: float | None = None) -> list[Telemetry]: ...
+
+    # ---------------------------------------------------------------- named queries: nodes, runs, API views
+    def ping(self) -> None: ...
+
+    def node_exists(self, node: str) -> bool: ...
+
+    def job_exists(self, job: str) -> bool: ...
+
+    def job_nodes(self, job: str) -> set[str]: ...
+
+    def rank_step_count(self, job: str, *, first_step: int = 0) -> int: ...
+
+    def recommendation_rows(self, *, since: float | None = None, node: str | None = None, job: str | None = None,
+                            action: str | None = None, guard: str | None = None,
+                            limit: int = 100) -> list[dict[str, Any]]: ...
+
+    def recommendation_row(self, rec_id: str) -> dict[str, Any] | None: ...
+
+    def write_recommendation_row(self, row: Mapping[str, Any]) -> None: ...
+
+    def node_summaries(self) -> list[dict[str, Any]]: ...
+
+    def finding_counts_by_node(self) -> dict[str, int]: ...
+
+    def open_recommendations_by_node(self) -> dict[str, int]: ...
+
+    def recent_events(self, *, node: str | None = None, job: str | None = None, kind: str | None = None,
+                      limit: int = 10_000) -> list[Event]: ...
+
+    def node_gpu_latest(self, node: str) -> list[dict[str, Any]]: ...
+
+    def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]: ...
+
+    def job_step_times(self, job: str, *, limit: int) -> list[tuple[Any, ...]]: ...
+
+    def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]: ...
+
+    def sdc_check_counts(self, job: str) -> tuple[int, int]: ...
+
+    # ---------------------------------------------------------------- named queries: policy state, outcomes, breaker
+    def policy_state(self, key: str) -> str | None: ...
+
+    def write_policy_state(self, key: str, ts: float, state: str) -> None: ...
+
+    def insert_eviction_outcome(self, *, ts: float, node: str, job: str, diagnosis: str, finding_id: str,
+                                resolved: bool) -> None: ...
+
+    def eviction_outcome_rows(self) -> list[dict[str, Any]]: ...
+
+    def breaker_row(self, name: str) -> dict[str, Any] | None: ...
+
+    def write_breaker(self, name: str, *, open_: bool, tripped_ts: float | None, reason: str,
+                      reset_ts: float | None, reset_by: str) -> None: ...
+
+    # ---------------------------------------------------------------- named queries: quarantine book
+    def quarantine_row(self, node: str) -> dict[str, Any] | None: ...
+
+    def quarantined_rows(self) -> list[dict[str, Any]]: ...
+
+    def write_quarantine_row(self, row: Mapping[str, Any]) -> None: ...
+
+    def append_quarantine_log(self, node: str, ts: float, action: str, detail: str,
+                              evidence: Mapping[str, Any]) -> None: ...
+
+    def quarantine_log_rows(self, node: str) -> list[dict[str, Any]]: ...
+
+    # ---------------------------------------------------------------- named queries: self-test baselines
+    def selftest_throughput_medians(self, *, since: float | None = None) -> list[tuple[str, str, str, float, int]]:
+        ...

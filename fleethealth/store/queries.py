@@ -1,0 +1,435 @@
+"""Every named application query of fleethealth, and only here.
+
+:class:`NamedQueries` holds them as methods over the small contract (``query`` / ``insert``); the
+store class mixes it in, so a caller holding a :class:`~fleethealth.store.protocol.StoreLike` calls
+``store.quarantine_row(node)`` and never writes SQL. The sections follow the tables they read:
+
+* core tables: typed writers and readers (``FINAL``: one row per natural key even before a merge);
+* nodes, runs and the API's views (``gpu_samples``, ``rank_steps``, ``events``, ``findings``,
+  ``recommendations``);
+* policy state, eviction outcomes and the fleet breaker (``policy_state``, ``eviction_outcomes``,
+  ``breaker``): rows are versioned, a write takes the next version of its key;
+* the quarantine book (``quarantine``, ``quarantine_log``);
+* self-test baselines (``selftest`` events).
+
+The only other SQL is the analyst's own, through :mod:`fleethealth.api.sqlgate` (and
+``fleethealth query``), and the migrations in ``deploy/clickhouse/``. Times are event time in
+epoch seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+
+from fleethealth import schema
+from fleethealth.errors import ConfigError
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, Finding, Recommendation, StepBatch, Telemetry
+from fleethealth.store.columns import (
+    event_columns,
+    finding_columns,
+    loads_lenient,
+    recommendation_columns,
+    row_object,
+    segments,
+    step_columns,
+    telemetry_columns,
+)
+
+if TYPE_CHECKING:
+    from fleethealth.store.protocol import QueryResult
+
+__all__ = ["NamedQueries", "QUARANTINE_COLUMNS"]
+
+_TS = "toFloat64(toUnixTimestamp64Milli(ts)) / 1000"
+"""A DateTime64 ``ts`` as exact epoch seconds."""
+
+_REC_COLUMNS = ("id", "action", "node", "job", "reason", "guard", "ts_s", "finding_id", "dry_run", "evidence",
+                "acked_at", "acked_by")
+_EVENT_COLUMNS = "id, node, ts_s, kind, job, gpu, rank, step, code, message, data"
+_EVENT_KINDS = frozenset(k.value for k in EventKind)
+
+QUARANTINE_COLUMNS = ("node", "quarantined", "reason", "since", "finding_id", "runs_affected", "released_ts",
+                      "release_evidence", "updated_ts", "version")
+"""The columns of one ``quarantine`` row (the whole row is written again on each change)."""
+_QUARANTINE_TIMES = {"since", "released_ts", "updated_ts"}
+_QUARANTINE_SELECT = ", ".join(f"toFloat64({c}) AS {c}" if c in _QUARANTINE_TIMES else c
+                               for c in QUARANTINE_COLUMNS)
+
+
+class NamedQueries:
+    """The named queries, as methods of a store that has ``query`` and ``insert``."""
+
+    if TYPE_CHECKING:
+        def query(self, sql: str, parameters: Mapping[str, Any] | None = None, *,
+                  readonly: bool = False) -> QueryResult: ...
+
+        def insert(self, table: str, columns: Mapping[str, Any], *, dedup_token: str | None = None) -> int: ...
+
+    # ================================================================ core tables: typed writers
+    # columnar: one insert per call, NumPy columns concatenated over messages
+    def insert_telemetry(self, samples: Sequence[Telemetry], *, dedup_token: str | None = None) -> int:
+        if not samples:
+            return 0
+        return self.insert("gpu_samples", telemetry_columns(samples), dedup_token=dedup_token)
+
+    def insert_steps(self, batches: Sequence[StepBatch], *, dedup_token: str | None = None) -> int:
+        if not batches:
+            return 0
+        return self.insert("rank_steps", step_columns(batches), dedup_token=dedup_token)
+
+    def insert_events(self, events: Sequence[Event], *, dedup_token: str | None = None) -> int:
+        return self.insert("events", event_columns(events), dedup_token=dedup_token)
+
+    def insert_findings(self, findings: Sequence[Finding], *, dedup_token: str | None = None) -> int:
+        return self.insert("findings", finding_columns(findings), dedup_token=dedup_token)
+
+    def insert_recommendations(self, recs: Sequence[Recommendation], *, dedup_token: str | None = None) -> int:
+        return self.insert("recommendations", recommendation_columns(recs), dedup_token=dedup_token)
+
+    # ================================================================ core tables: typed readers
+    def findings(self, *, kind: str | None = None, node: str | None = None, job: str | None = None,
+                 since: float | None = None, until: float | None = None,
+                 limit: int | None = None) -> list[Finding]:
+        """Findings ordered by event time, filtered by any of kind, node, job and ``since <= ts < until``."""
+        where, params = _filters(kind=kind, node=node, job=job, since=since, until=until)
+        res = self.query(
+            "SELECT kind, node, ts_s AS ts, nullIf(job, '') AS job, gpu, rank, step, diagnosis, z, slowdown, "
+            f"probability, detector, evidence FROM findings FINAL {where} ORDER BY ts_s, id{_limit(limit)}", params)
+        return [schema.decode(Finding, row_object(res.columns, row, "evidence")) for row in res.rows]
+
+    def recommendations(self, *, node: str | None = None, job: str | None = None, action: str | None = None,
+                        since: float | None = None, until: float | None = None,
+                        limit: int | None = None) -> list[Recommendation]:
+        """Recommendations ordered by event time, filtered by any of node, job, action and time."""
+        where, params = _filters(node=node, job=job, action=action, since=since, until=until)
+        res = self.query(
+            "SELECT action, node, ts_s AS ts, reason, guard, nullIf(job, '') AS job, "
+            "nullIf(finding_id, '') AS finding_id, dry_run, evidence "
+            f"FROM recommendations FINAL {where} ORDER BY ts_s, id{_limit(limit)}", params)
+        return [schema.decode(Recommendation, row_object(res.columns, row, "evidence")) for row in res.rows]
+
+    def events(self, kind: str | None = None, node: str | None = None, *, job: str | None = None,
+               since: float | None = None, until: float | None = None, limit: int | None = None) -> list[Event]:
+        """Events ordered by event time, filtered by any of kind, node, job and time."""
+        where, params = _filters(kind=kind, node=node, job=job, since=since, until=until)
+        res = self.query(
+            "SELECT node, ts_s AS ts, kind, nullIf(job, '') AS job, gpu, rank, step, code, message, data "
+            f"FROM events FINAL {where} ORDER BY ts_s, id{_limit(limit)}", params)
+        return [schema.decode(Event, row_object(res.columns, row, "data")) for row in res.rows]
+
+    def steps(self, job: str, *, first_step: int = 0, last_step: int | None = None,
+              node: str | None = None) -> list[StepBatch]:
+        """One :class:`StepBatch` per (step, node) of ``job``, ranks ascending, ``ts`` to the millisecond."""
+        clauses = ["job = {job:String}", "step >= {first:UInt64}"]
+        params: dict[str, Any] = {"job": job, "first": first_step}
+        if last_step is not None:
+            clauses.append("step <= {last:UInt64}")
+            params["last"] = last_step
+        if node is not None:
+            clauses.append("node = {node:String}")
+            params["node"] = node
+        res = self.query("SELECT step, node, toUnixTimestamp64Milli(ts) AS ms, rank, gpu, compute_s, rank_group "
+                         f"FROM rank_steps FINAL WHERE {' AND '.join(clauses)} ORDER BY step, node, rank", params)
+        if not res.rows:
+            return []
+        step, node_col, ms, rank, gpu, compute, group = (np.asarray(c) for c in zip(*res.rows, strict=True))
+        out = []
+        for lo, hi in segments(step, node_col):
+            groups = group[lo:hi].astype(np.int32)
+            out.append(StepBatch(job=job, step=int(step[lo]), node=str(node_col[lo]), ts=float(ms[lo]) / 1000.0,
+                                 ranks=rank[lo:hi].astype(np.int32), gpus=gpu[lo:hi].astype(np.int16),
+                                 compute_s=compute[lo:hi].astype(np.float64),
+                                 groups=None if (groups < 0).all() else groups))
+        return out
+
+    def telemetry(self, *, node: str | None = None, since: float | None = None,
+                  until: float | None = None) -> list[Telemetry]:
+        """One :class:`Telemetry` per (node, ts), ordered by node then time, GPUs ascending, ``ts`` to the
+        millisecond; ``since <= ts < until``."""
+        clauses, params = [], {}
+        if node is not None:
+            clauses.append("node = {node:String}")
+            params["node"] = node
+        if since is not None:
+            clauses.append("ts >= fromUnixTimestamp64Milli(toInt64({since_ms:Int64}))")
+            params["since_ms"] = int(round(since * 1000))
+        if until is not None:
+            clauses.append("ts < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
+            params["until_ms"] = int(round(until * 1000))
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        fields = list(GPU_FIELDS)
+        res = self.query("SELECT node, toUnixTimestamp64Milli(ts) AS ms, rack, model, nic_util, gpu, uuid, "
+                         f"{', '.join(fields)} FROM gpu_samples FINAL {where} ORDER BY node, ts, gpu", params)
+        if not res.rows:
+            return []
+        cols = [np.asarray(c) for c in zip(*res.rows, strict=True)]
+        node_col, ms, rack, model, nic, gpu, uuid = cols[:7]
+        values = cols[7:]
+        out = []
+        for lo, hi in segments(node_col, ms):
+            uuids = tuple(str(u) for u in uuid[lo:hi])
+            out.append(Telemetry(node=str(node_col[lo]), rack=str(rack[lo]), ts=float(ms[lo]) / 1000.0,
+                                 gpu=gpu[lo:hi].astype(np.int16),
+                                 columns={f: v[lo:hi].astype(np.float64) for f, v in zip(fields, values, strict=True)},
+                                 nic_util=float(nic[lo]), model=str(model[lo]),
+                                 uuid=uuids if any(uuids) else ()))
+        return out
+
+    # ================================================================ nodes, runs and the API's views
+    def ping(self) -> None:
+        """Raise :class:`~fleethealth.errors.StoreError` unless the store answers a trivial query."""
+        self.query("SELECT 1")
+
+    def node_exists(self, node: str) -> bool:
+        """Whether any table holds a row about ``node``."""
+        sql = " UNION ALL ".join(
+            f"SELECT 1 FROM (SELECT node FROM {t} WHERE node = {{node:String}} LIMIT 1)"
+            for t in ("gpu_samples", "events", "findings", "recommendations", "quarantine", "rank_steps"))
+        return bool(self.query(sql, {"node": node}).rows)
+
+    def job_exists(self, job: str) -> bool:
+        """Whether any table holds a row about ``job``."""
+        sql = " UNION ALL ".join(
+            f"SELECT 1 FROM (SELECT job FROM {t} WHERE job = {{job:String}} LIMIT 1)"
+            for t in ("rank_steps", "events", "findings", "recommendations"))
+        return bool(self.query(sql, {"job": job}).rows)
+
+    def job_nodes(self, job: str) -> set[str]:
+        """The nodes that ran a rank of ``job``."""
+        return {r[0] for r in self.query("SELECT DISTINCT node FROM rank_steps WHERE job = {job:String}",
+                                         {"job": job}).rows}
+
+    def rank_step_count(self, job: str, *, first_step: int = 0) -> int:
+        """Stored ``rank_steps`` rows of ``job`` at or after ``first_step`` (replays not collapsed)."""
+        return int(self.query("SELECT count() FROM rank_steps WHERE job = {j:String} AND step >= {first:UInt64}",
+                              {"j": job, "first": first_step}).rows[0][0])
+
+    def recommendation_rows(self, *, since: float | None = None, node: str | None = None, job: str | None = None,
+                            action: str | None = None, guard: str | None = None,
+                            limit: int = 100) -> list[dict[str, Any]]:
+        """Recommendation rows (``id``, ``action``, ..., ``ts_s``, ``acked_at``, ``acked_by``), newest first,
+        filtered by event time, node, job, action and guard."""
+        where, params = ["1"], {"limit": int(limit)}
+        for name, value, cond in (("since", since, "ts_s >= {since:Float64}"), ("node", node, "node = {node:String}"),
+                                  ("job", job, "job = {job:String}"), ("action", action, "action = {action:String}"),
+                                  ("guard", guard, "guard = {guard:String}")):
+            if value is not None:
+                where.append(cond)
+                params[name] = value
+        res = self.query(f"SELECT {', '.join(_REC_COLUMNS)} FROM recommendations FINAL WHERE {' AND '.join(where)} "
+                         "ORDER BY ts_s DESC, id LIMIT {limit:UInt32}", params)
+        return res.dicts()
+
+    def recommendation_row(self, rec_id: str) -> dict[str, Any] | None:
+        """The whole stored row of one recommendation (every column :meth:`write_recommendation_row`
+        takes back), or ``None``."""
+        cols = ("id", "action", "node", "job", "reason", "guard", "ts", "ts_s", "finding_id", "dry_run", "evidence",
+                "acked_at", "acked_by")
+        res = self.query(f"SELECT {', '.join(cols)} FROM recommendations FINAL WHERE id = {{id:String}} "
+                         "ORDER BY ts_s DESC LIMIT 1", {"id": rec_id})
+        rows = res.dicts()
+        return rows[0] if rows else None
+
+    def write_recommendation_row(self, row: Mapping[str, Any]) -> None:
+        """Write one recommendation row again (the table keeps the last version of a row); ``ts`` and
+        ``acked_at`` in epoch seconds."""
+        self.insert("recommendations", {k: [v] for k, v in row.items()})
+
+    def node_summaries(self) -> list[dict[str, Any]]:
+        """Per node with telemetry: ``rack``, ``gpus``, ``last_seen`` (s) and ``max_temp_c`` of the
+        latest sample of each GPU."""
+        return self.query(
+            f"SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, max(temp_c) AS max_temp_c "
+            f"FROM (SELECT node, gpu, any(rack) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
+            "FROM gpu_samples GROUP BY node, gpu) GROUP BY node").dicts()
+
+    def finding_counts_by_node(self) -> dict[str, int]:
+        return dict(self.query("SELECT node, count() FROM findings FINAL GROUP BY node").rows)
+
+    def open_recommendations_by_node(self) -> dict[str, int]:
+        """Recommendations not yet acknowledged, per node."""
+        return dict(self.query("SELECT node, countIf(acked_at IS NULL) FROM recommendations FINAL "
+                               "GROUP BY node").rows)
+
+    def recent_events(self, *, node: str | None = None, job: str | None = None, kind: str | None = None,
+                      limit: int = 10_000) -> list[Event]:
+        """The ``limit`` newest events, filtered by node, job and kind; kinds this build does not know
+        (written by a newer version) are then left out, and a ``data`` that is not JSON reads as
+        ``{"unparsed": text}``."""
+        clauses, params = [], {}
+        for name, value in (("node", node), ("job", job), ("kind", kind)):
+            if value is not None:
+                clauses.append(f"{name} = {{{name}:String}}")
+                params[name] = value
+        res = self.query(f"SELECT {_EVENT_COLUMNS} FROM events FINAL WHERE {' AND '.join(clauses) or '1'} "
+                         f"ORDER BY ts_s DESC, id LIMIT {int(limit)}", params)
+        out = []
+        for r in res.dicts():
+            if r["kind"] not in _EVENT_KINDS:
+                continue  # written by a newer version: not this build's to show
+            out.append(Event(node=r["node"], ts=float(r["ts_s"]), kind=EventKind(r["kind"]), job=r["job"] or None,
+                             gpu=r["gpu"], rank=r["rank"], step=r["step"], code=r["code"], message=r["message"],
+                             data=loads_lenient(r["data"])))
+        return out
+
+    def node_gpu_latest(self, node: str) -> list[dict[str, Any]]:
+        """The latest sample of each GPU of ``node`` (``gpu``, ``rack``, ``last_ts`` and the health
+        fields the API shows), GPUs ascending."""
+        return self.query(
+            f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c, "
+            "argMax(power_w, ts) AS power_w, argMax(sm_clock_mhz, ts) AS sm_clock_mhz, "
+            "argMax(util_pct, ts) AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
+            "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, argMax(nvlink_links_up, ts) AS nvlink_links_up "
+            "FROM gpu_samples WHERE node = {node:String} GROUP BY gpu ORDER BY gpu", {"node": node}).dicts()
+
+    def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The ``limit`` most recent finding rows of ``node``, newest first (``evidence`` as JSON text)."""
+        return self.query(
+            "SELECT id, kind, detector, job, gpu, rank, step, ts_s, diagnosis, z, slowdown, probability, evidence "
+            "FROM findings FINAL WHERE node = {node:String} ORDER BY ts_s DESC, id LIMIT {limit:UInt32}",
+            {"node": node, "limit": limit}).dicts()
+
+    def job_step_times(self, job: str, *, limit: int) -> list[tuple[Any, ...]]:
+        """``(step, step_s, end_ts)`` of the ``limit`` most recent steps of ``job``, oldest first: the
+        step time is the slowest rank's compute time, ``end_ts`` the latest rank's event time (s)."""
+        res = self.query(
+            f"SELECT step, max(compute_s) AS step_s, max({_TS}) AS end_ts FROM rank_steps WHERE job = {{job:String}} "
+            "GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}", {"job": job, "limit": limit})
+        return res.rows[::-1]
+
+    def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]:
+        """Per rank of ``job`` over the steps after ``after_step``: ``node``, ``gpu`` and the median
+        compute time ``mean_s``, slowest first."""
+        return self.query(
+            "SELECT rank, any(node) AS node, any(gpu) AS gpu, quantileExact(0.5)(compute_s) AS mean_s FROM rank_steps "
+            "WHERE job = {job:String} AND step > {lo:Int64} GROUP BY rank ORDER BY mean_s DESC",
+            {"job": job, "lo": after_step}).dicts()
+
+    def sdc_check_counts(self, job: str) -> tuple[int, int]:
+        """``(checks, failed)``: the SDC check events of ``job`` and how many of them did not pass."""
+        counts = self.query(
+            "SELECT count() AS n, countIf(JSONExtractBool(data, 'passed') = 0) AS failed FROM events FINAL "
+            "WHERE job = {job:String} AND kind = 'sdc_check'", {"job": job}).dicts()[0]
+        return int(counts["n"]), int(counts["failed"])
+
+    # ================================================================ policy state, eviction outcomes, breaker
+    def _next_version(self, table: str, key_col: str, key: str) -> int:
+        res = self.query(f"SELECT max(version) FROM {table} WHERE {key_col} = {{k:String}}", {"k": key})
+        top = res.rows[0][0] if res.rows else None
+        return int(top or 0) + 1
+
+    def policy_state(self, key: str) -> str | None:
+        """The saved policy-engine state under ``key`` (JSON text), or ``None``."""
+        res = self.query("SELECT state FROM policy_state FINAL WHERE key = {k:String}", {"k": key})
+        return res.rows[0][0] if res.rows else None
+
+    def write_policy_state(self, key: str, ts: float, state: str) -> None:
+        """Save the policy-engine state (JSON text) under ``key`` at event time ``ts``."""
+        self.insert("policy_state", {
+            "key": [key], "ts": [float(ts)], "state": [state],
+            "version": [self._next_version("policy_state", "key", key)],
+        })
+
+    def insert_eviction_outcome(self, *, ts: float, node: str, job: str, diagnosis: str, finding_id: str,
+                                resolved: bool) -> None:
+        """Append one eviction outcome to the history."""
+        self.insert("eviction_outcomes", {
+            "ts": [float(ts)], "node": [node], "job": [job], "diagnosis": [diagnosis], "finding_id": [finding_id],
+            "resolved": [1 if resolved else 0],
+        })
+
+    def eviction_outcome_rows(self) -> list[dict[str, Any]]:
+        """Every eviction outcome (``ts``, ``node``, ``job``, ``diagnosis``, ``finding_id``, ``resolved``),
+        oldest first."""
+        return self.query("SELECT toFloat64(ts) AS ts, node, job, diagnosis, finding_id, resolved "
+                          "FROM eviction_outcomes ORDER BY ts, node").dicts()
+
+    def breaker_row(self, name: str) -> dict[str, Any] | None:
+        """The stored breaker ``name`` (``open``, ``tripped_ts``, ``reason``, ``reset_ts``, ``reset_by``,
+        ``version``), or ``None`` when it was never written."""
+        rows = self.query("SELECT open, toFloat64(tripped_ts) AS tripped_ts, reason, toFloat64(reset_ts) AS reset_ts, "
+                          "reset_by, version FROM breaker FINAL "
+                          "WHERE name = {n:String}", {"n": name}).dicts()
+        return rows[0] if rows else None
+
+    def write_breaker(self, name: str, *, open_: bool, tripped_ts: float | None, reason: str,
+                      reset_ts: float | None, reset_by: str) -> None:
+        """Write the breaker ``name`` again with the next version."""
+        self.insert("breaker", {
+            "name": [name], "open": [1 if open_ else 0], "tripped_ts": [tripped_ts], "reason": [reason],
+            "reset_ts": [reset_ts], "reset_by": [reset_by],
+            "version": [self._next_version("breaker", "name", name)],
+        })
+
+    # ================================================================ the quarantine book
+    def quarantine_row(self, node: str) -> dict[str, Any] | None:
+        """The node's ``quarantine`` row (:data:`QUARANTINE_COLUMNS`, times in s), or ``None``."""
+        rows = self.query(f"SELECT {_QUARANTINE_SELECT} FROM quarantine FINAL WHERE node = {{node:String}}",
+                          {"node": node}).dicts()
+        return rows[0] if rows else None
+
+    def quarantined_rows(self) -> list[dict[str, Any]]:
+        """The rows of every node now in quarantine, oldest first."""
+        return self.query(f"SELECT {_QUARANTINE_SELECT} FROM quarantine FINAL WHERE quarantined = 1 "
+                          "ORDER BY since, node").dicts()
+
+    def write_quarantine_row(self, row: Mapping[str, Any]) -> None:
+        """Write a node's whole ``quarantine`` row (:data:`QUARANTINE_COLUMNS` of ``row``)."""
+        self.insert("quarantine", {name: [row[name]] for name in QUARANTINE_COLUMNS})
+
+    def append_quarantine_log(self, node: str, ts: float, action: str, detail: str,
+                              evidence: Mapping[str, Any]) -> None:
+        """Append one line to the node's quarantine log, numbered after its last one."""
+        seq = self.query("SELECT count() FROM quarantine_log WHERE node = {node:String}", {"node": node}).rows[0][0]
+        self.insert("quarantine_log", {
+            "node": [node], "ts": [float(ts)], "action": [action], "detail": [detail],
+            "evidence": [orjson.dumps(dict(evidence), default=str).decode()], "seq": [int(seq) + 1],
+        })
+
+    def quarantine_log_rows(self, node: str) -> list[dict[str, Any]]:
+        """The node's quarantine log (``ts``, ``action``, ``detail``, ``evidence`` as JSON text), in order."""
+        return self.query("SELECT node, toFloat64(ts) AS ts, action, detail, evidence FROM quarantine_log "
+                          "WHERE node = {node:String} ORDER BY seq", {"node": node}).dicts()
+
+    # ================================================================ self-test baselines
+    def selftest_throughput_medians(self, *, since: float | None = None) -> list[tuple[str, str, str, float, int]]:
+        """``(model, suite, test, median throughput, count)`` over the ``selftest`` events with verdict
+        ``pass`` or ``slow`` and a positive throughput, at or after event time ``since``."""
+        where = "" if since is None else " AND ts_s >= {since:Float64}"
+        res = self.query(
+            "SELECT JSONExtractString(data, 'model') AS model, JSONExtractString(data, 'suite') AS suite, "
+            "JSONExtractString(data, 'test') AS test, median(JSONExtractFloat(data, 'throughput')) AS value, "
+            "count() AS n FROM events FINAL WHERE kind = 'selftest' "
+            "AND JSONExtractString(data, 'verdict') IN ('pass', 'slow') "
+            f"AND JSONExtractFloat(data, 'throughput') > 0{where} GROUP BY model, suite, test",
+            None if since is None else {"since": float(since)})
+        return [(str(model), str(suite), str(test), float(value), int(n)) for model, suite, test, value, n in res.rows]
+
+
+def _filters(**conds: Any) -> tuple[str, dict[str, Any]]:
+    clauses: list[str] = []
+    params: dict[str, Any] = {}
+    for name, value in conds.items():
+        if value is None:
+            continue
+        if name == "since":
+            clauses.append("ts_s >= {since:Float64}")
+        elif name == "until":
+            clauses.append("ts_s < {until:Float64}")
+        else:
+            clauses.append(f"{name} = {{{name}:String}}")
+            value = str(value)
+        params[name] = value
+    return ("WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def _limit(limit: int | None) -> str:
+    if limit is None:
+        return ""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ConfigError(f"limit must be a non-negative integer, got {limit!r}")
+    return f" LIMIT {limit}"

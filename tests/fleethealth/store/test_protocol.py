@@ -1,0 +1,115 @@
+"""The store's contract holds: :class:`Store` has every member of :class:`StoreLike` with the same
+parameters, the protocol module imports only the contract's floor, callers type against it, and
+no application SQL is written outside ``fleethealth/store/`` (the analyst's own passes the gate)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleethealth.store import Store, StoreLike
+from fleethealth.store import protocol as protocol_module
+
+ROOT = Path(__file__).resolve().parents[3]
+CODE = [ROOT / d for d in ("fleethealth", "detectors", "kernels", "sweeps", "bench")]
+SQL_HOME = ROOT / "fleethealth" / "store"
+ANALYST_GATE = ROOT / "fleethealth" / "api" / "sqlgate.py"
+_SQL = re.compile(r"^\(*\s*(SELECT|INSERT\s+INTO|ALTER\s+TABLE|OPTIMIZE\s+TABLE|CREATE\s+TABLE|DROP\s+TABLE|"
+                  r"TRUNCATE|WITH\s+\w+\s+AS)\b", re.IGNORECASE)
+
+
+def _members() -> list[str]:
+    return sorted(name for name, value in vars(StoreLike).items()
+                  if callable(value) and (not name.startswith("_") or name in ("__enter__", "__exit__")))
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in CODE for p in d.rglob("*.py"))
+
+
+def test_the_protocol_names_the_small_contract_and_the_named_queries() -> None:
+    members = set(_members())
+    assert {"query", "insert", "command", "migrate", "close", "__enter__", "__exit__"} <= members
+    assert {"findings", "insert_findings", "quarantine_row", "breaker_row", "selftest_throughput_medians"} <= members
+
+
+@pytest.mark.parametrize("name", _members())
+def test_store_has_each_protocol_member_with_the_same_parameters(name: str) -> None:
+    def shape(fn: object) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert hasattr(Store, name), f"Store lacks {name}"
+    assert shape(getattr(Store, name)) == shape(getattr(StoreLike, name))
+
+
+def test_an_open_store_is_store_like(store: Store) -> None:
+    assert isinstance(store, StoreLike)
+    assert not isinstance(object(), StoreLike)
+
+
+def test_the_protocol_module_imports_only_the_standard_library_schema_and_errors() -> None:
+    tree = ast.parse(Path(protocol_module.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    allowed = {"fleethealth.schema", "fleethealth.errors"}
+    outside = {m for m in imported if m not in allowed and m.split(".")[0] not in sys.stdlib_module_names}
+    assert imported & allowed and not outside
+
+
+def _strings(tree: ast.AST) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.append((node.lineno, node.value))
+        elif isinstance(node, ast.JoinedStr):  # an f-string: its literal parts, placeholders as {}
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            out.append((node.lineno, text))
+    return out
+
+
+def test_no_application_sql_outside_the_store() -> None:
+    found = []
+    for path in _sources():
+        if path.is_relative_to(SQL_HOME) or path == ANALYST_GATE:
+            continue
+        for line, text in _strings(ast.parse(path.read_text(), str(path))):
+            if _SQL.match(text.strip()):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {text.strip()[:60]}")
+    assert not found, "SQL belongs in fleethealth/store/queries.py:\n" + "\n".join(found)
+
+
+def test_the_sql_rule_sees_sql() -> None:
+    code = 'q = "SELECT 1"\nr = f"  insert into {t} VALUES"\ns = "the statement, e.g. SELECT 1"'
+    assert {line for line, text in _strings(ast.parse(code)) if _SQL.match(text.strip())} == {1, 2}
+
+
+def test_callers_type_against_store_like_not_any() -> None:
+    pattern = re.compile(r"\bstore: ['\"]?Any\b")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in _sources()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found
+
+
+@pytest.mark.parametrize("folder", ["fleethealth/policy", "kernels"])
+def test_modules_below_the_store_name_it_only_for_type_checking(folder: str) -> None:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name == "fleethealth.store" or name.startswith("fleethealth.store."):
+                    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                    assert id(node) in guarded and name == "fleethealth.store.protocol", where
