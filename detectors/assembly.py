@@ -13,6 +13,13 @@ job has shown in earlier steps reported (the first step of a job waits for the t
 nothing says yet how many ranks it has), or when the completeness timeout (event time) has passed — a hung node
 must not stall detection on everyone else. Late batches of an emitted step are counted, not
 re-scored; duplicate batches (same job, step and node) are dropped.
+
+Forged or broken input cannot take a job over: once a job has emitted steps, a batch more than
+``max_step_jump`` steps ahead of the newest emitted step is refused (one batch claiming step 2⁶³−1
+would otherwise make every later step look late), and once a rank has been seen on a node, a
+batch from another node naming that rank is refused until the job restarts (a new placement).
+Refused batches are counted in ``implausible_total`` and ``foreign_total``; :meth:`StepAssembler.add`
+reports them through ``refused_`` so the runner stores only what the assembler accepted.
 """
 
 from __future__ import annotations
@@ -114,29 +121,68 @@ class StepAssembler:
     A batch whose ranks another node already reported for that step is a duplicate and dropped.
     """
 
-    def __init__(self, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, *, timeout_s: float = 10.0, max_step_jump: int = 100_000) -> None:
         self.timeout_s = timeout_s
+        self.max_step_jump = max_step_jump
         self._open: dict[tuple[str, int], _OpenStep] = {}
         self._ranks_known: dict[str, set[int]] = {}
         self._done: dict[str, int] = {}
+        self._owner: dict[str, np.ndarray] = {}  # job -> node code per rank (-1: not seen yet)
+        self._codes: dict[str, int] = {}  # node name -> code
+        self._last_ranks: dict[tuple[str, str], bytes] = {}  # (job, node) -> ranks it last reported
         self.late_total = 0
         self.duplicate_total = 0
+        self.implausible_total = 0
+        self.foreign_total = 0
+        self.refused_ = False
+        """Whether the last :meth:`add` refused its batch as implausible or foreign."""
+
+    def _foreign(self, batch: StepBatch) -> bool:
+        """True when a rank of ``batch`` was seen on another node of the same job (columnar)."""
+        same = self._last_ranks.get((batch.job, batch.node))
+        signature = batch.ranks.tobytes()
+        if same == signature:  # the common case: a node reports the ranks it reported last step
+            return False
+        code = self._codes.setdefault(batch.node, len(self._codes))
+        owner = self._owner.get(batch.job)
+        top = int(batch.ranks.max()) + 1
+        if owner is None or owner.size < top:
+            grown = np.full(max(top, 2 * (0 if owner is None else owner.size)), -1, dtype=np.int32)
+            if owner is not None:
+                grown[:owner.size] = owner
+            owner = self._owner[batch.job] = grown
+        seen = owner[batch.ranks]
+        if ((seen >= 0) & (seen != code)).any():
+            return True
+        owner[batch.ranks] = code
+        self._last_ranks[(batch.job, batch.node)] = signature
+        return False
 
     def add(self, batch: StepBatch) -> list[AssembledStep]:
         """Take one batch; return the steps it completes, and any its event time makes overdue."""
         job, step = batch.job, batch.step
+        self.refused_ = False
+        done = self._done.get(job)
+        if done is not None and step > done + self.max_step_jump:
+            self.implausible_total += 1
+            self.refused_ = True
+            return []
         ranks = batch.ranks.tolist()
         known = self._ranks_known.setdefault(job, set())
-        if step <= self._done.get(job, -1) and (job, step) not in self._open:
+        entry = self._open.get((job, step))
+        if entry is not None and (batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks)):
+            self.duplicate_total += 1
+            return []
+        if self._foreign(batch):
+            self.foreign_total += 1
+            self.refused_ = True
+            return []
+        if step <= self._done.get(job, -1) and entry is None:
             self._learn(job, [batch.ranks])  # a late node still tells how many ranks the job has
             self.late_total += 1
             return []
-        entry = self._open.get((job, step))
         if entry is None:
             entry = self._open[(job, step)] = _OpenStep([], set(), set())
-        if batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks):
-            self.duplicate_total += 1
-            return []
         entry.parts.append(batch)
         entry.nodes.add(batch.node)
         entry.ranks.update(ranks)
@@ -157,15 +203,23 @@ class StepAssembler:
         return [self._emit(job, step, complete=False) for job, step in sorted(self._open, key=lambda k: k[1])]
 
     def restart(self, job: str) -> None:
-        """The job was interrupted and restarts, perhaps from an earlier step: its step numbers may repeat."""
+        """The job was interrupted and restarts, perhaps from an earlier step and a new placement: its step
+        numbers may repeat and its ranks may move to other nodes."""
         self._done.pop(job, None)
+        self._drop_owners(job)
 
     def forget(self, job: str) -> None:
         """Drop everything about a job that ended (no batch for a long time)."""
         self._done.pop(job, None)
         self._ranks_known.pop(job, None)
+        self._drop_owners(job)
         for key in [k for k in self._open if k[0] == job]:
             del self._open[key]
+
+    def _drop_owners(self, job: str) -> None:
+        self._owner.pop(job, None)
+        for key in [k for k in self._last_ranks if k[0] == job]:
+            del self._last_ranks[key]
 
     def open_steps(self) -> set[tuple[str, int]]:
         """(job, step) pairs still waiting for batches."""

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import math
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,11 +52,16 @@ __all__ = [
     "Consumer",
     "ensure_topics",
     "parse_dsn",
+    "dsn_options",
     "register_backend",
     "known_schemes",
 ]
 
 DEADLETTER_VERSION = 1
+DEADLETTER_RAW_BYTES = 64 * 1024
+"""A dead letter carries at most this much of the original value (then ``truncated`` is true, and
+``raw_size`` and ``raw_sha256`` identify the whole), so a dead letter always fits in one Kafka request."""
+DEADLETTER_REASON_CHARS = 2_000
 _COMPRESSION_PREFERENCE = (("zstd", "zstandard"), ("lz4", "lz4"), ("gzip", "gzip"))
 
 
@@ -65,7 +72,9 @@ class DeadLetter:
 
     ``raw`` is the original value as text, or base64 when it is not UTF-8 (then ``raw_base64``
     is true); ``key`` likewise (``key_base64``). ``ts`` is the broker timestamp of the original
-    record in seconds (NaN when the broker gave none).
+    record in seconds (NaN when the broker gave none). A value larger than
+    :data:`DEADLETTER_RAW_BYTES` is cut to that size: ``truncated`` is then true, and ``raw_size``
+    (bytes) and ``raw_sha256`` describe the whole value.
     """
 
     topic: str
@@ -77,13 +86,17 @@ class DeadLetter:
     raw_base64: bool = False
     key_base64: bool = False
     ts: float = math.nan
+    raw_size: int = -1
+    raw_sha256: str = ""
+    truncated: bool = False
     TOPIC = Topic.DEADLETTER
 
     def to_obj(self) -> dict[str, Any]:
         return {"v": DEADLETTER_VERSION, "topic": self.topic, "partition": self.partition,
                 "offset": self.offset, "key": self.key, "key_base64": self.key_base64,
                 "reason": self.reason, "raw": self.raw, "raw_base64": self.raw_base64,
-                "ts": None if math.isnan(self.ts) else self.ts}
+                "ts": None if math.isnan(self.ts) else self.ts, "raw_size": self.raw_size,
+                "raw_sha256": self.raw_sha256, "truncated": self.truncated}
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
@@ -97,22 +110,31 @@ class DeadLetter:
             raise SchemaError("key", f"expected a string or null, got {key!r}")
         if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
             raise SchemaError("ts", f"expected a number or null, got {ts!r}")
+        size, digest = obj.get("raw_size", -1), obj.get("raw_sha256", "")
+        if isinstance(size, bool) or not isinstance(size, int) or not isinstance(digest, str):
+            raise SchemaError("raw_size", f"expected an integer and a hex digest, got {size!r}, {digest!r}")
         return cls(topic=obj["topic"], partition=obj["partition"], offset=obj["offset"], key=key,
                    reason=obj["reason"], raw=obj["raw"], raw_base64=bool(obj.get("raw_base64", False)),
-                   key_base64=bool(obj.get("key_base64", False)), ts=math.nan if ts is None else float(ts))
+                   key_base64=bool(obj.get("key_base64", False)), ts=math.nan if ts is None else float(ts),
+                   raw_size=size, raw_sha256=digest, truncated=bool(obj.get("truncated", False)))
 
     def raw_bytes(self) -> bytes:
-        """The original value, exactly as it arrived."""
+        """The original value as it arrived (its first :data:`DEADLETTER_RAW_BYTES` when ``truncated``)."""
         return base64.b64decode(self.raw) if self.raw_base64 else self.raw.encode()
 
     @classmethod
     def of(cls, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
            reason: str, ts_ms: int | None) -> DeadLetter:
-        raw, raw_b64 = _text_or_base64(value or b"")
-        key_text, key_b64 = (None, False) if key is None else _text_or_base64(key)
+        value = value or b""
+        kept = value[:DEADLETTER_RAW_BYTES]
+        raw, raw_b64 = _text_or_base64(kept)
+        key_text, key_b64 = (None, False) if key is None else _text_or_base64(key[:1024])
         ts = ts_ms / 1000.0 if ts_ms is not None and ts_ms >= 0 else math.nan
+        if len(reason) > DEADLETTER_REASON_CHARS:
+            reason = reason[:DEADLETTER_REASON_CHARS] + " …"
         return cls(topic=topic, partition=partition, offset=offset, key=key_text, reason=reason, raw=raw,
-                   raw_base64=raw_b64, key_base64=key_b64, ts=ts)
+                   raw_base64=raw_b64, key_base64=key_b64, ts=ts, raw_size=len(value),
+                   raw_sha256=hashlib.sha256(value).hexdigest(), truncated=len(kept) < len(value))
 
 
 def _text_or_base64(data: bytes) -> tuple[str, bool]:
@@ -140,7 +162,7 @@ def parse_dsn(dsn: str) -> tuple[str, tuple[str, ...]]:
     if not isinstance(dsn, str) or "://" not in dsn:
         raise ConfigError(f"bus DSN {dsn!r} is not of the form scheme://host:port (known: {known_schemes()})")
     scheme, rest = dsn.split("://", 1)
-    hosts = tuple(h.strip() for h in rest.split("/", 1)[0].split(",") if h.strip())
+    hosts = tuple(h.strip() for h in rest.split("?", 1)[0].split("/", 1)[0].split(",") if h.strip())
     if not hosts:
         raise ConfigError(f"bus DSN {dsn!r} names no host:port")
     for host in hosts:
@@ -150,11 +172,63 @@ def parse_dsn(dsn: str) -> tuple[str, tuple[str, ...]]:
     return scheme.lower(), hosts
 
 
-class _KafkaBackend:
-    """kafka-python clients for one bootstrap list; ``kafka`` is imported on first use."""
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_DSN_OPTIONS = ("security_protocol", "sasl_mechanism", "username", "password_file", "ssl_cafile", "ssl_certfile",
+                "ssl_keyfile", "ssl_check_hostname")
 
-    def __init__(self, hosts: tuple[str, ...]) -> None:
+
+def dsn_options(dsn: str) -> dict[str, Any]:
+    """kafka-python security settings from a DSN's query string (empty for a plain ``kafka://`` DSN).
+
+    ``kafka://host:9093?security_protocol=SASL_SSL&sasl_mechanism=SCRAM-SHA-512&username=node-n0001&
+    password_file=/etc/fleethealth/kafka-password&ssl_cafile=/etc/fleethealth/ca.pem`` — one identity per
+    node, the password read from a file (never written in the DSN), TLS verified against the CA. Mutual
+    TLS takes ``ssl_certfile`` and ``ssl_keyfile`` instead of a password. Unknown options, a SASL
+    mechanism without a username, or an unreadable password file are a :class:`ConfigError`.
+    """
+    import urllib.parse
+
+    query = dsn.split("?", 1)[1] if "?" in dsn else ""
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=False)
+    given: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in _DSN_OPTIONS:
+            raise ConfigError(f"bus DSN option {name!r} is unknown (known: {', '.join(_DSN_OPTIONS)})")
+        given[name] = value
+    if not given:
+        return {}
+    protocol = given.get("security_protocol", "SASL_SSL" if "username" in given else "SSL").upper()
+    if protocol not in _SECURITY_PROTOCOLS:
+        raise ConfigError(f"security_protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
+    out: dict[str, Any] = {"security_protocol": protocol}
+    if protocol.startswith("SASL"):
+        mechanism = given.get("sasl_mechanism", "SCRAM-SHA-512").upper()
+        if mechanism not in _SASL_MECHANISMS:
+            raise ConfigError(f"sasl_mechanism {mechanism!r} is not one of {', '.join(_SASL_MECHANISMS)}")
+        if not given.get("username") or not given.get("password_file"):
+            raise ConfigError(f"security_protocol {protocol} needs username= and password_file= in the bus DSN")
+        try:
+            password = pathlib.Path(given["password_file"]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the bus password_file {given['password_file']}: {exc}") from exc
+        out.update(sasl_mechanism=mechanism, sasl_plain_username=given["username"], sasl_plain_password=password)
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        if name in given:
+            out[name] = given[name]
+    if "ssl_check_hostname" in given:
+        out["ssl_check_hostname"] = given["ssl_check_hostname"].lower() not in {"0", "false", "no"}
+    return out
+
+
+class _KafkaBackend:
+    """kafka-python clients for one bootstrap list; ``kafka`` is imported on first use.
+
+    ``options`` are the security settings of :func:`dsn_options`, passed to every client."""
+
+    def __init__(self, hosts: tuple[str, ...], options: Mapping[str, Any] | None = None) -> None:
         self.hosts = list(hosts)
+        self.options = dict(options or {})
 
     @staticmethod
     def _kafka() -> Any:
@@ -170,7 +244,7 @@ class _KafkaBackend:
             bootstrap_servers=self.hosts, client_id=client_id, acks="all", enable_idempotence=True,
             compression_type=compression, linger_ms=5, batch_size=256 * 1024,
             max_block_ms=10_000, request_timeout_ms=10_000, delivery_timeout_ms=30_000,
-            bootstrap_timeout_ms=connect_timeout_ms)
+            bootstrap_timeout_ms=connect_timeout_ms, **self.options)
 
     def consumer(self, topics: Sequence[str], group: str, client_id: str, from_beginning: bool,
                  max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
@@ -180,19 +254,21 @@ class _KafkaBackend:
             enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
             max_poll_interval_ms=max_poll_interval_ms, session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
-                30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100)
+                30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100,
+            **self.options)
 
     def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
         kafka = self._kafka()
         return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,
-                                      request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms)
+                                      request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms,
+                                      **self.options)
 
 
-_BACKENDS: dict[str, Callable[[tuple[str, ...]], _KafkaBackend]] = {"kafka": _KafkaBackend}
+_BACKENDS: dict[str, Callable[..., _KafkaBackend]] = {"kafka": _KafkaBackend}
 
 
-def register_backend(scheme: str, factory: Callable[[tuple[str, ...]], Any]) -> None:
-    """Map a DSN scheme to a factory taking the ``host:port`` list (e.g. a TLS variant)."""
+def register_backend(scheme: str, factory: Callable[..., Any]) -> None:
+    """Map a DSN scheme to a factory taking the ``host:port`` list and the :func:`dsn_options`."""
     _BACKENDS[scheme.lower()] = factory
 
 
@@ -205,7 +281,8 @@ def _backend(dsn: str) -> _KafkaBackend:
     factory = _BACKENDS.get(scheme)
     if factory is None:
         raise ConfigError(f"unknown bus scheme {scheme + '://'!r} in {dsn!r} (known: {known_schemes()})")
-    return factory(hosts)
+    options = dsn_options(dsn)
+    return factory(hosts, options) if options else factory(hosts)
 
 
 def _compression() -> str:

@@ -298,7 +298,8 @@ def _run_query(args: argparse.Namespace) -> int:
 
     api = args.api or (DEFAULT_URL if args.store is None and server_running(DEFAULT_URL) else None)
     if api is not None:
-        result = query_via_api(api, args.sql, os.environ.get("FLEETHEALTH_API_TOKEN"))
+        token = os.environ.get("FLEETHEALTH_READ_TOKEN") or os.environ.get("FLEETHEALTH_API_TOKEN")
+        result = query_via_api(api, args.sql, token)
     else:
         dsn = args.store
         if dsn is None:
@@ -514,12 +515,18 @@ def _cmd_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8080, help="listen port (default: %(default)s)")
     p.add_argument("--token-file", default=None, metavar="F",
                    help="file holding the bearer token for write endpoints (else $FLEETHEALTH_API_TOKEN; "
-                        "without either, writes are refused)")
+                        "without either, writes are refused); it also grants reads")
+    p.add_argument("--read-token-file", default=None, metavar="F",
+                   help="file holding the bearer token for reads: every GET but /healthz and /metrics, and "
+                        "analyst SQL (else $FLEETHEALTH_READ_TOKEN; without either, only the write token reads)")
+    p.add_argument("--open-reads", action="store_true",
+                   help="serve reads without any token (a warning is logged: anyone who reaches the port "
+                        "reads the store); for a trial on 127.0.0.1 only")
     p.add_argument("--no-detect", action="store_true", help="serve the API only; run no detector runner")
     p.set_defaults(run=_run_serve)
 
 
-def _api_token(path: str | None) -> str | None:
+def _api_token(path: str | None, *, flag: str = "--token-file", env: str = "FLEETHEALTH_API_TOKEN") -> str | None:
     import os
     from pathlib import Path
 
@@ -529,11 +536,11 @@ def _api_token(path: str | None) -> str | None:
         try:
             token = Path(path).read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"cannot read --token-file {path}: {exc}") from exc
+            raise ConfigError(f"cannot read {flag} {path}: {exc}") from exc
         if not token:
-            raise ConfigError(f"--token-file {path} is empty")
+            raise ConfigError(f"{flag} {path} is empty")
         return token
-    return os.environ.get("FLEETHEALTH_API_TOKEN") or None
+    return os.environ.get(env) or None
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -549,8 +556,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from fleethealth.store import open_store
 
     token = _api_token(args.token_file)
+    read_token = _api_token(args.read_token_file, flag="--read-token-file", env="FLEETHEALTH_READ_TOKEN")
     if token is None:
         print("fleethealth serve: no token (--token-file or FLEETHEALTH_API_TOKEN): write endpoints refuse",
+              file=sys.stderr)
+    if args.open_reads:
+        print("fleethealth serve: WARNING --open-reads: reads need no token; anyone who reaches "
+              f"{args.host}:{args.port} can read the store", file=sys.stderr)
+    elif token is None and read_token is None:
+        print("fleethealth serve: no read token (--read-token-file or FLEETHEALTH_READ_TOKEN): reads refuse",
               file=sys.stderr)
     stop = threading.Event()
     registry = CollectorRegistry()
@@ -589,7 +603,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             thread.start()
             stack.callback(thread.join, 10.0)
             stack.callback(stop.set)
-        app = create_app(store, token=token, registry=registry, on_breaker_reset=hook)
+        app = create_app(store, token=token, read_token=read_token, open_reads=args.open_reads,
+                         registry=registry, on_breaker_reset=hook)
         print(f"fleethealth serve: http://{args.host}:{args.port} (bus {dsn}, store {store_dsn})",
               file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so

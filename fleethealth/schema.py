@@ -26,6 +26,13 @@ from fleethealth.errors import SchemaError
 __all__ = [
     "SCHEMA_VERSION",
     "MAX_COMPUTE_S",
+    "MAX_TS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_DATA_DEPTH",
+    "MAX_TEXT_CHARS",
+    "GPU_INDEX_MAX",
+    "RANK_MAX",
+    "GPU_FIELD_RANGES",
     "Topic",
     "FindingKind",
     "Diagnosis",
@@ -50,6 +57,19 @@ __all__ = [
 SCHEMA_VERSION = 1
 MAX_COMPUTE_S = 86_400.0
 """A compute time above a day is not a measurement; it is rejected as absurd."""
+MAX_TS = 4_102_444_800.0
+"""Event times are epoch seconds before 2100-01-01; anything later is a forged or broken clock."""
+MAX_MESSAGE_BYTES = 512 * 1024
+"""An input message larger than this is dead-lettered unread, so nothing derived from it (a finding
+quoting it, a dead letter carrying it) can outgrow what a Kafka broker accepts (1 MiB by default)."""
+MAX_DATA_DEPTH = 32
+"""Nesting limit of an event's ``data`` object (what orjson can write back is 254 levels)."""
+MAX_TEXT_CHARS = 16_384
+"""Longest free-text ``message`` an event may carry."""
+GPU_INDEX_MAX = int(np.iinfo(np.int16).max)
+"""GPU indices are int16 on the wire and UInt16 in the store; one bound for both."""
+RANK_MAX = int(np.iinfo(np.int32).max)
+"""Ranks are int32 on the wire and UInt32 in the store; one bound for both."""
 
 
 class Topic(StrEnum):
@@ -169,6 +189,22 @@ GPU_FIELDS: dict[str, str] = {
 }
 """Per-GPU telemetry columns (float64; NaN where a source does not report the field)."""
 
+_COUNTER = (0.0, 2.0**64)
+GPU_FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "temp_c": (-40.0, 200.0), "mem_temp_c": (-40.0, 200.0), "power_w": (0.0, 10_000.0),
+    "power_limit_w": (0.0, 10_000.0), "sm_clock_mhz": (0.0, 20_000.0), "sm_clock_max_mhz": (0.0, 20_000.0),
+    "mem_clock_mhz": (0.0, 50_000.0), "clock_reasons": (0.0, 2.0**64), "util_pct": (0.0, 100.0),
+    "ecc_sbe_volatile": _COUNTER, "ecc_dbe_volatile": _COUNTER, "ecc_sbe_aggregate": _COUNTER,
+    "ecc_dbe_aggregate": _COUNTER, "retired_sbe": (0.0, 1e6), "retired_dbe": (0.0, 1e6),
+    "retired_pending": (0.0, 1.0), "remap_correctable": (0.0, 1e6), "remap_uncorrectable": (0.0, 1e6),
+    "remap_pending": (0.0, 1.0), "remap_failure": (0.0, 1.0), "nvlink_links_up": (0.0, 64.0),
+    "nvlink_links_max": (0.0, 64.0), "nvlink_crc_flit": _COUNTER, "nvlink_crc_data": _COUNTER,
+    "nvlink_replay": _COUNTER, "nvlink_recovery": _COUNTER, "pcie_replay": _COUNTER, "pcie_gen": (0.0, 16.0),
+    "pcie_gen_max": (0.0, 16.0), "pcie_width": (0.0, 64.0), "pcie_width_max": (0.0, 64.0),
+}
+"""Physical range of each telemetry field: a sample with a value outside it (a temperature of
+1e308 °C, a utilisation of 250 %) is a broken or forged probe, and is dead-lettered naming the field."""
+
 
 # ---------------------------------------------------------------- field readers
 _INT_MAX = 2**63 - 1
@@ -190,7 +226,8 @@ def _str(obj: dict[str, Any], name: str, *, optional: bool = False) -> str | Non
     return value
 
 
-def _int(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: int = 0) -> int | None:
+def _int(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: int = 0,
+         maximum: int = _INT_MAX) -> int | None:
     value = obj.get(name) if optional else _req(obj, name)
     if value is None and optional:
         return None
@@ -198,12 +235,13 @@ def _int(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: int
         raise SchemaError(name, f"expected an integer, got {value!r}")
     if value < minimum:
         raise SchemaError(name, f"must be >= {minimum}, got {value}")
-    if value > _INT_MAX:
-        raise SchemaError(name, f"must be <= {_INT_MAX}, got {value}")
+    if value > maximum:
+        raise SchemaError(name, f"must be <= {maximum}, got {value}")
     return value
 
 
-def _float(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: float | None = 0.0) -> float | None:
+def _float(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: float | None = 0.0,
+           maximum: float | None = None) -> float | None:
     value = obj.get(name) if optional else _req(obj, name)
     if value is None and optional:
         return None
@@ -214,7 +252,27 @@ def _float(obj: dict[str, Any], name: str, *, optional: bool = False, minimum: f
         raise SchemaError(name, f"must be finite, got {value}")
     if minimum is not None and value < minimum:
         raise SchemaError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SchemaError(name, f"must be <= {maximum}, got {value}")
     return value
+
+
+def _ts(obj: dict[str, Any]) -> float:
+    """An event time: finite epoch seconds in ``[0, MAX_TS)``."""
+    return _float(obj, "ts", maximum=MAX_TS)  # type: ignore[return-value]
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    """True when ``value`` nests no deeper than ``limit`` lists and objects (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return False
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return True
 
 
 def _obj(obj: dict[str, Any], name: str) -> dict[str, Any]:
@@ -279,6 +337,13 @@ def _columns(cols: dict[str, Any], n: int) -> dict[str, np.ndarray]:
         for name in names:  # slow path: raises SchemaError naming the field
             _array(cols, name, np.float64, length=n, nan_ok=True)
     out = dict(zip(names, matrix, strict=True))
+    for name, col in out.items():
+        low, high = GPU_FIELD_RANGES[name]
+        wrong = (col < low) | (col > high)  # NaN compares False: "not reported" is fine
+        if wrong.any():
+            k = int(np.argmax(wrong))
+            raise SchemaError(f"columns.{name}", f"value {col[k]!r} at index {k} is outside the physical range "
+                                                 f"[{low:g}, {high:g}] ({GPU_FIELDS[name]})")
     return {name: out[name] if name in out else np.full(n, np.nan) for name in GPU_FIELDS}
 
 
@@ -344,6 +409,8 @@ class Telemetry:
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
         gpu = _array(obj, "gpu", np.int16, minimum=0)
+        if np.unique(gpu).size != gpu.size:
+            raise SchemaError("gpu", "duplicate GPU index in one sample")
         cols = _obj(obj, "columns")
         unknown = set(cols) - set(GPU_FIELDS)
         if unknown:
@@ -356,7 +423,7 @@ class Telemetry:
         model = obj.get("model", "")
         if not isinstance(model, str):
             raise SchemaError("model", "expected a string")
-        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_float(obj, "ts"), gpu=gpu,
+        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu,
                    columns=columns, nic_util=math.nan if nic is None else _float(obj, "nic_util"),
                    model=model, uuid=tuple(uuid))
 
@@ -401,7 +468,7 @@ class StepBatch:
         gpus = _array(obj, "gpus", np.int16, length=ranks.size, minimum=0)
         compute = _array(obj, "compute_s", np.float64, length=ranks.size, minimum=0.0, maximum=MAX_COMPUTE_S)
         groups = _array(obj, "groups", np.int32, length=ranks.size) if obj.get("groups") is not None else None
-        return cls(job=_str(obj, "job"), step=_int(obj, "step"), node=_str(obj, "node"), ts=_float(obj, "ts"),
+        return cls(job=_str(obj, "job"), step=_int(obj, "step"), node=_str(obj, "node"), ts=_ts(obj),
                    ranks=ranks, gpus=gpus, compute_s=compute, groups=groups)
 
 
@@ -449,10 +516,15 @@ class Event:
         message = obj.get("message", "")
         if not isinstance(message, str):
             raise SchemaError("message", "expected a string")
-        return cls(node=_str(obj, "node"), ts=_float(obj, "ts"), kind=_enum(obj, "kind", EventKind),
-                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True),
-                   rank=_int(obj, "rank", optional=True), step=_int(obj, "step", optional=True),
-                   code=_int(obj, "code", optional=True), message=message, data=_obj(obj, "data"))
+        if len(message) > MAX_TEXT_CHARS:
+            raise SchemaError("message", f"{len(message)} characters exceed {MAX_TEXT_CHARS}")
+        data = _obj(obj, "data")
+        if not _depth_ok(data, MAX_DATA_DEPTH):
+            raise SchemaError("data", f"nested deeper than {MAX_DATA_DEPTH} levels")
+        return cls(node=_str(obj, "node"), ts=_ts(obj), kind=_enum(obj, "kind", EventKind),
+                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True, maximum=GPU_INDEX_MAX),
+                   rank=_int(obj, "rank", optional=True, maximum=RANK_MAX), step=_int(obj, "step", optional=True),
+                   code=_int(obj, "code", optional=True), message=message, data=data)
 
 
 @dataclass(frozen=True)
@@ -500,9 +572,9 @@ class Finding:
         detector = obj.get("detector", "")
         if not isinstance(detector, str):
             raise SchemaError("detector", "expected a string")
-        return cls(kind=_enum(obj, "kind", FindingKind), node=_str(obj, "node"), ts=_float(obj, "ts"),
-                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True),
-                   rank=_int(obj, "rank", optional=True), step=_int(obj, "step", optional=True),
+        return cls(kind=_enum(obj, "kind", FindingKind), node=_str(obj, "node"), ts=_ts(obj),
+                   job=_str(obj, "job", optional=True), gpu=_int(obj, "gpu", optional=True, maximum=GPU_INDEX_MAX),
+                   rank=_int(obj, "rank", optional=True, maximum=RANK_MAX), step=_int(obj, "step", optional=True),
                    diagnosis=_enum(obj, "diagnosis", Diagnosis, optional=True),
                    z=_float(obj, "z", optional=True, minimum=None),
                    slowdown=_float(obj, "slowdown", optional=True, minimum=None),
@@ -548,7 +620,7 @@ class Recommendation:
         dry = obj.get("dry_run", False)
         if not isinstance(dry, bool):
             raise SchemaError("dry_run", "expected true or false")
-        return cls(action=_enum(obj, "action", Action), node=_str(obj, "node"), ts=_float(obj, "ts"),
+        return cls(action=_enum(obj, "action", Action), node=_str(obj, "node"), ts=_ts(obj),
                    reason=_str(obj, "reason"), guard=_enum(obj, "guard", Guard),
                    job=_str(obj, "job", optional=True), finding_id=_str(obj, "finding_id", optional=True),
                    dry_run=dry, evidence=_obj(obj, "evidence"))
@@ -576,6 +648,8 @@ def load_object(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
     """Parse one JSON object (a dict passes through); :class:`SchemaError` on anything else."""
     if isinstance(raw, dict):
         return raw
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise SchemaError("<message>", f"{len(raw)} bytes exceed the {MAX_MESSAGE_BYTES}-byte message limit")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -589,7 +663,7 @@ def decode(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T:
     """Parse and validate one message of type ``cls``; raise :class:`SchemaError` naming the field."""
     obj = load_object(raw)
     version = obj.get("v")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # true == 1 in Python, not on the wire
         raise SchemaError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     return cls.from_obj(obj)  # type: ignore[attr-defined]
 
@@ -607,7 +681,7 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
     fast: list[tuple[int, dict[str, Any]]] = []
     for i, raw in enumerate(raws):
         try:
-            obj = orjson.loads(raw)
+            obj = orjson.loads(raw) if len(raw) <= MAX_MESSAGE_BYTES else None
         except (orjson.JSONDecodeError, TypeError):
             obj = None
         if cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
@@ -629,7 +703,7 @@ def _decode_one(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T | Except
 
 def _step_shape_ok(obj: dict[str, Any]) -> bool:
     """The scalar fields of a step batch are valid and its arrays are lists of one length."""
-    if obj.get("v") != SCHEMA_VERSION:
+    if type(obj.get("v")) is not int or obj.get("v") != SCHEMA_VERSION:
         return False
     job, node, step, ts = obj.get("job"), obj.get("node"), obj.get("step"), obj.get("ts")
     if type(job) is not str or not job or type(node) is not str or not node:
@@ -637,9 +711,9 @@ def _step_shape_ok(obj: dict[str, Any]) -> bool:
     if type(step) is not int or not 0 <= step <= _INT_MAX:
         return False
     if type(ts) is float:
-        if not 0.0 <= ts < math.inf:
+        if not 0.0 <= ts < MAX_TS:
             return False
-    elif type(ts) is not int or ts < 0:
+    elif type(ts) is not int or not 0 <= ts < MAX_TS:
         return False
     ranks, gpus, compute, groups = obj.get("ranks"), obj.get("gpus"), obj.get("compute_s"), obj.get("groups")
     if type(ranks) is not list or type(gpus) is not list or type(compute) is not list:

@@ -1,9 +1,13 @@
-"""The FastAPI application: ``create_app(store, token=...)`` builds it around one open store.
+"""The FastAPI application: ``create_app(store, token=..., read_token=...)`` builds it around one open store.
 
-Reads are open; every write (acknowledge, release, breaker reset) needs
-``Authorization: Bearer <token>``: none gives 401 (with ``WWW-Authenticate: Bearer``), a wrong
-one 403, and a server started without a token refuses writes with 403. Tokens are compared in
-constant time. Errors are ``{"detail": ...}`` objects: 404 for unknown nodes, jobs and
+Two scopes, each a bearer token (``Authorization: Bearer <token>``): the **read** scope (every
+``GET`` but ``/healthz`` and ``/metrics``, and analyst SQL) takes the read token or the write
+token; the **write** scope (acknowledge, release, breaker reset) only the write token. No token
+gives 401 (with ``WWW-Authenticate: Bearer``), a wrong one 403; a server started without a write
+token refuses writes with 403, and one started without a read token refuses reads with 403
+unless it was started with ``open_reads=True`` (``fleethealth serve --open-reads``), which logs a
+warning: anyone who reaches the port then reads the store. Tokens are compared in constant time.
+Errors are ``{"detail": ...}`` objects: 404 for unknown nodes, jobs and
 recommendations, 422 for malformed parameters or bodies, 400 for refused SQL (with ``reason``),
 409 for a release without a passing full self-test, 503 when the store fails.
 
@@ -27,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from fleethealth import __version__
 from fleethealth.api import routes
+from fleethealth.api.sqlgate import SqlGate
 from fleethealth.api.views import NotFound
 from fleethealth.errors import StoreError
 
@@ -77,19 +82,23 @@ class ApiMetrics:
                               registry=registry)
 
 
-def _bearer(token: str | None, metrics: ApiMetrics) -> Callable[..., str]:
-    expected = token.encode() if token else None
-    scheme = HTTPBearer(auto_error=False, description="the token of `fleethealth serve --token-file`")
+def _bearer(tokens: tuple[str | None, ...], metrics: ApiMetrics, *, scope: str) -> Callable[..., str]:
+    """A dependency accepting any of ``tokens`` (``None`` entries ignored) for the ``scope`` named."""
+    expected = [t.encode() for t in tokens if t]
+    scheme = HTTPBearer(auto_error=False, description="the token of `fleethealth serve --token-file` "
+                                                      "(writes) or `--read-token-file` (reads)")
 
     def require_token(creds: HTTPAuthorizationCredentials | None = Depends(scheme)) -> str:  # noqa: B008
         if creds is None or not creds.credentials:
             metrics.auth_failures.labels("missing").inc()
-            raise HTTPException(401, "a bearer token is required for this endpoint",
+            raise HTTPException(401, f"a bearer token with the {scope} scope is required for this endpoint",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if expected is None:
-            metrics.auth_failures.labels("writes_disabled").inc()
-            raise HTTPException(403, "this server was started without a token: writes are disabled")
-        if not hmac.compare_digest(creds.credentials.encode(), expected):
+        if not expected:
+            metrics.auth_failures.labels(f"{scope}s_disabled").inc()
+            raise HTTPException(403, f"this server was started without a {scope} token: {scope}s are disabled")
+        given = creds.credentials.encode()
+        # every candidate is compared, so the time taken does not tell which one matched
+        if not sum(hmac.compare_digest(given, e) for e in expected):
             metrics.auth_failures.labels("wrong").inc()
             raise HTTPException(403, "wrong token")
         return creds.credentials
@@ -97,13 +106,15 @@ def _bearer(token: str | None, metrics: ApiMetrics) -> Callable[..., str]:
     return require_token
 
 
-def create_app(store: StoreLike, *, token: str | None, max_rows: int = DEFAULT_MAX_ROWS,
+def create_app(store: StoreLike, *, token: str | None, read_token: str | None = None, open_reads: bool = False,
+               max_rows: int = DEFAULT_MAX_ROWS,
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
                clock: Callable[[], float] = time.time, limits: QueryLimits | None = None) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
-    ``token`` guards the write endpoints (``None``: writes refused). ``max_rows`` and
+    ``token`` guards the write endpoints (``None``: writes refused); ``read_token`` (or ``token``)
+    the reads, unless ``open_reads`` opens them to anyone (a warning is logged). ``max_rows`` and
     ``max_execution_s`` bound ``POST /v1/query``, with ``limits`` (memory, bytes read, result
     bytes; :class:`QueryLimits`). ``on_breaker_reset`` is called after a reset is stored, so a
     policy engine in the same process closes its breaker at once (others pick the reset up from
@@ -122,7 +133,11 @@ def create_app(store: StoreLike, *, token: str | None, max_rows: int = DEFAULT_M
     app.state.limits = limits if limits is not None else QueryLimits()
     app.state.on_breaker_reset = on_breaker_reset
     app.state.clock = clock
-    require = _bearer(token, metrics)
+    require = _bearer((token,), metrics, scope="write")
+    if open_reads:
+        log.warning("reads are open: anyone who reaches this API can read the store (--open-reads)")
+    read_dependencies = [] if open_reads else [Depends(_bearer((read_token, token), metrics, scope="read"))]
+    app.state.gate = SqlGate(store.explain_ast)
 
     @app.middleware("http")
     async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
@@ -148,6 +163,7 @@ def create_app(store: StoreLike, *, token: str | None, max_rows: int = DEFAULT_M
     def metrics_endpoint() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(routes.read_router())
+    app.include_router(routes.read_router(read_dependencies))
+    app.include_router(routes.service_router())
     app.include_router(routes.write_router(require))
     return app

@@ -1,4 +1,4 @@
-"""The routes: reads (open) and writes (behind the bearer token), over :mod:`fleethealth.api.views`.
+"""The routes: service (open), reads and writes (each behind its bearer token), over :mod:`fleethealth.api.views`.
 
 Endpoints are plain ``def`` functions, so FastAPI runs them in its thread pool and a slow
 store call never blocks the event loop. Path parameters are validated against the node and job
@@ -9,7 +9,7 @@ unknown are 404.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import Response
 
 from fleethealth.api import models, views
-from fleethealth.api.sqlgate import QueryRefused, check_select
+from fleethealth.api.sqlgate import QueryRefused
 from fleethealth.errors import StoreError
 from fleethealth.policy import persist
 from fleethealth.policy import quarantine as qb
@@ -26,7 +26,7 @@ from fleethealth.schema import Action, EventKind, Guard
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["read_router", "write_router"]
+__all__ = ["service_router", "read_router", "write_router"]
 
 NodeName = Annotated[str, Path(pattern=models.NODE_PATTERN, description="node name, e.g. n0013")]
 JobName = Annotated[str, Path(pattern=models.JOB_PATTERN, description="job id, e.g. train-1")]
@@ -40,7 +40,8 @@ def _store(request: Request) -> StoreLike:
     return request.app.state.store
 
 
-def read_router() -> APIRouter:
+def service_router() -> APIRouter:
+    """``/healthz``: open, so a load balancer or kubelet probe needs no token; it reveals no data."""
     router = APIRouter()
 
     @router.get("/healthz", response_model=models.Health, tags=["service"])
@@ -53,6 +54,13 @@ def read_router() -> APIRouter:
         from fleethealth import __version__
 
         return {"status": "ok" if state == "ok" else "degraded", "store": state, "version": __version__}
+
+    return router
+
+
+def read_router(dependencies: Sequence[Any] = ()) -> APIRouter:
+    """Every read; ``dependencies`` carry the read-scope token check (none with ``--open-reads``)."""
+    router = APIRouter(dependencies=list(dependencies))
 
     @router.get("/v1/recommendations", response_model=models.RecommendationList, tags=["recommendations"],
                 responses=_PROBLEMS)
@@ -104,7 +112,7 @@ def read_router() -> APIRouter:
         """Analyst SQL: one SELECT (or WITH) statement, read-only, bounded in rows and time."""
         state = request.app.state
         try:
-            statement = check_select(body.sql)
+            statement = state.gate.check(body.sql)
         except QueryRefused as exc:
             state.metrics.query_refused.labels(exc.reason.value).inc()
             raise HTTPException(400, detail=exc.problem) from None

@@ -25,12 +25,15 @@ same way by both: a token the gate checks is a token ClickHouse runs.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from fleethealth.errors import SchemaError
 
-__all__ = ["QueryRefused", "RefusalReason", "Token", "TokenKind", "check_select", "tokenize", "MAX_SQL_CHARS"]
+__all__ = ["QueryRefused", "RefusalReason", "Token", "TokenKind", "check_select", "tokenize", "MAX_SQL_CHARS",
+           "SqlGate", "defined_names", "fleethealth_tables"]
 
 MAX_SQL_CHARS = 100_000
 """Longer requests are refused unread."""
@@ -63,6 +66,9 @@ class RefusalReason(StrEnum):
     FORMAT_CLAUSE = "format_clause"
     TABLE_FUNCTION = "table_function"
     AMBIGUOUS = "ambiguous"
+    NON_ASCII = "non_ascii"
+    NOT_ALLOWED = "not_allowed"
+    SYNTAX = "syntax"
 
 
 class QueryRefused(SchemaError):
@@ -88,6 +94,8 @@ class Token:
     kind: TokenKind
     text: str
     pos: int
+    original: str = ""
+    """The text as written (``text`` upper-cases words)."""
 
 
 def _skip_quoted(sql: str, start: int, quote: str) -> int:
@@ -108,6 +116,9 @@ def _skip_quoted(sql: str, start: int, quote: str) -> int:
     what = "string" if quote == "'" else "quoted name"
     raise QueryRefused(RefusalReason.UNTERMINATED, f"unterminated {what} starting at offset {start}")
 
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What a quoted name may hold: the quotes then change nothing ClickHouse reads."""
 
 _ASCII_SPACE = frozenset(" \t\n\r\f\v")
 """Whitespace as ClickHouse reads it."""
@@ -142,6 +153,10 @@ def tokenize(sql: str) -> list[Token]:
             i = n if end < 0 else end + 1
         elif sql.startswith("/*", i):
             i = _skip_block_comment(sql, i)
+        elif ord(ch) > 127:
+            raise QueryRefused(RefusalReason.NON_ASCII,
+                               f"character {ch!r} (U+{ord(ch):04X}) outside a string literal is not allowed "
+                               f"(offset {i}); ClickHouse may read it as whitespace")
         elif ch in _AMBIGUOUS_CHARS or (ord(ch) < 32 and ch not in _ASCII_SPACE):
             raise QueryRefused(RefusalReason.AMBIGUOUS,
                                f"character {ch!r} outside a string is not allowed (offset {i}); "
@@ -149,6 +164,10 @@ def tokenize(sql: str) -> list[Token]:
         elif ch in "'\"`":
             end = _skip_quoted(sql, i, ch)
             kind = TokenKind.STRING if ch == "'" else TokenKind.QUOTED
+            if kind is TokenKind.QUOTED and not _PLAIN_NAME.fullmatch(sql[i + 1:end - 1]):
+                raise QueryRefused(RefusalReason.AMBIGUOUS,
+                                   f"quoted name {sql[i:end][:40]!r} at offset {i} is not a plain identifier "
+                                   "(letters, digits, underscore)")
             tokens.append(Token(kind, sql[i:end], i))
             i = end
         elif ch == ";":
@@ -158,7 +177,7 @@ def tokenize(sql: str) -> list[Token]:
             j = i + 1
             while j < n and (sql[j].isalnum() or sql[j] == "_"):
                 j += 1
-            tokens.append(Token(TokenKind.WORD, sql[i:j].upper(), i))
+            tokens.append(Token(TokenKind.WORD, sql[i:j].upper(), i, sql[i:j]))
             i = j
         else:
             tokens.append(Token(TokenKind.PUNCT, ch, i))
@@ -215,3 +234,59 @@ def check_select(sql: str, *, max_chars: int = MAX_SQL_CHARS) -> str:
                                f"table function {tok.text.lower()}() reaches outside the store (offset {tok.pos})")
     end = tokens[semis[0]].pos if semis else len(sql)
     return sql[:end].rstrip() + "\n"
+
+
+def defined_names(tokens: list[Token]) -> frozenset[str]:
+    """Names a statement defines as tables with ``WITH name AS (SELECT …)`` (common table expressions)."""
+    names = set()
+    for k in range(len(tokens) - 3):
+        name, as_, paren, first = tokens[k:k + 4]
+        if (name.kind in {TokenKind.WORD, TokenKind.QUOTED} and as_.kind is TokenKind.WORD and as_.text == "AS"
+                and paren.kind is TokenKind.PUNCT and paren.text == "("
+                and first.kind is TokenKind.WORD and first.text in {"SELECT", "WITH"}):
+            names.add(name.text[1:-1] if name.kind is TokenKind.QUOTED else name.original)
+    return frozenset(names)
+
+
+_CREATES = re.compile(r"CREATE\s+(?:TABLE|VIEW|MATERIALIZED\s+VIEW)\s+IF\s+NOT\s+EXISTS\s+([A-Za-z_][A-Za-z0-9_]*)",
+                      re.IGNORECASE)
+
+
+def fleethealth_tables() -> frozenset[str]:
+    """The tables and views fleethealth's migrations create: what analyst SQL may read."""
+    from importlib import resources
+
+    names: set[str] = set()
+    for entry in resources.files("fleethealth.migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            names.update(_CREATES.findall(entry.read_text()))
+    return frozenset(names)
+
+
+class SqlGate:
+    """Both gates in order: the lexer (:func:`check_select`), then ClickHouse's own parse walked
+    against allow-lists (:mod:`fleethealth.api.sqlast`).
+
+    ``explain`` takes a statement and returns the text of ``EXPLAIN AST`` for it (the API passes
+    its store: parsing runs no function and opens no table). ``tables`` are the readable tables,
+    by default those of :func:`fleethealth_tables`.
+    """
+
+    def __init__(self, explain: Callable[[str], str], *, tables: frozenset[str] | None = None) -> None:
+        self._explain = explain
+        self.tables = fleethealth_tables() if tables is None else frozenset(tables)
+
+    def check(self, sql: str) -> str:
+        """Return the statement to run (see :func:`check_select`) or raise :class:`QueryRefused`."""
+        from fleethealth.api.sqlast import AstRefused, parse_and_check
+        from fleethealth.errors import StoreError
+
+        statement = check_select(sql)
+        defined = defined_names(tokenize(statement))
+        try:
+            parse_and_check(statement, self._explain, tables=self.tables, defined=defined)
+        except AstRefused as exc:
+            raise QueryRefused(RefusalReason.NOT_ALLOWED, str(exc)) from None
+        except StoreError as exc:
+            raise QueryRefused(RefusalReason.SYNTAX, f"ClickHouse could not parse the statement: {exc}") from None
+        return statement

@@ -184,6 +184,11 @@ class NamedQueries:
         """Raise :class:`~fleethealth.errors.StoreError` unless the store answers a trivial query."""
         self.query("SELECT 1")
 
+    def explain_ast(self, statement: str) -> str:
+        """ClickHouse's parse of ``statement`` (``EXPLAIN AST``), one node a line: parsing runs no
+        function and opens no table, so the analyst-SQL gate can walk what the engine would run."""
+        return "\n".join(str(row[0]) for row in self.query(f"EXPLAIN AST {statement}").rows)
+
     def node_exists(self, node: str) -> bool:
         """Whether any table holds a row about ``node``."""
         sql = " UNION ALL ".join(

@@ -31,6 +31,7 @@ from fleethealth.schema import (
 )
 
 TOKEN = "s3cret-token-for-tests"
+READ_TOKEN = "read-only-token-for-tests"
 T0 = 1_795_900_000.0
 STEP_S = 2.0
 RESTART_S = 30.0
@@ -102,9 +103,10 @@ def _client(store, seeded: Seeded):
 
     from fleethealth.api import create_app
 
-    app = create_app(store, token=TOKEN, max_rows=50, max_execution_s=1.0,
+    app = create_app(store, token=TOKEN, read_token=READ_TOKEN, max_rows=50, max_execution_s=1.0,
                      on_breaker_reset=lambda: seeded.hooks.append("reset"), clock=lambda: T0 + 3600.0)
-    return TestClient(app)
+    # an analyst's client: every request carries the read token unless a test passes its own header
+    return TestClient(app, headers={"Authorization": f"Bearer {READ_TOKEN}"})
 
 
 @pytest.fixture

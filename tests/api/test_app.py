@@ -55,8 +55,10 @@ def test_recommendations_malformed_filters_are_422(client, params):
 def test_ack_needs_the_token_and_is_idempotent(client, seeded, auth):
     rec_id = seeded.recs[0].id
     url = f"/v1/recommendations/{rec_id}/ack"
-    missing = client.post(url, json={"by": "alice"})
+    missing = client.post(url, json={"by": "alice"}, headers={"Authorization": ""})
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    # the read token the analyst's client carries does not write
+    assert client.post(url, json={"by": "alice"}).status_code == 403
     assert client.post(url, json={"by": "alice"}, headers={"Authorization": "Bearer nope"}).status_code == 403
     assert client.post(url, json={"by": "alice"}, headers={"Authorization": "Basic YTpi"}).status_code == 401
     listed = {r["id"]: r for r in client.get("/v1/recommendations").json()["items"]}
@@ -87,7 +89,7 @@ def test_server_without_token_refuses_writes(store, seeded):
 
     from fleethealth.api import create_app
 
-    with TestClient(create_app(store, token=None)) as open_client:
+    with TestClient(create_app(store, token=None, open_reads=True)) as open_client:
         url = f"/v1/recommendations/{seeded.recs[0].id}/ack"
         assert open_client.post(url, json={"by": "x"}, headers={"Authorization": "Bearer "}).status_code == 401
         assert open_client.post(url, json={"by": "x"}, headers={"Authorization": "Bearer x"}).status_code == 403
@@ -154,7 +156,8 @@ def _passing(node: str, ts: float) -> dict:
 def test_quarantine_release_needs_token_and_a_full_passing_selftest(client, auth):
     assert [q["node"] for q in client.get("/v1/quarantine").json()["items"]] == ["n0001"]
     url = "/v1/quarantine/n0001/release"
-    assert client.post(url, json={"evidence": _passing("n0001", T0 + 100)}).status_code == 401
+    assert client.post(url, json={"evidence": _passing("n0001", T0 + 100)},
+                       headers={"Authorization": ""}).status_code == 401
     weak = {**_passing("n0001", T0 + 100), "suite": "quick"}
     refused = client.post(url, json={"evidence": weak}, headers=auth)
     assert refused.status_code == 409 and "full" in refused.json()["detail"]
@@ -205,7 +208,8 @@ def test_one_passing_test_or_a_typed_verdict_does_not_release(client, store, aut
 
 def test_breaker_reset(client, seeded, auth):
     assert client.get("/v1/breaker").json()["open"] is False
-    assert client.post("/v1/breaker/reset", json={"by": "ops"}).status_code == 401
+    assert client.post("/v1/breaker/reset", json={"by": "ops"}, headers={"Authorization": ""}).status_code == 401
+    assert client.post("/v1/breaker/reset", json={"by": "ops"}).status_code == 403  # a read token
     assert client.post("/v1/breaker/reset", json={"by": "ops"},
                        headers={"Authorization": "Bearer x"}).status_code == 403
     assert seeded.hooks == []

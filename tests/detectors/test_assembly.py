@@ -96,3 +96,29 @@ def test_interruption_lets_step_numbers_repeat_and_forget_drops_a_job() -> None:
     assert asm.add(_batch(6, 1, 3.0)) == [] and asm.open_steps() == {("j", 6)}
     asm.forget("j")
     assert asm.open_steps() == set() and asm.drain() == []
+
+
+def test_a_forged_step_far_ahead_is_refused_and_later_steps_still_score() -> None:
+    """One batch claiming step 2**63-1 must not make every later step look late."""
+    asm = StepAssembler(timeout_s=5.0, max_step_jump=1000)
+    for step in range(3):  # 10 s apart: the first step is emitted on its timeout, the others complete
+        asm.add(_batch(step, 0, 10.0 * step))
+        asm.add(_batch(step, 1, 10.0 * step))
+    forged = StepBatch(job="j", step=2**63 - 1, node="n0000", ts=25.0, ranks=np.arange(4, dtype=np.int32),
+                       gpus=np.arange(4, dtype=np.int16), compute_s=np.ones(4))
+    assert asm.add(forged) == [] and asm.refused_ and asm.implausible_total == 1
+    emitted = asm.add(_batch(3, 0, 30.0)) + asm.add(_batch(3, 1, 30.0))
+    assert [s.step for s in emitted if s.complete] == [3] and asm.late_total == 0 and not asm.refused_
+
+
+def test_a_batch_naming_another_nodes_ranks_is_refused_until_the_job_restarts() -> None:
+    asm = StepAssembler(timeout_s=5.0)
+    asm.add(_batch(0, 0, 0.0))
+    asm.add(_batch(0, 1, 0.0))
+    thief = StepBatch(job="j", step=1, node="n0666", ts=10.0, ranks=np.arange(4, dtype=np.int32),
+                      gpus=np.arange(4, dtype=np.int16), compute_s=np.full(4, 9.0))
+    assert asm.add(thief) == [] and asm.refused_ and asm.foreign_total == 1
+    done = asm.add(_batch(1, 0, 10.0)) + asm.add(_batch(1, 1, 10.0))
+    assert [s.step for s in done if s.complete] == [1] and set(done[-1].nodes) == {"n0000", "n0001"}
+    asm.restart("j")  # a new placement: ranks may move
+    assert asm.add(thief) == [] and not asm.refused_ and asm.foreign_total == 1

@@ -287,3 +287,32 @@ def test_publishing_to_a_stopped_broker_fails_then_works_after_restart() -> None
         with Consumer(second.dsn, [Topic.STEPS], _uid("group"), **FAST) as consumer:
             got = _drain(consumer, lambda k: len(k) >= 1, lambda r: r.msg.job == job, timeout_s=15)
     assert [r.msg.step for r in got] == [2]  # step 0 was lost with the first broker's memory
+
+
+def test_dsn_security_options(tmp_path):
+    """Producer identity through the DSN: SASL/SCRAM with the password from a file, TLS with a CA."""
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    opts = bus.dsn_options(f"kafka://k1:9093?username=node-n0001&password_file={secret}&ssl_cafile=/etc/ca.pem")
+    assert opts == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                    "sasl_plain_username": "node-n0001", "sasl_plain_password": "s3cret", "ssl_cafile": "/etc/ca.pem"}
+    assert bus.dsn_options("kafka://k1:9093?security_protocol=SSL&ssl_certfile=c.pem&ssl_keyfile=k.pem") == {
+        "security_protocol": "SSL", "ssl_certfile": "c.pem", "ssl_keyfile": "k.pem"}
+    assert bus.dsn_options("kafka://k1:9092") == {}
+    assert bus.parse_dsn("kafka://k1:9093?security_protocol=SSL") == ("kafka", ("k1:9093",))
+    with pytest.raises(ConfigError, match="unknown"):
+        bus.dsn_options("kafka://k1:9093?pasword_file=x")
+    with pytest.raises(ConfigError, match="needs username"):
+        bus.dsn_options("kafka://k1:9093?security_protocol=SASL_SSL")
+    with pytest.raises(ConfigError, match="cannot read"):
+        bus.dsn_options(f"kafka://k1:9093?username=a&password_file={tmp_path / 'missing'}")
+    with pytest.raises(ConfigError, match="sasl_mechanism"):
+        bus.dsn_options(f"kafka://k1:9093?username=a&password_file={secret}&sasl_mechanism=GSSAPI")
+
+
+def test_explicit_plaintext_dsn_talks_to_the_real_broker(broker):
+    dsn = f"{broker.dsn}?security_protocol=PLAINTEXT"
+    topic_msg = Event(node="n0001", ts=1.0, kind=EventKind.XID, code=31, message="dsn-options")
+    with bus.Producer(dsn) as producer:
+        producer.publish(topic_msg)
+        producer.flush()
