@@ -39,7 +39,7 @@ import numpy as np
 
 from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import SchemaError
-from fleethealth.injob.records import HangReport
+from fleethealth.payloads.hang_report import HangReport
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
 
 __all__ = ["HangDetector"]
