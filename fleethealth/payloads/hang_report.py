@@ -3,6 +3,9 @@ hang detector.
 
 ``Event.data`` keys: ``stacks`` (a faulthandler dump of every thread), ``last_collective``,
 ``timeout_s``; the rank and step are set on the event itself.
+
+A ``hang`` finding lists the reports it attaches in ``evidence["stacks"]``, one :class:`RankStacks`
+each: ``rank``, ``node``, ``gpu``, ``step``, ``ts``, ``last_collective``, ``stacks``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from fleethealth.errors import SchemaError
 from fleethealth.payloads._fields import opt_float
 from fleethealth.schema import Event, EventKind
 
-__all__ = ["HangReport", "hang_report_event"]
+__all__ = ["HangReport", "RankStacks", "hang_report_event"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,22 @@ class HangReport:
         if timeout is None:
             raise SchemaError("timeout_s", "missing")
         return cls(stacks=stacks, last_collective=last, timeout_s=timeout)
+
+
+@dataclass(frozen=True)
+class RankStacks:
+    """One rank's hang report with where and when it came from, as a ``hang`` finding lists it."""
+
+    rank: int
+    node: str
+    gpu: int | None
+    step: int | None
+    ts: float
+    report: HangReport
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "gpu": self.gpu, "step": self.step, "ts": self.ts,
+                "last_collective": self.report.last_collective, "stacks": self.report.stacks}
 
 
 def hang_report_event(*, ts: float, stacks: str, timeout_s: float, last_collective: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleethealth.errors import SchemaError
-from fleethealth.payloads.hang_report import HangReport, hang_report_event
+from fleethealth.payloads.hang_report import HangReport, RankStacks, hang_report_event
 from fleethealth.schema import Event, EventKind, encode
 
 
@@ -43,3 +43,10 @@ def test_bad_reports_raise_naming_the_key(data: dict, field: str) -> None:
 def test_reading_the_wrong_kind_is_an_error() -> None:
     with pytest.raises(SchemaError):
         HangReport.from_event(Event(node="n0001", ts=1.0, kind=EventKind.CHECKPOINT, data={"step": 1}))
+
+
+def test_a_hang_finding_lists_each_rank_report_with_its_origin() -> None:
+    report = HangReport(stacks="Thread 0x1", last_collective=None, timeout_s=90.0)
+    listed = RankStacks(rank=16, node="n0002", gpu=0, step=450, ts=704.5, report=report).to_evidence()
+    assert list(listed.items()) == [("rank", 16), ("node", "n0002"), ("gpu", 0), ("step", 450), ("ts", 704.5),
+                                    ("last_collective", None), ("stacks", "Thread 0x1")]
