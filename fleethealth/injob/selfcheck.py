@@ -21,8 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleethealth.injob.digest import BitDigest, PendingDigest, bit_digest, bit_digest_async, fingerprint
-from fleethealth.injob.digest import fingerprint_distance as _distance
+from fleethealth.injob.digest import (
+    BitDigest,
+    PendingDigest,
+    bit_digest,
+    bit_digest_async,
+    fingerprint,
+    fingerprint_distance,
+)
 from fleethealth.injob.recompute import Recompute
 from fleethealth.injob.results import CheckResult, NondeterminismWarning, fingerprint_hex
 from fleethealth.injob.watchdog import HangWatchdog
@@ -171,7 +177,7 @@ class SelfCheck:
                 warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation")
                 g3 = self.recompute(batch)
             fps = [fingerprint(g1), fingerprint(g2), fingerprint(g3)]
-            spread = max(_distance(a, b) for i, a in enumerate(fps) for b in fps[i + 1:])
+            spread = max(fingerprint_distance(a, b) for i, a in enumerate(fps) for b in fps[i + 1:])
             self.tolerance = max(self.floor, self.margin * spread)
             what = f"op {op}" if op else "an op torch did not name"
             msg = (f"fleethealth: the backward is NOT bitwise deterministic ({what}; differing parameters: "
@@ -202,8 +208,8 @@ class SelfCheck:
             grads = self._training_grads() or self.recompute(batch)
             fa, fb = fingerprint(grads), fingerprint(self.recompute(batch))
             tol = self.tolerance
-            passed, digests, mismatched = (_distance(fa, fb) <= tol, (fingerprint_hex(fa), fingerprint_hex(fb)),
-                                           ())
+            passed, mismatched = fingerprint_distance(fa, fb) <= tol, ()
+            digests = (fingerprint_hex(fa), fingerprint_hex(fb))
         return CheckResult(check=CheckKind.SELFCHECK, step=step, rank=rank, passed=passed,
                            classification=None if passed else Classification.TRANSIENT, digests=digests,
                            duration_s=time.perf_counter() - t0, tolerance=tol, mismatched=mismatched)
