@@ -37,7 +37,7 @@ import selfcheck_cost  # noqa: E402
 
 from fleethealth.injob.digest import bit_digest  # noqa: E402
 from fleethealth.injob.guard import NondeterminismWarning, SdcGuard  # noqa: E402
-from fleethealth.injob.report import Reporter  # noqa: E402
+from fleethealth.injob.reporter import Reporter  # noqa: E402
 
 _INT = {2: torch.int16, 4: torch.int32}
 

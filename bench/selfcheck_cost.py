@@ -24,7 +24,7 @@ import torch
 
 from fleethealth.injob.digest import bit_digest
 from fleethealth.injob.guard import SdcGuard
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
 
 
 def make_model(width: int, device: torch.device) -> torch.nn.Module:

@@ -33,13 +33,12 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import SchemaError
-from fleethealth.injob.records import HangReport
+from fleethealth.payloads.hang_report import HangReport, RankStacks
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
 
 __all__ = ["HangDetector"]
@@ -60,7 +59,7 @@ class _Job:
     progress_ts: float = math.nan
     durations: deque[float] = field(default_factory=deque)
     timeout: float = math.nan  # cached step timeout; NaN when the durations changed since
-    stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stacks: dict[int, RankStacks] = field(default_factory=dict)
     interrupted: bool = False
     reported: bool = False
     deadline: float = math.nan
@@ -169,8 +168,8 @@ class HangDetector:
                 self.ignored_events_total_ += 1
                 return []
             if e.rank is not None and len(job.stacks) < 4 * self.max_listed:
-                job.stacks[e.rank] = {"rank": e.rank, "node": e.node, "gpu": e.gpu, "step": e.step, "ts": e.ts,
-                                      "last_collective": report.last_collective, "stacks": report.stacks}
+                job.stacks[e.rank] = RankStacks(rank=e.rank, node=e.node, gpu=e.gpu, step=e.step, ts=e.ts,
+                                                report=report)
             return []
         out = self._report(e.job, job, e.ts, "interrupted") if self._pending(job) else []
         job.interrupted = True
@@ -194,22 +193,22 @@ class HangDetector:
             # Every rank is level: the watchdogs' reports are the only pointer (the odd stack out).
             by_stack: dict[str, list[int]] = {}
             for rank, rec in job.stacks.items():
-                by_stack.setdefault(rec["stacks"], []).append(rank)
+                by_stack.setdefault(rec.report.stacks, []).append(rank)
             if len(by_stack) > 1:
                 culprits = sorted(min(by_stack.values(), key=len))
             listed = np.asarray(culprits[: self.max_listed], dtype=np.int64)
         nodes = sorted({job.nodes[i] for i in job.node_of[listed].tolist() if i >= 0})
-        stacks = sorted(job.stacks.values(), key=lambda r: (r["rank"] not in set(culprits), r["rank"]))
+        stacks = sorted(job.stacks.values(), key=lambda r: (r.rank not in set(culprits), r.rank))
         first = int(listed[0]) if listed.size else None
         node = (job.nodes[job.node_of[first]] if first is not None and job.node_of[first] >= 0
-                else stacks[0]["node"] if stacks else job.nodes[0])
+                else stacks[0].node if stacks else job.nodes[0])
         stuck_step = int(job.last_step[listed].min()) + 1 if listed.size else job.max_step + 1
         evidence = {
             "why": why, "timeout_s": round(self.timeout_s(name), 3), "last_progress_ts": job.progress_ts,
             "stalled_s": round(ts - job.progress_ts, 3), "max_step": job.max_step,
             "behind_ranks": [int(r) for r in listed], "behind_count": int(len(culprits)),
             "behind_nodes": nodes, "last_steps": sorted({int(s) for s in job.last_step[listed]}),
-            "stacks": stacks[: self.max_listed],
+            "stacks": [r.to_evidence() for r in stacks[: self.max_listed]],
         }
         one = len(culprits) == 1 and first is not None
         return [Finding(kind=FindingKind.HANG, node=node, ts=float(ts), job=name,
@@ -232,10 +231,10 @@ class HangDetector:
             return []
         have = set(job.stacks)
         if behind.size and all(int(r) in have for r in behind[: self.max_listed]):
-            last = max(job.stacks[int(r)]["ts"] for r in behind[: self.max_listed])
+            last = max(job.stacks[int(r)].ts for r in behind[: self.max_listed])
             return self._report(name, job, max(job.deadline, last), "timeout")
         if behind.size == 0 and job.stacks:
-            return self._report(name, job, max(job.deadline, max(r["ts"] for r in job.stacks.values())), "timeout")
+            return self._report(name, job, max(job.deadline, max(r.ts for r in job.stacks.values())), "timeout")
         if now >= job.deadline + self.stack_grace_s:
             return self._report(name, job, job.deadline + self.stack_grace_s, "timeout")
         return []

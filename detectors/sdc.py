@@ -3,16 +3,17 @@
 The in-job library runs two checks (seed 000 R3): a bitwise **self-check** (a rank recomputes
 its own microbatch: any bit difference is a hardware fault; catches transient corruption) and a
 rare cross-rank **replay** at an empirical tolerance (catches a deterministically wrong GPU).
-Each result arrives as an ``sdc_check`` event (keys in ``fleethealth.injob.records``):
+Each result arrives as an ``sdc_check`` event (keys in :mod:`fleethealth.payloads.sdc_check`):
 ``check``, ``passed``, ``classification`` (``transient`` | ``persistent`` | ``data_or_code`` |
 null), ``digests``, ``duration_s``, ``peer_ranks``, ``culprit_rank``, ``tolerance``.
 
 :class:`SdcDetector` turns a failing check into one finding per (node, GPU, check) episode: a
 deterministic fault fails every replay, and one finding is what the policy needs. A later
 passing check of the same GPU and kind closes the episode. ``rank`` is the culprit the replay's
-bisection named, else the reporting rank. The evidence carries the check record plus what a
-rollback needs: ``last_verified_step`` (the newest check step of the job that passed, before the
-failing one) and the job's recent ``checkpoints`` (from ``checkpoint`` events).
+bisection named, else the reporting rank. The evidence (:class:`~fleethealth.payloads.SdcEvidence`)
+carries the check record plus what a rollback needs: ``last_verified_step`` (the newest check step
+of the job that passed, before the failing one) and the job's recent ``checkpoints`` (from
+``checkpoint`` events).
 
 Events with malformed check records are counted in ``invalid_total_`` and skipped.
 """
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 from fleethealth.detectors.params import check_int
 from fleethealth.errors import SchemaError
-from fleethealth.injob.records import Classification, SdcCheck
+from fleethealth.payloads.checkpoint import CheckpointRecord
+from fleethealth.payloads.sdc_check import SdcCheck
+from fleethealth.payloads.sdc_evidence import SdcEvidence
 from fleethealth.schema import Event, EventKind, Finding, FindingKind
 
 __all__ = ["SdcDetector"]
@@ -46,7 +48,7 @@ class SdcDetector:
         check_int(self, "keep", self.keep, minimum=1)
         self.open_: dict[tuple[str, int | None, str], int] = {}
         self.passes_: dict[str, deque[int]] = {}
-        self.checkpoints_: dict[str, deque[dict[str, Any]]] = {}
+        self.checkpoints_: dict[str, deque[CheckpointRecord]] = {}
         self.invalid_total_ = 0
         self.failures_total_ = 0
 
@@ -78,27 +80,21 @@ class SdcDetector:
             self.open_[key] += 1
             return []
         self.open_[key] = 1
-        evidence = {
-            "check": rec.check.value,
-            "classification": None if rec.classification is None else rec.classification.value,
-            "digests": list(rec.digests), "duration_s": rec.duration_s, "peer_ranks": list(rec.peer_ranks),
-            "culprit_rank": rec.culprit_rank, "tolerance": rec.tolerance, "reporting_rank": e.rank,
-            "hardware": rec.classification is not Classification.DATA_OR_CODE,
-            "last_verified_step": self._watermark(e.job, e.step),
-            "checkpoints": list(self.checkpoints_.get(e.job or "", ())),
-        }
+        evidence = SdcEvidence(record=rec, reporting_rank=e.rank, last_verified_step=self._watermark(e.job, e.step),
+                               checkpoints=tuple(self.checkpoints_.get(e.job or "", ())))
         return [Finding(kind=FindingKind.SDC, node=e.node, ts=e.ts, job=e.job, gpu=e.gpu,
                         rank=rec.culprit_rank if rec.culprit_rank is not None else e.rank, step=e.step,
-                        detector=f"{self.name}.{rec.check.value}", evidence=evidence)]
+                        detector=f"{self.name}.{rec.check.value}", evidence=evidence.to_evidence())]
 
     def _checkpoint(self, e: Event) -> None:
-        step, lvs = e.data.get("step", e.step), e.data.get("last_verified_step")
-        if e.job is None or not isinstance(step, int):
+        try:
+            record = CheckpointRecord.from_event(e)
+        except SchemaError:
+            record = None
+        if e.job is None or record is None:
             self.invalid_total_ += 1
             return
-        book = self.checkpoints_.setdefault(e.job, deque(maxlen=self.keep))
-        book.append({"step": step, "uri": str(e.data.get("uri", "")),
-                     "last_verified_step": lvs if isinstance(lvs, int) else None})
+        self.checkpoints_.setdefault(e.job, deque(maxlen=self.keep)).append(record)
 
     def update(self, events: Sequence[Event]) -> list[Finding]:
         """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings."""

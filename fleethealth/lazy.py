@@ -14,13 +14,14 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module-level ``__getattr__`` and ``__dir__`` for ``package``, whose ``exports`` map each
-    public name to the submodule defining it. Use: ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``."""
+    public name to the submodule defining it (a dotted name is a module path from the top, for a
+    name the package re-exports from elsewhere). Use: ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``."""
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        value = getattr(importlib.import_module(module if "." in module else f"{package}.{module}"), name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -18,11 +18,15 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender", "WireMessage", "parse"]
+if TYPE_CHECKING:
+    from fleethealth.schema import Event
+
+__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender", "WireMessage",
+           "event_datagram", "parse"]
 
 DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
 MAX_DATAGRAM = 200_000
@@ -47,6 +51,13 @@ class WireMessage:
     ts: float
     value: float = 0.0
     event: dict[str, Any] | None = None
+
+
+def event_datagram(event: Event) -> dict[str, Any]:
+    """The ``"e"`` datagram of an event for :class:`Sender`: the probe fills the node."""
+    obj = event.to_obj()
+    obj.pop("node", None)
+    return {"t": "e", "event": obj}
 
 
 def parse(datagram: bytes) -> WireMessage:

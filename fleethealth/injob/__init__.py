@@ -1,8 +1,10 @@
 """The in-job library: runs inside training processes, imports nothing heavier than torch and the wire format.
 
-Names are resolved lazily, so ``import fleethealth.injob`` (and the torch-free modules: records,
-report, watermark, invariants, replay, watchdog, timer) work on a node without torch; the torch
-modules (digest, guard, crossrank) load on first use of one of their names.
+Names are resolved lazily, so ``import fleethealth.injob`` (and the torch-free modules: reporter,
+watermark, invariants, replay, results, watchdog, timer) work on a node without torch; the torch
+modules (digest, recompute, selfcheck, crossrank, distributed, guard) load on first use of one of
+their names. The check records on the wire live in :mod:`fleethealth.payloads`, which the streaming
+side reads too; they are re-exported here.
 
 - :class:`StepTimer` — pre-collective compute time per step, to the node probe.
 - :class:`SdcGuard` — bitwise self-check, cross-rank replay, invariants, watermark (seed 000 §7, R3, R6).
@@ -18,32 +20,32 @@ _EXPORTS: dict[str, str] = {
     # torch-free
     "StepTimer": "timer",
     "TimerStats": "timer",
-    "CheckKind": "records",
-    "Classification": "records",
-    "classify": "records",
-    "SdcCheck": "records",
-    "HangReport": "records",
-    "sdc_check_event": "records",
-    "hang_report_event": "records",
-    "checkpoint_event": "records",
-    "event_datagram": "records",
-    "Reporter": "report",
+    "CheckKind": "fleethealth.payloads.sdc_check",
+    "Classification": "fleethealth.payloads.sdc_check",
+    "classify": "fleethealth.payloads.sdc_check",
+    "SdcCheck": "fleethealth.payloads.sdc_check",
+    "sdc_check_event": "fleethealth.payloads.sdc_check",
+    "HangReport": "fleethealth.payloads.hang_report",
+    "hang_report_event": "fleethealth.payloads.hang_report",
+    "CheckpointRecord": "fleethealth.payloads.checkpoint",
+    "checkpoint_event": "fleethealth.payloads.checkpoint",
+    "rollback_target": "fleethealth.payloads.rollback",
+    "event_datagram": "fleethealth.wire",
+    "Reporter": "reporter",
     "Watermark": "watermark",
-    "CheckpointRecord": "watermark",
     "Retention": "watermark",
     "retention": "watermark",
-    "rollback_target": "watermark",
     "Invariants": "invariants",
     "InvariantVerdict": "invariants",
     "NonFiniteLoss": "invariants",
     "ReplayCalibration": "replay",
     "HangWatchdog": "watchdog",
+    "CheckResult": "results",
+    "StepVerdict": "results",
+    "StartupReport": "results",
+    "NondeterminismWarning": "results",
     # torch
     "SdcGuard": "guard",
-    "CheckResult": "guard",
-    "StepVerdict": "guard",
-    "StartupReport": "guard",
-    "NondeterminismWarning": "guard",
     "BitDigest": "digest",
     "bit_digest": "digest",
     "fingerprint": "digest",

@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from fleethealth.errors import ConfigError
-from fleethealth.injob.records import hang_report_event
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
+from fleethealth.payloads.hang_report import hang_report_event
 from fleethealth.schema import Event
 
 __all__ = ["HangWatchdog", "dump_all_stacks", "abort_process_group"]

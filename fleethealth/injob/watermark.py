@@ -5,7 +5,8 @@
 - ``last_verified_step`` is the most recent step at which an SDC check passed; every checkpoint
   records it (:meth:`Watermark.checkpoint`).
 - the rollback target is the newest checkpoint whose step is <= the last passing check
-  (:func:`rollback_target`); anything written after it is in the suspect window.
+  (:func:`fleethealth.payloads.rollback.rollback_target`, the rule the policy applies too); anything
+  written after it is in the suspect window.
 - retention is derived from the check cadence: ``ceil(3 x sdc_interval / checkpoint_interval + 2)``
   rolling checkpoints, plus a milestone every 6 hours kept for the whole run (:func:`retention`).
   The seed's worked numbers: checks every 33 min and checkpoints every 13.6 min give 9.28, keep 10.
@@ -18,45 +19,20 @@ after a rollback lets it move again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from fleethealth.errors import ConfigError
+from fleethealth.payloads.checkpoint import CheckpointRecord
+from fleethealth.payloads.rollback import rollback_target
 
-__all__ = [
-    "CheckpointRecord",
-    "Retention",
-    "Watermark",
-    "retention",
-    "rollback_target",
-    "MILESTONE_EVERY_S",
-]
+__all__ = ["Retention", "Watermark", "retention", "MILESTONE_EVERY_S"]
 
 MILESTONE_EVERY_S = 6 * 3600.0
 """Seed 000 R6: a milestone checkpoint every 6 hours, retained for the whole run."""
 
-
-class _HasStep(Protocol):
-    @property
-    def step(self) -> int: ...
-
-
 _C = TypeVar("_C")
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """A checkpoint and the watermark at the time it was written (``None``: nothing verified yet)."""
-
-    step: int
-    uri: str
-    last_verified_step: int | None
-
-    @property
-    def verified(self) -> bool:
-        """True when a check passed at or after this checkpoint's step when it was written."""
-        return self.last_verified_step is not None and self.last_verified_step >= self.step
 
 
 @dataclass(frozen=True)
@@ -95,22 +71,6 @@ def retention(sdc_interval: float, checkpoint_interval: float, *, run_length: fl
             raise ConfigError(f"run_length must be a non-negative finite number, got {run_length!r}")
         milestones = int(run_length // milestone_every)
     return Retention(ratio=ratio, rolling=rolling, milestones=milestones)
-
-
-def _step_of(item: int | _HasStep) -> int:
-    return item if isinstance(item, int) else item.step
-
-
-def rollback_target(checkpoints: Iterable[_C], last_verified_step: int | None) -> _C | None:
-    """The newest checkpoint whose step is <= ``last_verified_step``; ``None`` when none is clean.
-
-    ``checkpoints`` are steps or objects with a ``step`` attribute (e.g. :class:`CheckpointRecord`),
-    in any order.
-    """
-    if last_verified_step is None:
-        return None
-    clean = [c for c in checkpoints if _step_of(c) <= last_verified_step]
-    return max(clean, key=_step_of) if clean else None
 
 
 class Watermark:

@@ -32,14 +32,16 @@ window yield ``none``, so a node-level fault on eight ranks is one recommendatio
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleethealth.errors import ConfigError
-from fleethealth.injob.watermark import rollback_target
+from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.payloads.checkpoint import CheckpointRecord
+from fleethealth.payloads.rollback import rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
@@ -142,12 +144,11 @@ class PolicyEngine:
             if ev.job is None:
                 continue
             if ev.kind is EventKind.CHECKPOINT:
-                step = ev.data.get("step", ev.step)
-                if not isinstance(step, int):
+                try:
+                    rec = CheckpointRecord.from_event(ev)
+                except SchemaError:
                     continue
-                lvs = ev.data.get("last_verified_step")
-                ck = Checkpoint(job=ev.job, step=step, uri=str(ev.data.get("uri", "")),
-                                last_verified_step=lvs if isinstance(lvs, int) else None)
+                ck = Checkpoint(job=ev.job, step=rec.step, uri=rec.uri, last_verified_step=rec.last_verified_step)
                 book = self.checkpoints_.setdefault(ev.job, [])
                 if all(c.step != ck.step for c in book):
                     book.append(ck)
@@ -311,9 +312,9 @@ class PolicyEngine:
         job = f.job or ""
         book = list(self.checkpoints_.get(job, ()))
         for c in f.evidence.get("checkpoints", ()) or ():
-            if isinstance(c, Mapping) and isinstance(c.get("step"), int):
-                lvs = c.get("last_verified_step")
-                book.append(Checkpoint(job, c["step"], str(c.get("uri", "")), lvs if isinstance(lvs, int) else None))
+            with contextlib.suppress(SchemaError):
+                rec = CheckpointRecord.from_data(c)
+                book.append(Checkpoint(job, rec.step, rec.uri, rec.last_verified_step))
         passes = [self.last_pass_.get(job, -1)] + [c.last_verified_step for c in book
                                                    if c.last_verified_step is not None]
         if isinstance(f.evidence.get("last_verified_step"), int):

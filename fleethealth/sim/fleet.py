@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleethealth.injob.records import checkpoint_event, hang_report_event, sdc_check_event
+from fleethealth.payloads.checkpoint import checkpoint_event
+from fleethealth.payloads.hang_report import hang_report_event
+from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry
 from fleethealth.sim.faults import EFFECTS, Frame, sdc_failures
 from fleethealth.sim.scenario import Scenario

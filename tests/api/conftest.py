@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from fleethealth.injob.records import sdc_check_event
+from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.policy import quarantine as qb
 from fleethealth.schema import (
     Action,

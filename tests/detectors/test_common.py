@@ -27,7 +27,7 @@ from fleethealth.detectors import (
     StragglerDetector,
 )
 from fleethealth.errors import SchemaError
-from fleethealth.injob.records import sdc_check_event
+from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import (
     ClockReason,
     Diagnosis,

@@ -4,7 +4,8 @@ rollback watermark and the checkpoints; the simulator's transient and determinis
 from __future__ import annotations
 
 from fleethealth.detectors.sdc import SdcDetector
-from fleethealth.injob.records import checkpoint_event, sdc_check_event
+from fleethealth.payloads.checkpoint import checkpoint_event
+from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import Event, EventKind, FindingKind
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fleethealth.injob.guard import SdcGuard
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
 from fleethealth.injob.watchdog import HangWatchdog
 
 STEPS, REPLAY_EVERY, SLOW_STEP, BAD_STEP = 7, 3, 3, 6

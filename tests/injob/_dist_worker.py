@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from fleethealth.injob.guard import SdcGuard
 from fleethealth.injob.invariants import Invariants
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
 from fleethealth.injob.watchdog import HangWatchdog
 
 STEPS = 30

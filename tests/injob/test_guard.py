@@ -16,8 +16,8 @@ import torch
 from fleethealth.errors import ConfigError
 from fleethealth.injob.guard import NondeterminismWarning, SdcGuard
 from fleethealth.injob.invariants import Invariants, NonFiniteLoss
-from fleethealth.injob.records import SdcCheck
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
+from fleethealth.payloads.sdc_check import SdcCheck
 from fleethealth.schema import Event
 
 

@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from fleethealth.errors import ConfigError
-from fleethealth.injob.records import HangReport
-from fleethealth.injob.report import Reporter
+from fleethealth.injob.reporter import Reporter
 from fleethealth.injob.watchdog import HangWatchdog, dump_all_stacks
+from fleethealth.payloads.hang_report import HangReport
 from fleethealth.schema import Event
 
 

@@ -1,11 +1,11 @@
-"""Verification watermark, rollback target and retention against seed 000 revision R6's numbers."""
+"""Verification watermark (and the rollback target it picks) and retention against seed 000 revision R6's numbers."""
 
 from __future__ import annotations
 
 import pytest
 
 from fleethealth.errors import ConfigError
-from fleethealth.injob.watermark import CheckpointRecord, Watermark, retention, rollback_target
+from fleethealth.injob.watermark import Watermark, retention
 
 
 def test_retention_matches_the_seed_worked_example() -> None:
@@ -32,17 +32,6 @@ def test_retention_rejects_bad_intervals(bad: float) -> None:
         retention(bad, 13.6)
     with pytest.raises(ConfigError):
         retention(33.0, bad)
-
-
-def test_rollback_target_is_the_newest_checkpoint_at_or_before_the_last_pass() -> None:
-    ckpts = [408, 816, 1224, 1632, 2040]
-    assert rollback_target(ckpts, 1000) == 816
-    assert rollback_target(ckpts, 1224) == 1224
-    assert rollback_target(list(reversed(ckpts)), 2100) == 2040
-    assert rollback_target(ckpts, 100) is None
-    assert rollback_target(ckpts, None) is None
-    records = [CheckpointRecord(s, f"ckpt://{s}", None) for s in ckpts]
-    assert rollback_target(records, 1700).uri == "ckpt://1632"
 
 
 def test_watermark_records_checks_and_freezes_at_the_first_failure() -> None:

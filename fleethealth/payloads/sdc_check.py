@@ -1,14 +1,9 @@
-"""The records the in-job checks emit, as :class:`~fleethealth.schema.Event` objects (torch-free).
+"""The ``sdc_check`` record: one rank's result of an in-job SDC check, built in the training process
+and read by the SDC detector.
 
-The simulator, the in-job library and the detectors all build and read SDC check results and hang
-reports through this module, so the keys inside ``Event.data`` are written in one place:
-
-- ``sdc_check``: ``check`` (``selfcheck`` | ``replay``), ``passed``, ``classification``
-  (``transient`` | ``persistent`` | ``data_or_code`` | null), ``digests`` (hex strings),
-  ``duration_s``, ``peer_ranks``, ``culprit_rank``, ``tolerance``.
-- ``hang_report``: ``stacks`` (a faulthandler dump of every thread), ``last_collective``, ``timeout_s``;
-  the rank and step are set on the event itself.
-- ``checkpoint``: ``step``, ``uri``, ``last_verified_step``.
+``Event.data`` keys: ``check`` (``selfcheck`` | ``replay``), ``passed``, ``classification``
+(``transient`` | ``persistent`` | ``data_or_code`` | null), ``digests`` (hex strings),
+``duration_s``, ``peer_ranks``, ``culprit_rank``, ``tolerance``.
 
 An ``sdc_check`` event describes the *emitting rank's own* result: ``passed=False`` means this rank's
 GPU is suspect. In a replay the rank the vote names emits ``passed=False`` with ``culprit_rank`` set
@@ -23,25 +18,15 @@ not hardware.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Self
 
 from fleethealth.errors import SchemaError
+from fleethealth.payloads._fields import hex_list, opt_float, rank_list
 from fleethealth.schema import Event, EventKind
 
-__all__ = [
-    "CheckKind",
-    "Classification",
-    "classify",
-    "SdcCheck",
-    "HangReport",
-    "sdc_check_event",
-    "hang_report_event",
-    "checkpoint_event",
-    "event_datagram",
-]
+__all__ = ["CheckKind", "Classification", "classify", "SdcCheck", "sdc_check_event"]
 
 
 class CheckKind(StrEnum):
@@ -72,34 +57,6 @@ def classify(same_device_reproduces: bool, other_device_agrees: bool | None) -> 
     if other_device_agrees is None:
         return None
     return Classification.DATA_OR_CODE if other_device_agrees else Classification.PERSISTENT
-
-
-def _hex_list(digests: Any) -> list[str]:
-    if isinstance(digests, str) or not isinstance(digests, list | tuple):
-        raise SchemaError("digests", "expected a list of hex strings")
-    for d in digests:
-        if not isinstance(d, str) or not d:
-            raise SchemaError("digests", f"expected hex strings, got {d!r}")
-        try:
-            int(d, 16)
-        except ValueError:
-            raise SchemaError("digests", f"not a hex string: {d!r}") from None
-    return list(digests)
-
-
-def _rank_list(ranks: Any) -> list[int]:
-    if not isinstance(ranks, list | tuple) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-        raise SchemaError("peer_ranks", f"expected a list of non-negative integers, got {ranks!r}")
-    return [int(r) for r in ranks]
-
-
-def _opt_float(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise SchemaError(name, f"expected a finite non-negative number or null, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -147,43 +104,16 @@ class SdcCheck:
         if culprit is not None and (isinstance(culprit, bool) or not isinstance(culprit, int) or culprit < 0):
             raise SchemaError("culprit_rank", f"expected a rank or null, got {culprit!r}")
         return cls(check=check, passed=passed, classification=classification,
-                   digests=tuple(_hex_list(data.get("digests", []))),
-                   duration_s=_opt_float("duration_s", data.get("duration_s", 0.0)) or 0.0,
-                   peer_ranks=tuple(_rank_list(data.get("peer_ranks", []))), culprit_rank=culprit,
-                   tolerance=_opt_float("tolerance", data.get("tolerance")))
+                   digests=tuple(hex_list(data.get("digests", []))),
+                   duration_s=opt_float("duration_s", data.get("duration_s", 0.0)) or 0.0,
+                   peer_ranks=tuple(rank_list(data.get("peer_ranks", []))), culprit_rank=culprit,
+                   tolerance=opt_float("tolerance", data.get("tolerance")))
 
     @classmethod
     def from_event(cls, event: Event) -> Self:
         if event.kind is not EventKind.SDC_CHECK:
             raise SchemaError("kind", f"expected an sdc_check event, got {event.kind.value}")
         return cls.from_data(event.data)
-
-
-@dataclass(frozen=True)
-class HangReport:
-    """The typed view of a ``hang_report`` event's ``data``: every thread's stack at the timeout."""
-
-    stacks: str
-    last_collective: str | None
-    timeout_s: float
-
-    def to_data(self) -> dict[str, Any]:
-        return {"stacks": self.stacks, "last_collective": self.last_collective, "timeout_s": self.timeout_s}
-
-    @classmethod
-    def from_event(cls, event: Event) -> Self:
-        if event.kind is not EventKind.HANG_REPORT:
-            raise SchemaError("kind", f"expected a hang_report event, got {event.kind.value}")
-        stacks = event.data.get("stacks")
-        if not isinstance(stacks, str):
-            raise SchemaError("stacks", "expected a string")
-        last = event.data.get("last_collective")
-        if last is not None and not isinstance(last, str):
-            raise SchemaError("last_collective", "expected a string or null")
-        timeout = _opt_float("timeout_s", event.data.get("timeout_s"))
-        if timeout is None:
-            raise SchemaError("timeout_s", "missing")
-        return cls(stacks=stacks, last_collective=last, timeout_s=timeout)
 
 
 def sdc_check_event(*, ts: float, check: CheckKind | str, passed: bool,
@@ -208,37 +138,3 @@ def sdc_check_event(*, ts: float, check: CheckKind | str, passed: bool,
                    + ("" if culprit_rank is None else f", culprit rank {culprit_rank}"))
     return Event(node=node, ts=float(ts), kind=EventKind.SDC_CHECK, job=job, gpu=gpu, rank=rank, step=step,
                  message=message, data=record.to_data())
-
-
-def hang_report_event(*, ts: float, stacks: str, timeout_s: float, last_collective: str | None = None,
-                      node: str = "", job: str | None = None, rank: int | None = None,
-                      gpu: int | None = None, step: int | None = None, max_stack_chars: int = 150_000) -> Event:
-    """Build a ``hang_report`` event. Stack dumps longer than ``max_stack_chars`` keep their tail
-    (the innermost frames, where the waiting happens) so the datagram fits the wire limit."""
-    if len(stacks) > max_stack_chars:
-        stacks = "...(truncated)\n" + stacks[-max_stack_chars:]
-    report = HangReport(stacks=stacks, last_collective=last_collective, timeout_s=float(timeout_s))
-    message = f"no step completed within {timeout_s:g} s" + (
-        "" if last_collective is None else f"; last collective {last_collective}")
-    return Event(node=node, ts=float(ts), kind=EventKind.HANG_REPORT, job=job, gpu=gpu, rank=rank, step=step,
-                 message=message, data=report.to_data())
-
-
-def checkpoint_event(*, ts: float, step: int, uri: str, last_verified_step: int | None, node: str = "",
-                     job: str | None = None, rank: int | None = None) -> Event:
-    """Build a ``checkpoint`` event carrying the verification watermark (seed 000 R6)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise SchemaError("step", f"expected a non-negative integer, got {step!r}")
-    if last_verified_step is not None and (not isinstance(last_verified_step, int) or last_verified_step > step):
-        raise SchemaError("last_verified_step", f"must be an integer <= step {step}, got {last_verified_step!r}")
-    verified = "unverified" if last_verified_step is None else f"verified through step {last_verified_step}"
-    return Event(node=node, ts=float(ts), kind=EventKind.CHECKPOINT, job=job, rank=rank, step=step,
-                 message=f"checkpoint at step {step}, {verified}",
-                 data={"step": step, "uri": uri, "last_verified_step": last_verified_step})
-
-
-def event_datagram(event: Event) -> dict[str, Any]:
-    """The wire form of an event for :class:`fleethealth.wire.Sender`: the probe fills the node."""
-    obj = event.to_obj()
-    obj.pop("node", None)
-    return {"t": "e", "event": obj}

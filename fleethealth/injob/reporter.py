@@ -16,9 +16,8 @@ import os
 import time
 from collections.abc import Callable
 
-from fleethealth.injob.records import event_datagram
 from fleethealth.schema import Event
-from fleethealth.wire import DEFAULT_SOCKET, Sender
+from fleethealth.wire import DEFAULT_SOCKET, Sender, event_datagram
 
 __all__ = ["Reporter", "Sink"]
 

@@ -1,0 +1,35 @@
+"""Wire payloads both sides share: what the in-job library sends and the streaming tier reads.
+
+Imports only :mod:`fleethealth.schema`, :mod:`fleethealth.errors` and the standard library, so the
+training process and the detectors meet here and nowhere else.
+
+- :mod:`~fleethealth.payloads.sdc_check` — ``sdc_check`` events: :class:`SdcCheck`, :func:`classify`.
+- :mod:`~fleethealth.payloads.hang_report` — ``hang_report`` events: :class:`HangReport`, and
+  :class:`RankStacks` as a ``hang`` finding lists them.
+- :mod:`~fleethealth.payloads.checkpoint` — ``checkpoint`` events: :class:`CheckpointRecord`.
+- :mod:`~fleethealth.payloads.sdc_evidence` — an ``sdc`` finding's evidence: :class:`SdcEvidence`.
+- :mod:`~fleethealth.payloads.rollback` — the rollback rule: :func:`rollback_target`.
+"""
+
+from __future__ import annotations
+
+from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
+from fleethealth.payloads.hang_report import HangReport, RankStacks, hang_report_event
+from fleethealth.payloads.rollback import rollback_target
+from fleethealth.payloads.sdc_check import CheckKind, Classification, SdcCheck, classify, sdc_check_event
+from fleethealth.payloads.sdc_evidence import SdcEvidence
+
+__all__ = [
+    "CheckKind",
+    "CheckpointRecord",
+    "Classification",
+    "HangReport",
+    "RankStacks",
+    "SdcCheck",
+    "SdcEvidence",
+    "checkpoint_event",
+    "classify",
+    "hang_report_event",
+    "rollback_target",
+    "sdc_check_event",
+]

@@ -1,0 +1,78 @@
+"""The payload module is the only meeting point of the in-job library and the streaming side.
+
+Read from the source (static imports, including those inside functions): the payloads import only
+the schema, the errors, the standard library and NumPy; nothing outside ``fleethealth/injob/``
+imports the in-job library; and the in-job modules import each other without a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import fleethealth
+
+ROOT = Path(fleethealth.__file__).resolve().parent.parent
+PACKAGE_DIRS = {"fleethealth": ROOT / "fleethealth", "fleethealth.detectors": ROOT / "detectors",
+                "fleethealth.kernels": ROOT / "kernels", "fleethealth.sweeps": ROOT / "sweeps"}
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *rel))
+            if package == "fleethealth" and rel[0] in ("detectors", "kernels", "sweeps"):
+                continue
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+MODULES = _modules()
+
+
+def test_payloads_import_only_the_floor_below() -> None:
+    allowed = ("fleethealth.payloads", "fleethealth.schema", "fleethealth.errors", "numpy")
+    for name, path in MODULES.items():
+        if not name.startswith("fleethealth.payloads"):
+            continue
+        for imp in _imports(path):
+            top = imp.split(".")[0]
+            assert top in sys.stdlib_module_names or imp.startswith(allowed), f"{name} imports {imp}"
+
+
+def test_nothing_outside_the_injob_package_imports_it() -> None:
+    offenders = [(name, imp) for name, path in MODULES.items() if not name.startswith("fleethealth.injob")
+                 for imp in _imports(path) if imp == "fleethealth.injob" or imp.startswith("fleethealth.injob.")]
+    assert offenders == []
+
+
+def test_the_injob_modules_form_no_circle() -> None:
+    injob = {n: p for n, p in MODULES.items() if n.startswith("fleethealth.injob.")}
+    graph = {n: {i for i in _imports(p) if i in injob and i != n} for n, p in injob.items()}
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        if node in path:
+            raise AssertionError(f"import circle: {' -> '.join((*path[path.index(node):], node))}")
+        if node in done:
+            return
+        for nxt in graph[node]:
+            visit(nxt, (*path, node))
+        done.add(node)
+
+    for n in graph:
+        visit(n, ())
