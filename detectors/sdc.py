@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from fleethealth.detectors.params import check_int
 from fleethealth.errors import SchemaError
 from fleethealth.injob.records import Classification, SdcCheck
+from fleethealth.params import check_int
 from fleethealth.schema import Event, EventKind, Finding, FindingKind
 
 __all__ = ["SdcDetector"]
@@ -43,7 +43,7 @@ class SdcDetector:
         self.keep = keep
 
     def _start(self) -> None:
-        check_int(self, "keep", self.keep, minimum=1)
+        check_int("keep", self.keep, at_least=1, owner=self)
         self.open_: dict[tuple[str, int | None, str], int] = {}
         self.passes_: dict[str, deque[int]] = {}
         self.checkpoints_: dict[str, deque[dict[str, Any]]] = {}
