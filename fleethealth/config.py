@@ -44,7 +44,8 @@ import orjson
 
 from fleethealth.errors import ConfigError
 
-__all__ = ["Key", "Schema", "Settings", "keys_from_signature", "CONFIG_ENV", "DEFAULT_SOURCE"]
+__all__ = ["Key", "Schema", "Settings", "keys_from_signature", "read_file", "COMMAND_KEYS", "CONFIG_ENV",
+           "DEFAULT_SOURCE"]
 
 CONFIG_ENV = "FLEETHEALTH_CONFIG"
 """The environment variable naming the config file when no ``--config`` is given."""
@@ -294,11 +295,10 @@ class Settings:
             if section:
                 lines += ["", f"[{section}]"]
             names = sorted(by_section[section])
-            cells = [(n.rpartition(".")[2], _toml_value(self.values[n])) for n in names]
-            width = max(len(f"{k} = {v}") for k, v in cells)
-            for n, (k, v) in zip(names, cells, strict=True):
-                text = f"{k} = {v}" if self.values[n] is not None else f"# {k} = (none)"
-                lines.append(f"{text.ljust(width + 2)}  # {self.sources[n]}")
+            texts = [f"{k} = {_toml_value(self.values[n])}" if self.values[n] is not None else f"# {k} = (none)"
+                     for n, k in ((n, n.rpartition(".")[2]) for n in names)]
+            width = max(map(len, texts))
+            lines += [f"{text.ljust(width)}  # {self.sources[n]}" for n, text in zip(names, texts, strict=True)]
         return "\n".join(lines)
 
 
@@ -312,3 +312,54 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value)
+
+
+COMMAND_KEYS: tuple[Key, ...] = (
+    # shared by several commands
+    Key("kafka", "str", None, "the bus, kafka://host:port[,host:port]; serve without it starts the embedded broker",
+        optional=True),
+    Key("store", "str", None, "the store, http(s)://clickhouse:8123/db or chdb:///path; serve without it uses "
+                              "chdb://DATA/store", optional=True),
+    Key("data", "str", "fleethealth-data", "serve's embedded store (DATA/store) and act's journal directory"),
+    Key("node.name", "str", "", "this node's name (empty: from the host name under node.naming)",
+        env="FLEETHEALTH_NODE"),
+    Key("node.naming", "str", "short", "host name rule when node.name is empty: short or fqdn",
+        choices=("short", "fqdn")),
+    Key("node.rack", "str", "unknown", "this node's rack (the probe)", env="FLEETHEALTH_RACK"),
+    # detect
+    Key("detect.group", "str", "fh-detect", "consumer group of the detector runners"),
+    Key("detect.metrics_port", "int", 9403, "Prometheus /metrics port of detect, 0 to disable"),
+    # serve
+    Key("serve.host", "str", "127.0.0.1", "listen address"),
+    Key("serve.port", "int", 8080, "listen port"),
+    Key("serve.token_file", "str", None, "file holding the bearer token for write endpoints", optional=True),
+    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner"),
+    # act
+    Key("act.scheduler", "str", None, "slurm or kubernetes", optional=True, choices=("slurm", "kubernetes")),
+    Key("act.dry_run", "bool", False, "record what would be done; change nothing"),
+    Key("act.group", "str", None, "consumer group (none: fh-act-SCHEDULER)", optional=True),
+    Key("act.max_actions", "int", 5, "the adapter's own rate limit: actions per act.window_s"),
+    Key("act.window_s", "float", 3600.0, "the rate-limit window, seconds"),
+    # adapters.act.DEFAULT_MAX_AGE_S: twice the policy engine's 900 s staleness bound
+    Key("act.max_age_s", "float", 1800.0, "record but do not act on recommendations older than this; 0 = no bound"),
+    Key("act.kubeconfig", "str", None, "kubeconfig file (none: ~/.kube/config)", optional=True),
+    Key("act.in_cluster", "bool", False, "use the pod's service account"),
+    Key("act.idle_exit", "float", None, "exit after this many seconds without a new recommendation", optional=True),
+    # probe
+    Key("probe.source", "str", "nvml", "telemetry source", choices=("dcgm", "nvml", "sim")),
+    Key("probe.interval_s", "float", 1.0, "seconds between samples"),
+    Key("probe.socket", "str", "/run/fleethealth/probe.sock", "Unix socket for the in-job step timer",
+        env="FLEETHEALTH_SOCKET"),
+    Key("probe.no_socket", "bool", False, "do not listen for training processes"),
+    Key("probe.spool_dir", "str", "/var/lib/fleethealth/spool", "on-disk queue used while Kafka is unreachable"),
+    Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
+    Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),
+    Key("probe.scenario", "str", None, "scenario file for probe.source = sim", optional=True),
+    Key("probe.dcgm_host", "str", "localhost", "nv-hostengine for probe.source = dcgm"),
+    Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
+    Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
+    Key("probe.ensure_topics", "bool", False, "create the fh.* topics on every (re)connect"),
+    Key("probe.duration_s", "float", None, "stop after this many seconds", optional=True),
+)
+"""The commands' own settings (the bus, the store, the node, and each command's flags). The
+detector and policy thresholds are added by the commands from the parameters of those parts."""

@@ -27,7 +27,7 @@ def test_every_exported_name_resolves(package: str) -> None:
 
 
 @pytest.mark.parametrize("package", ["fleethealth", "fleethealth.schema", "fleethealth.injob", "fleethealth.probe",
-                                     "fleethealth.api", "fleethealth.detectors", "fleethealth.cli"])
+                                     "fleethealth.api", "fleethealth.detectors", "fleethealth.commands"])
 def test_importing_stays_light(package: str) -> None:
     code = f"import sys, {package}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

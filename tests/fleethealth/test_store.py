@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 from fleethealth.errors import ConfigError, StoreError, StoreLocked
 from fleethealth.schema import (
     GPU_FIELDS,
