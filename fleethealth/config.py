@@ -178,12 +178,12 @@ class Schema:
         section = name.rpartition(".")[0]
         siblings = sorted(k.name for k in self.keys.values() if k.section == section)
         if siblings:
-            known = ", ".join(siblings)
+            known = f"known in [{section}]: " + ", ".join(n.rpartition(".")[2] for n in siblings)
         else:
             tables = sorted({k.section for k in self.keys.values() if k.section})
             top = sorted(k.name for k in self.keys.values() if not k.section)
-            known = ", ".join(top + [f"[{t}]" for t in tables])
-        raise ConfigError(f"unknown config key {name!r} ({where}); known: {known}")
+            known = "known: " + ", ".join(top + [f"[{t}]" for t in tables])
+        raise ConfigError(f"unknown config key {name!r} ({where}); {known}")
 
     def load(self, *, file: str | Path | None = None, environ: Mapping[str, str] | None = None,
              flags: Mapping[str, tuple[str, Any]] | None = None, sets: Iterable[str] = ()) -> Settings:
