@@ -190,3 +190,14 @@ def test_detect_without_a_bus_or_store_is_a_clear_error(capsys) -> None:
     assert "no store: give --store DSN" in capsys.readouterr().err
     assert main(["act", "--kafka", "kafka://127.0.0.1:9"]) == 2
     assert "no scheduler" in capsys.readouterr().err
+
+
+def test_the_readme_example_is_a_valid_config(tmp_path) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("### Configuration", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "readme.toml"
+    path.write_text(block)
+    s = _settings(["detect", "--config", str(path)])
+    assert s["policy.fleet_nodes"] == 2048 and s["node.naming"] == "short"
