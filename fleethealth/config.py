@@ -5,7 +5,7 @@ then flags, each overriding the one before.
 
     defaults  <  file (--config FILE, else $FLEETHEALTH_CONFIG)  <  environment ($FLEETHEALTH_...)  <  flags
 
-Every setting is a :class:`Key` with a dotted name (``detect.straggler.z``, ``policy.fleet_nodes``,
+Every setting is a :class:`Key` with a dotted name (``detect.straggler.clip``, ``policy.fleet_nodes``,
 ``kafka``). In the file, the part before the last dot is a table::
 
     kafka = "kafka://broker:9092"
@@ -14,11 +14,11 @@ Every setting is a :class:`Key` with a dotted name (``detect.straggler.z``, ``po
     fleet_nodes = 2048            # the circuit breaker's 10 % share needs the fleet's size
 
     [detect.straggler]
-    z = 3.5
+    clip = 5.0
 
 The file is TOML (read with the standard library's ``tomllib``), or YAML when its name ends in
 ``.yaml`` / ``.yml``. A key's environment variable is ``FLEETHEALTH_`` and its name in capitals with
-dots as underscores (``FLEETHEALTH_DETECT_STRAGGLER_Z``), unless the key names another (``node.name``
+dots as underscores (``FLEETHEALTH_DETECT_STRAGGLER_CLIP``), unless the key names another (``node.name``
 is ``$FLEETHEALTH_NODE``, as it always was). Flags are the commands' own plus ``--set KEY=VALUE``.
 A key the schema does not know, in the file or in ``--set``, is an error that names it and the
 keys that are known; so is a value of the wrong type.

@@ -14,7 +14,7 @@ import pytest
 
 PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
             "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
-            "fleethealth.policy", "fleethealth.sim"]
+            "fleethealth.policy", "fleethealth.sim", "fleethealth.commands"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 
 

@@ -85,7 +85,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="settings file, TOML (or YAML: *.yaml) (default $FLEETHEALTH_CONFIG); "
                         "precedence: file < environment ($FLEETHEALTH_...) < flags; see `fleethealth config show`")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                   help="set any config key, e.g. --set policy.fleet_nodes=2048 --set detect.straggler.z=3.5")
+                   help="set any config key, e.g. --set policy.fleet_nodes=2048 --set detect.straggler.clip=5")
 
 
 def load_settings(args: argparse.Namespace) -> Settings:

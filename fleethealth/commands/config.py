@@ -24,7 +24,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                               "  [policy]\n"
                               "  fleet_nodes = 2048\n"
                               "  [detect.straggler]\n"
-                              "  z = 3.5\n")
+                              "  clip = 5.0\n")
     cs = p.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
     show = cs.add_parser("show", help="print every key, its effective value and its source")
     add_config_flags(show)

@@ -201,3 +201,13 @@ def test_the_readme_example_is_a_valid_config(tmp_path) -> None:
     path.write_text(block)
     s = _settings(["detect", "--config", str(path)])
     assert s["policy.fleet_nodes"] == 2048 and s["node.naming"] == "short"
+
+
+def test_the_help_example_is_a_valid_config(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    example = capsys.readouterr().out.split("example file:\n", 1)[1]
+    path = tmp_path / "help.toml"
+    path.write_text("\n".join(line.strip() for line in example.splitlines()))
+    s = _settings(["serve", "--config", str(path), "--set", "detect.straggler.clip=6"])
+    assert s["policy.fleet_nodes"] == 2048 and s["detect.straggler.clip"] == 6.0
