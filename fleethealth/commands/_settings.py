@@ -36,7 +36,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 """Where each detector and policy table's keys come from: the keyword parameters of that class."""
 
 
-def part(module: str, name: str) -> Any:
+def _part(module: str, name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(module), name)
@@ -47,7 +47,7 @@ def schema() -> Schema:
     """Every key any configured command knows (one file serves detect, serve, act and probe)."""
     keys: list[Key] = list(COMMAND_KEYS)
     for table, module, name, skip in DETECTION_SECTIONS:
-        keys += keys_from_signature(table, part(module, name), skip=skip, help=f"{name} parameter")
+        keys += keys_from_signature(table, _part(module, name), skip=skip, help=f"{name} parameter")
     return Schema(keys)
 
 
