@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario.write_text(_SCENARIO)
         total = args.warmup + args.seconds + 30
         probe = subprocess.Popen(
-            [sys.executable, "-m", "fleethealth.cli", "probe", "--source", "sim", "--scenario", str(scenario),
+            [sys.executable, "-m", "fleethealth", "probe", "--source", "sim", "--scenario", str(scenario),
              "--node", "n0000", "--kafka", broker.dsn, "--interval", "1.0", "--socket", f"{tmp}/probe.sock",
              "--spool-dir", f"{tmp}/spool", "--metrics-port", "0", "--duration", str(total)],
             env=env, stderr=subprocess.PIPE, text=True)

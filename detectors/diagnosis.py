@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.params import check_float
 from fleethealth.errors import SchemaError
+from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
 
 __all__ = ["DiagnosisThresholds", "DiagnosisResult", "diagnose_straggler", "Diagnoser", "RackEpisodes"]
@@ -56,10 +56,10 @@ class DiagnosisThresholds:
     """NIC shared utilisation above which the network is contended."""
 
     def __post_init__(self) -> None:
-        check_float(self, "thermal_limit_c", self.thermal_limit_c, minimum=-273.0)
-        check_float(self, "peer_throttle_share", self.peer_throttle_share, strict=True, maximum=1.0)
-        check_float(self, "nvlink_errors_per_s", self.nvlink_errors_per_s)
-        check_float(self, "nic_util_band", self.nic_util_band, maximum=1.0)
+        check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
+        check_number("peer_throttle_share", self.peer_throttle_share, above=0, at_most=1.0, owner=self)
+        check_number("nvlink_errors_per_s", self.nvlink_errors_per_s, at_least=0, owner=self)
+        check_number("nic_util_band", self.nic_util_band, at_least=0, at_most=1.0, owner=self)
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ class RackEpisodes:
 
     def update(self, findings: Sequence[Finding], rack_of: Callable[[str], str | None]) -> list[Finding]:
         if not hasattr(self, "episodes_"):
-            check_float(self, "quiet_s", self.quiet_s, strict=True)
+            check_number("quiet_s", self.quiet_s, above=0, owner=self)
             self.episodes_: dict[tuple[str | None, str], dict[str, Any]] = {}
         out = []
         for f in findings:

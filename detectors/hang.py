@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import SchemaError
+from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
 
@@ -97,12 +97,12 @@ class HangDetector:
 
     # ------------------------------------------------------------ state
     def _start(self) -> None:
-        check_float(self, "timeout_factor", self.timeout_factor, strict=True)
-        check_float(self, "quantile", self.quantile, strict=True, maximum=1.0)
-        check_float(self, "min_timeout_s", self.min_timeout_s, strict=True)
-        check_int(self, "window", self.window, minimum=1)
-        check_float(self, "stack_grace_s", self.stack_grace_s)
-        check_int(self, "max_listed", self.max_listed, minimum=1)
+        check_number("timeout_factor", self.timeout_factor, above=0, owner=self)
+        check_number("quantile", self.quantile, above=0, at_most=1.0, owner=self)
+        check_number("min_timeout_s", self.min_timeout_s, above=0, owner=self)
+        check_int("window", self.window, at_least=1, owner=self)
+        check_number("stack_grace_s", self.stack_grace_s, at_least=0, owner=self)
+        check_int("max_listed", self.max_listed, at_least=1, owner=self)
         self.jobs_: dict[str, _Job] = {}
         self.idle_total_ = 0
         self.ignored_events_total_ = 0

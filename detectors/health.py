@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.params import check_float
 from fleethealth.detectors.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
+from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, Event, EventKind, Finding, FindingKind, Telemetry
 
 __all__ = ["HealthRules"]
@@ -73,8 +73,8 @@ class HealthRules:
         self.min_xid_severity = min_xid_severity
 
     def _start(self) -> None:
-        check_float(self, "clear_after_s", self.clear_after_s, strict=True)
-        check_float(self, "pcie_busy_util_pct", self.pcie_busy_util_pct, maximum=100.0)
+        check_number("clear_after_s", self.clear_after_s, above=0, owner=self)
+        check_number("pcie_busy_util_pct", self.pcie_busy_util_pct, at_least=0, at_most=100.0, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
         except ValueError:

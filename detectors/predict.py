@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.params import check_float, check_int
 from fleethealth.detectors.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
+from fleethealth.params import check_int, check_number
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
 
 __all__ = ["FEATURES", "MODEL_NAME", "FeatureRows", "GpuFeatures", "ModelArtifact", "load_model",
@@ -125,11 +125,11 @@ class GpuFeatures:
         self.thermal_limit_c = thermal_limit_c
 
     def _start(self) -> None:
-        check_float(self, "resolution_s", self.resolution_s, strict=True)
-        check_float(self, "recent_s", self.recent_s, minimum=self.resolution_s)
-        check_float(self, "short_s", self.short_s, minimum=self.recent_s)
-        check_float(self, "long_s", self.long_s, minimum=self.short_s)
-        check_float(self, "thermal_limit_c", self.thermal_limit_c, minimum=-273.0)
+        check_number("resolution_s", self.resolution_s, above=0, owner=self)
+        check_number("recent_s", self.recent_s, at_least=self.resolution_s, owner=self)
+        check_number("short_s", self.short_s, at_least=self.recent_s, owner=self)
+        check_number("long_s", self.long_s, at_least=self.short_s, owner=self)
+        check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
         self.nodes_: dict[str, _NodeHistory] = {}
         self.lost_: dict[tuple[str, int], float] = {}
         self.stale_total_ = 0
@@ -309,14 +309,14 @@ class FailurePredictor:
 
     def _start(self) -> None:
         if self.threshold is not None:
-            check_float(self, "threshold", self.threshold, strict=True, maximum=1.0)
-        check_float(self, "clear_after_s", self.clear_after_s)
-        check_float(self, "quiet_after_loss_s", self.quiet_after_loss_s)
-        check_int(self, "top_k", self.top_k)
-        check_float(self, "min_corrected", self.min_corrected)
+            check_number("threshold", self.threshold, above=0, at_most=1.0, owner=self)
+        check_number("clear_after_s", self.clear_after_s, at_least=0, owner=self)
+        check_number("quiet_after_loss_s", self.quiet_after_loss_s, at_least=0, owner=self)
+        check_int("top_k", self.top_k, at_least=0, owner=self)
+        check_number("min_corrected", self.min_corrected, at_least=0, owner=self)
         self.artifact_ = self.model if isinstance(self.model, ModelArtifact) else load_model(self.model)
         threshold = self.artifact_.meta.get("threshold", 0.5) if self.threshold is None else self.threshold
-        self.threshold_ = check_float(self, "threshold", threshold, strict=True, maximum=1.0)
+        self.threshold_ = check_number("threshold", threshold, above=0, at_most=1.0, owner=self)
         self.features_ = self.features if self.features is not None else GpuFeatures()
         self.episodes_: dict[tuple[str, int], float] = {}  # -> last ts at or above threshold / 2
         self.horizon_s_ = float(self.artifact_.meta.get("horizon_s", 86_400.0))

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from fleethealth.detectors.params import check_int
 from fleethealth.errors import SchemaError
+from fleethealth.params import check_int
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.sdc_check import SdcCheck
 from fleethealth.payloads.sdc_evidence import SdcEvidence
@@ -45,7 +45,7 @@ class SdcDetector:
         self.keep = keep
 
     def _start(self) -> None:
-        check_int(self, "keep", self.keep, minimum=1)
+        check_int("keep", self.keep, at_least=1, owner=self)
         self.open_: dict[tuple[str, int | None, str], int] = {}
         self.passes_: dict[str, deque[int]] = {}
         self.checkpoints_: dict[str, deque[CheckpointRecord]] = {}

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.params import check_float, check_int
 from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.params import check_int, check_number
 from fleethealth.schema import MAX_COMPUTE_S, Finding, FindingKind
 
 __all__ = ["SeedRule", "StragglerDetector", "robust_z", "MAD_SCALE"]
@@ -165,7 +165,7 @@ class _StepDetector:
         return r[keep], t[keep], None if g is None else g[keep]
 
     def _validate_params(self) -> None:
-        check_int(self, "max_rank", self.max_rank)
+        check_int("max_rank", self.max_rank, at_least=0, owner=self)
 
     def _finding(self, rank: int, step: int, z: float, slowdown: float, evidence: dict[str, Any]) -> Finding:
         return Finding(kind=FindingKind.STRAGGLER, node="", ts=0.0, rank=int(rank), step=int(step),
@@ -202,10 +202,10 @@ class SeedRule(_StepDetector):
 
     def _validate_params(self) -> None:
         super()._validate_params()
-        check_float(self, "z", self.z, strict=True)
-        check_int(self, "consecutive", self.consecutive, minimum=1)
-        check_int(self, "min_group", self.min_group, minimum=2)
-        check_float(self, "min_rel_scale", self.min_rel_scale)
+        check_number("z", self.z, above=0, owner=self)
+        check_int("consecutive", self.consecutive, at_least=1, owner=self)
+        check_int("min_group", self.min_group, at_least=2, owner=self)
+        check_number("min_rel_scale", self.min_rel_scale, at_least=0, owner=self)
 
     def _state_arrays(self) -> dict[str, Any]:
         return {**super()._state_arrays(), "run_": 0, "run_ratio_": 0.0, "run_z_": 0.0, "flagged_": False}
@@ -293,9 +293,9 @@ class StragglerDetector(_StepDetector):
             raise ConfigError(f"{name}: drifts and thresholds must be non-empty and of equal length")
         if not (np.all(np.isfinite(k)) and np.all(k > 0) and np.all(np.isfinite(h)) and np.all(h > 0)):
             raise ConfigError(f"{name}: drifts and thresholds must be finite and > 0")
-        check_float(self, "clip", self.clip, minimum=float(k.max()), strict=True)
-        check_int(self, "min_group", self.min_group, minimum=3)
-        check_float(self, "min_scale", self.min_scale, strict=True)
+        check_number("clip", self.clip, above=float(k.max()), owner=self)
+        check_int("min_group", self.min_group, at_least=3, owner=self)
+        check_number("min_scale", self.min_scale, above=0, owner=self)
         self.k_ = k[:, None]
         self.h_ = h[:, None]
 

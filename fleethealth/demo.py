@@ -6,7 +6,7 @@ idempotent producer) into the embedded Kafka-protocol broker; the detector runne
 group, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
 result is exported from the store to ``OUT/findings.jsonl`` and ``OUT/recommendations.jsonl``.
 Nothing is mocked: the same runner, bus and store code runs against a Kafka cluster and a
-ClickHouse server in production. Like :mod:`fleethealth.cli`, this module wires parts together.
+ClickHouse server in production. Like :mod:`fleethealth.commands`, this module wires parts together.
 """
 
 from __future__ import annotations

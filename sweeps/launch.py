@@ -1,7 +1,7 @@
 """Running the self-test suite on one node: on this machine, or on a Slurm node through ``srun -w``.
 
 A launcher only builds an argument list (never a shell string): :class:`LocalLauncher` runs
-``python -m fleethealth.cli selftest …`` here; :class:`SrunLauncher` runs ``srun -w NODE -N 1
+``python -m fleethealth selftest …`` here; :class:`SrunLauncher` runs ``srun -w NODE -N 1
 -n 1 … fleethealth selftest …`` so Slurm places the step on that node. :func:`run_node` executes
 the list with a timeout, reads the ``--json`` records from its output and returns a
 :class:`NodeRun`. :func:`slurm_idle_nodes` lists the idle nodes ``sinfo`` reports.
@@ -82,7 +82,7 @@ class LocalLauncher:
     python: str = sys.executable
 
     def argv(self, node: str, suite: str, device: str = "all", only: Sequence[str] | None = None) -> list[str]:
-        return [self.python, "-m", "fleethealth.cli", *_selftest_args(node, suite, device, only)]
+        return [self.python, "-m", "fleethealth", *_selftest_args(node, suite, device, only)]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 
 PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
             "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
-            "fleethealth.policy", "fleethealth.sim", "fleethealth.store"]
+            "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 
 
@@ -27,7 +27,7 @@ def test_every_exported_name_resolves(package: str) -> None:
 
 
 @pytest.mark.parametrize("package", ["fleethealth", "fleethealth.schema", "fleethealth.injob", "fleethealth.probe",
-                                     "fleethealth.api", "fleethealth.detectors", "fleethealth.cli",
+                                     "fleethealth.api", "fleethealth.detectors", "fleethealth.commands",
                                      "fleethealth.store"])
 def test_importing_stays_light(package: str) -> None:
     code = f"import sys, {package}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"

@@ -16,13 +16,16 @@
 #   FH_KAFKA           bus DSN; results are published there    (default: $FLEETHEALTH_KAFKA, else none)
 #   FH_SELFTEST_ARGS   extra selftest arguments, split on spaces
 #   FH_DRAIN_ON_ERROR  1: also drain when the suite cannot run (no GPU visible, …)  (default: 1)
-#   FH_NODE            node name                               (default: hostname -s)
+#   FH_NODE            node name  (default: fleethealth's rule, `fleethealth config get node.name`:
+#                      $FLEETHEALTH_NODE, else the short host name, or the FQDN with FLEETHEALTH_NODE_NAMING=fqdn)
 #   SCONTROL           the scontrol program                    (default: scontrol)
 set -uo pipefail
 
 read -r -a cmd <<< "${FLEETHEALTH:-fleethealth}"
 read -r -a extra <<< "${FH_SELFTEST_ARGS:-}"
-node="${FH_NODE:-$(hostname -s)}"
+node="${FH_NODE:-}"
+[[ -n "$node" ]] || node="$("${cmd[@]}" config get node.name 2>/dev/null)"
+[[ -n "$node" ]] || node="$(hostname -s)"
 suite="${FH_SUITE:-quick}"
 device="${FH_DEVICE:-all}"
 limit="${FH_TIMEOUT:-300}"

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from fleethealth.errors import ConfigError
-from fleethealth.policy.params import check_number
+from fleethealth.params import check_number
 
 __all__ = [
     "OverheadTerms",
@@ -98,17 +98,17 @@ class YoungDaly:
 
 def overhead_terms(checkpoint_s: float, interval_s: float, mtbf_s: float, restart_s: float) -> OverheadTerms:
     """C/T, T/2M and R/M for one interval (seed 000 §6)."""
-    c = check_number("checkpoint_s", checkpoint_s, strict=False)
-    t = check_number("interval_s", interval_s)
-    m = check_number("mtbf_s", mtbf_s)
-    r = check_number("restart_s", restart_s, strict=False)
+    c = check_number("checkpoint_s", checkpoint_s, at_least=0)
+    t = check_number("interval_s", interval_s, above=0)
+    m = check_number("mtbf_s", mtbf_s, above=0)
+    r = check_number("restart_s", restart_s, at_least=0)
     return OverheadTerms(interval_s=t, checkpoint_term=c / t, lost_work_term=t / (2.0 * m), restart_term=r / m)
 
 
 def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum T* = √(2CM), seconds."""
-    c = check_number("checkpoint_s", checkpoint_s)
-    m = check_number("mtbf_s", mtbf_s)
+    c = check_number("checkpoint_s", checkpoint_s, above=0)
+    m = check_number("mtbf_s", mtbf_s, above=0)
     return math.sqrt(2.0 * c * m)
 
 
@@ -117,8 +117,8 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
 
     √(2CM)·[1 + ⅓·√(C/2M) + ⅑·(C/2M)] − C for C < 2M, else M.
     """
-    c = check_number("checkpoint_s", checkpoint_s)
-    m = check_number("mtbf_s", mtbf_s)
+    c = check_number("checkpoint_s", checkpoint_s, above=0)
+    m = check_number("mtbf_s", mtbf_s, above=0)
     if c >= 2.0 * m:
         return m
     x = c / (2.0 * m)
@@ -172,13 +172,14 @@ def measured_mtbf_s(interruptions: int, window_s: float) -> tuple[float, bool]:
     """MTBF from a count of job interruptions over a window: ``(window / count, censored)``."""
     if isinstance(interruptions, bool) or not isinstance(interruptions, int) or interruptions < 0:
         raise ConfigError(f"interruptions must be a count >= 0, got {interruptions!r}")
-    w = check_number("window_s", window_s)
+    w = check_number("window_s", window_s, above=0)
     return (w / interruptions, False) if interruptions else (w, True)
 
 
 def scale_mtbf(mtbf_s: float, measured_gpus: int, gpus: int) -> float:
     """A synchronous job fails when any rank fails, so MTBF scales as 1 / GPU count (seed 000)."""
-    return check_number("mtbf_s", mtbf_s) * check_number("measured_gpus", measured_gpus) / check_number("gpus", gpus)
+    mtbf = check_number("mtbf_s", mtbf_s, above=0)
+    return mtbf * check_number("measured_gpus", measured_gpus, above=0) / check_number("gpus", gpus, above=0)
 
 
 def auto_interval(checkpoint_s: float, *, mtbf_s: float | None = None, interruptions: int | None = None,
@@ -206,8 +207,8 @@ def auto_interval(checkpoint_s: float, *, mtbf_s: float | None = None, interrupt
         if interruptions is None or window_s is None:
             raise ConfigError("give mtbf_s, or interruptions with window_s, or interruption_ts")
         mtbf_s, censored = measured_mtbf_s(interruptions, window_s)
-    m = check_number("mtbf_s", mtbf_s)
-    lo, hi = check_number("min_s", min_s), check_number("max_s", max_s)
+    m = check_number("mtbf_s", mtbf_s, above=0)
+    lo, hi = check_number("min_s", min_s, above=0), check_number("max_s", max_s, above=0)
     if lo > hi:
         raise ConfigError(f"min_s {lo} exceeds max_s {hi}")
     raw = young_interval(checkpoint_s, m) if method == "young" else daly_interval(checkpoint_s, m)
@@ -266,7 +267,7 @@ class Config:
         values: dict[str, Any] = {"name": str(obj.get("name", where))}
         for key in _CONFIG_KEYS:
             if key != "name" and key in obj:
-                values[key] = check_number(f"{where}.{key}", obj[key], strict=False)
+                values[key] = check_number(f"{where}.{key}", obj[key], at_least=0)
         for key in ("checkpoint_overhead", "probe_overhead"):
             if values.get(key, 0.0) >= 1.0:
                 raise ConfigError(f"{where}.{key} is a fraction below 1, got {values[key]}")
@@ -377,9 +378,9 @@ def _ledger(cfg: Config, accelerators: float, price: float, period_h: float) -> 
 def compare(baseline: Config, candidate: Config, *, accelerators: float, price: float, period_h: float,
             name: str = "comparison") -> Comparison:
     """Price both designs and their difference (seed 003 "Worked example: Valuing faster detection")."""
-    n = check_number("accelerators", accelerators)
-    p = check_number("price_per_accelerator_hour", price, strict=False)
-    h = check_number("period_h", period_h)
+    n = check_number("accelerators", accelerators, above=0)
+    p = check_number("price_per_accelerator_hour", price, at_least=0)
+    h = check_number("period_h", period_h, above=0)
     a, b = _ledger(baseline, n, p, h), _ledger(candidate, n, p, h)
     keys = CATEGORIES[1:]
     return Comparison(name=name, accelerators=n, price=p, period_h=h, baseline=a, candidate=b,

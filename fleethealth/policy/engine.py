@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.rollback import rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
@@ -52,7 +53,6 @@ from fleethealth.policy.guards import (
     SeenFindings,
     is_stale,
 )
-from fleethealth.policy.params import check_number
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
 
 __all__ = ["PolicyEngine", "Checkpoint", "XID_DRAIN", "XID_APPLICATION", "rack_of"]
@@ -110,13 +110,13 @@ class PolicyEngine:
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False) -> None:
-        self.restart_s = check_number("restart_s", restart_s, strict=False)
-        self.payback_margin = check_number("payback_margin", payback_margin)
-        self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, strict=False)
-        self.stale_after_s = check_number("stale_after_s", stale_after_s)
-        self.nodes_per_rack = int(check_number("nodes_per_rack", nodes_per_rack, minimum=1, strict=False))
-        self.facilities_episode_s = check_number("facilities_episode_s", facilities_episode_s)
-        self.failure_risk_threshold = check_number("failure_risk_threshold", failure_risk_threshold, strict=False)
+        self.restart_s = check_number("restart_s", restart_s, at_least=0)
+        self.payback_margin = check_number("payback_margin", payback_margin, above=0)
+        self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
+        self.stale_after_s = check_number("stale_after_s", stale_after_s, above=0)
+        self.nodes_per_rack = int(check_number("nodes_per_rack", nodes_per_rack, at_least=1))
+        self.facilities_episode_s = check_number("facilities_episode_s", facilities_episode_s, above=0)
+        self.failure_risk_threshold = check_number("failure_risk_threshold", failure_risk_threshold, at_least=0)
         if self.failure_risk_threshold > 1:
             raise ConfigError(f"failure_risk_threshold is a probability, got {failure_risk_threshold}")
         self.dry_run = bool(dry_run)
@@ -164,7 +164,7 @@ class PolicyEngine:
         return self.posterior_.mean(diagnosis)
 
     def set_remaining(self, job: str, seconds: float) -> None:
-        self.remaining_[job] = check_number("remaining seconds", seconds, strict=False)
+        self.remaining_[job] = check_number("remaining seconds", seconds, at_least=0)
 
     def reset_breaker(self) -> None:
         """The explicit human reset; also clears the same-rack hold."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
-from fleethealth.policy.params import check_number
+from fleethealth.params import check_number
 
 __all__ = [
     "GuardName",
@@ -90,7 +90,7 @@ class JobRateLimiter:
     ahead cannot open the window early. A last action recorded after ``now`` counts as inside it."""
 
     def __init__(self, *, window_s: float = 3600.0) -> None:
-        self.window_s = check_number("window_s", window_s)
+        self.window_s = check_number("window_s", window_s, above=0)
         self.last_: dict[str, float] = {}
 
     def since_last(self, job: str, now: float) -> float | None:
@@ -157,12 +157,12 @@ class CircuitBreaker:
 
     def __init__(self, *, share: float = 0.1, min_nodes: int = 5, window_s: float = 3600.0,
                  fleet_nodes: int = 0) -> None:
-        self.share = check_number("breaker_share", share)
+        self.share = check_number("breaker_share", share, above=0)
         if self.share > 1:
             raise ConfigError(f"breaker_share is a fraction of the fleet, got {share}")
-        self.min_nodes = int(check_number("breaker_min_nodes", min_nodes))
-        self.window_s = check_number("breaker_window_s", window_s)
-        self.fleet_nodes = int(check_number("fleet_nodes", fleet_nodes, strict=False))
+        self.min_nodes = int(check_number("breaker_min_nodes", min_nodes, above=0))
+        self.window_s = check_number("breaker_window_s", window_s, above=0)
+        self.fleet_nodes = int(check_number("fleet_nodes", fleet_nodes, at_least=0))
         self.recent_: dict[str, float] = {}
         self.open_ = False
         self.tripped_ts_: float | None = None

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from fleethealth.params import check_number
 from fleethealth.policy.goodput import Interruption
-from fleethealth.policy.params import check_number
 from fleethealth.schema import Action, Guard, Recommendation
 
 __all__ = ["PageRule", "Page", "PageReport", "Pager"]
@@ -84,14 +84,15 @@ class Pager:
     def __init__(self, *, recent_s: float = 86_400.0, rate_window_s: float = 3600.0, rate_factor: float = 5.0,
                  rate_min_count: int = 3, baseline_per_h: float | None = None, baseline_min_count: int = 5,
                  goodput_floor: float = 0.3, repage_after_s: float = 86_400.0) -> None:
-        self.recent_s = check_number("recent_s", recent_s)
-        self.rate_window_s = check_number("rate_window_s", rate_window_s)
-        self.rate_factor = check_number("rate_factor", rate_factor)
-        self.rate_min_count = int(check_number("rate_min_count", rate_min_count))
-        self.baseline_per_h = None if baseline_per_h is None else check_number("baseline_per_h", baseline_per_h)
-        self.baseline_min_count = int(check_number("baseline_min_count", baseline_min_count))
-        self.goodput_floor = check_number("goodput_floor", goodput_floor)
-        self.repage_after_s = check_number("repage_after_s", repage_after_s)
+        self.recent_s = check_number("recent_s", recent_s, above=0)
+        self.rate_window_s = check_number("rate_window_s", rate_window_s, above=0)
+        self.rate_factor = check_number("rate_factor", rate_factor, above=0)
+        self.rate_min_count = int(check_number("rate_min_count", rate_min_count, above=0))
+        self.baseline_per_h = (None if baseline_per_h is None
+                               else check_number("baseline_per_h", baseline_per_h, above=0))
+        self.baseline_min_count = int(check_number("baseline_min_count", baseline_min_count, above=0))
+        self.goodput_floor = check_number("goodput_floor", goodput_floor, above=0)
+        self.repage_after_s = check_number("repage_after_s", repage_after_s, above=0)
         self.paged_: dict[str, float] = {}
 
     def _baseline(self, history: Sequence[Interruption], now: float) -> float | None:

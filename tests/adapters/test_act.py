@@ -175,7 +175,7 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
         producer.publish(rec)
         producer.publish(old)
         producer.flush()
-    done = subprocess.run([sys.executable, "-m", "fleethealth.cli", "act", "--scheduler", "slurm", "--dry-run",
+    done = subprocess.run([sys.executable, "-m", "fleethealth", "act", "--scheduler", "slurm", "--dry-run",
                            "--kafka", broker.dsn, "--group", f"g-{job}", "--data", str(tmp_path), "--idle-exit", "1"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": "/nonexistent"})
     assert done.returncode == 0, done.stderr
@@ -189,7 +189,7 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
 
 
 def test_cli_act_without_a_bus_is_a_clear_error(monkeypatch, capsys):
-    from fleethealth.cli import main
+    from fleethealth.commands import main
 
     monkeypatch.delenv("FLEETHEALTH_KAFKA", raising=False)
     assert main(["act", "--scheduler", "slurm", "--dry-run"]) == 2
@@ -254,7 +254,7 @@ def test_cli_act_bounds_staleness_by_default():
     """Without --max-age-s, ``fleethealth act`` skips a recommendation older than twice the policy
     engine's staleness bound (it used to act on any age)."""
     from fleethealth.adapters.act import DEFAULT_MAX_AGE_S
-    from fleethealth.cli import build_parser
+    from fleethealth.commands import build_parser
     from fleethealth.policy.engine import PolicyEngine
 
     assert DEFAULT_MAX_AGE_S == 2 * PolicyEngine().stale_after_s

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleethealth.cli import build_parser
+from fleethealth.commands import build_parser
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 

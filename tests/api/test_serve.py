@@ -34,7 +34,7 @@ def served(tmp_path):
     port = _free_port()
     (tmp_path / "token").write_text("tok-" + "x" * 20 + "\n")
     log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fleethealth.cli", "serve", "--data", str(tmp_path / "data"),
+    proc = subprocess.Popen([sys.executable, "-m", "fleethealth", "serve", "--data", str(tmp_path / "data"),
                              "--port", str(port), "--token-file", str(tmp_path / "token")],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FLEETHEALTH_API_TOKEN": ""})
     url = f"http://127.0.0.1:{port}"

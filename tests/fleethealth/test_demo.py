@@ -25,7 +25,7 @@ faults:
 def _demo(tmp_path: Path, scenario_text: str, *extra: str) -> subprocess.CompletedProcess[str]:
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(scenario_text)
-    return subprocess.run([sys.executable, "-m", "fleethealth.cli", "demo", "--scenario", str(scenario),
+    return subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--scenario", str(scenario),
                            "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), *extra],
                           capture_output=True, text=True, timeout=300)
 
@@ -52,7 +52,7 @@ def test_thermal_straggler_found_on_the_injected_node_only(tmp_path: Path) -> No
     recs = _jsonl(tmp_path / "out" / "recommendations.jsonl")
     assert [(r["action"], r["node"], r["guard"]) for r in recs] == [("evict", "n0005", "allowed")]
     # the store stays behind for analysts: the same finding through `fleethealth query`
-    query = subprocess.run([sys.executable, "-m", "fleethealth.cli", "query", "--json", "--data",
+    query = subprocess.run([sys.executable, "-m", "fleethealth", "query", "--json", "--data",
                             str(tmp_path / "data"), "SELECT node, diagnosis FROM findings FINAL"],
                            capture_output=True, text=True, timeout=120)
     assert query.returncode == 0, query.stderr
@@ -74,7 +74,7 @@ def test_bad_scenario_is_one_line_and_exit_2(tmp_path: Path, text: str, needle: 
 @pytest.mark.slow
 def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path: Path) -> None:
     """DESIGN.md "Fault scenarios": each kind's expected outcome, on the shipped scenario."""
-    run = subprocess.run([sys.executable, "-m", "fleethealth.cli", "demo", "--json", "--out", str(tmp_path / "out"),
+    run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--out", str(tmp_path / "out"),
                           "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     findings = _jsonl(tmp_path / "out" / "findings.jsonl")

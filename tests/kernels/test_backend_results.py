@@ -11,7 +11,7 @@ import fleethealth.kernels as kernels
 from fleethealth.errors import ConfigError, DeviceError, SchemaError
 from fleethealth.kernels.backend import Backend, resolve_devices
 from fleethealth.kernels.baseline import BaselineBook, model_family
-from fleethealth.kernels.report import exit_code, summary
+from fleethealth.kernels.presentation import exit_code, summary
 from fleethealth.kernels.results import Mismatch, SelfTestResult, Verdict, bits_of
 from fleethealth.schema import Event, EventKind, decode, encode
 

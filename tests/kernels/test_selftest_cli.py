@@ -9,7 +9,7 @@ import uuid
 import orjson
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 from fleethealth.kernels.suite import SIZES, plan
 
 

@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 
 SEED003 = str(resources.files("fleethealth.scenarios") / "budget_seed003.yaml")
 
@@ -43,7 +43,7 @@ def test_young_daly_text(capsys):
 
 
 def test_compare_seed003_through_the_installed_command():
-    proc = subprocess.run([sys.executable, "-m", "fleethealth.cli", "budget", "compare", SEED003, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "fleethealth", "budget", "compare", SEED003, "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

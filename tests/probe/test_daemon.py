@@ -12,7 +12,7 @@ import time
 import orjson
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 from fleethealth.injob.timer import StepTimer
 from fleethealth.probe.daemon import Probe, ProbeConfig
 from fleethealth.probe.delivery import Delivery

@@ -64,7 +64,7 @@ def test_ranks_to_probe_to_broker(broker, tmp_path) -> None:
     scenario.write_text(_SCENARIO)
     port = free_port()
     probe = subprocess.Popen(
-        [sys.executable, "-m", "fleethealth.cli", "probe", "--source", "sim", "--scenario", str(scenario),
+        [sys.executable, "-m", "fleethealth", "probe", "--source", "sim", "--scenario", str(scenario),
          "--node", "n0001", "--kafka", broker.dsn, "--socket", str(sock), "--spool-dir", str(tmp_path / "spool"),
          "--metrics-port", str(port), "--interval", "0.2", "--step-timeout", "1.0", "--duration", "30"],
         env=_env(), stderr=subprocess.PIPE, text=True)

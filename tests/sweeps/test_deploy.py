@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 import fleethealth.sweeps as sweeps
-from fleethealth.cli import build_parser
+from fleethealth.commands import build_parser
 
 ROOT = Path(__file__).parents[2]
 

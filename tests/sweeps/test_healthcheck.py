@@ -19,7 +19,7 @@ def _check(tmp_path: Path, extra: str) -> tuple[int, list[str]]:
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {log}\n')
     scontrol.chmod(0o755)
-    env = {**os.environ, "FLEETHEALTH": f"{sys.executable} -m fleethealth.cli", "SCONTROL": str(scontrol),
+    env = {**os.environ, "FLEETHEALTH": f"{sys.executable} -m fleethealth", "SCONTROL": str(scontrol),
            "FH_NODE": "n0042", "FH_SELFTEST_ARGS": extra, "FH_TIMEOUT": "120"}
     env.pop("FLEETHEALTH_KAFKA", None)
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, timeout=180, check=False)

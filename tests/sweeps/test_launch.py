@@ -24,12 +24,12 @@ from fleethealth.sweeps.launch import (
 
 from .conftest import srun_calls
 
-PY = (sys.executable, "-m", "fleethealth.cli")
+PY = (sys.executable, "-m", "fleethealth")
 
 
 def test_argument_lists() -> None:
     assert LocalLauncher("python3").argv("n0001", "quick", "cpu", ["memory"]) == [
-        "python3", "-m", "fleethealth.cli", "selftest", "--suite", "quick", "--device", "cpu", "--json",
+        "python3", "-m", "fleethealth", "selftest", "--suite", "quick", "--device", "cpu", "--json",
         "--node", "n0001", "--only", "memory"]
     assert SrunLauncher(extra=("--exclusive",)).argv("n0002", "full") == [
         "srun", "-w", "n0002", "-N", "1", "-n", "1", "--exclusive", "fleethealth", "selftest", "--suite", "full",

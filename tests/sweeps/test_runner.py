@@ -111,7 +111,7 @@ def test_sweep_without_nodes_or_store_is_a_clear_error() -> None:
 def test_sweep_cli_with_srun_prints_one_json_object_per_node(fake_srun, replay, tmp_path, capsys) -> None:
     import orjson
 
-    from fleethealth.cli import main
+    from fleethealth.commands import main
 
     record_node(tmp_path, "n0101")
     code = main(["sweep", "n0101", "n0102", "--launcher", "srun", "--srun", str(fake_srun), "--remote-command",

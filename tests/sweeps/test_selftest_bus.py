@@ -13,7 +13,7 @@ import socket
 import orjson
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 
 
 def _closed_port() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 from fleethealth.errors import ConfigError, StoreError, StoreLocked
 from fleethealth.schema import Finding
 from fleethealth.store import Store, backends, known_schemes, open_store, register_backend

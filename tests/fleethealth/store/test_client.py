@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from fleethealth.cli import main
+from fleethealth.commands import main
 from fleethealth.errors import StoreError
 from fleethealth.schema import Finding, StepBatch
 from fleethealth.store import Store

@@ -1,19 +1,57 @@
-"""Human and JSON summaries of a demo run (what the CLI prints)."""
+"""``fleethealth demo``: a fault scenario through the embedded broker, the detectors and the store,
+and the one-screen summary (human or JSON) it prints."""
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 from typing import TYPE_CHECKING
 
 import orjson
 
+from fleethealth.commands._common import progress
+
 if TYPE_CHECKING:
     from fleethealth.demo import DemoResult
 
-__all__ = ["demo_summary"]
+__all__ = ["add", "summary"]
 
 
-def demo_summary(result: DemoResult, *, as_json: bool = False) -> str:
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="run a fault scenario through broker, detectors and store; write findings",
+        description="Start the embedded Kafka-protocol broker and a chDB store, run a simulated GPU fleet "
+                    "with injected faults through Kafka -> detectors -> ClickHouse, and export "
+                    "OUT/findings.jsonl and OUT/recommendations.jsonl from the store.",
+    )
+    p.add_argument("--scenario", metavar="FILE",
+                   help="scenario YAML/JSON (default: the shipped one, every fault kind)")
+    p.add_argument("--out", metavar="DIR", default="fleethealth-out",
+                   help="where the JSONL files go (default: %(default)s)")
+    p.add_argument("--data", metavar="DIR", default="fleethealth-data",
+                   help="the demo's store (DIR/store, recreated empty) and broker log (default: %(default)s); "
+                        "query it afterwards with 'fleethealth query --data DIR'")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import contextlib
+    from pathlib import Path
+
+    from fleethealth.demo import run_demo
+    from fleethealth.detectors.runner import tune_gc
+    from fleethealth.sim import Scenario
+
+    scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
+    tune_gc()
+    with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:
+        result = run_demo(scenario, Path(args.out), Path(args.data), progress=show)
+    print(summary(result, as_json=args.json))
+    return 0
+
+
+def summary(result: DemoResult, *, as_json: bool = False) -> str:
     """One screen: messages and rates, then every finding and recommendation, one line each."""
     if as_json:
         return orjson.dumps({

@@ -1,0 +1,86 @@
+"""``fleethealth act``: carry out allowed recommendations on Slurm or Kubernetes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fleethealth.commands._common import require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+
+__all__ = ["add"]
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("act", help="carry out recommendations on Slurm or Kubernetes",
+                       description="Consume fh.recommendations and act on those with guard 'allowed' whose action "
+                                   "the scheduler supports (evict, drain, quarantine): Slurm drains the node, "
+                                   "Kubernetes cordons, taints and marks it. Each outcome is journaled (a replay "
+                                   "never acts twice), logged and published on fh.events.")
+    add_setting(p, "--scheduler", "act.scheduler", choices=("slurm", "kubernetes"),
+                help="required (flag or config key act.scheduler)")
+    add_setting(p, "--kafka", "kafka", metavar="DSN",
+                help="the bus, e.g. the DSN `fleethealth serve` prints (default: $FLEETHEALTH_KAFKA)")
+    add_setting(p, "--dry-run", "act.dry_run", store_true=True, help="record what would be done; change nothing")
+    add_setting(p, "--data", "data", metavar="DIR",
+                help="where the journal DIR/act-SCHEDULER.jsonl lives (default: %(default)s)")
+    add_setting(p, "--group", "act.group", help="consumer group (default: fh-act-SCHEDULER)")
+    add_setting(p, "--max-actions", "act.max_actions", type=int,
+                help="the adapter's own rate limit: at most this many actions per --window-s (default: 5)")
+    add_setting(p, "--window-s", "act.window_s", type=float, help="the rate-limit window, seconds (default: 3600)")
+    add_setting(p, "--max-age-s", "act.max_age_s", type=float, metavar="S",  # adapters.act.DEFAULT_MAX_AGE_S
+                help="record but do not act on recommendations older than S seconds, so a replayed old "
+                     "topic never drains a recovered node (default: %(default)g, twice the policy engine's "
+                     "900 s staleness bound; 0 = no bound, for simulated fleets in their own time)")
+    add_setting(p, "--kubeconfig", "act.kubeconfig", help="kubeconfig file (default: ~/.kube/config)")
+    add_setting(p, "--in-cluster", "act.in_cluster", store_true=True, help="use the pod's service account")
+    add_setting(p, "--idle-exit", "act.idle_exit", type=float, metavar="S",
+                help="exit after S seconds without a new recommendation (default: run until stopped)")
+    add_config_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import time
+    from pathlib import Path
+
+    from fleethealth.adapters import ActionRecord, Actor, Journal, KubernetesAdapter, SlurmAdapter, run_act
+    from fleethealth.bus import Consumer, Producer
+    from fleethealth.errors import ConfigError
+    from fleethealth.schema import Topic
+
+    s = load_settings(args)
+    scheduler = s["act.scheduler"]
+    if scheduler is None:
+        raise ConfigError("no scheduler: give --scheduler slurm|kubernetes or config key act.scheduler")
+    dsn = require_bus(s["kafka"], "no bus: give --kafka DSN (the one `fleethealth serve` prints) or set "
+                                  "FLEETHEALTH_KAFKA")
+    max_age_s = s["act.max_age_s"]
+    if max_age_s < 0:
+        raise ConfigError(f"--max-age-s must be >= 0 (0 = no bound), got {max_age_s:g}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    adapter = (SlurmAdapter() if scheduler == "slurm"
+               else KubernetesAdapter(kubeconfig=s["act.kubeconfig"], in_cluster=s["act.in_cluster"]))
+    group = s["act.group"] or f"fh-act-{scheduler}"
+    idle_exit = s["act.idle_exit"]
+    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}") as producer, \
+            Consumer(dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer) as consumer:
+        def emit(record: ActionRecord) -> None:
+            producer.publish(record.to_event())
+            producer.flush()
+
+        actor = Actor(adapter, journal=Journal(Path(s["data"]) / f"act-{scheduler}.jsonl"),
+                      dry_run=s["act.dry_run"], max_actions=s["act.max_actions"], window_s=s["act.window_s"],
+                      max_age_s=max_age_s or None, emit=emit)
+        consumer.wait_assigned()
+        last = time.monotonic()
+        while not stop.is_set():
+            replays = actor.replays_
+            if run_act(consumer, actor, stop, max_polls=1) or actor.replays_ != replays:
+                last = time.monotonic()
+            if idle_exit is not None and time.monotonic() - last > idle_exit:
+                break
+        counts = {o.value: n for o, n in actor.counts_.items() if n}
+        print(f"fleethealth act: {counts or 'nothing handled'}; {actor.replays_} replays skipped", file=sys.stderr)
+    return 0

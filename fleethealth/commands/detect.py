@@ -1,0 +1,97 @@
+"""``fleethealth detect``: the streaming detectors, Kafka in, ClickHouse and Kafka out; and
+:func:`build_runner`, which wires a detector runner from the settings (``serve`` uses it too)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+from fleethealth.commands._common import open_store_at, require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+
+if TYPE_CHECKING:
+    from fleethealth.config import Settings
+    from fleethealth.detectors.runner import Runner
+
+__all__ = ["add", "build_runner"]
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "detect", help="run the streaming detectors: Kafka in, ClickHouse and Kafka out",
+        description="Consume fh.steps, fh.telemetry and fh.events as a member of a consumer group (run several "
+                    "replicas with the same --group to split partitions), detect stragglers, hangs, SDC and "
+                    "health faults in event time, write inputs, findings and recommendations to the store "
+                    "and publish them to fh.findings / fh.recommendations. Offsets are committed only after "
+                    "the store write, so a crash neither loses nor duplicates a row. Every detector and "
+                    "policy threshold is a config key (detect.*, policy.*; `fleethealth config show`).",
+    )
+    add_setting(p, "--kafka", "kafka", metavar="DSN",
+                help="bus, e.g. kafka://broker:9092 (required: flag, config key kafka or $FLEETHEALTH_KAFKA)")
+    add_setting(p, "--store", "store", metavar="DSN",
+                help="store, e.g. http://clickhouse:8123/fleethealth or chdb:///var/lib/fleethealth "
+                     "(required: flag, config key store or $FLEETHEALTH_STORE)")
+    add_setting(p, "--group", "detect.group", help="consumer group (default: %(default)s)")
+    add_setting(p, "--metrics-port", "detect.metrics_port", type=int,
+                help="Prometheus /metrics port, 0 to disable (default: %(default)s)")
+    add_config_flags(p)
+    p.set_defaults(run=run)
+
+
+def build_runner(bus_dsn: str, store: Any, settings: Settings, **kwargs: Any) -> Runner:
+    """A detector :class:`~fleethealth.detectors.runner.Runner` whose detectors, policy engine and
+    pager take the ``detect.*`` and ``policy*`` keys that differ from their defaults (``kwargs``
+    go to the runner: ``registry``, ``publish`` …)."""
+    from functools import partial
+
+    from fleethealth.detectors.assembly import StepAssembler
+    from fleethealth.detectors.diagnosis import Diagnoser, DiagnosisThresholds, RackEpisodes
+    from fleethealth.detectors.hang import HangDetector
+    from fleethealth.detectors.health import HealthRules
+    from fleethealth.detectors.pipeline import Pipeline
+    from fleethealth.detectors.predict import FailurePredictor, GpuFeatures
+    from fleethealth.detectors.runner import Runner
+    from fleethealth.detectors.sdc import SdcDetector
+    from fleethealth.detectors.straggler import StragglerDetector
+    from fleethealth.policy.paging import Pager
+    from fleethealth.policy.persist import load_engine
+
+    def of(table: str) -> dict[str, Any]:
+        return settings.section(table, changed_only=True)
+
+    pipeline = Pipeline(straggler=partial(StragglerDetector, **of("detect.straggler")),
+                        hang=HangDetector(**of("detect.hang")),
+                        diagnoser=Diagnoser(thresholds=DiagnosisThresholds(**of("detect.diagnosis"))),
+                        rack_episodes=RackEpisodes(**of("detect.rack_episodes")),
+                        health=HealthRules(**of("detect.health")), sdc=SdcDetector(**of("detect.sdc")),
+                        predictor=FailurePredictor(features=GpuFeatures(**of("detect.features")),
+                                                   **of("detect.predict")),
+                        assembler=StepAssembler(**of("detect.assembly")),
+                        policy=load_engine(store, **of("policy")), pager=Pager(**of("policy.paging")),
+                        **of("detect.pipeline"))
+    return Runner(bus_dsn, store, group=settings["detect.group"], pipeline=pipeline,
+                  **{**of("detect.runner"), **kwargs})
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleethealth.bus import ensure_topics
+    from fleethealth.detectors.runner import tune_gc
+
+    settings = load_settings(args)
+    kafka = require_bus(settings["kafka"], "no bus: give --kafka DSN, config key kafka or FLEETHEALTH_KAFKA")
+    store_dsn = require_bus(settings["store"], "no store: give --store DSN, config key store or FLEETHEALTH_STORE")
+    # SIGTERM (a pod stopping) ends the loop in order; Ctrl-C interrupts at once (exit 130)
+    with stop_on_signals(signals=(signal.SIGTERM,)) as stop:
+        tune_gc()
+        port = settings["detect.metrics_port"]
+        if port:
+            from prometheus_client import start_http_server
+
+            start_http_server(port)
+        ensure_topics(kafka)
+        with open_store_at(store_dsn) as store, build_runner(kafka, store, settings) as runner:
+            print(f"fleethealth detect: consuming as group {settings['detect.group']!r}", file=sys.stderr, flush=True)
+            runner.run(stop)
+    return 0

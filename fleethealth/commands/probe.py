@@ -1,0 +1,88 @@
+"""``fleethealth probe``: the node probe, GPU telemetry and rank step timings to Kafka."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fleethealth.commands._common import require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+
+__all__ = ["add"]
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="run the node probe: GPU telemetry and rank step timings to Kafka",
+                       description="Sample this node's GPUs every interval (one fh.telemetry message), "
+                                   "aggregate the training ranks' step timings from the Unix socket "
+                                   "(fh.steps), forward events (fh.events), spool to disk while Kafka is "
+                                   "unreachable, and serve Prometheus /metrics.")
+    add_setting(p, "--source", "probe.source", choices=("dcgm", "nvml", "sim"), help="telemetry source")
+    add_setting(p, "--kafka", "kafka", metavar="DSN",
+                help="bus, kafka://host:port[,host:port] (default $FLEETHEALTH_KAFKA)")
+    add_setting(p, "--node", "node.name",
+                help="node name (default $FLEETHEALTH_NODE, else the short hostname, or the FQDN with "
+                     "node.naming = fqdn)")
+    add_setting(p, "--rack", "node.rack", help="rack name (default $FLEETHEALTH_RACK, else unknown)")
+    add_setting(p, "--interval", "probe.interval_s", type=float, metavar="S", help="seconds between samples")
+    add_setting(p, "--socket", "probe.socket", metavar="PATH",
+                help="Unix socket for the in-job step timer (default $FLEETHEALTH_SOCKET or "
+                     "/run/fleethealth/probe.sock)")
+    add_setting(p, "--no-socket", "probe.no_socket", store_true=True, help="do not listen for training processes")
+    add_setting(p, "--spool-dir", "probe.spool_dir", metavar="DIR",
+                help="on-disk queue used while Kafka is unreachable")
+    add_setting(p, "--spool-max-mb", "probe.spool_max_mb", type=float, metavar="MB",
+                help="spool bound; beyond it the oldest records are dropped and counted")
+    add_setting(p, "--metrics-port", "probe.metrics_port", type=int, metavar="PORT", help="Prometheus port (0: off)")
+    add_setting(p, "--scenario", "probe.scenario", metavar="FILE", help="scenario for --source sim")
+    add_setting(p, "--dcgm-host", "probe.dcgm_host", metavar="HOST", help="nv-hostengine for --source dcgm")
+    add_setting(p, "--stall-timeout", "probe.stall_timeout_s", type=float, metavar="S",
+                help="a source call slower than this is reported as telemetry_stalled")
+    add_setting(p, "--step-timeout", "probe.step_timeout_s", type=float, metavar="S",
+                help="how long a step batch waits for the node's slower ranks")
+    add_setting(p, "--ensure-topics", "probe.ensure_topics", store_true=True,
+                help="create the fh.* topics on every (re)connect (a broker that forgets them on restart)")
+    add_setting(p, "--duration", "probe.duration_s", type=float, metavar="S", help="stop after S seconds")
+    add_config_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import threading
+    import time
+
+    from fleethealth.nodename import node_name
+    from fleethealth.probe.daemon import Probe, ProbeConfig, make_source
+
+    s = load_settings(args)
+    kafka = require_bus(s["kafka"], "--kafka DSN is required (or set FLEETHEALTH_KAFKA)")
+    node = node_name(s["node.name"], naming=s["node.naming"])
+    interval, source_name = s["probe.interval_s"], s["probe.source"]
+    source = make_source(source_name, node=node, rack=s["node.rack"], interval_s=interval,
+                         scenario=s["probe.scenario"], dcgm_host=s["probe.dcgm_host"])
+    config = ProbeConfig(node=node, rack=getattr(source, "rack", s["node.rack"]), interval_s=interval,
+                         socket_path=None if s["probe.no_socket"] else s["probe.socket"],
+                         spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),
+                         metrics_port=s["probe.metrics_port"] or None, stall_timeout_s=s["probe.stall_timeout_s"],
+                         step_timeout_s=s["probe.step_timeout_s"])
+    on_connect = None
+    if s["probe.ensure_topics"]:
+        from fleethealth.bus import ensure_topics
+
+        on_connect = ensure_topics
+    with stop_on_signals() as stop:
+        duration = s["probe.duration_s"]
+        timer = threading.Timer(duration, stop.set) if duration is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        started = time.monotonic()
+        with Probe(source, config, dsn=kafka, on_connect=on_connect) as probe:
+            print(f"fleethealth probe: node {config.node}, source {source_name}, bus {kafka}, "
+                  f"socket {config.socket_path or 'off'}, metrics {config.metrics_port or 'off'}", file=sys.stderr)
+            ticks = probe.run(stop)
+            health = probe.health()
+        print(f"fleethealth probe: stopped after {ticks} samples in {time.monotonic() - started:.1f} s; "
+              f"delivered {health.delivered_total}, spooled {health.spool_records}, "
+              f"dropped {health.spool_dropped_total}", file=sys.stderr)
+    return 0

@@ -1,0 +1,367 @@
+"""One configuration for ``detect``, ``serve``, ``act`` and ``probe``: a file, the environment,
+then flags, each overriding the one before.
+
+::
+
+    defaults  <  file (--config FILE, else $FLEETHEALTH_CONFIG)  <  environment ($FLEETHEALTH_...)  <  flags
+
+Every setting is a :class:`Key` with a dotted name (``detect.straggler.clip``, ``policy.fleet_nodes``,
+``kafka``). In the file, the part before the last dot is a table::
+
+    kafka = "kafka://broker:9092"
+
+    [policy]
+    fleet_nodes = 2048            # the circuit breaker's 10 % share needs the fleet's size
+
+    [detect.straggler]
+    clip = 5.0
+
+The file is TOML (read with the standard library's ``tomllib``), or YAML when its name ends in
+``.yaml`` / ``.yml``. A key's environment variable is ``FLEETHEALTH_`` and its name in capitals with
+dots as underscores (``FLEETHEALTH_DETECT_STRAGGLER_CLIP``), unless the key names another (``node.name``
+is ``$FLEETHEALTH_NODE``, as it always was). Flags are the commands' own plus ``--set KEY=VALUE``.
+A key the schema does not know, in the file or in ``--set``, is an error that names it and the
+keys that are known; so is a value of the wrong type.
+
+This module knows no detector or policy: the commands build the :class:`Schema` from the
+parameters of the parts they wire (:func:`keys_from_signature`), so a new detector parameter is
+settable without touching this file. :meth:`Settings.render` prints the effective configuration
+with where each value came from (``fleethealth config show``); its TOML form is itself a valid file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from fleethealth.errors import ConfigError
+
+__all__ = ["Key", "Schema", "Settings", "keys_from_signature", "read_file", "COMMAND_KEYS", "CONFIG_ENV",
+           "DEFAULT_SOURCE"]
+
+CONFIG_ENV = "FLEETHEALTH_CONFIG"
+"""The environment variable naming the config file when no ``--config`` is given."""
+DEFAULT_SOURCE = "default"
+
+_KINDS = {"bool": bool, "int": int, "float": float, "str": str, "floats": tuple}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting: dotted ``name``, ``kind`` (``bool``, ``int``, ``float``, ``str`` or ``floats``,
+    a list of numbers), ``default``, whether None is allowed (``optional``), allowed ``choices``,
+    and its environment variable (``env``; derived from the name when empty)."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str = ""
+    optional: bool = False
+    choices: tuple[str, ...] = ()
+    env: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"config key {self.name}: unknown kind {self.kind!r}")
+        if not self.env:
+            object.__setattr__(self, "env", "FLEETHEALTH_" + re.sub(r"[^A-Za-z0-9]", "_", self.name).upper())
+
+    @property
+    def section(self) -> str:
+        return self.name.rpartition(".")[0]
+
+    def coerce(self, value: Any, where: str) -> Any:
+        """``value`` (from a file, as parsed) as this key's type; a :class:`ConfigError` naming
+        the key and ``where`` it came from otherwise."""
+        if value is None and self.optional:
+            return None
+        ok = True
+        if self.kind == "bool":
+            ok = isinstance(value, bool)
+        elif self.kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.kind == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            value = float(value) if ok else value
+        elif self.kind == "str":
+            ok = isinstance(value, str)
+        else:
+            ok = isinstance(value, list | tuple) and all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+            value = tuple(float(v) for v in value) if ok else value
+        if not ok:
+            wanted = {"floats": "a list of numbers", "int": "an integer", "float": "a finite number",
+                      "bool": "true or false", "str": "a string"}[self.kind]
+            raise ConfigError(f"{self.name} ({where}) must be {wanted}{' or none' if self.optional else ''}, "
+                              f"got {value!r}")
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{self.name} ({where}) must be one of {', '.join(self.choices)}, got {value!r}")
+        return value
+
+    def parse(self, text: str, where: str) -> Any:
+        """A value written as text (an environment variable, ``--set``) as this key's type."""
+        raw = text.strip()
+        if self.optional and raw.lower() in {"", "none", "null"}:
+            return None
+        value: Any = raw
+        try:
+            if self.kind == "bool":
+                if raw.lower() not in _TRUE | _FALSE:
+                    raise ValueError(raw)
+                value = raw.lower() in _TRUE
+            elif self.kind == "int":
+                value = int(raw)
+            elif self.kind == "float":
+                value = float(raw)
+            elif self.kind == "floats":
+                value = [float(v) for v in raw.strip("[]()").split(",") if v.strip()]
+        except ValueError:
+            pass  # coerce names the key and the expected type
+        return self.coerce(value, where)
+
+
+def keys_from_signature(section: str, target: Callable[..., Any], *, skip: Iterable[str] = (),
+                        help: str = "") -> list[Key]:
+    """One :class:`Key` per keyword parameter of ``target`` (a class or function) whose default is
+    a plain value: ``section.<parameter>`` with the parameter's default and annotated type.
+    Parameters in ``skip``, and those of other types (objects, callables), are left out."""
+    keys = []
+    skipped = set(skip)
+    for p in inspect.signature(target).parameters.values():
+        if p.name in skipped or p.name == "self" or p.default is inspect.Parameter.empty:
+            continue
+        note = str(p.annotation).replace(" ", "")
+        parts = set(note.split("|"))
+        optional = "None" in parts
+        parts.discard("None")
+        kind = {"float": "float", "int": "int", "bool": "bool", "str": "str",
+                "tuple[float,...]": "floats"}.get(next(iter(parts), "") if len(parts) == 1 else "")
+        if kind is None and len(parts) > 1 and "str" in parts:  # e.g. ``str | Path | Artifact``: a path
+            kind = "str"
+        if kind is None:
+            continue
+        default = p.default
+        if kind == "floats" and default is not None:
+            default = tuple(float(v) for v in default)
+        keys.append(Key(f"{section}.{p.name}", kind, default, help=help, optional=optional))
+    return keys
+
+
+class Schema:
+    """The keys a command knows, by name."""
+
+    def __init__(self, keys: Iterable[Key]) -> None:
+        self.keys: dict[str, Key] = {}
+        for key in keys:
+            if key.name in self.keys:
+                raise ValueError(f"config key {key.name} defined twice")
+            self.keys[key.name] = key
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.keys
+
+    def key(self, name: str, where: str) -> Key:
+        """The key ``name``; an unknown one is a :class:`ConfigError` listing the known ones
+        (those of the same table when the table exists, else the tables)."""
+        if name in self.keys:
+            return self.keys[name]
+        section = name.rpartition(".")[0]
+        siblings = sorted(k.name for k in self.keys.values() if k.section == section)
+        if siblings:
+            known = f"known in [{section}]: " + ", ".join(n.rpartition(".")[2] for n in siblings)
+        else:
+            tables = sorted({k.section for k in self.keys.values() if k.section})
+            top = sorted(k.name for k in self.keys.values() if not k.section)
+            known = "known: " + ", ".join(top + [f"[{t}]" for t in tables])
+        raise ConfigError(f"unknown config key {name!r} ({where}); {known}")
+
+    def load(self, *, file: str | Path | None = None, environ: Mapping[str, str] | None = None,
+             flags: Mapping[str, tuple[str, Any]] | None = None, sets: Iterable[str] = ()) -> Settings:
+        """The effective settings: defaults, then ``file`` (else ``$FLEETHEALTH_CONFIG``), then the
+        environment, then ``flags`` (key name → (the flag, its value typed by argparse; None = not given)),
+        then ``sets`` (``KEY=VALUE`` strings, the ``--set`` flag)."""
+        env = os.environ if environ is None else environ
+        values = {name: key.default for name, key in self.keys.items()}
+        sources = dict.fromkeys(self.keys, DEFAULT_SOURCE)
+        path = file or env.get(CONFIG_ENV) or None
+        if path is not None:
+            where = f"file {path}"
+            for name, value in _flatten(read_file(path)).items():
+                values[name] = self.key(name, where).coerce(value, where)
+                sources[name] = where
+        for name, key in self.keys.items():
+            if key.env in env:
+                where = f"env {key.env}"
+                values[name] = key.parse(env[key.env], where)
+                sources[name] = where
+        for name, (flag, value) in (flags or {}).items():
+            if value is None:
+                continue
+            where = f"flag {flag}"
+            values[name] = self.key(name, where).coerce(value, where)
+            sources[name] = where
+        for item in sets:
+            name, eq, text = item.partition("=")
+            if not eq:
+                raise ConfigError(f"--set wants KEY=VALUE, got {item!r}")
+            key = self.key(name.strip(), "flag --set")
+            values[key.name] = key.parse(text, "flag --set")
+            sources[key.name] = "flag --set"
+        return Settings(self, values, sources, path)
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A config file's tables: TOML, or YAML for ``*.yaml`` / ``*.yml``."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    if p.suffix.lower() in {".yaml", ".yml"}:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold tables of keys, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective configuration: ``values`` and ``sources`` by key name (a source is ``default``,
+    ``file PATH``, ``env NAME`` or ``flag --NAME``), and the file read (or None)."""
+
+    schema: Schema
+    values: dict[str, Any]
+    sources: dict[str, str]
+    file: str | Path | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[self.schema.key(name, "lookup").name]
+
+    def section(self, prefix: str, *, changed_only: bool = False) -> dict[str, Any]:
+        """The keys directly under ``prefix`` (``detect.hang`` → ``{"window": 512, ...}``); with
+        ``changed_only``, only those not at their default (to pass as keyword arguments)."""
+        return {name.rpartition(".")[2]: v for name, v in self.values.items()
+                if self.schema.keys[name].section == prefix
+                and not (changed_only and self.sources[name] == DEFAULT_SOURCE)}
+
+    def to_obj(self) -> dict[str, dict[str, Any]]:
+        return {name: {"value": list(v) if isinstance(v, tuple) else v, "source": self.sources[name],
+                       "env": self.schema.keys[name].env} for name, v in sorted(self.values.items())}
+
+    def render(self, *, as_json: bool = False) -> str:
+        """The settings as JSON (``{key: {value, source, env}}``) or as a TOML file, each line
+        commented with its source; keys whose value is none are commented out (TOML has no null)."""
+        if as_json:
+            return orjson.dumps(self.to_obj(), option=orjson.OPT_INDENT_2).decode()
+        lines = [f"# effective configuration ({'file ' + str(self.file) if self.file else 'no file'}); "
+                 "precedence: default < file < env < flag"]
+        by_section: dict[str, list[str]] = {}
+        for name in self.values:
+            by_section.setdefault(self.schema.keys[name].section, []).append(name)
+        for section in sorted(by_section):
+            if section:
+                lines += ["", f"[{section}]"]
+            names = sorted(by_section[section])
+            texts = [f"{k} = {_toml_value(self.values[n])}" if self.values[n] is not None else f"# {k} = (none)"
+                     for n, k in ((n, n.rpartition(".")[2]) for n in names)]
+            width = max(map(len, texts))
+            lines += [f"{text.ljust(width)}  # {self.sources[n]}" for n, text in zip(names, texts, strict=True)]
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return orjson.dumps(value).decode()
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+COMMAND_KEYS: tuple[Key, ...] = (
+    # shared by several commands
+    Key("kafka", "str", None, "the bus, kafka://host:port[,host:port]; serve without it starts the embedded broker",
+        optional=True),
+    Key("store", "str", None, "the store, http(s)://clickhouse:8123/db or chdb:///path; serve without it uses "
+                              "chdb://DATA/store", optional=True),
+    Key("data", "str", "fleethealth-data", "serve's embedded store (DATA/store) and act's journal directory"),
+    Key("node.name", "str", "", "this node's name (empty: from the host name under node.naming)",
+        env="FLEETHEALTH_NODE"),
+    Key("node.naming", "str", "short", "host name rule when node.name is empty: short or fqdn",
+        choices=("short", "fqdn")),
+    Key("node.rack", "str", "unknown", "this node's rack (the probe)", env="FLEETHEALTH_RACK"),
+    # detect
+    Key("detect.group", "str", "fh-detect", "consumer group of the detector runners"),
+    Key("detect.metrics_port", "int", 9403, "Prometheus /metrics port of detect, 0 to disable"),
+    # serve
+    Key("serve.host", "str", "127.0.0.1", "listen address"),
+    Key("serve.port", "int", 8080, "listen port"),
+    Key("serve.token_file", "str", None, "file holding the bearer token for write endpoints", optional=True),
+    Key("serve.read_token_file", "str", None, "file holding the bearer token for reads", optional=True),
+    Key("serve.open_reads", "bool", False, "serve reads without a token (logged as a warning)"),
+    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner"),
+    # act
+    Key("act.scheduler", "str", None, "slurm or kubernetes", optional=True, choices=("slurm", "kubernetes")),
+    Key("act.dry_run", "bool", False, "record what would be done; change nothing"),
+    Key("act.group", "str", None, "consumer group (none: fh-act-SCHEDULER)", optional=True),
+    Key("act.max_actions", "int", 5, "the adapter's own rate limit: actions per act.window_s"),
+    Key("act.window_s", "float", 3600.0, "the rate-limit window, seconds"),
+    # adapters.act.DEFAULT_MAX_AGE_S: twice the policy engine's 900 s staleness bound
+    Key("act.max_age_s", "float", 1800.0, "record but do not act on recommendations older than this; 0 = no bound"),
+    Key("act.kubeconfig", "str", None, "kubeconfig file (none: ~/.kube/config)", optional=True),
+    Key("act.in_cluster", "bool", False, "use the pod's service account"),
+    Key("act.idle_exit", "float", None, "exit after this many seconds without a new recommendation", optional=True),
+    # probe
+    Key("probe.source", "str", "nvml", "telemetry source", choices=("dcgm", "nvml", "sim")),
+    Key("probe.interval_s", "float", 1.0, "seconds between samples"),
+    Key("probe.socket", "str", "/run/fleethealth/probe.sock", "Unix socket for the in-job step timer",
+        env="FLEETHEALTH_SOCKET"),
+    Key("probe.no_socket", "bool", False, "do not listen for training processes"),
+    Key("probe.spool_dir", "str", "/var/lib/fleethealth/spool", "on-disk queue used while Kafka is unreachable"),
+    Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
+    Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),
+    Key("probe.scenario", "str", None, "scenario file for probe.source = sim", optional=True),
+    Key("probe.dcgm_host", "str", "localhost", "nv-hostengine for probe.source = dcgm"),
+    Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
+    Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
+    Key("probe.ensure_topics", "bool", False, "create the fh.* topics on every (re)connect"),
+    Key("probe.duration_s", "float", None, "stop after this many seconds", optional=True),
+)
+"""The commands' own settings (the bus, the store, the node, and each command's flags). The
+detector and policy thresholds are added by the commands from the parameters of those parts."""

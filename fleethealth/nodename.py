@@ -1,0 +1,38 @@
+"""The one rule for this machine's node name: what the probe, the self-test, the sweep and the
+Slurm health check put in the ``node`` field of every record.
+
+A name given explicitly wins (``--node``, ``node.name`` in the config, ``$FLEETHEALTH_NODE``);
+otherwise the host's name, either the short one (``gpu-017`` of ``gpu-017.cluster.example``,
+the default: what Slurm's ``NodeName``, Kubernetes' node name and ``scontrol`` use on most
+clusters) or the fully qualified one (``naming = "fqdn"``, for sites whose schedulers name nodes
+by FQDN). The probe and the self-test of one node must agree, or the detectors see two nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from fleethealth.errors import ConfigError
+
+__all__ = ["NAMINGS", "DEFAULT_NAMING", "node_name"]
+
+NAMINGS = ("short", "fqdn")
+"""The two rules: the host name up to its first dot, or the fully qualified domain name."""
+DEFAULT_NAMING = "short"
+
+
+def node_name(name: str | None = None, *, naming: str | None = None) -> str:
+    """``name`` if given (non-empty), else ``$FLEETHEALTH_NODE``, else this host's name under
+    ``naming`` (``short`` or ``fqdn``; default ``$FLEETHEALTH_NODE_NAMING``, else ``short``)."""
+    if name:
+        return name
+    env = os.environ.get("FLEETHEALTH_NODE")
+    if env:
+        return env
+    naming = naming or os.environ.get("FLEETHEALTH_NODE_NAMING") or DEFAULT_NAMING
+    if naming not in NAMINGS:
+        raise ConfigError(f"unknown node naming {naming!r} (known: {', '.join(NAMINGS)})")
+    if naming == "fqdn":
+        return socket.getfqdn() or socket.gethostname()
+    return socket.gethostname().split(".")[0]
