@@ -14,6 +14,7 @@ from fleethealth.commands._settings import add_config_flags, add_setting, load_s
 if TYPE_CHECKING:
     from fleethealth.config import Settings
     from fleethealth.detectors.runner import Runner
+    from fleethealth.store.protocol import StoreLike
 
 __all__ = ["add", "build_runner"]
 
@@ -40,7 +41,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def build_runner(bus_dsn: str, store: Any, settings: Settings, **kwargs: Any) -> Runner:
+def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: Any) -> Runner:
     """A detector :class:`~fleethealth.detectors.runner.Runner` whose detectors, policy engine and
     pager take the ``detect.*`` and ``policy*`` keys that differ from their defaults (``kwargs``
     go to the runner: ``registry``, ``publish`` …)."""
