@@ -42,7 +42,6 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor, GpuFeatures, load_model
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector, robust_z
-from fleethealth.detectors.xid import XID_CATALOG, XidInfo, XidSeverity
 
 __all__ = [
     "SeedRule",
@@ -55,9 +54,6 @@ __all__ = [
     "RackEpisodes",
     "diagnose_straggler",
     "HealthRules",
-    "XID_CATALOG",
-    "XidInfo",
-    "XidSeverity",
     "SdcDetector",
     "FailurePredictor",
     "GpuFeatures",

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fleethealth.detectors.params import check_float, check_int
-from fleethealth.detectors.xid import XidSeverity, lookup
+from fleethealth.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
 

@@ -18,8 +18,8 @@ sdc                    ``quarantine`` of the node and ``rollback`` of the job to
 failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
 hang                   ``drain`` of the node named, so the restart does not land on it
 xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
-                       finding's ``evidence["action"]``), fatal codes and uncorrectable errors;
-                       else ``none``
+                       finding's ``evidence["action"]``; without one, the Xid rulebook
+                       :mod:`fleethealth.xid` for the code) and uncorrectable errors; else ``none``
 thermal / link         ``none``: reported; acted on through a straggler's diagnosis
 =====================  ===========================================================================
 
@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
+from fleethealth.evidence import EccEvidence, XidEvidence
+from fleethealth.ids import derived
 from fleethealth.injob.watermark import rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
 from fleethealth.policy.guards import (
@@ -52,14 +54,9 @@ from fleethealth.policy.guards import (
 )
 from fleethealth.policy.params import check_number
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
+from fleethealth.xid import lookup as xid_lookup
 
-__all__ = ["PolicyEngine", "Checkpoint", "XID_DRAIN", "XID_APPLICATION", "rack_of"]
-
-XID_DRAIN = frozenset({48, 62, 64, 74, 79, 92, 95, 119, 120, 140})
-"""Xid codes that mean the node should leave the pool (uncorrectable ECC, row-remap failure, NVLink
-error, fallen off the bus, GSP errors, ...), after NVIDIA's Xid catalog."""
-XID_APPLICATION = frozenset({13, 31, 43, 45, 94})
-"""Xid codes that are usually the application's (or contained): reported, no node action."""
+__all__ = ["PolicyEngine", "Checkpoint", "rack_of"]
 
 _FATAL = {"fatal", "critical"}
 _MILD = {"warning", "info", "informational"}
@@ -367,19 +364,19 @@ class PolicyEngine:
         return recs
 
     def _hardware_error(self, f: Finding, now: float) -> list[Recommendation]:
-        sev = str(f.evidence.get("severity", "")).lower()
-        code = f.evidence.get("code", f.evidence.get("xid"))
-        advised = f.evidence.get("action")   # the detector's catalogue advice, when it gives one
+        code: int | None = None
         if f.kind is FindingKind.XID:
-            if advised in (Action.DRAIN.value, Action.NONE.value) and sev not in _FATAL:
-                fatal = advised == Action.DRAIN.value
-            else:
-                fatal = sev in _FATAL or (sev not in _MILD and code in XID_DRAIN)
+            xid = XidEvidence.from_evidence(f.evidence)
+            sev, code, advised = xid.severity, xid.code, xid.action  # advised: the detector's catalog advice
+            if advised in (Action.DRAIN, Action.NONE) and sev not in _FATAL:
+                fatal = advised is Action.DRAIN
+            else:  # no advice given: the same rulebook the detector reads (fleethealth.xid)
+                fatal = sev in _FATAL or (sev not in _MILD and code is not None and xid_lookup(code).drains)
             what = f"Xid {code}" + (f" ({sev})" if sev else "")
         else:
-            dbe = f.evidence.get("uncorrectable", f.evidence.get("dbe", 0))
-            fatal = sev in _FATAL or (sev not in _MILD and isinstance(dbe, int | float) and dbe > 0) \
-                or bool(f.evidence.get("remap_failure"))
+            ecc = EccEvidence.from_evidence(f.evidence)
+            sev = ecc.severity
+            fatal = sev in _FATAL or (sev not in _MILD and ecc.uncorrectable_seen) or ecc.remap_failure
             what = "ECC " + (sev or ("uncorrectable" if fatal else "correctable")) + " errors"
         ev = {"code": code, "severity": sev or None}
         if not fatal:
@@ -408,7 +405,7 @@ class PolicyEngine:
                 st = self.breaker_.status()
                 out.append(Recommendation(
                     action=Action.PAGE, node=f.node, ts=now, guard=Guard.NEEDS_HUMAN, job=f.job,
-                    finding_id=f"breaker:{f.id}", dry_run=self.dry_run,
+                    finding_id=derived("breaker", f.id), dry_run=self.dry_run,
                     reason=f"fleet circuit breaker tripped: {st.reason}; automatic drain/evict/quarantine "
                            "stopped until a human resets it",
                     evidence={"guards_fired": [GuardName.BREAKER], "threshold": st.threshold,
