@@ -42,7 +42,7 @@ from fleethealth.errors import ConfigError
 from fleethealth.evidence import EccEvidence, XidEvidence
 from fleethealth.ids import derived
 from fleethealth.injob.watermark import rollback_target
-from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
+from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
     CircuitBreaker,
@@ -96,7 +96,9 @@ class PolicyEngine:
     ``breaker_min_nodes`` / ``breaker_window_s`` / ``fleet_nodes`` the circuit breaker (0.1, 5,
     3,600, 0 = unknown); ``nodes_per_rack`` (8); ``facilities_episode_s`` a hot-aisle episode ends
     after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
-    (0.5); ``dry_run`` marks every recommendation as not to be executed (False).
+    (0.5); ``dry_run`` marks every recommendation as not to be executed (False);
+    ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
+    (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5).
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
@@ -104,7 +106,8 @@ class PolicyEngine:
                  rate_window_s: float = 3600.0, stale_after_s: float = 900.0, breaker_share: float = 0.1,
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
-                 failure_risk_threshold: float = 0.5, dry_run: bool = False) -> None:
+                 failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
+                 outcome_recur_share: float = 0.5) -> None:
         self.restart_s = check_number("restart_s", restart_s, strict=False)
         self.payback_margin = check_number("payback_margin", payback_margin)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, strict=False)
@@ -116,6 +119,10 @@ class PolicyEngine:
             raise ConfigError(f"failure_risk_threshold is a probability, got {failure_risk_threshold}")
         self.dry_run = bool(dry_run)
         self.posterior_ = HealthyPosterior(alpha=prior_alpha, beta=prior_beta)
+        # an eviction waits for its execution report as long as `fleethealth act` would still carry it
+        # out (adapters.act.DEFAULT_MAX_AGE_S is twice the staleness bound)
+        self.watch_ = EvictionWatch(settle_s=outcome_settle_s, recur_share=outcome_recur_share,
+                                    max_wait_s=2 * self.stale_after_s)
         self.rate_ = JobRateLimiter(window_s=rate_window_s)
         self.rack_ = RackGuard()
         self.breaker_ = CircuitBreaker(share=breaker_share, min_nodes=breaker_min_nodes,
@@ -133,8 +140,10 @@ class PolicyEngine:
         self.last_pass_: dict[str, int] = {}
 
     # ------------------------------------------------------------ inputs other than findings
-    def observe(self, events: Sequence[Event]) -> None:
-        """Learn checkpoints (with their watermark) and passing SDC checks from job events."""
+    def observe(self, events: Sequence[Event]) -> int:
+        """Learn checkpoints (with their watermark) and passing SDC checks from job events, and which
+        issued evictions the scheduler carried out; returns how many evictions were reported executed."""
+        noted = self.watch_.observe(events)
         for ev in events:
             if ev.job is None:
                 continue
@@ -151,6 +160,21 @@ class PolicyEngine:
                     book.sort(key=lambda c: c.step)
             elif ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None:
                 self.last_pass_[ev.job] = max(self.last_pass_.get(ev.job, -1), ev.step)
+        return noted
+
+    def judge(self, findings: Sequence[Finding], now: float) -> list[EvictionOutcome]:
+        """Outcomes of executed evictions that ``findings`` (new ones) or the time ``now`` decide; each
+        moves P(healthy) at once. The caller records them (:func:`fleethealth.policy.persist.record_outcome`)."""
+        outcomes = self.watch_.judge(findings, float(now))
+        for o in outcomes:
+            self.record_outcome(o)
+        return outcomes
+
+    def settle(self, outcomes: Sequence[EvictionOutcome]) -> None:
+        """Count recorded outcomes into P(healthy), each eviction once, and stop watching those evictions."""
+        unique = {o.key: o for o in outcomes}
+        self.posterior_.record_all(unique.values())
+        self.watch_.settled(set(unique))
 
     def record_outcome(self, outcome: EvictionOutcome) -> None:
         """Feed back whether an eviction resolved the straggle; moves P(healthy) for its class."""
@@ -260,6 +284,7 @@ class PolicyEngine:
                        f"(limit one per {self.rate_.window_s:.0f} s)")
         recs = self._guarded(Action.EVICT, f, now, reason, ev, fired=fired)
         if recs[0].guard is Guard.ALLOWED:
+            self.watch_.issue(recs[0])
             self.rate_.note(job, now)
             self.rack_.note(rack, f.node)
             self.evicted_[f.node] = f.ts
@@ -455,7 +480,7 @@ class PolicyEngine:
             "rolled_back": sorted(self.rolled_back_), "remaining": dict(self.remaining_),
             "checkpoints": {j: [[c.step, c.uri, c.last_verified_step] for c in cs]
                             for j, cs in self.checkpoints_.items()},
-            "last_pass": dict(self.last_pass_),
+            "last_pass": dict(self.last_pass_), "watch": self.watch_.to_state(),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -476,3 +501,4 @@ class PolicyEngine:
         self.checkpoints_ = {j: [Checkpoint(j, int(s), str(u), v) for s, u, v in cs]
                              for j, cs in state.get("checkpoints", {}).items()}
         self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}
+        self.watch_.load_state(state.get("watch", {}))

@@ -135,6 +135,6 @@ def load_engine(store: Any, *, key: str = "engine", **params: Any) -> PolicyEngi
     if res.rows:
         engine.load_state(orjson.loads(res.rows[0][0]))
     engine.posterior_.load_state({})
-    engine.posterior_.record_all(outcomes(store))
+    engine.settle(outcomes(store))
     sync_breaker(store, engine)
     return engine
