@@ -10,11 +10,11 @@ What the runner calls, per input:
 * **an assembled step** of one job (all ranks, columnar) — one straggler detector *per job*
   (its state is indexed by rank)::
 
-      findings = straggler.update(step, ranks, compute_s, groups)      # StragglerDetector()
-      # fill node / gpu / job / ts from the placement, then diagnose:
-      res = diagnoser.diagnose(node, gpu)                                # Diagnoser()
-      f = dataclasses.replace(f, node=node, gpu=gpu, job=job, ts=ts, diagnosis=res.diagnosis,
-                              evidence={**f.evidence, **res.evidence})
+      findings = straggler.update(step.step, step.ranks, step.compute_s, step.groups,
+                                  placement=step)                        # StragglerDetector()
+      # each finding already names its job, node, GPU and time; diagnose it once telemetry caught up:
+      res = diagnoser.diagnose(f.node, f.gpu)                            # Diagnoser()
+      f = dataclasses.replace(f, diagnosis=res.diagnosis, evidence={**f.evidence, **res.evidence})
       findings = rack_episodes.update(findings, diagnoser.rack_of)      # RackEpisodes()
 
   ``SeedRule()`` has the same interface (seed 000's rule, the benchmark baseline).

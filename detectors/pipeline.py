@@ -7,8 +7,8 @@ nodes of their newest message's event time. What it calls, in order, for each ``
 1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
    power brake, PCIe) and the failure predictor;
 2. step batches → the :class:`StepAssembler` (one step across nodes) → the job's straggler
-   detector (one per job: its state is indexed by rank) → partial findings completed with
-   node, GPU, job and time from the placement;
+   detector (one per job: its state is indexed by rank), given the assembled step as the
+   placement, so each finding comes out with its node, GPU, job and time;
 3. events → the hang detector (with step progress), SDC check results, Xid rules;
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
@@ -170,15 +170,7 @@ class Pipeline:
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
-        found = detector.update(step.step, step.ranks, step.compute_s, step.groups)
-        if not found:
-            return []
-        out = []
-        for f in found:
-            i = int(np.flatnonzero(step.ranks == f.rank)[0])
-            out.append(dataclasses.replace(f, job=step.job, node=str(step.nodes[i]), gpu=int(step.gpus[i]),
-                                           ts=step.ts))
-        return out
+        return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
 
     def _wait(self, findings: list[Finding]) -> None:
         """Hold stragglers until their rack's telemetry catches up (see :meth:`_diagnosable`)."""
