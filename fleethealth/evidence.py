@@ -1,4 +1,4 @@
-"""Typed evidence of the hardware findings: what the health rules fill and the policy reads.
+"""Typed evidence of findings: what the health rules fill and the policy reads.
 
 On the wire and in the store a finding's ``evidence`` stays a JSON object (DESIGN "Findings and
 recommendations"); these frozen dataclasses are its shape for the two kinds the policy acts on by
@@ -11,9 +11,12 @@ their facts. A detector builds one and writes :meth:`to_evidence`; the policy re
                       (:mod:`fleethealth.xid`), whether the usual cause is hardware, the driver message
 :class:`EccEvidence`  an ``ecc`` finding: which rules held, uncorrectable errors since driver load,
                       row-remap failure / pending, retired pages, corrected errors
+:class:`StragglerEvidence`  what the policy reads of a straggler's evidence besides the finding's
+                      own fields: the rack its diagnosis named, an explicit remaining run time, a
+                      slowdown carried only in the evidence (a finding from another producer)
 =================  ===========================================================================
 
-Both carry ``severity`` (``info`` / ``warning`` / ``error`` / ``critical``, lower case; ``""``
+The two hardware kinds carry ``severity`` (``info`` / ``warning`` / ``error`` / ``critical``, lower case; ``""``
 when unsaid) and ``escalated_from`` (the severity an open episode rose from, else None).
 """
 
@@ -26,7 +29,7 @@ from typing import Any, Self
 
 from fleethealth.schema import Action
 
-__all__ = ["XidEvidence", "EccEvidence"]
+__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence"]
 
 
 def _number(v: Any) -> float | None:
@@ -119,3 +122,30 @@ class EccEvidence:
     def uncorrectable_seen(self) -> bool:
         """True when uncorrectable errors were counted since driver load."""
         return self.uncorrectable is not None and self.uncorrectable > 0
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+@dataclass(frozen=True)
+class StragglerEvidence:
+    """The policy's reading of a straggler finding's evidence. ``rack`` is the one the diagnosis
+    named (None: derive it from the node name); ``remaining_s`` the job's remaining run time when
+    the producer knew it (None: the engine's own figure); ``slowdown`` the evidence's slowdown,
+    used when the finding's field is empty. The detector's and the diagnosis's own keys (CUSUM arm,
+    temperatures, peer shares) stay in the JSON object for people to read."""
+
+    rack: str | None = None
+    remaining_s: float | None = None
+    slowdown: float | None = None
+
+    @classmethod
+    def from_evidence(cls, m: Mapping[str, Any]) -> Self:
+        rack = m.get("rack")
+        remaining = _finite(m.get("remaining_s"))
+        return cls(rack=rack if isinstance(rack, str) and rack else None,
+                   remaining_s=remaining if remaining is not None and remaining >= 0 else None,
+                   slowdown=_finite(m.get("slowdown")))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
-from fleethealth.evidence import EccEvidence, XidEvidence
+from fleethealth.evidence import EccEvidence, StragglerEvidence, XidEvidence
 from fleethealth.ids import derived
 from fleethealth.injob.watermark import rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
@@ -236,16 +236,18 @@ class PolicyEngine:
     # ------------------------------------------------------------ stragglers
     def _straggler(self, f: Finding, now: float) -> list[Recommendation]:
         diag = f.diagnosis or Diagnosis.UNKNOWN
-        rack = self._rack(f)
+        facts = StragglerEvidence.from_evidence(f.evidence)
+        rack = facts.rack if facts.rack is not None else rack_of(f.node, self.nodes_per_rack)
         if diag is Diagnosis.ENVIRONMENTAL:
             return [self._facilities(f, now, rack)]
         if diag not in _STRAGGLER_EVICT:
             raise ConfigError(f"unhandled diagnosis {diag}")
-        slowdown = f.slowdown if f.slowdown is not None else f.evidence.get("slowdown")
+        slowdown = f.slowdown if f.slowdown is not None else facts.slowdown
         if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not math.isfinite(slowdown):
             return [self._rec(Action.NONE, f, now, "straggler without a measured slowdown: no payback to "
                               "compute, reported only", {"diagnosis": diag.value})]
-        remaining = self._remaining(f)
+        remaining = (facts.remaining_s if facts.remaining_s is not None
+                     else self.remaining_.get(f.job or "", self.default_remaining_s))
         pb = payback(self.restart_s, self.posterior_.mean(diag), float(slowdown), remaining, self.payback_margin)
         ev = {"diagnosis": diag.value, "rack": rack, **pb.to_evidence(), "z": f.z,
               "p_healthy_counts": list(self.posterior_.counts(diag))}
@@ -448,16 +450,6 @@ class PolicyEngine:
             evidence["guards_fired"].append(GuardName.DRY_RUN)
         return Recommendation(action=action, node=f.node, ts=now, reason=reason, guard=guard, job=f.job,
                               finding_id=f.id, dry_run=self.dry_run, evidence=evidence)
-
-    def _rack(self, f: Finding) -> str:
-        rack = f.evidence.get("rack")
-        return rack if isinstance(rack, str) and rack else rack_of(f.node, self.nodes_per_rack)
-
-    def _remaining(self, f: Finding) -> float:
-        r = f.evidence.get("remaining_s")
-        if isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r >= 0:
-            return float(r)
-        return self.remaining_.get(f.job or "", self.default_remaining_s)
 
     def _next_boundary(self, job: str | None) -> int | None:
         book = self.checkpoints_.get(job or "", [])
