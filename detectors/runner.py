@@ -43,6 +43,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from fleethealth.bus import Consumer, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
@@ -204,15 +205,15 @@ class Runner:
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch)]
         events = [r.msg for r in ready if isinstance(r.msg, Event)]
         if telemetry:
-            self.store.insert_telemetry(telemetry, dedup_token=f"t:{token}")
+            self.store.insert_telemetry(telemetry, dedup_token=derived("t", token))
         if batches:
-            self.store.insert_steps(batches, dedup_token=f"s:{token}")
+            self.store.insert_steps(batches, dedup_token=derived("s", token))
         if events:
-            self.store.insert_events(events, dedup_token=f"e:{token}")
+            self.store.insert_events(events, dedup_token=derived("e", token))
         if out.findings:
-            self.store.insert_findings(out.findings, dedup_token=f"f:{token}")
+            self.store.insert_findings(out.findings, dedup_token=derived("f", token))
         if out.recommendations:
-            self.store.insert_recommendations(out.recommendations, dedup_token=f"r:{token}")
+            self.store.insert_recommendations(out.recommendations, dedup_token=derived("r", token))
         for outcome in out.outcomes:  # before the engine state that no longer watches them
             record_outcome(self.store, outcome)
         if out.policy_changed:
