@@ -3,8 +3,10 @@
 ``PolicyEngine(**params).decide(findings, now)`` is pure: no I/O and no clock (``now`` is the
 decision's event time). Its memory — evictions per job, the last evicted rack, the breaker, the
 finding ids already decided, P(healthy) counts, checkpoints and passing SDC checks seen through
-:meth:`PolicyEngine.observe` — lives in ``name_`` attributes and round-trips through
+:meth:`PolicyEngine.observe`, straggler evictions awaiting their outcome (``watch_``, judged by
+:meth:`PolicyEngine.judge`) — lives in ``name_`` attributes and round-trips through
 :meth:`PolicyEngine.to_state` / :meth:`PolicyEngine.load_state` (see :mod:`fleethealth.policy.persist`).
+The detector runner drives it through :class:`fleethealth.policy.stage.PolicyStage`.
 
 What each finding becomes (seed 000 §7, R2, R6; DESIGN.md "Findings and recommendations"):
 
