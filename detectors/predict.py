@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from fleethealth.detectors.params import check_float, check_int
-from fleethealth.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
+from fleethealth.xid import XidSeverity, lookup
 
 __all__ = ["FEATURES", "MODEL_NAME", "FeatureRows", "GpuFeatures", "ModelArtifact", "load_model",
            "FailurePredictor"]

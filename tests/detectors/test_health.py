@@ -8,7 +8,7 @@ import pytest
 
 from fleethealth.detectors.health import HealthRules
 from fleethealth.errors import ConfigError
-from fleethealth.schema import Action, ClockReason, Event, EventKind, FindingKind, Telemetry
+from fleethealth.schema import ClockReason, Event, EventKind, FindingKind, Telemetry
 
 
 def _t(ts, node="n0001", **cols):
