@@ -10,11 +10,11 @@ What the runner calls, per input:
 * **an assembled step** of one job (all ranks, columnar) — one straggler detector *per job*
   (its state is indexed by rank)::
 
-      findings = straggler.update(step, ranks, compute_s, groups)      # StragglerDetector()
-      # fill node / gpu / job / ts from the placement, then diagnose:
-      res = diagnoser.diagnose(node, gpu)                                # Diagnoser()
-      f = dataclasses.replace(f, node=node, gpu=gpu, job=job, ts=ts, diagnosis=res.diagnosis,
-                              evidence={**f.evidence, **res.evidence})
+      findings = straggler.update(step.step, step.ranks, step.compute_s, step.groups,
+                                  placement=step)                        # StragglerDetector()
+      # each finding already names its job, node, GPU and time; diagnose it once telemetry caught up:
+      res = diagnoser.diagnose(f.node, f.gpu)                            # Diagnoser()
+      f = dataclasses.replace(f, diagnosis=res.diagnosis, evidence={**f.evidence, **res.evidence})
       findings = rack_episodes.update(findings, diagnoser.rack_of)      # RackEpisodes()
 
   ``SeedRule()`` has the same interface (seed 000's rule, the benchmark baseline).
@@ -42,7 +42,6 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor, GpuFeatures, load_model
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector, robust_z
-from fleethealth.detectors.xid import XID_CATALOG, XidInfo, XidSeverity
 
 __all__ = [
     "SeedRule",
@@ -55,9 +54,6 @@ __all__ = [
     "RackEpisodes",
     "diagnose_straggler",
     "HealthRules",
-    "XID_CATALOG",
-    "XidInfo",
-    "XidSeverity",
     "SdcDetector",
     "FailurePredictor",
     "GpuFeatures",

@@ -6,8 +6,8 @@ Rules (per GPU, on each node's telemetry and the node's events):
 ``ecc``    uncorrectable errors since driver load (``critical``), a row-remap failure
            (``critical``), a row remap or page retirement pending (``warning``), retired pages
            growing since the node's previous sample (``warning``)
-``xid``    each Xid event, read through :mod:`fleethealth.detectors.xid` (severity, action,
-           remedy); codes below ``min_xid_severity`` are counted, not reported
+``xid``    each Xid event, read through the Xid rulebook :mod:`fleethealth.xid` (severity,
+           action, remedy); codes below ``min_xid_severity`` are counted, not reported
 ``thermal`` the hardware power brake clock-event bit (``HW_POWER_BRAKE``): an external power
            event, the kind that hits several nodes at once
 ``link``   PCIe link trained below its maximum generation or width (generation only while the
@@ -28,16 +28,18 @@ without a code is counted in ``invalid_events_total_`` and skipped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
+from fleethealth.evidence import EccEvidence, XidEvidence
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, Event, EventKind, Finding, FindingKind, Telemetry
+from fleethealth.xid import XidSeverity, lookup
 
 __all__ = ["HealthRules"]
 
@@ -104,14 +106,19 @@ class HealthRules:
         return None
 
     def _emit(self, kind: FindingKind, node: str, gpu: int | None, ts: float, severity: XidSeverity,
-              evidence: dict[str, Any], *, rule: str, job: str | None = None, step: int | None = None
-              ) -> list[Finding]:
+              facts: XidEvidence | EccEvidence | dict[str, Any], *, rule: str, job: str | None = None,
+              step: int | None = None) -> list[Finding]:
+        """One finding when the episode opens or escalates; typed ``facts`` get severity and escalation set."""
         before = self._hit((node, gpu, rule), ts, severity)
         if before is None:
             return []
-        evidence = {"severity": severity.value, **evidence}
-        if before is not severity:
-            evidence["escalated_from"] = before.value
+        escalated = before.value if before is not severity else None
+        if isinstance(facts, dict):
+            evidence = {"severity": severity.value, **facts}
+            if escalated is not None:
+                evidence["escalated_from"] = escalated
+        else:
+            evidence = dataclasses.replace(facts, severity=severity.value, escalated_from=escalated).to_evidence()
         return [Finding(kind=kind, node=node, ts=float(ts), job=job, gpu=gpu, step=step,
                         detector=f"{self.name}.{kind.value}", evidence=evidence)]
 
@@ -135,9 +142,9 @@ class HealthRules:
         for i in np.flatnonzero(ecc).tolist():
             reasons = [name for name, hit in (("uncorrectable", dbe[i] > 0), ("remap_failure", failure[i]),
                                               ("pending", pending[i]), ("retired_growth", grown[i])) if hit]
-            ev = {"reasons": reasons, "uncorrectable": _f(dbe[i]), "remap_failure": bool(failure[i]),
-                  "remap_pending": _f(_col(s, "remap_pending")[i]), "retired_pages": _f(retired[i]),
-                  "corrected_volatile": _f(_col(s, "ecc_sbe_volatile")[i])}
+            ev = EccEvidence(reasons=tuple(reasons), uncorrectable=_f(dbe[i]), remap_failure=bool(failure[i]),
+                             remap_pending=_f(_col(s, "remap_pending")[i]), retired_pages=_f(retired[i]),
+                             corrected_volatile=_f(_col(s, "ecc_sbe_volatile")[i]))
             out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
                               rule="ecc")
         bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)
@@ -168,8 +175,8 @@ class HealthRules:
         if severity.rank < self.min_severity_.rank:
             self.xid_below_min_total_ += 1
             return []
-        ev = {"code": e.code, "name": info.name, "action": info.action.value, "remedy": info.remedy,
-              "hardware": info.hardware, "message": e.message}
+        ev = XidEvidence(code=e.code, name=info.name, action=info.action, remedy=info.remedy,
+                         hardware=info.hardware, message=e.message)
         return self._emit(FindingKind.XID, e.node, e.gpu, e.ts, severity, ev, rule=f"xid{e.code}", job=e.job,
                           step=e.step)
 

@@ -1,27 +1,28 @@
 """The detection pipeline: every detector wired together, pure and in event time.
 
 :class:`Pipeline` takes messages already ordered by event time (the runner's reorder buffer
-does that) and returns findings and recommendations. It does no I/O and reads no clock: the
-event time of the newest message is "now". What it calls, in order, for each ``feed``:
+does that) and returns findings. It does no I/O and reads no clock: "now" is the median over
+nodes of their newest message's event time. What it calls, in order, for each ``feed``:
 
 1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
    power brake, PCIe) and the failure predictor;
 2. step batches → the :class:`StepAssembler` (one step across nodes) → the job's straggler
-   detector (one per job: its state is indexed by rank) → partial findings completed with
-   node, GPU, job and time from the placement;
+   detector (one per job: its state is indexed by rank), given the assembled step as the
+   placement, so each finding comes out with its node, GPU, job and time;
 3. events → the hang detector (with step progress), SDC check results, Xid rules;
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
-5. the policy engine turns findings into recommendations (it also reads checkpoint and SDC
-   check events, for rollback targets), and the pager looks for patterns in interruptions
-   (seed 000 R5): a page when one is found, a counted report otherwise.
+5. interruption records restart the job's step assembly (a restarted run repeats step numbers).
+
+Policy is a stage of its own (:class:`fleethealth.policy.stage.PolicyStage`); the runner
+(:mod:`fleethealth.detectors.runner`) composes the two. :class:`Output` carries, besides the
+findings, what the policy's goodput needs from detection: the steps assembled and the jobs forgotten.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,31 +35,25 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
-from fleethealth.errors import SchemaError
-from fleethealth.policy.engine import PolicyEngine
-from fleethealth.policy.goodput import Interruption, ideal_step_time, window_goodput
-from fleethealth.policy.paging import Pager
-from fleethealth.schema import Event, EventKind, Finding, Message, Recommendation, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Finding, Message, StepBatch, Telemetry
 
 __all__ = ["Pipeline", "Output"]
 
 StragglerLike = SeedRule | StragglerDetector
-GOODPUT_WINDOW_S = 3600.0
-"""Goodput for the pager's collapse rule is measured over the last hour (seed 000 R5)."""
-GOODPUT_MIN_WINDOW_S = 600.0
-"""A job younger than this has too little history for a goodput figure."""
 
 
 @dataclass
 class Output:
-    """What one ``feed`` produced."""
+    """What one ``feed`` (or ``drain``) concluded, at event time ``now``.
+
+    ``steps`` lists (job, event time) of each step assembled, in order; ``ended`` the jobs forgotten
+    after ``job_idle_s`` without a batch — the policy stage's goodput reads both.
+    """
 
     findings: list[Finding] = field(default_factory=list)
-    recommendations: list[Recommendation] = field(default_factory=list)
-
-    def extend(self, other: Output) -> None:
-        self.findings += other.findings
-        self.recommendations += other.recommendations
+    steps: list[tuple[str, float]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+    now: float = 0.0
 
 
 class Pipeline:
@@ -66,16 +61,15 @@ class Pipeline:
 
     Every part may be replaced by a keyword argument (tests pass small or seeded ones); the
     defaults are the production detectors. ``straggler`` builds one straggler detector per job
-    (``StragglerDetector``, ``SeedRule`` or a ``functools.partial`` of either); ``policy`` is a
-    :class:`PolicyEngine`, or None for findings only (then no pager either).
+    (``StragglerDetector``, ``SeedRule`` or a ``functools.partial`` of either).
     """
 
     def __init__(self, *, straggler: Callable[[], StragglerLike] = StragglerDetector,
                  hang: HangDetector | None = None, diagnoser: Diagnoser | None = None,
                  rack_episodes: RackEpisodes | None = None, health: HealthRules | None = None,
                  sdc: SdcDetector | None = None, predictor: FailurePredictor | None = None,
-                 assembler: StepAssembler | None = None, policy: PolicyEngine | None = None,
-                 pager: Pager | None = None, diagnosis_wait_s: float = 10.0, job_idle_s: float = 6 * 3600.0) -> None:
+                 assembler: StepAssembler | None = None, diagnosis_wait_s: float = 10.0,
+                 job_idle_s: float = 6 * 3600.0) -> None:
         self.straggler = straggler
         self.hang = hang if hang is not None else HangDetector()
         self.diagnoser = diagnoser if diagnoser is not None else Diagnoser()
@@ -84,16 +78,14 @@ class Pipeline:
         self.sdc = sdc if sdc is not None else SdcDetector()
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
-        self.policy = policy
-        self.pager = pager if pager is not None else Pager()
         self.diagnosis_wait_s = diagnosis_wait_s
         self.job_idle_s = job_idle_s
         self.stragglers_: dict[str, StragglerLike] = {}
-        self.interruptions_: dict[str, Interruption] = {}
+        self.restarted_: dict[str, float] = {}   # interruption event id -> its ts, once acted on
         self.clock_: dict[str, float] = {}
         self.job_seen_: dict[str, float] = {}
-        self.job_first_: dict[str, float] = {}
-        self.step_ends_: dict[str, deque[float]] = {}
+        self.steps_: list[tuple[str, float]] = []
+        self.ended_: list[str] = []
         self.now_ = float("-inf")
         self.pending_: list[Finding] = []
         self.waiting_racks_: set[str | None] = set()
@@ -147,82 +139,38 @@ class Pipeline:
         for job in idle:
             del self.job_seen_[job]
             self.stragglers_.pop(job, None)
-            self.step_ends_.pop(job, None)
-            self.job_first_.pop(job, None)
+            self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
+        if self.restarted_:
+            self.restarted_ = {k: ts for k, ts in self.restarted_.items() if ts >= self.now_ - self.job_idle_s}
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],
                   events: list[Event], *, final: bool) -> Output:
-        out = Output()
         now = self.now_ if np.isfinite(self.now_) else 0.0
+        out = Output(now=now)
         out.findings += self.hang.update(batches, events, now)
         out.findings += self.sdc.update(events)
         out.findings += self.health.update(telemetry, events)
         out.findings += self.predictor.update(telemetry, events)
         ready += self._diagnosable(final)
         out.findings += self.rack_episodes.update(ready, self.diagnoser.rack_of)
-        if self.policy is None:
-            return out
-        self.policy.observe(events)
-        if out.findings:
-            out.recommendations += self.policy.decide(out.findings, now)
-        fresh: set[str] = set()
-        at = now  # an interruption record is itself evidence that its job's time has reached it
         for ev in events:
-            if ev.kind is EventKind.INTERRUPTION and ev.id not in self.interruptions_:
-                try:
-                    self.interruptions_[ev.id] = Interruption.from_event(ev)
-                except SchemaError:
-                    continue  # an interruption record without a job cannot be attributed; it is stored anyway
-                self.assembler.restart(ev.job or "")
-                fresh.add(ev.job or "")
-                at = max(at, ev.ts)
-        if fresh:
-            horizon = at - self.pager.recent_s - self.pager.rate_window_s
-            self.interruptions_ = {k: i for k, i in self.interruptions_.items() if i.ts >= horizon}
-            report = self.pager.evaluate(self.interruptions_.values(), at, goodput_1h=self._worst_goodput(fresh, at))
-            out.recommendations += report.to_recommendations(at)
+            if ev.kind is EventKind.INTERRUPTION and ev.job is not None and ev.id not in self.restarted_:
+                self.restarted_[ev.id] = ev.ts
+                self.assembler.restart(ev.job)
+        out.steps, self.steps_ = self.steps_, []
+        out.ended, self.ended_ = self.ended_, []
         return out
-
-    def _worst_goodput(self, jobs: set[str], now: float) -> float | None:
-        """The lowest goodput over the last hour (or the job's life, from 10 minutes on) among ``jobs``."""
-        values = []
-        for job in jobs:
-            ends = self.step_ends_.get(job)
-            if not ends or len(ends) < 3:
-                continue
-            window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
-            if window < GOODPUT_MIN_WINDOW_S:
-                continue
-            ts = np.fromiter(ends, dtype=np.float64, count=len(ends))
-            gaps = np.diff(ts)
-            gaps = gaps[gaps > 0]  # steps reported at one instant (a replay) carry no duration
-            if gaps.size:
-                mine = [i for i in self.interruptions_.values() if i.job == job]
-                values.append(window_goodput(ts, ideal_step_time(gaps), mine, now, window))
-        return min(values, default=None)
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:
         self.steps_total_ += 1
-        ends = self.step_ends_.setdefault(step.job, deque())
-        ends.append(step.ts)
-        while ends and ends[0] < step.ts - GOODPUT_WINDOW_S:
-            ends.popleft()
-        self.job_first_.setdefault(step.job, step.ts)
+        self.steps_.append((step.job, step.ts))
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
-        found = detector.update(step.step, step.ranks, step.compute_s, step.groups)
-        if not found:
-            return []
-        out = []
-        for f in found:
-            i = int(np.flatnonzero(step.ranks == f.rank)[0])
-            out.append(dataclasses.replace(f, job=step.job, node=str(step.nodes[i]), gpu=int(step.gpus[i]),
-                                           ts=step.ts))
-        return out
+        return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
 
     def _wait(self, findings: list[Finding]) -> None:
         """Hold stragglers until their rack's telemetry catches up (see :meth:`_diagnosable`)."""

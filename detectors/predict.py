@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from fleethealth.detectors.xid import XidSeverity, lookup
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
+from fleethealth.xid import XidSeverity, lookup
 
 __all__ = ["FEATURES", "MODEL_NAME", "FeatureRows", "GpuFeatures", "ModelArtifact", "load_model",
            "FailurePredictor"]

@@ -7,10 +7,12 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
 2. pushes records into the :class:`EventTimeBuffer` and releases those below the low
    watermark over the partitions that still have unread data (``lateness_s`` behind the newest
    record once all are read to their end, since nodes sharing a partition are not in step);
-3. feeds them, in event-time order, to the pure :class:`Pipeline`;
+3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
+   detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
+   recommendations, pages, and the outcomes of executed evictions);
 4. writes inputs, findings and recommendations to the store — idempotently: every table is a
    ReplacingMergeTree on its natural key and every insert carries a deduplication token derived
-   from the offsets it covers;
+   from the offsets it covers — then eviction outcomes and the policy engine's state;
 5. publishes findings and recommendations;
 6. commits offsets — only now, never past a record still held in the buffer, and never past
    the step batches of a step the pipeline has not concluded (still assembling, or stragglers
@@ -31,23 +33,53 @@ store writes absorb.
 from __future__ import annotations
 
 import gc
-import hashlib
 import threading
 from collections import Counter as Tally
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleethealth.bus import Consumer, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
-from fleethealth.detectors.pipeline import Output, Pipeline
-from fleethealth.policy.persist import load_engine, save_engine
-from fleethealth.schema import Event, StepBatch, Telemetry, Topic
+from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.ids import derived
+from fleethealth.ids import token as _digest_token
+from fleethealth.policy.eviction import EvictionOutcome
+from fleethealth.policy.persist import load_engine, record_outcome, save_engine
+from fleethealth.policy.stage import PolicyStage
+from fleethealth.schema import Event, Finding, Message, Recommendation, StepBatch, Telemetry, Topic
 from fleethealth.store import StoreLike
 
-__all__ = ["Runner", "INPUT_TOPICS", "tune_gc"]
+__all__ = ["Runner", "Conclusions", "conclude", "INPUT_TOPICS", "tune_gc"]
 
 INPUT_TOPICS = (Topic.STEPS.value, Topic.TELEMETRY.value, Topic.EVENTS.value)
+
+
+@dataclass
+class Conclusions:
+    """What one batch of input concluded: detection's findings, then the policy's decisions."""
+
+    findings: list[Finding] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+    outcomes: list[EvictionOutcome] = field(default_factory=list)
+    policy_changed: bool = False
+
+
+def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message], *,
+             final: bool = False) -> Conclusions:
+    """Detection, then policy, on ``messages`` (in event-time order); pure. With ``final`` (end of
+    input), the pipeline's drain is decided too. The one place the two stages are composed."""
+    out = pipeline.feed(messages)
+    events = [m for m in messages if isinstance(m, Event)]
+    decided = policy.update(out.findings, events, out.now, steps=out.steps, ended=out.ended)
+    findings = list(out.findings)
+    if final:
+        tail = pipeline.drain()
+        decided.extend(policy.update(tail.findings, (), tail.now, steps=tail.steps, ended=tail.ended))
+        findings += tail.findings
+    return Conclusions(findings=findings, recommendations=decided.recommendations, outcomes=decided.outcomes,
+                       policy_changed=decided.changed)
 
 
 class _Metrics:
@@ -71,7 +103,8 @@ class _Metrics:
 
 
 class Runner:
-    """Feed the detection :class:`Pipeline` from the bus and persist what it concludes.
+    """Feed detection (:class:`Pipeline`) and policy (:class:`PolicyStage`) from the bus and persist
+    what they conclude. ``policy`` defaults to a stage around the engine saved in the store.
 
     ``max_held`` bounds the records held for event-time order (beyond it the oldest go early).
     ``group`` names the consumer group (replicas share it); ``publish`` turns off writing findings
@@ -82,12 +115,13 @@ class Runner:
     """
 
     def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
-                 publish: bool = True, max_records: int = 2000, lateness_s: float = 5.0,
-                 max_held: int = 200_000,
+                 policy: PolicyStage | None = None, publish: bool = True, max_records: int = 2000,
+                 lateness_s: float = 5.0, max_held: int = 200_000,
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
                  registry: CollectorRegistry | None = None) -> None:
         self.store = store
-        self.pipeline = pipeline if pipeline is not None else Pipeline(policy=load_engine(store))
+        self.pipeline = pipeline if pipeline is not None else Pipeline()
+        self.policy = policy if policy is not None else PolicyStage(load_engine(store))
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
@@ -165,25 +199,25 @@ class Runner:
 
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         ready = [rec for _, rec in released]
-        out = self.pipeline.feed([r.msg for r in ready])
-        if final:
-            out.extend(self.pipeline.drain())
+        out = conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch)]
         events = [r.msg for r in ready if isinstance(r.msg, Event)]
         if telemetry:
-            self.store.insert_telemetry(telemetry, dedup_token=f"t:{token}")
+            self.store.insert_telemetry(telemetry, dedup_token=derived("t", token))
         if batches:
-            self.store.insert_steps(batches, dedup_token=f"s:{token}")
+            self.store.insert_steps(batches, dedup_token=derived("s", token))
         if events:
-            self.store.insert_events(events, dedup_token=f"e:{token}")
+            self.store.insert_events(events, dedup_token=derived("e", token))
         if out.findings:
-            self.store.insert_findings(out.findings, dedup_token=f"f:{token}")
+            self.store.insert_findings(out.findings, dedup_token=derived("f", token))
         if out.recommendations:
-            self.store.insert_recommendations(out.recommendations, dedup_token=f"r:{token}")
-        if out.findings and self.pipeline.policy is not None:
-            save_engine(self.store, self.pipeline.policy, self.pipeline.now_)
+            self.store.insert_recommendations(out.recommendations, dedup_token=derived("r", token))
+        for outcome in out.outcomes:  # before the engine state that no longer watches them
+            record_outcome(self.store, outcome)
+        if out.policy_changed:
+            save_engine(self.store, self.policy.engine, self.pipeline.now_)
         if self.publish:
             for msg in (*out.findings, *out.recommendations):
                 self.producer.publish(msg)
@@ -231,11 +265,8 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def _token(records: Sequence[Record], out: Output) -> str:
+def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
-    digest = hashlib.blake2b(digest_size=12)
-    for rec in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
-        digest.update(f"{rec.topic}/{rec.partition}/{rec.offset};".encode())
-    for msg in (*out.findings, *out.recommendations):
-        digest.update(msg.id.encode())
-    return digest.hexdigest()
+    offsets = (f"{r.topic}/{r.partition}/{r.offset};"
+               for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
+    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations))])

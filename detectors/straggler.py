@@ -2,15 +2,17 @@
 
 Both detectors share one contract, used as is by the runner and the benchmarks::
 
-    det.update(step, ranks, compute_s, groups=None) -> list[Finding]
+    det.update(step, ranks, compute_s, groups=None, *, placement=None) -> list[Finding]
 
 ``ranks`` (int, shape ``(r,)``), ``compute_s`` (float seconds, shape ``(r,)``) and optional
 ``groups`` (int labels of comparable ranks, e.g. pipeline stage, shape ``(r,)``) hold one step of
 a job, all ranks at once. Scores are computed within a group, so a stage that is always slower
 is not a straggler. Findings have kind ``straggler``, ``rank``, ``step`` (the first step at which
 the detector concluded), ``z`` (how abnormal; higher is worse), ``slowdown`` (estimated
-compute-time ratio to the group's peers minus one: 0.2 means 20 % slower) and ``node=""``,
-``ts=0.0``; the runner fills node, GPU, job, time and diagnosis.
+compute-time ratio to the group's peers minus one: 0.2 means 20 % slower). With a ``placement``
+(a :class:`Placement`: the pipeline passes its assembled step) each finding is built complete —
+job, node, GPU and the step's event time — and only waits for its diagnosis; without one (a
+detector used alone knows ranks, not nodes) ``node`` is ``""`` and ``ts`` is ``0.0``.
 
 * :class:`SeedRule` is seed 000 §7's rule (robust z > 3 for 100 consecutive steps), kept as the
   baseline every benchmark compares against.
@@ -33,13 +35,24 @@ Defined behaviour on bad input (tested in ``tests/detectors``):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import MAX_COMPUTE_S, Finding, FindingKind
+
+
+class Placement(Protocol):
+    """Where one step's ranks ran (``AssembledStep`` is one): rank ``ranks[i]`` on node ``nodes[i]``,
+    GPU ``gpus[i]``, for job ``job`` at event time ``ts``."""
+
+    job: str
+    ts: float
+    ranks: np.ndarray
+    nodes: np.ndarray
+    gpus: np.ndarray
 
 __all__ = ["SeedRule", "StragglerDetector", "robust_z", "MAD_SCALE"]
 
@@ -167,10 +180,15 @@ class _StepDetector:
     def _validate_params(self) -> None:
         check_int("max_rank", self.max_rank, at_least=0, owner=self)
 
-    def _finding(self, rank: int, step: int, z: float, slowdown: float, evidence: dict[str, Any]) -> Finding:
-        return Finding(kind=FindingKind.STRAGGLER, node="", ts=0.0, rank=int(rank), step=int(step),
-                       z=round(float(z), 4), slowdown=round(float(slowdown), 5), detector=self.name,
-                       evidence=evidence)
+    def _finding(self, rank: int, step: int, z: float, slowdown: float, evidence: dict[str, Any],
+                 placement: Placement | None) -> Finding:
+        node, gpu, job, ts = "", None, None, 0.0
+        if placement is not None:
+            i = int(np.flatnonzero(placement.ranks == rank)[0])
+            node, gpu, job, ts = str(placement.nodes[i]), int(placement.gpus[i]), placement.job, float(placement.ts)
+        return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job=job, gpu=gpu, rank=int(rank),
+                       step=int(step), z=round(float(z), 4), slowdown=round(float(slowdown), 5),
+                       detector=self.name, evidence=evidence)
 
     def flagged(self) -> np.ndarray:
         """Ranks currently inside a straggler episode (sorted)."""
@@ -218,7 +236,7 @@ class SeedRule(_StepDetector):
         super()._reset()
 
     def update(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
-               groups: np.ndarray | None = None) -> list[Finding]:
+               groups: np.ndarray | None = None, *, placement: Placement | None = None) -> list[Finding]:
         """Score one step (all ranks at once); return findings for ranks that just crossed."""
         r, t, g = self._prepare(step, ranks, compute_s, groups)
         if r.size == 0:
@@ -239,7 +257,7 @@ class SeedRule(_StepDetector):
             n = int(self.run_[rank])
             out.append(self._finding(rank, step, self.run_z_[rank] / n, self.run_ratio_[rank] / n - 1.0,
                                      {"run_steps": n, "z_threshold": float(self.z),
-                                      "consecutive": int(self.consecutive)}))
+                                      "consecutive": int(self.consecutive)}, placement))
         return out
 
 
@@ -313,7 +331,7 @@ class StragglerDetector(_StepDetector):
         super()._reset()
 
     def update(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
-               groups: np.ndarray | None = None) -> list[Finding]:
+               groups: np.ndarray | None = None, *, placement: Placement | None = None) -> list[Finding]:
         """Score one step (all ranks at once); return findings for ranks that just alarmed."""
         r, t, g = self._prepare(step, ranks, compute_s, groups)
         if r.size == 0:
@@ -347,5 +365,5 @@ class StragglerDetector(_StepDetector):
                 int(r[j]), step, wz[arm, j] / m, math.expm1(wlr[arm, j] / m),
                 {"arm": arm, "drift": float(self.k_[arm, 0]), "threshold": float(self.h_[arm, 0]),
                  "window_steps": m, "median_s": round(float(math.exp(med[scored][j])), 6),
-                 "scale_log": round(float(scale[scored][j]), 6)}))
+                 "scale_log": round(float(scale[scored][j]), 6)}, placement))
         return out

@@ -10,7 +10,6 @@ field: wrong types, NaN or negative times, arrays of unequal length, unknown ver
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ import numpy as np
 import orjson
 
 from fleethealth.errors import SchemaError
+from fleethealth.ids import digest as _digest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -351,10 +351,6 @@ def _jsonable(arr: np.ndarray) -> list[Any]:
     if arr.dtype.kind == "f" and np.isnan(arr).any():
         return [None if math.isnan(x) else x for x in arr.tolist()]
     return arr.tolist()
-
-
-def _digest(*parts: object) -> str:
-    return hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
 # ---------------------------------------------------------------- messages

@@ -58,6 +58,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     from fleethealth.detectors.straggler import StragglerDetector
     from fleethealth.policy.paging import Pager
     from fleethealth.policy.persist import load_engine
+    from fleethealth.policy.stage import PolicyStage
 
     def of(table: str) -> dict[str, Any]:
         return settings.section(table, changed_only=True)
@@ -69,10 +70,9 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
                         health=HealthRules(**of("detect.health")), sdc=SdcDetector(**of("detect.sdc")),
                         predictor=FailurePredictor(features=GpuFeatures(**of("detect.features")),
                                                    **of("detect.predict")),
-                        assembler=StepAssembler(**of("detect.assembly")),
-                        policy=load_engine(store, **of("policy")), pager=Pager(**of("policy.paging")),
-                        **of("detect.pipeline"))
-    return Runner(bus_dsn, store, group=settings["detect.group"], pipeline=pipeline,
+                        assembler=StepAssembler(**of("detect.assembly")), **of("detect.pipeline"))
+    policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging")))
+    return Runner(bus_dsn, store, group=settings["detect.group"], pipeline=pipeline, policy=policy,
                   **{**of("detect.runner"), **kwargs})
 
 

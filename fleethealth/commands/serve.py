@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
             ensure_topics(dsn)
             runner = stack.enter_context(build_runner(dsn, store, settings, registry=registry))
-            hook = getattr(getattr(runner.pipeline, "policy", None), "reset_breaker", None)
+            hook = runner.policy.engine.reset_breaker
 
             def detect() -> None:  # a dead detector must not leave an API that looks healthy
                 try:

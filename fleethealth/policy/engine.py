@@ -3,8 +3,10 @@
 ``PolicyEngine(**params).decide(findings, now)`` is pure: no I/O and no clock (``now`` is the
 decision's event time). Its memory — evictions per job, the last evicted rack, the breaker, the
 finding ids already decided, P(healthy) counts, checkpoints and passing SDC checks seen through
-:meth:`PolicyEngine.observe` — lives in ``name_`` attributes and round-trips through
+:meth:`PolicyEngine.observe`, straggler evictions awaiting their outcome (``watch_``, judged by
+:meth:`PolicyEngine.judge`) — lives in ``name_`` attributes and round-trips through
 :meth:`PolicyEngine.to_state` / :meth:`PolicyEngine.load_state` (see :mod:`fleethealth.policy.persist`).
+The detector runner drives it through :class:`fleethealth.policy.stage.PolicyStage`.
 
 What each finding becomes (seed 000 §7, R2, R6; DESIGN.md "Findings and recommendations"):
 
@@ -18,8 +20,8 @@ sdc                    ``quarantine`` of the node and ``rollback`` of the job to
 failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
 hang                   ``drain`` of the node named, so the restart does not land on it
 xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
-                       finding's ``evidence["action"]``), fatal codes and uncorrectable errors;
-                       else ``none``
+                       finding's ``evidence["action"]``; without one, the Xid rulebook
+                       :mod:`fleethealth.xid` for the code) and uncorrectable errors; else ``none``
 thermal / link         ``none``: reported; acted on through a straggler's diagnosis
 =====================  ===========================================================================
 
@@ -40,10 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.evidence import EccEvidence, StragglerEvidence, XidEvidence
+from fleethealth.ids import derived
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.rollback import rollback_target
-from fleethealth.policy.eviction import EvictionOutcome, HealthyPosterior, payback
+from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
     CircuitBreaker,
@@ -54,14 +58,9 @@ from fleethealth.policy.guards import (
     is_stale,
 )
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
+from fleethealth.xid import lookup as xid_lookup
 
-__all__ = ["PolicyEngine", "Checkpoint", "XID_DRAIN", "XID_APPLICATION", "rack_of"]
-
-XID_DRAIN = frozenset({48, 62, 64, 74, 79, 92, 95, 119, 120, 140})
-"""Xid codes that mean the node should leave the pool (uncorrectable ECC, row-remap failure, NVLink
-error, fallen off the bus, GSP errors, ...), after NVIDIA's Xid catalog."""
-XID_APPLICATION = frozenset({13, 31, 43, 45, 94})
-"""Xid codes that are usually the application's (or contained): reported, no node action."""
+__all__ = ["PolicyEngine", "Checkpoint", "rack_of"]
 
 _FATAL = {"fatal", "critical"}
 _MILD = {"warning", "info", "informational"}
@@ -101,7 +100,9 @@ class PolicyEngine:
     ``breaker_min_nodes`` / ``breaker_window_s`` / ``fleet_nodes`` the circuit breaker (0.1, 5,
     3,600, 0 = unknown); ``nodes_per_rack`` (8); ``facilities_episode_s`` a hot-aisle episode ends
     after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
-    (0.5); ``dry_run`` marks every recommendation as not to be executed (False).
+    (0.5); ``dry_run`` marks every recommendation as not to be executed (False);
+    ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
+    (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5).
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
@@ -109,7 +110,8 @@ class PolicyEngine:
                  rate_window_s: float = 3600.0, stale_after_s: float = 900.0, breaker_share: float = 0.1,
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
-                 failure_risk_threshold: float = 0.5, dry_run: bool = False) -> None:
+                 failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
+                 outcome_recur_share: float = 0.5) -> None:
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
@@ -121,6 +123,10 @@ class PolicyEngine:
             raise ConfigError(f"failure_risk_threshold is a probability, got {failure_risk_threshold}")
         self.dry_run = bool(dry_run)
         self.posterior_ = HealthyPosterior(alpha=prior_alpha, beta=prior_beta)
+        # an eviction waits for its execution report as long as `fleethealth act` would still carry it
+        # out (adapters.act.DEFAULT_MAX_AGE_S is twice the staleness bound)
+        self.watch_ = EvictionWatch(settle_s=outcome_settle_s, recur_share=outcome_recur_share,
+                                    max_wait_s=2 * self.stale_after_s)
         self.rate_ = JobRateLimiter(window_s=rate_window_s)
         self.rack_ = RackGuard()
         self.breaker_ = CircuitBreaker(share=breaker_share, min_nodes=breaker_min_nodes,
@@ -138,8 +144,10 @@ class PolicyEngine:
         self.last_pass_: dict[str, int] = {}
 
     # ------------------------------------------------------------ inputs other than findings
-    def observe(self, events: Sequence[Event]) -> None:
-        """Learn checkpoints (with their watermark) and passing SDC checks from job events."""
+    def observe(self, events: Sequence[Event]) -> int:
+        """Learn checkpoints (with their watermark) and passing SDC checks from job events, and which
+        issued evictions the scheduler carried out; returns how many evictions were reported executed."""
+        noted = self.watch_.observe(events)
         for ev in events:
             if ev.job is None:
                 continue
@@ -155,6 +163,21 @@ class PolicyEngine:
                     book.sort(key=lambda c: c.step)
             elif ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None:
                 self.last_pass_[ev.job] = max(self.last_pass_.get(ev.job, -1), ev.step)
+        return noted
+
+    def judge(self, findings: Sequence[Finding], now: float) -> list[EvictionOutcome]:
+        """Outcomes of executed evictions that ``findings`` (new ones) or the time ``now`` decide; each
+        moves P(healthy) at once. The caller records them (:func:`fleethealth.policy.persist.record_outcome`)."""
+        outcomes = self.watch_.judge(findings, float(now))
+        for o in outcomes:
+            self.record_outcome(o)
+        return outcomes
+
+    def settle(self, outcomes: Sequence[EvictionOutcome]) -> None:
+        """Count recorded outcomes into P(healthy), each eviction once, and stop watching those evictions."""
+        unique = {o.key: o for o in outcomes}
+        self.posterior_.record_all(unique.values())
+        self.watch_.settled(set(unique))
 
     def record_outcome(self, outcome: EvictionOutcome) -> None:
         """Feed back whether an eviction resolved the straggle; moves P(healthy) for its class."""
@@ -216,16 +239,18 @@ class PolicyEngine:
     # ------------------------------------------------------------ stragglers
     def _straggler(self, f: Finding, now: float) -> list[Recommendation]:
         diag = f.diagnosis or Diagnosis.UNKNOWN
-        rack = self._rack(f)
+        facts = StragglerEvidence.from_evidence(f.evidence)
+        rack = facts.rack if facts.rack is not None else rack_of(f.node, self.nodes_per_rack)
         if diag is Diagnosis.ENVIRONMENTAL:
             return [self._facilities(f, now, rack)]
         if diag not in _STRAGGLER_EVICT:
             raise ConfigError(f"unhandled diagnosis {diag}")
-        slowdown = f.slowdown if f.slowdown is not None else f.evidence.get("slowdown")
+        slowdown = f.slowdown if f.slowdown is not None else facts.slowdown
         if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not math.isfinite(slowdown):
             return [self._rec(Action.NONE, f, now, "straggler without a measured slowdown: no payback to "
                               "compute, reported only", {"diagnosis": diag.value})]
-        remaining = self._remaining(f)
+        remaining = (facts.remaining_s if facts.remaining_s is not None
+                     else self.remaining_.get(f.job or "", self.default_remaining_s))
         pb = payback(self.restart_s, self.posterior_.mean(diag), float(slowdown), remaining, self.payback_margin)
         ev = {"diagnosis": diag.value, "rack": rack, **pb.to_evidence(), "z": f.z,
               "p_healthy_counts": list(self.posterior_.counts(diag))}
@@ -264,6 +289,7 @@ class PolicyEngine:
                        f"(limit one per {self.rate_.window_s:.0f} s)")
         recs = self._guarded(Action.EVICT, f, now, reason, ev, fired=fired)
         if recs[0].guard is Guard.ALLOWED:
+            self.watch_.issue(recs[0])
             self.rate_.note(job, now)
             self.rack_.note(rack, f.node)
             self.evicted_[f.node] = f.ts
@@ -368,19 +394,19 @@ class PolicyEngine:
         return recs
 
     def _hardware_error(self, f: Finding, now: float) -> list[Recommendation]:
-        sev = str(f.evidence.get("severity", "")).lower()
-        code = f.evidence.get("code", f.evidence.get("xid"))
-        advised = f.evidence.get("action")   # the detector's catalogue advice, when it gives one
+        code: int | None = None
         if f.kind is FindingKind.XID:
-            if advised in (Action.DRAIN.value, Action.NONE.value) and sev not in _FATAL:
-                fatal = advised == Action.DRAIN.value
-            else:
-                fatal = sev in _FATAL or (sev not in _MILD and code in XID_DRAIN)
+            xid = XidEvidence.from_evidence(f.evidence)
+            sev, code, advised = xid.severity, xid.code, xid.action  # advised: the detector's catalog advice
+            if advised in (Action.DRAIN, Action.NONE) and sev not in _FATAL:
+                fatal = advised is Action.DRAIN
+            else:  # no advice given: the same rulebook the detector reads (fleethealth.xid)
+                fatal = sev in _FATAL or (sev not in _MILD and code is not None and xid_lookup(code).drains)
             what = f"Xid {code}" + (f" ({sev})" if sev else "")
         else:
-            dbe = f.evidence.get("uncorrectable", f.evidence.get("dbe", 0))
-            fatal = sev in _FATAL or (sev not in _MILD and isinstance(dbe, int | float) and dbe > 0) \
-                or bool(f.evidence.get("remap_failure"))
+            ecc = EccEvidence.from_evidence(f.evidence)
+            sev = ecc.severity
+            fatal = sev in _FATAL or (sev not in _MILD and ecc.uncorrectable_seen) or ecc.remap_failure
             what = "ECC " + (sev or ("uncorrectable" if fatal else "correctable")) + " errors"
         ev = {"code": code, "severity": sev or None}
         if not fatal:
@@ -409,7 +435,7 @@ class PolicyEngine:
                 st = self.breaker_.status()
                 out.append(Recommendation(
                     action=Action.PAGE, node=f.node, ts=now, guard=Guard.NEEDS_HUMAN, job=f.job,
-                    finding_id=f"breaker:{f.id}", dry_run=self.dry_run,
+                    finding_id=derived("breaker", f.id), dry_run=self.dry_run,
                     reason=f"fleet circuit breaker tripped: {st.reason}; automatic drain/evict/quarantine "
                            "stopped until a human resets it",
                     evidence={"guards_fired": [GuardName.BREAKER], "threshold": st.threshold,
@@ -427,16 +453,6 @@ class PolicyEngine:
             evidence["guards_fired"].append(GuardName.DRY_RUN)
         return Recommendation(action=action, node=f.node, ts=now, reason=reason, guard=guard, job=f.job,
                               finding_id=f.id, dry_run=self.dry_run, evidence=evidence)
-
-    def _rack(self, f: Finding) -> str:
-        rack = f.evidence.get("rack")
-        return rack if isinstance(rack, str) and rack else rack_of(f.node, self.nodes_per_rack)
-
-    def _remaining(self, f: Finding) -> float:
-        r = f.evidence.get("remaining_s")
-        if isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r >= 0:
-            return float(r)
-        return self.remaining_.get(f.job or "", self.default_remaining_s)
 
     def _next_boundary(self, job: str | None) -> int | None:
         book = self.checkpoints_.get(job or "", [])
@@ -459,7 +475,7 @@ class PolicyEngine:
             "rolled_back": sorted(self.rolled_back_), "remaining": dict(self.remaining_),
             "checkpoints": {j: [[c.step, c.uri, c.last_verified_step] for c in cs]
                             for j, cs in self.checkpoints_.items()},
-            "last_pass": dict(self.last_pass_),
+            "last_pass": dict(self.last_pass_), "watch": self.watch_.to_state(),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -480,3 +496,4 @@ class PolicyEngine:
         self.checkpoints_ = {j: [Checkpoint(j, int(s), str(u), v) for s, u, v in cs]
                              for j, cs in state.get("checkpoints", {}).items()}
         self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}
+        self.watch_.load_state(state.get("watch", {}))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from fleethealth.ids import derived
 from fleethealth.params import check_number
 from fleethealth.policy.goodput import Interruption
 from fleethealth.schema import Action, Guard, Recommendation
@@ -68,7 +69,7 @@ class PageReport:
         """One ``page`` recommendation per page; the id includes ``now``, so the same pattern paged
         again after ``repage_after_s`` is a new recommendation, not a replay of the first."""
         return [Recommendation(action=Action.PAGE, node=p.node or "fleet", ts=now, reason=p.reason,
-                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=f"page:{p.key}@{now:.0f}",
+                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=derived("page", f"{p.key}@{now:.0f}"),
                                evidence={"rule": p.rule.value, **p.evidence})
                 for p in self.pages]
 

@@ -120,6 +120,6 @@ def load_engine(store: StoreLike, *, key: str = "engine", **params: Any) -> Poli
     if state is not None:
         engine.load_state(orjson.loads(state))
     engine.posterior_.load_state({})
-    engine.posterior_.record_all(outcomes(store))
+    engine.settle(outcomes(store))
     sync_breaker(store, engine)
     return engine

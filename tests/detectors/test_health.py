@@ -1,4 +1,4 @@
-"""Telemetry health rules and the Xid catalog: each rule fires on its signal, flapping input yields
+"""Telemetry health rules: each rule fires on its signal, flapping input yields
 one episode, escalation re-reports, healthy simulator telemetry yields nothing."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from fleethealth.detectors.health import HealthRules
-from fleethealth.detectors.xid import XID_CATALOG, XidSeverity, lookup
 from fleethealth.errors import ConfigError
-from fleethealth.schema import Action, ClockReason, Event, EventKind, FindingKind, Telemetry
+from fleethealth.schema import ClockReason, Event, EventKind, FindingKind, Telemetry
 
 
 def _t(ts, node="n0001", **cols):
@@ -24,18 +23,6 @@ def _t(ts, node="n0001", **cols):
 
 def _xid(code, ts, node="n0003", gpu=2, **data):
     return Event(node=node, ts=ts, kind=EventKind.XID, job="train-1", gpu=gpu, step=7, code=code, data=data)
-
-
-def test_catalog_covers_the_named_codes_with_severity_and_action():
-    for code in (48, 63, 64, 74, 79, 94, 95, 119, 120):
-        info = XID_CATALOG[code]
-        assert info.code == code and info.name and info.remedy
-    for code in (48, 64, 74, 79, 95, 119, 120):
-        assert lookup(code).severity is XidSeverity.CRITICAL and lookup(code).action is Action.DRAIN
-    assert lookup(63).severity is XidSeverity.WARNING and lookup(94).severity is XidSeverity.ERROR
-    assert lookup(13).hardware is False
-    unknown = lookup(9999)
-    assert unknown.action is Action.PAGE and unknown.severity is XidSeverity.WARNING
 
 
 def test_xid_storm_is_one_finding_per_code_and_gpu():

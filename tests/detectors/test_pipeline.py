@@ -1,11 +1,13 @@
-"""The pipeline wiring that no single detector owns: goodput into the pager, clocks, job pruning."""
+"""The pipeline wiring that no single detector owns: goodput into the pager (detection composed with
+the policy stage, as the runner does), clocks, job pruning, restarts."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from fleethealth.detectors.pipeline import Pipeline
-from fleethealth.policy.engine import PolicyEngine
+from fleethealth.detectors.runner import conclude
+from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import Action, Event, EventKind, StepBatch, Telemetry
 
 T0 = 1_767_225_600.0
@@ -22,9 +24,9 @@ def _interruption(job: str, ts: float, lost: int, node: str) -> Event:
 
 
 def _pages(lost: int) -> list[str]:
-    pipe = Pipeline(policy=PolicyEngine())
-    pipe.feed(_steps("j", 600))
-    out = pipe.feed([_interruption("j", T0 + 1200.0, lost, "n0000")])  # no telemetry: the record's own time counts
+    pipe, stage = Pipeline(), PolicyStage()
+    conclude(pipe, stage, _steps("j", 600))
+    out = conclude(pipe, stage, [_interruption("j", T0 + 1200.0, lost, "n0000")])  # the record's own time counts
     return [r.reason for r in out.recommendations if r.action is Action.PAGE]
 
 
@@ -46,8 +48,30 @@ def test_one_node_with_a_clock_far_ahead_does_not_move_now() -> None:
 
 
 def test_jobs_idle_for_hours_are_forgotten() -> None:
-    pipe = Pipeline(job_idle_s=600.0)
-    pipe.feed(_steps("old", 5))
-    pipe.feed([Telemetry.from_columns("n0000", "r00", T0 + 3600.0, [0])])
-    assert "old" not in pipe.stragglers_ and "old" not in pipe.step_ends_
+    pipe, stage = Pipeline(job_idle_s=600.0), PolicyStage()
+    out = pipe.feed(_steps("old", 50))
+    assert out.steps and {job for job, _ in out.steps} == {"old"}
+    stage.update(out.findings, [], out.now, steps=out.steps, ended=out.ended)
+    assert "old" in stage.step_ends_
+    out = pipe.feed([Telemetry.from_columns("n0000", "r00", T0 + 3600.0, [0])])
+    assert out.ended == ["old"]
+    stage.update(out.findings, [], out.now, steps=out.steps, ended=out.ended)
+    assert "old" not in pipe.stragglers_ and "old" not in stage.step_ends_
     assert pipe.assembler.open_steps() == set()
+
+
+def test_an_interruption_restarts_step_assembly_once() -> None:
+    """A restarted run repeats step numbers: after its interruption record they are assembled again,
+    without any policy stage; the same record delivered twice does not restart twice."""
+    pipe = Pipeline()
+    pipe.feed(_steps("j", 20))
+    late = pipe.assembler.late_total
+    pipe.feed(_steps("j", 3))                                   # repeats without an interruption: late
+    assert pipe.assembler.late_total == late + 3
+    stop = _interruption("j", T0 + 40.0, 3, "n0000")
+    pipe.feed([stop])
+    pipe.feed(_steps("j", 3))                                   # after the restart: assembled again
+    assert pipe.assembler.late_total == late + 3
+    pipe.feed([stop])                                           # redelivered: no second restart
+    pipe.feed(_steps("j", 3))
+    assert pipe.assembler.late_total == late + 6

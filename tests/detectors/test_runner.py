@@ -484,3 +484,47 @@ def test_the_reorder_buffer_stays_bounded_and_nothing_is_lost(own_broker, tmp_pa
         samples = store.query("SELECT count() FROM gpu_samples FINAL WHERE node = 'n0001'").rows[0][0]
     assert (stored, samples) == (n, n)
     assert max(held) <= 10 and early > 0
+
+
+# ---------------------------------------------------------------------------------------- eviction outcome
+def test_an_executed_eviction_reported_on_the_bus_is_judged_and_recorded(own_broker, tmp_path: Path) -> None:
+    """The outcome loop in the running system: the runner recommends a straggler eviction, the
+    scheduler adapter's ``scheduler_action`` report comes back on fh.events, and once ``settle_s`` of
+    event time passes without the job straggling again the runner records a resolved outcome, which
+    the next engine loaded from the store counts into P(healthy)."""
+    from fleethealth.adapters.base import ActionRecord, Outcome
+    from fleethealth.policy.persist import load_engine, outcomes
+    from fleethealth.schema import Action, Guard
+
+    _published_scenario(own_broker.dsn, "judged", 160)
+
+    def run(runner: Runner, until: int) -> None:
+        deadline = time.monotonic() + 60
+        while runner.consumer.consumed_total < until and time.monotonic() < deadline:
+            runner.process_once(0.5)
+        runner.process_once(0.2)  # an empty poll releases what the reorder buffer holds
+
+    with open_store(f"chdb://{tmp_path}/store") as store:
+        store.migrate()
+        with Runner(own_broker.dsn, store, group=_uid("judged"), publish=False, registry=CollectorRegistry(),
+                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+            deadline = time.monotonic() + 60
+            evictions: list = []
+            while not evictions and time.monotonic() < deadline:
+                runner.process_once(0.5)
+                evictions = [r for r in store.recommendations(action="evict") if r.guard is Guard.ALLOWED]
+            [rec] = evictions
+            assert runner.policy.engine.watch_.issued_.keys() == {rec.id}
+            done = ActionRecord(recommendation_id=rec.id, scheduler="slurm", node=rec.node, action=Action.EVICT,
+                                outcome=Outcome.DONE, ts=rec.ts + 5.0, rec_ts=rec.ts, job=rec.job)
+            seen = runner.consumer.consumed_total
+            with Producer(own_broker.dsn) as producer:
+                producer.publish(done.to_event())
+                for i in range(4):  # the fleet's clock moves on past settle_s
+                    producer.publish(Telemetry.from_columns(f"n{i:04d}", f"r{i // 2:02d}", rec.ts + 2000.0,
+                                                            [0, 1, 2, 3]))
+                producer.flush()
+            run(runner, seen + 5)
+        [outcome] = outcomes(store)
+        assert outcome.resolved and outcome.node == rec.node and outcome.job == "judged"
+        assert load_engine(store).posterior_.counts(outcome.diagnosis) == (1, 0)

@@ -207,3 +207,22 @@ def test_robust_z_grouped_matches_per_group_numpy():
         np.testing.assert_allclose(scale[m], ref_scale)
     z1, _, _ = robust_z(np.array([1.0, 2.0]), min_group=3)
     assert np.isnan(z1).all()
+
+
+@pytest.mark.parametrize("make", [StragglerDetector, lambda: SeedRule(consecutive=5)])
+def test_with_a_placement_a_finding_comes_out_complete(make):
+    """Given the step's placement the detector names the job, node, GPU and time itself."""
+    from fleethealth.detectors.assembly import AssembledStep
+
+    rng = np.random.default_rng(3)
+    det, found = make(), []
+    ranks = np.arange(16)
+    nodes, gpus = np.array([f"n{r // 8:04d}" for r in ranks]), (ranks % 8).astype(np.int16)
+    for step in range(60):
+        t = 1.0 + 0.01 * rng.standard_normal(16)
+        t[11] *= 1.3
+        placed = AssembledStep(job="train-1", step=step, ts=1000.0 + step, ranks=ranks, gpus=gpus, nodes=nodes,
+                               compute_s=t, groups=None, complete=True)
+        found += det.update(step, ranks, t, placement=placed)
+    [f] = found
+    assert (f.rank, f.node, f.gpu, f.job) == (11, "n0001", 3, "train-1") and f.ts == 1000.0 + f.step

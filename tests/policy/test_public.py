@@ -8,12 +8,13 @@ import sys
 
 import fleethealth.policy as policy
 
-MODULES = ("budget", "engine", "eviction", "goodput", "guards", "paging", "persist", "quarantine")
+MODULES = ("budget", "engine", "eviction", "goodput", "guards", "paging", "persist", "stage", "quarantine")
 
 
 def test_exported_names():
     assert set(policy.__all__) == {
-        "PolicyEngine", "EvictionOutcome", "HealthyPosterior", "payback_s", "CircuitBreaker", "QuarantineRecord",
+        "PolicyEngine", "PolicyStage", "Decisions", "EvictionOutcome", "EvictionWatch",
+        "HealthyPosterior", "payback_s", "CircuitBreaker", "QuarantineRecord",
         "Pager", "PageRule", "Page", "PageReport", "Interruption", "Timeline", "GoodputReport", "goodput",
         "timeline", "YoungDaly", "AutoInterval", "Comparison", "young_daly", "auto_interval", "compare",
     }

@@ -4,7 +4,9 @@ detectors, then the policy (DESIGN.md "Fault scenarios" expected outcomes for th
 from __future__ import annotations
 
 from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.detectors.runner import conclude
 from fleethealth.policy.engine import PolicyEngine
+from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import Action, Diagnosis, Guard
 from fleethealth.sim.fleet import FleetSim
 from fleethealth.sim.scenario import Scenario
@@ -13,13 +15,13 @@ from fleethealth.sim.scenario import Scenario
 def test_default_scenario_hot_aisle_sdc_and_guards():
     sim = FleetSim(Scenario.default())
     policy = PolicyEngine(fleet_nodes=sim.n_nodes, nodes_per_rack=sim.scenario.fleet.nodes_per_rack)
-    pipe = Pipeline(policy=policy)
+    pipe, stage = Pipeline(), PolicyStage(policy)
     recs, findings = [], []
     for s in sim.run():
-        out = pipe.feed(sorted([*s.telemetry, *s.batches, *s.events], key=lambda m: m.ts))
+        out = conclude(pipe, stage, sorted([*s.telemetry, *s.batches, *s.events], key=lambda m: m.ts))
         recs += out.recommendations
         findings += out.findings
-    out = pipe.drain()
+    out = conclude(pipe, stage, [], final=True)
     recs += out.recommendations
     findings += out.findings
 

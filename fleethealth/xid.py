@@ -1,10 +1,27 @@
-"""The Xid catalog: what each NVIDIA driver Xid code means, how bad it is and what to do.
+"""The Xid rulebook: what each NVIDIA driver Xid code means, how bad it is and what to do.
 
-After NVIDIA's Xid documentation (r550+ data-center GPUs). ``severity`` reads:
-``critical`` — the GPU or node is unusable until reset or repaired (drain it); ``error`` — a
-hardware or firmware fault that needs a GPU reset soon; ``warning`` — worth a record and a trend
-(often an application's own fault, or a correctable hardware event); ``info`` — housekeeping.
-``action`` is the recommended scheduler action; ``remedy`` says what an operator does.
+The one catalog both sides read: the health rules (:mod:`fleethealth.detectors.health`) turn an
+Xid event into a finding with the entry's severity and advice, the failure predictor weighs it, and
+the policy engine (:mod:`fleethealth.policy.engine`) falls back on it for a finding that carries no
+advice. After NVIDIA's Xid catalog for Ampere and newer data-center GPUs ("Analyzing Xid Errors
+with the Xid Catalog", docs.nvidia.com/deploy/xid-errors): its immediate-action buckets map to
+``action`` — ``RESET_GPU`` / ``RESET_FABRIC`` / node reboot of a hardware fault → ``drain``;
+``RESTART_APP`` and ``IGNORE`` → ``none``.
+
+``severity`` reads: ``critical`` — the GPU or node is unusable until reset or repaired (drain it);
+``error`` — a hardware or firmware fault that needs a GPU reset soon; ``warning`` — worth a record
+and a trend (often an application's own fault, or a correctable hardware event); ``info`` —
+housekeeping. ``action`` is the recommended scheduler action; ``remedy`` says what an operator does;
+``hardware`` is False when the usual cause is the application or driver, not the GPU.
+
+The memory codes, which are easy to confuse: 48 a double-bit (uncorrectable) ECC error; 63 a row
+remap (or page retirement) recorded, effective after the next reset; 64 that recording failed; 92 a
+high rate of *corrected* single-bit errors (a warning and a trend, not a drain); 94 a *contained*
+uncorrectable error (only the application touching the memory was stopped; the GPU keeps serving
+others); 95 an *uncontained* one (every context on the GPU is suspect: drain). 79 the GPU fell off
+the bus; 74 an NVLink error. 13, 31 and 43 are usually the application's (an exception, an MMU
+fault, a stopped channel).
+
 Codes not in the catalog resolve to an ``unknown`` entry of severity ``warning`` that pages a
 human, so a new driver's codes are never silently dropped.
 """
@@ -16,7 +33,7 @@ from enum import StrEnum
 
 from fleethealth.schema import Action
 
-__all__ = ["XidSeverity", "XidInfo", "XID_CATALOG", "lookup"]
+__all__ = ["XidSeverity", "XidInfo", "XID_CATALOG", "DRAIN_CODES", "APPLICATION_CODES", "lookup"]
 
 
 class XidSeverity(StrEnum):
@@ -46,6 +63,11 @@ class XidInfo:
     remedy: str
     hardware: bool = True
     """False when the usual cause is the application or driver, not the GPU."""
+
+    @property
+    def drains(self) -> bool:
+        """True when the catalog advises taking the node out of the pool."""
+        return self.action is Action.DRAIN
 
 
 _C, _E, _W, _I = XidSeverity.CRITICAL, XidSeverity.ERROR, XidSeverity.WARNING, XidSeverity.INFO
@@ -96,6 +118,11 @@ _ENTRIES = [
 
 XID_CATALOG: dict[int, XidInfo] = {e.code: e for e in _ENTRIES}
 """Known Xid codes → :class:`XidInfo`."""
+
+DRAIN_CODES = frozenset(code for code, info in XID_CATALOG.items() if info.drains)
+"""The codes whose advice is ``drain`` (uncorrectable or uncontained ECC, remap failure, NVLink, off the bus, GSP)."""
+APPLICATION_CODES = frozenset(code for code, info in XID_CATALOG.items() if not info.hardware)
+"""The codes usually caused by the application or driver: reported, never a node action by themselves."""
 
 
 def lookup(code: int) -> XidInfo:

@@ -1,0 +1,151 @@
+"""Typed evidence of findings: what the health rules fill and the policy reads.
+
+On the wire and in the store a finding's ``evidence`` stays a JSON object (DESIGN "Findings and
+recommendations"); these frozen dataclasses are its shape for the two kinds the policy acts on by
+their facts. A detector builds one and writes :meth:`to_evidence`; the policy reads
+:meth:`from_evidence`, which tolerates a finding from another producer (a missing key reads as
+"not said", never as a fault).
+
+=================  ===========================================================================
+:class:`XidEvidence`  an ``xid`` finding: the code, the catalog's name / advice / remedy
+                      (:mod:`fleethealth.xid`), whether the usual cause is hardware, the driver message
+:class:`EccEvidence`  an ``ecc`` finding: which rules held, uncorrectable errors since driver load,
+                      row-remap failure / pending, retired pages, corrected errors
+:class:`StragglerEvidence`  what the policy reads of a straggler's evidence besides the finding's
+                      own fields: the rack its diagnosis named, an explicit remaining run time, a
+                      slowdown carried only in the evidence (a finding from another producer)
+=================  ===========================================================================
+
+The two hardware kinds carry ``severity`` (``info`` / ``warning`` / ``error`` / ``critical``, lower case; ``""``
+when unsaid) and ``escalated_from`` (the severity an open episode rose from, else None).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+from fleethealth.schema import Action
+
+__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence"]
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v)):
+        return float(v)
+    return None
+
+
+def _severity(m: Mapping[str, Any]) -> str:
+    v = m.get("severity", "")
+    return v.lower() if isinstance(v, str) else ""
+
+
+def _escalated(m: Mapping[str, Any]) -> str | None:
+    v = m.get("escalated_from")
+    return v if isinstance(v, str) else None
+
+
+@dataclass(frozen=True)
+class XidEvidence:
+    """The facts of one Xid finding. ``action`` is the catalog's advice (None when unsaid)."""
+
+    code: int | None
+    severity: str = ""
+    name: str = ""
+    action: Action | None = None
+    remedy: str = ""
+    hardware: bool = True
+    message: str = ""
+    escalated_from: str | None = None
+
+    def to_evidence(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"severity": self.severity, "code": self.code, "name": self.name,
+                               "action": None if self.action is None else self.action.value,
+                               "remedy": self.remedy, "hardware": self.hardware, "message": self.message}
+        if self.escalated_from is not None:
+            out["escalated_from"] = self.escalated_from
+        return out
+
+    @classmethod
+    def from_evidence(cls, m: Mapping[str, Any]) -> Self:
+        code = m.get("code", m.get("xid"))
+        action = m.get("action")
+        known = {a.value for a in Action}
+        return cls(code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+                   severity=_severity(m), name=str(m.get("name", "")),
+                   action=Action(action) if isinstance(action, str) and action in known else None,
+                   remedy=str(m.get("remedy", "")), hardware=bool(m.get("hardware", True)),
+                   message=str(m.get("message", "")), escalated_from=_escalated(m))
+
+
+@dataclass(frozen=True)
+class EccEvidence:
+    """The facts of one ECC finding. ``reasons`` names the rules that held: ``uncorrectable``,
+    ``remap_failure``, ``pending`` (a row remap or page retirement waits for a reset) and
+    ``retired_growth`` (retired pages grew since the node's previous sample). Counts are None
+    where the telemetry did not say."""
+
+    severity: str = ""
+    reasons: tuple[str, ...] = ()
+    uncorrectable: float | None = None
+    remap_failure: bool = False
+    remap_pending: float | None = None
+    retired_pages: float | None = None
+    corrected_volatile: float | None = None
+    escalated_from: str | None = None
+
+    def to_evidence(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"severity": self.severity, "reasons": list(self.reasons),
+                               "uncorrectable": self.uncorrectable, "remap_failure": self.remap_failure,
+                               "remap_pending": self.remap_pending, "retired_pages": self.retired_pages,
+                               "corrected_volatile": self.corrected_volatile}
+        if self.escalated_from is not None:
+            out["escalated_from"] = self.escalated_from
+        return out
+
+    @classmethod
+    def from_evidence(cls, m: Mapping[str, Any]) -> Self:
+        reasons = m.get("reasons", ())
+        return cls(severity=_severity(m),
+                   reasons=tuple(str(r) for r in reasons) if isinstance(reasons, list | tuple) else (),
+                   uncorrectable=_number(m.get("uncorrectable", m.get("dbe"))),
+                   remap_failure=bool(m.get("remap_failure")), remap_pending=_number(m.get("remap_pending")),
+                   retired_pages=_number(m.get("retired_pages")),
+                   corrected_volatile=_number(m.get("corrected_volatile")), escalated_from=_escalated(m))
+
+    @property
+    def uncorrectable_seen(self) -> bool:
+        """True when uncorrectable errors were counted since driver load."""
+        return self.uncorrectable is not None and self.uncorrectable > 0
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+@dataclass(frozen=True)
+class StragglerEvidence:
+    """The policy's reading of a straggler finding's evidence. ``rack`` is the one the diagnosis
+    named (None: derive it from the node name); ``remaining_s`` the job's remaining run time when
+    the producer knew it (None: the engine's own figure); ``slowdown`` the evidence's slowdown,
+    used when the finding's field is empty. The detector's and the diagnosis's own keys (CUSUM arm,
+    temperatures, peer shares) stay in the JSON object for people to read."""
+
+    rack: str | None = None
+    remaining_s: float | None = None
+    slowdown: float | None = None
+
+    @classmethod
+    def from_evidence(cls, m: Mapping[str, Any]) -> Self:
+        rack = m.get("rack")
+        remaining = _finite(m.get("remaining_s"))
+        return cls(rack=rack if isinstance(rack, str) and rack else None,
+                   remaining_s=remaining if remaining is not None and remaining >= 0 else None,
+                   slowdown=_finite(m.get("slowdown")))
