@@ -41,7 +41,7 @@ _TOP = ("fleethealth.commands", "fleethealth.demo", "fleethealth.__main__")
 # Contracts: floor 1, importable by every unit (the hubs).
 _CONTRACTS = ("fleethealth", "fleethealth.schema", "fleethealth.errors", "fleethealth.payloads",
               "fleethealth.wire", "fleethealth.lazy", "fleethealth.ids", "fleethealth.xid",
-              "fleethealth.params", "fleethealth.nodename", "fleethealth.store.protocol",
+              "fleethealth.params", "fleethealth.nodename", "fleethealth.store.protocol", "fleethealth.evidence",
               "fleethealth.scenarios", "fleethealth.migrations")
 
 
