@@ -12,8 +12,9 @@ deterministic fault fails every replay, and one finding is what the policy needs
 passing check of the same GPU and kind closes the episode. ``rank`` is the culprit the replay's
 bisection named, else the reporting rank. The evidence (:class:`~fleethealth.payloads.SdcEvidence`)
 carries the check record plus what a rollback needs: ``last_verified_step`` (the newest check step
-of the job that passed, before the failing one) and the job's recent ``checkpoints`` (from
-``checkpoint`` events).
+of the job that passed, before the failing one: the mark for transient faults), ``last_replay_step``
+(the newest *replay* step that passed: the mark for deterministic faults, which a self-check cannot
+see) and the job's recent ``checkpoints`` (from ``checkpoint`` events, each with both marks).
 
 Events with malformed check records are counted in ``invalid_total_`` and skipped.
 """
@@ -26,7 +27,8 @@ from collections.abc import Sequence
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int
 from fleethealth.payloads.checkpoint import CheckpointRecord
-from fleethealth.payloads.sdc_check import SdcCheck
+from fleethealth.payloads.rollback import Marks, retained
+from fleethealth.payloads.sdc_check import CheckKind, SdcCheck
 from fleethealth.payloads.sdc_evidence import SdcEvidence
 from fleethealth.schema import Event, EventKind, Finding, FindingKind
 
@@ -36,7 +38,9 @@ __all__ = ["SdcDetector"]
 class SdcDetector:
     """Failing ``sdc_check`` events → ``sdc`` findings, one per (node, GPU, check) episode.
 
-    Parameters: ``keep`` how many recent passing check steps and checkpoints to remember per job.
+    Parameters: ``keep`` how many recent passing check steps of each kind to remember per job.
+    Checkpoints are kept as far back as a rollback may need them (the clean ancestor of each mark,
+    and everything newer: :func:`~fleethealth.payloads.rollback.retained`), at most ``16 * keep``.
     """
 
     name = "sdc"
@@ -47,21 +51,27 @@ class SdcDetector:
     def _start(self) -> None:
         check_int("keep", self.keep, at_least=1, owner=self)
         self.open_: dict[tuple[str, int | None, str], int] = {}
-        self.passes_: dict[str, deque[int]] = {}
-        self.checkpoints_: dict[str, deque[CheckpointRecord]] = {}
+        self.passes_: dict[tuple[str, str], deque[int]] = {}  # (job, check kind) -> steps of passing checks
+        self.checkpoints_: dict[str, list[CheckpointRecord]] = {}
         self.invalid_total_ = 0
         self.failures_total_ = 0
 
-    def _remember_pass(self, job: str | None, step: int | None) -> None:
+    def _remember_pass(self, job: str | None, step: int | None, check: str) -> None:
         if job is None or step is None:
             return
-        steps = self.passes_.setdefault(job, deque(maxlen=self.keep))
+        steps = self.passes_.setdefault((job, check), deque(maxlen=self.keep))
         if step not in steps:
             steps.append(step)
 
-    def _watermark(self, job: str | None, step: int | None) -> int | None:
-        passes = [s for s in self.passes_.get(job or "", ()) if step is None or s < step]
-        return max(passes) if passes else None
+    def _marks(self, job: str | None, step: int | None) -> Marks:
+        """Both verification marks of ``job`` from the passing checks seen before ``step``."""
+        def newest(kind: str) -> int | None:
+            passes = [s for s in self.passes_.get((job or "", kind), ()) if step is None or s < step]
+            return max(passes, default=None)
+
+        replay, selfcheck = newest(CheckKind.REPLAY.value), newest(CheckKind.SELFCHECK.value)
+        transient = replay if selfcheck is None else selfcheck if replay is None else max(replay, selfcheck)
+        return Marks(transient=transient, deterministic=replay)
 
     def _check(self, e: Event) -> list[Finding]:
         try:
@@ -73,14 +83,16 @@ class SdcDetector:
         if rec.passed:
             self.open_.pop(key, None)
             if rec.culprit_rank is None:  # a clean step for the job, not a vote against a peer
-                self._remember_pass(e.job, e.step)
+                self._remember_pass(e.job, e.step, rec.check.value)
             return []
         self.failures_total_ += 1
         if key in self.open_:
             self.open_[key] += 1
             return []
         self.open_[key] = 1
-        evidence = SdcEvidence(record=rec, reporting_rank=e.rank, last_verified_step=self._watermark(e.job, e.step),
+        marks = self._marks(e.job, e.step)
+        evidence = SdcEvidence(record=rec, reporting_rank=e.rank, last_verified_step=marks.transient,
+                               last_replay_step=marks.deterministic,
                                checkpoints=tuple(self.checkpoints_.get(e.job or "", ())))
         return [Finding(kind=FindingKind.SDC, node=e.node, ts=e.ts, job=e.job, gpu=e.gpu,
                         rank=rec.culprit_rank if rec.culprit_rank is not None else e.rank, step=e.step,
@@ -94,7 +106,8 @@ class SdcDetector:
         if e.job is None or record is None:
             self.invalid_total_ += 1
             return
-        self.checkpoints_.setdefault(e.job, deque(maxlen=self.keep)).append(record)
+        book = [*self.checkpoints_.get(e.job, ()), record]
+        self.checkpoints_[e.job] = retained(book, self._marks(e.job, None))[-16 * self.keep:]
 
     def update(self, events: Sequence[Event]) -> list[Finding]:
         """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings."""

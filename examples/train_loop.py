@@ -50,9 +50,10 @@ def main() -> None:
         if not verdict.skip_update:                                          # fleethealth
             opt.step()
         opt.zero_grad()
-        if step % 100 == 99:  # a checkpoint records the verification watermark
-            record = guard.watermark.checkpoint(step, f"file:///tmp/ckpt-{step}.pt")
-            print(f"step {step}: loss {loss.item():.4f}, checkpoint verified through {record.last_verified_step}")
+        if step % 100 == 99:  # a checkpoint records both verification marks and tells the detectors
+            record = guard.checkpoint(step, f"file:///tmp/ckpt-{step}.pt")
+            print(f"step {step}: loss {loss.item():.4f}, checkpoint verified through {record.last_verified_step} "
+                  f"(replay-verified through {record.last_replay_step})")
 
     watchdog.stop()
     guard.close()

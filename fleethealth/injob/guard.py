@@ -77,6 +77,7 @@ from fleethealth.injob.results import CheckResult, NondeterminismWarning, Startu
 from fleethealth.injob.selfcheck import SelfCheck, enable_determinism, restore_determinism
 from fleethealth.injob.watchdog import HangWatchdog
 from fleethealth.injob.watermark import Watermark
+from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
 from fleethealth.payloads.sdc_check import Classification, classify
 
 __all__ = ["SdcGuard", "CheckResult", "StepVerdict", "StartupReport", "NondeterminismWarning"]
@@ -294,6 +295,17 @@ class SdcGuard:
         self._last_replay = outcome
         return results
 
+    def checkpoint(self, step: int, uri: str) -> CheckpointRecord:
+        """Record a checkpoint written at ``step`` to ``uri``: returns the record with both verification
+        marks (store it beside the checkpoint) and, on the job's rank 0, emits the ``checkpoint`` event
+        the detectors and the policy choose rollback targets from. Never raises on delivery."""
+        record = self.watermark.checkpoint(step, uri)
+        if self.job_rank == 0:
+            self.reporter.emit(checkpoint_event(ts=self.reporter.now(), step=step, uri=uri,
+                                                last_verified_step=record.last_verified_step,
+                                                last_replay_step=record.last_replay_step))
+        return record
+
     # ------------------------------------------------------------------ the step hook
     def after_backward(self, step: int, batch: Any, loss: torch.Tensor | float, *,
                        loss_scale: float | None = None) -> StepVerdict:
@@ -339,7 +351,7 @@ class SdcGuard:
         if replay_sources is not False:
             replayed = self.replay(step, batch, replay_sources)  # type: ignore[arg-type]
             checks.extend(replayed)
-            self.watermark.record(step, self._last_replay.all_agreed)
+            self.watermark.record(step, self._last_replay.all_agreed, "replay")
         classification = self._classify_anomaly(codes, states, nan_ranks, joint) if anomaly else None
         verdict = StepVerdict(step=step, skip_update=anomaly, invariants=inv, checks=tuple(checks),
                               classification=classification)

@@ -1,16 +1,37 @@
-"""The rollback rule of seed 000 R6: roll back to the newest checkpoint whose step is at or before
-the last passing SDC check (the verification watermark); anything written after it is in the
-suspect window.
+"""The rollback rule of seed 000 R6, with what each check can vouch for.
 
-The in-job watermark and the policy both choose the target through :func:`rollback_target`.
+Two in-job checks see different faults (seed 000 R3):
+
+* the bitwise **self-check** recomputes a microbatch on the same GPU; it sees a *transient* fault
+  (a flipped bit that does not recur) but passes a GPU that computes the same wrong answer twice;
+* the cross-rank **replay** recomputes on another GPU; it sees a *deterministic* fault too.
+
+So a job carries two verification marks (:class:`Marks`): ``transient`` — the newest step a check of
+either kind passed (both see transient faults) — and ``deterministic`` — the newest step a replay
+passed. A checkpoint is written with both. When a check fails, the rollback goes to the newest
+checkpoint at or before the mark that can vouch for the failure's class:
+
+==========================================  ======================================
+classification of the failing check         the checkpoint must be at or before
+==========================================  ======================================
+``transient``                               the last passing check (either kind)
+``persistent``, ``data_or_code``, unknown   the last passing **replay**
+==========================================  ======================================
+
+A self-check that passes after a deterministic fault began vouches for nothing about it; rolling
+back to the last passing self-check would land on weights the fault already touched.
+
+The in-job watermark and the policy both choose the target through :func:`rollback_target` and
+:func:`bound_for`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-__all__ = ["rollback_target"]
+__all__ = ["Marks", "bound_for", "merge", "retained", "rollback_target"]
 
 
 class _HasStep(Protocol):
@@ -25,13 +46,68 @@ def _step_of(item: int | _HasStep) -> int:
     return item if isinstance(item, int) else item.step
 
 
+@dataclass(frozen=True)
+class Marks:
+    """The two verification marks of a job (``None``: no such check has passed yet).
+
+    ``transient``: newest step a self-check or a replay passed. ``deterministic``: newest step a
+    replay passed (never newer than ``transient``).
+    """
+
+    transient: int | None = None
+    deterministic: int | None = None
+
+    def before(self, step: int | None) -> Marks:
+        """The marks as they stood before a failure at ``step`` (a mark at or after it cannot vouch for it)."""
+        if step is None:
+            return self
+
+        def cut(mark: int | None) -> int | None:
+            return mark if mark is not None and mark < step else None
+
+        return Marks(cut(self.transient), cut(self.deterministic))
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def merge(marks: Iterable[Marks]) -> Marks:
+    """The newest of each mark over several sources (checkpoint records, passing checks seen)."""
+    out = Marks()
+    for m in marks:
+        out = Marks(_max(out.transient, m.transient), _max(out.deterministic, m.deterministic))
+    return out
+
+
+def bound_for(marks: Marks, classification: str | None) -> int | None:
+    """The newest step a rollback for a failure of ``classification`` may land on (see the table)."""
+    if classification == "transient":
+        return marks.transient
+    return marks.deterministic
+
+
 def rollback_target(checkpoints: Iterable[_C], last_verified_step: int | None) -> _C | None:
     """The newest checkpoint whose step is <= ``last_verified_step``; ``None`` when none is clean.
 
     ``checkpoints`` are steps or objects with a ``step`` attribute (e.g.
-    :class:`~fleethealth.payloads.checkpoint.CheckpointRecord`), in any order.
+    :class:`~fleethealth.payloads.checkpoint.CheckpointRecord`), in any order. Pass the bound of
+    :func:`bound_for` for the failure at hand.
     """
     if last_verified_step is None:
         return None
     clean = [c for c in checkpoints if _step_of(c) <= last_verified_step]
     return max(clean, key=_step_of) if clean else None
+
+
+
+def retained(checkpoints: Iterable[_C], marks: Marks) -> list[_C]:
+    """The checkpoints a rollback may still need, oldest first: the clean ancestor for a deterministic
+    fault (newest at or before the replay mark), the one for a transient fault (newest at or before
+    the check mark), and every newer one (not yet verified). Whatever a retention count says, these
+    must survive; anything older can go."""
+    book = list(checkpoints)
+    ancestors = {id(c) for c in (rollback_target(book, marks.deterministic), rollback_target(book, marks.transient))
+                 if c is not None}
+    floor = -1 if marks.transient is None else marks.transient
+    return sorted((c for c in book if id(c) in ancestors or _step_of(c) > floor), key=_step_of)

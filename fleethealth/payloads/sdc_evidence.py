@@ -3,8 +3,9 @@
 Keys of ``Finding.evidence``: the check record's ``check``, ``classification``, ``digests``,
 ``duration_s``, ``peer_ranks``, ``culprit_rank``, ``tolerance``; ``reporting_rank`` (the rank that
 emitted the check); ``hardware`` (false only for ``data_or_code``); ``last_verified_step`` (the
-newest step of the job whose check passed before the failing one, or null) and ``checkpoints``
-(the job's recent checkpoint records, oldest first).
+newest step of the job whose check of either kind passed before the failing one, or null: the mark
+for transient faults), ``last_replay_step`` (the newest such step of a cross-rank replay: the mark
+for deterministic faults) and ``checkpoints`` (the job's recent checkpoint records, oldest first).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SdcEvidence:
     reporting_rank: int | None
     last_verified_step: int | None
     checkpoints: tuple[CheckpointRecord, ...] = ()
+    last_replay_step: int | None = None
 
     @property
     def hardware(self) -> bool:
@@ -42,6 +44,7 @@ class SdcEvidence:
             "digests": list(r.digests), "duration_s": r.duration_s, "peer_ranks": list(r.peer_ranks),
             "culprit_rank": r.culprit_rank, "tolerance": r.tolerance, "reporting_rank": self.reporting_rank,
             "hardware": self.hardware, "last_verified_step": self.last_verified_step,
+            "last_replay_step": self.last_replay_step,
             "checkpoints": [c.to_data() for c in self.checkpoints],
         }
 
@@ -52,11 +55,12 @@ class SdcEvidence:
         reporting = evidence.get("reporting_rank")
         if reporting is not None and (isinstance(reporting, bool) or not isinstance(reporting, int)):
             raise SchemaError("reporting_rank", f"expected a rank or null, got {reporting!r}")
-        lvs = evidence.get("last_verified_step")
-        if lvs is not None and (isinstance(lvs, bool) or not isinstance(lvs, int)):
-            raise SchemaError("last_verified_step", f"expected a step or null, got {lvs!r}")
+        lvs, lrs = evidence.get("last_verified_step"), evidence.get("last_replay_step")
+        for name, value in (("last_verified_step", lvs), ("last_replay_step", lrs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise SchemaError(name, f"expected a step or null, got {value!r}")
         books = evidence.get("checkpoints", [])
         if not isinstance(books, list | tuple):
             raise SchemaError("checkpoints", "expected a list of checkpoint records")
-        return cls(record=record, reporting_rank=reporting, last_verified_step=lvs,
+        return cls(record=record, reporting_rank=reporting, last_verified_step=lvs, last_replay_step=lrs,
                    checkpoints=tuple(CheckpointRecord.from_data(c) for c in books))

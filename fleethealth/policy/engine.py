@@ -16,7 +16,9 @@ straggler              diagnosis ENVIRONMENTAL → ``alert_facilities`` once per
                        placement") / UNKNOWN → ``evict`` when payback R / (P(healthy) × slowdown)
                        is well under the remaining run time; UNKNOWN only once per node.
 sdc                    ``quarantine`` of the node and ``rollback`` of the job to the newest
-                       checkpoint at or before the last passing check (the verification watermark)
+                       checkpoint at or before the mark that can vouch for the failure: the last
+                       passing check for a transient fault, the last passing *replay* for any
+                       other (a self-check cannot see a deterministic fault)
 failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
 hang                   ``drain`` of the node named, so the restart does not land on it
 xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
@@ -46,7 +48,7 @@ from fleethealth.evidence import EccEvidence, StragglerEvidence, XidEvidence
 from fleethealth.ids import derived
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
-from fleethealth.payloads.rollback import rollback_target
+from fleethealth.payloads.rollback import Marks, bound_for, merge, rollback_target
 from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
@@ -70,13 +72,14 @@ _STRAGGLER_EVICT = {Diagnosis.NODE_THERMAL, Diagnosis.NODE_LINK, Diagnosis.NETWO
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint of a job; ``last_verified_step`` is the newest step whose SDC check had passed
-    when it was written (seed 000 R6)."""
+    """A checkpoint of a job with the verification marks when it was written (seed 000 R6):
+    ``last_verified_step`` (any passing check) and ``last_replay_step`` (a passing replay)."""
 
     job: str
     step: int
     uri: str
     last_verified_step: int | None
+    last_replay_step: int | None = None
 
 
 def rack_of(node: str, nodes_per_rack: int) -> str:
@@ -142,6 +145,7 @@ class PolicyEngine:
         self.remaining_: dict[str, float] = {}
         self.checkpoints_: dict[str, list[Checkpoint]] = {}
         self.last_pass_: dict[str, int] = {}
+        self.last_replay_pass_: dict[str, int] = {}
 
     # ------------------------------------------------------------ inputs other than findings
     def observe(self, events: Sequence[Event]) -> int:
@@ -156,13 +160,17 @@ class PolicyEngine:
                     rec = CheckpointRecord.from_event(ev)
                 except SchemaError:
                     continue
-                ck = Checkpoint(job=ev.job, step=rec.step, uri=rec.uri, last_verified_step=rec.last_verified_step)
+                ck = Checkpoint(job=ev.job, step=rec.step, uri=rec.uri, last_verified_step=rec.last_verified_step,
+                                last_replay_step=rec.last_replay_step)
                 book = self.checkpoints_.setdefault(ev.job, [])
                 if all(c.step != ck.step for c in book):
                     book.append(ck)
                     book.sort(key=lambda c: c.step)
-            elif ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None:
+            elif (ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None
+                  and ev.data.get("culprit_rank") is None):  # a vote against a peer is no clean step
                 self.last_pass_[ev.job] = max(self.last_pass_.get(ev.job, -1), ev.step)
+                if ev.data.get("check") == "replay":
+                    self.last_replay_pass_[ev.job] = max(self.last_replay_pass_.get(ev.job, -1), ev.step)
         return noted
 
     def judge(self, findings: Sequence[Finding], now: float) -> list[EvictionOutcome]:
@@ -340,30 +348,41 @@ class PolicyEngine:
         for c in f.evidence.get("checkpoints", ()) or ():
             with contextlib.suppress(SchemaError):
                 rec = CheckpointRecord.from_data(c)
-                book.append(Checkpoint(job, rec.step, rec.uri, rec.last_verified_step))
-        passes = [self.last_pass_.get(job, -1)] + [c.last_verified_step for c in book
-                                                   if c.last_verified_step is not None]
-        if isinstance(f.evidence.get("last_verified_step"), int):
-            passes.append(f.evidence["last_verified_step"])
-        if f.step is not None:
-            passes = [p for p in passes if p < f.step]
-        watermark = max(passes, default=-1)
-        target = rollback_target(book, watermark if watermark >= 0 else None)
+                book.append(Checkpoint(job, rec.step, rec.uri, rec.last_verified_step, rec.last_replay_step))
+        ev = f.evidence
+
+        def _step(v: Any) -> int | None:
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+        seen = [Marks(_step(self.last_pass_.get(job)), _step(self.last_replay_pass_.get(job))),
+                Marks(_step(ev.get("last_verified_step")), _step(ev.get("last_replay_step")))]
+        seen += [Marks(c.last_verified_step, c.last_replay_step) for c in book]
+        marks = merge(m.before(f.step) for m in seen)  # a mark at or after the failure vouches for nothing
+        classification = ev.get("classification") if isinstance(ev.get("classification"), str) else None
+        bound = bound_for(marks, classification)
+        vouching = "check" if classification == "transient" else "replay"
+        watermark = -1 if bound is None else bound
+        target = rollback_target(book, bound)
         if target is None:
-            return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step}: no checkpoint at or "
-                              "before a passing check is known; the run may be unrecoverable, needs a human",
-                              {"last_verified_step": watermark if watermark >= 0 else None,
-                               "checkpoints_known": len(book)}, fired=[], guard=Guard.NEEDS_HUMAN)]
+            return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step} "
+                              f"({classification or 'unclassified'}): no checkpoint at or before a passing "
+                              f"{vouching} is known; the run may be unrecoverable, needs a human",
+                              {"last_verified_step": marks.transient, "last_replay_step": marks.deterministic,
+                               "classification": classification, "checkpoints_known": len(book)},
+                              fired=[], guard=Guard.NEEDS_HUMAN)]
         key = f"{job}@{target.step}"
         if key in self.rolled_back_:
             return []
         self.rolled_back_.add(key)
         discarded = sorted({c.step for c in book if c.step > target.step})
-        return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step}: roll back to checkpoint "
-                          f"step {target.step} ({target.uri or 'no uri'}), the newest at or before the last "
-                          f"passing check (step {watermark})",
-                          {"target_step": target.step, "target_uri": target.uri, "last_verified_step": watermark,
-                           "failed_step": f.step, "discarded_checkpoints": discarded})]
+        return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step} "
+                          f"({classification or 'unclassified'}): roll back to checkpoint step {target.step} "
+                          f"({target.uri or 'no uri'}), the newest at or before the last passing {vouching} "
+                          f"(step {watermark})",
+                          {"target_step": target.step, "target_uri": target.uri, "last_verified_step": marks.transient,
+                           "last_replay_step": marks.deterministic, "bound_step": watermark,
+                           "classification": classification, "failed_step": f.step,
+                           "discarded_checkpoints": discarded})]
 
     def _failure_risk(self, f: Finding, now: float) -> list[Recommendation]:
         p = f.probability
@@ -473,9 +492,10 @@ class PolicyEngine:
             "held": {k: list(v) for k, v in self.held_.items()},
             "drained": sorted(self.drained_), "quarantined": sorted(self.quarantined_),
             "rolled_back": sorted(self.rolled_back_), "remaining": dict(self.remaining_),
-            "checkpoints": {j: [[c.step, c.uri, c.last_verified_step] for c in cs]
+            "checkpoints": {j: [[c.step, c.uri, c.last_verified_step, c.last_replay_step] for c in cs]
                             for j, cs in self.checkpoints_.items()},
-            "last_pass": dict(self.last_pass_), "watch": self.watch_.to_state(),
+            "last_pass": dict(self.last_pass_), "last_replay_pass": dict(self.last_replay_pass_),
+            "watch": self.watch_.to_state(),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -493,7 +513,8 @@ class PolicyEngine:
         self.quarantined_ = set(state.get("quarantined", ()))
         self.rolled_back_ = set(state.get("rolled_back", ()))
         self.remaining_ = {k: float(v) for k, v in state.get("remaining", {}).items()}
-        self.checkpoints_ = {j: [Checkpoint(j, int(s), str(u), v) for s, u, v in cs]
+        self.checkpoints_ = {j: [Checkpoint(j, int(c[0]), str(c[1]), c[2], c[3] if len(c) > 3 else None) for c in cs]
                              for j, cs in state.get("checkpoints", {}).items()}
         self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}
         self.watch_.load_state(state.get("watch", {}))
+        self.last_replay_pass_ = {k: int(v) for k, v in state.get("last_replay_pass", {}).items()}

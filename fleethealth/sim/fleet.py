@@ -210,20 +210,23 @@ class FleetSim:
                     tolerance=None if kind == "selfcheck" else 5.0,
                     classification=None if failed is None else "transient" if failed == "selfcheck" else "persistent"))
         if step > 0 and step % checks.checkpoint_every == 0:
+            verified, replayed = self._marks(step)
             events.append(checkpoint_event(ts=ts, step=step, uri=f"ckpt://{job.id}/step-{step:08d}",
-                                           last_verified_step=self._watermark(step), node=self.node_names[0],
-                                           job=job.id))
+                                           last_verified_step=verified, last_replay_step=replayed,
+                                           node=self.node_names[0], job=job.id))
         return events
 
-    def _watermark(self, step: int) -> int | None:
-        """The newest check step <= ``step`` that passed, before any failing check."""
+    def _marks(self, step: int) -> tuple[int | None, int | None]:
+        """The two verification marks at ``step`` (the in-job watermark's): the newest check step of
+        either kind that passed, and the newest replay step that passed, both before any failing check."""
         checks = self.scenario.checks
         failures = [s for f in self.scenario.faults if f.kind.startswith("sdc_")
                     for s in range(f["start_step"], step + 1)
                     if sdc_failures(f, s, checks.selfcheck_every, checks.replay_every)]
         limit = min(failures) - 1 if failures else step
-        last = (limit // checks.selfcheck_every) * checks.selfcheck_every
-        return last if last > 0 else None
+        replayed = (limit // checks.replay_every) * checks.replay_every
+        verified = max((limit // checks.selfcheck_every) * checks.selfcheck_every, replayed)
+        return (verified if verified > 0 else None), (replayed if replayed > 0 else None)
 
     def _stall_events(self, step: int, ts: float) -> list[Event]:
         """Hang reports once the watchdogs time out, and the interruption when the job restarts."""

@@ -105,3 +105,9 @@ def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path:
     assert ("alert_facilities", env[0]["node"]) in acted
     assert not {n for a, n in acted if a == "evict"} & (rack_r02 - {"n0021"})       # no eviction for the hot aisle
     assert {("quarantine", "n0011"), ("rollback", "n0011"), ("quarantine", "n0030"), ("rollback", "n0030")} <= acted
+    # against the scenario's ground truth: each rollback target is before its SDC fault began
+    from fleethealth.sim import Scenario
+
+    starts = {f["node"]: f["start_step"] for f in Scenario.default().faults if f.kind.startswith("sdc_")}
+    targets = {r["node"]: r["evidence"]["target_step"] for r in recs if r["action"] == "rollback"}
+    assert set(targets) == set(starts) and all(targets[n] < starts[n] for n in starts), targets

@@ -47,8 +47,9 @@ def test_watermark_records_checks_and_freezes_at_the_first_failure() -> None:
     # a pass after the failure does not advance it: the weights may already hold the corruption
     wm.record(4000, True)
     assert wm.last_verified_step == 2000
-    target = wm.rollback_target(book)
+    target = wm.rollback_target(book, "transient")
     assert target.step == 1632 and target.last_verified_step == 1000 and not target.verified
+    assert wm.rollback_target(book, "persistent") is None  # no replay ever passed: nothing vouches against it
     assert [c.step for c in book if c.step > 2000] == [2040, 2448, 2856, 3264, 3672]
     # three checkpoints sit in the suspect window between the last pass and the failure
     assert len([c for c in book if 2000 < c.step < 3000]) == 3
@@ -62,3 +63,41 @@ def test_checkpoint_record_marks_verified_only_when_a_pass_covers_it() -> None:
     wm.record(200, True)
     assert wm.checkpoint(200, "u").verified
     assert not wm.checkpoint(250, "u").verified
+
+
+def test_a_deterministic_fault_rolls_back_past_the_last_passing_replay() -> None:
+    """Self-checks every 50, replays every 200, checkpoints every 25, a deterministic fault from 230:
+    self-checks at 250…350 pass (they cannot see it), the replay at 400 fails. The transient mark
+    says 350; only the replay mark (200) vouches for the weights."""
+    wm = Watermark()
+    book = []
+    for step in range(1, 401):
+        if step % 200 == 0:
+            wm.record(step, step < 230, "replay")
+        elif step % 50 == 0:
+            wm.record(step, True, "selfcheck")
+        if step % 25 == 0 and step < 400:
+            book.append(wm.checkpoint(step, f"ckpt://{step}"))
+    assert (wm.last_verified_step, wm.last_replay_step, wm.failed_step) == (350, 200, 400)
+    assert wm.rollback_target(book, "persistent").step == 200
+    assert wm.rollback_target(book, "transient").step == 350  # the old single watermark's answer
+    assert book[-1].last_replay_step == 200 and book[-1].last_verified_step == 350
+    # retention keeps the clean ancestor of each mark and everything newer than the check mark
+    assert [c.step for c in wm.keep(book)] == [200, 350, 375]
+    wm.reset(200)
+    assert (wm.last_verified_step, wm.last_replay_step, wm.suspect) == (200, 200, False)
+
+
+def test_retention_reaches_back_past_the_last_passing_replay() -> None:
+    """Seed 000 R6 with both cadences: self-checks every 33 min keep 10; a replay every 333 min keeps 76."""
+    assert retention(33.0, 13.6).rolling == 10
+    both = retention(33.0, 13.6, replay_interval=10_000 * 2.0 / 60)
+    assert both.rolling == 76 and round(both.ratio, 1) == 75.5 and round(both.transient_ratio, 2) == 9.28
+    assert retention(33.0, 13.6, replay_interval=10.0).rolling == 10  # a replay faster than the self-check
+    with pytest.raises(ConfigError):
+        retention(33.0, 13.6, replay_interval=0.0)
+
+
+def test_a_record_names_its_check() -> None:
+    with pytest.raises(ConfigError, match="selfcheck"):
+        Watermark().record(1, True, "bitwise")

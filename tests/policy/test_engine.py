@@ -296,7 +296,8 @@ def test_sdc_quarantines_and_rolls_back_to_the_verified_checkpoint():
     [_, rb2] = eng2.decide([sdc], now=T0 + 400)
     assert rb2.evidence["target_step"] == 200 and rb2.evidence["discarded_checkpoints"] == [300]
     # a second SDC finding on the same node: no second quarantine, no second rollback to the same target
-    again = eng.decide([_finding(FindingKind.SDC, "n0030", T0 + 401, gpu=5, step=400)], now=T0 + 401)
+    again = eng.decide([_finding(FindingKind.SDC, "n0030", T0 + 401, gpu=5, step=400,
+                                 evidence={"classification": "transient", "check": "selfcheck"})], now=T0 + 401)
     assert [r.action for r in again] == [Action.NONE]
 
 
@@ -308,11 +309,32 @@ def test_sdc_without_a_clean_checkpoint_needs_a_human():
 
 
 def test_sdc_from_finding_evidence_and_data_or_code():
-    ck = [{"step": 100, "uri": "a", "last_verified_step": 100}, {"step": 200, "uri": "b", "last_verified_step": 150}]
+    ck = [{"step": 100, "uri": "a", "last_verified_step": 100, "last_replay_step": 100},
+          {"step": 200, "uri": "b", "last_verified_step": 150, "last_replay_step": 100}]
     recs = PolicyEngine().decide([_finding(FindingKind.SDC, "n0011", T0, step=260, evidence={
         "classification": "data_or_code", "checkpoints": ck})], now=T0)
     assert [r.action for r in recs] == [Action.PAGE, Action.ROLLBACK]
     assert recs[1].evidence["target_step"] == 100
+
+
+def test_a_deterministic_fault_rolls_back_past_the_last_passing_replay_not_the_last_self_check():
+    """The self-check vouched for step 150, but only the replay (step 100) can see a deterministic fault:
+    checkpoint 125, written after the last passing replay, is not a target for a persistent fault."""
+    ck = [{"step": s, "uri": f"c{s}", "last_verified_step": v, "last_replay_step": 100}
+          for s, v in ((100, 100), (125, 100), (150, 150))]
+    evidence = {"classification": "persistent", "check": "replay", "checkpoints": ck,
+                "last_verified_step": 150, "last_replay_step": 100}
+    recs = PolicyEngine().decide([_finding(FindingKind.SDC, "n0011", T0, step=200, evidence=evidence)], now=T0)
+    rb = _actions(recs, Action.ROLLBACK)[0]
+    assert rb.evidence["target_step"] == 100 and rb.evidence["bound_step"] == 100 and "replay" in rb.reason
+    transient = {**evidence, "classification": "transient", "check": "selfcheck"}
+    recs = PolicyEngine().decide([_finding(FindingKind.SDC, "n0030", T0, step=200, evidence=transient)], now=T0)
+    assert _actions(recs, Action.ROLLBACK)[0].evidence["target_step"] == 150
+    # checkpoints written before the replay mark existed carry none: a deterministic fault needs a human
+    old = [{k: v for k, v in c.items() if k != "last_replay_step"} for c in ck]
+    recs = PolicyEngine().decide([_finding(FindingKind.SDC, "n0011", T0, step=200, evidence={
+        "classification": "persistent", "checkpoints": old})], now=T0)
+    assert _actions(recs, Action.ROLLBACK)[0].guard is Guard.NEEDS_HUMAN
 
 
 def test_failure_risk_drains_at_next_checkpoint_boundary():
