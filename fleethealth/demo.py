@@ -57,7 +57,7 @@ class DemoResult:
 
 
 def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recommendation]]:
-    """Write the store's findings and recommendations as JSON lines (DESIGN.md's contract)."""
+    """Write the store's findings and recommendations as JSON lines (docs/architecture.md's contract)."""
     out.mkdir(parents=True, exist_ok=True)
     findings = sorted(store.findings(), key=lambda f: (f.ts, f.kind.value, f.node, -1 if f.rank is None else f.rank))
     recs = sorted(store.recommendations(), key=lambda r: (r.ts, r.node, r.action.value))

@@ -1,6 +1,6 @@
 """Typed evidence of findings: what the health rules fill and the policy reads.
 
-On the wire and in the store a finding's ``evidence`` stays a JSON object (DESIGN "Findings and
+On the wire and in the store a finding's ``evidence`` stays a JSON object (docs/architecture.md "Findings and
 recommendations"); these frozen dataclasses are its shape for the two kinds the policy acts on by
 their facts. A detector builds one and writes :meth:`to_evidence`; the policy reads
 :meth:`from_evidence`, which tolerates a finding from another producer (a missing key reads as

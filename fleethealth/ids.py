@@ -2,7 +2,7 @@
 
 An id names *what a record is about*, never when it was decided or which process made it, so a
 replay or a restart re-derives the same id and the store, the bus and the scheduler adapters see
-one record, not two (DESIGN "Findings and recommendations": ids are deterministic).
+one record, not two (docs/architecture.md "Findings and recommendations": ids are deterministic).
 
 =======================  ==========================================================================
 :func:`digest`           the id of a message from its identifying fields: 24 hex digits of BLAKE2b

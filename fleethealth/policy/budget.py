@@ -64,7 +64,7 @@ class OverheadTerms:
 
 @dataclass(frozen=True)
 class YoungDaly:
-    """The DESIGN.md "Budget arithmetic" result; the terms are evaluated at ``interval_s`` (the
+    """The docs/architecture.md "Budget arithmetic" result; the terms are evaluated at ``interval_s`` (the
     interval asked for, else Young's optimum)."""
 
     checkpoint_s: float

@@ -8,7 +8,7 @@ finding ids already decided, P(healthy) counts, checkpoints and passing SDC chec
 :meth:`PolicyEngine.to_state` / :meth:`PolicyEngine.load_state` (see :mod:`fleethealth.policy.persist`).
 The detector runner drives it through :class:`fleethealth.policy.stage.PolicyStage`.
 
-What each finding becomes (seed 000 §7, R2, R6; DESIGN.md "Findings and recommendations"):
+What each finding becomes (seed 000 §7, R2, R6; docs/architecture.md "Findings and recommendations"):
 
 =====================  ===========================================================================
 straggler              diagnosis ENVIRONMENTAL → ``alert_facilities`` once per rack episode, never
@@ -83,7 +83,7 @@ class Checkpoint:
 
 
 def rack_of(node: str, nodes_per_rack: int) -> str:
-    """The rack of ``nNNNN`` per DESIGN.md's identifiers (node i in rack i // nodes_per_rack)."""
+    """The rack of ``nNNNN`` per the identifiers of docs/architecture.md (node i in rack i // nodes_per_rack)."""
     m = re.fullmatch(r"n(\d+)", node)
     if m is None:
         return f"?{node}"

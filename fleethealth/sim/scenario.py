@@ -1,4 +1,4 @@
-"""Fault scenarios: the YAML/JSON contract of DESIGN.md, validated field by field.
+"""Fault scenarios: the YAML/JSON contract of docs/architecture.md, validated field by field.
 
 A scenario names a fleet (racks × nodes × GPUs), one synchronous job across all of it, the
 faults to inject and the in-job check cadence. Anything unknown — a fault kind, a field, a node

@@ -73,7 +73,7 @@ def test_bad_scenario_is_one_line_and_exit_2(tmp_path: Path, text: str, needle: 
 
 @pytest.mark.slow
 def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path: Path) -> None:
-    """DESIGN.md "Fault scenarios": each kind's expected outcome, on the shipped scenario."""
+    """docs/architecture.md "Fault scenarios": each kind's expected outcome, on the shipped scenario."""
     run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--out", str(tmp_path / "out"),
                           "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

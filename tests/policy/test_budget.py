@@ -31,7 +31,7 @@ def _seed003_path():
 
 
 def test_young_daly_seed000_rounded_inputs():
-    """DESIGN.md contract: C=30 s, M=3.1 h, R=600 s -> T* ~ 13.6 min at ~12.7 %, 30 min ~ 15.1 %."""
+    """docs/architecture.md contract: C=30 s, M=3.1 h, R=600 s -> T* ~ 13.6 min at ~12.7 %, 30 min ~ 15.1 %."""
     r = young_daly(30, 3.1 * H, 600)
     assert r.optimal_interval_s == pytest.approx(math.sqrt(2 * 30 * 3.1 * H))
     assert r.optimal_interval_s / 60 == pytest.approx(13.6, abs=0.05)

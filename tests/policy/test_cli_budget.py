@@ -1,4 +1,4 @@
-"""``fleethealth budget``: the DESIGN.md contract for young-daly, the seed-003 compare through the
+"""``fleethealth budget``: the docs/architecture.md contract for young-daly, the seed-003 compare through the
 installed command, the automatic interval, and clear errors."""
 
 from __future__ import annotations

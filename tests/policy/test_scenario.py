@@ -1,5 +1,5 @@
 """The engine on the default fault scenario: the fleet simulator's output through the real
-detectors, then the policy (DESIGN.md "Fault scenarios" expected outcomes for the policy's part)."""
+detectors, then the policy (docs/architecture.md "Fault scenarios" expected outcomes for the policy's part)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scenario files: the DESIGN.md contract, and a clear ConfigError for everything else."""
+"""Scenario files: the docs/architecture.md contract, and a clear ConfigError for everything else."""
 
 from __future__ import annotations
 
