@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import logging
 import math
 import pathlib
 import threading
@@ -56,6 +57,8 @@ __all__ = [
     "register_backend",
     "known_schemes",
 ]
+
+_log = logging.getLogger("fleethealth.bus")
 
 DEADLETTER_VERSION = 1
 DEADLETTER_RAW_BYTES = 64 * 1024
@@ -440,6 +443,7 @@ class Consumer:
         self._dead_unflushed = False
         self.consumed_total = 0
         self.dead_lettered_total = 0
+        self.commit_failed_total = 0
 
     def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Block until the group has assigned partitions and their start offsets are known.
@@ -553,6 +557,15 @@ class Consumer:
         try:
             self._kc.commit(offsets=offsets)
         except Exception as exc:
+            if type(exc).__name__ == "CommitFailedError":
+                # the group rebalanced under us (a slow poll on a loaded machine, a new member): the
+                # partitions may have moved, so nothing is committed and the records since the last
+                # commit are redelivered to their owner, whose idempotent writes absorb them
+                self.commit_failed_total += 1
+                self._pending.clear()
+                _log.warning("commit for group %r refused after a rebalance; %d partition(s) will be re-read "
+                             "from their last commit", self.group, len(offsets))
+                return
             if _is_kafka_error(exc):
                 raise _translate(exc, f"committing offsets of group {self.group!r}", self.dsn) from exc
             raise

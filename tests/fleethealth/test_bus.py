@@ -316,3 +316,26 @@ def test_explicit_plaintext_dsn_talks_to_the_real_broker(broker):
     with bus.Producer(dsn) as producer:
         producer.publish(topic_msg)
         producer.flush()
+
+
+def test_a_commit_refused_after_a_rebalance_is_not_fatal(broker):
+    """A consumer that missed its poll deadline is out of the group; its commit is refused. The records
+    since the last commit are re-read (idempotent downstream) instead of the runner dying."""
+    topic_msg = Event(node="n0001", ts=1.0, kind=EventKind.XID, code=31, message=f"rebalance-{uuid.uuid4().hex}")
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    with bus.Producer(broker.dsn) as producer:
+        producer.publish(topic_msg)
+        producer.flush()
+    with bus.Consumer(broker.dsn, [Topic.EVENTS], group, max_poll_interval_s=1.0, session_timeout_s=1.0) as c:
+        deadline = time.monotonic() + 30
+        while not any(getattr(r.msg, "message", "") == topic_msg.message for r in c.poll(0.2)):
+            assert time.monotonic() < deadline
+        time.sleep(3.0)  # past max_poll_interval: the coordinator drops this member
+        c.commit()  # refused by the broker, and survived
+        again = []
+        deadline = time.monotonic() + 30
+        while not again and time.monotonic() < deadline:
+            again = [r for r in c.poll(0.2) if getattr(r.msg, "message", "") == topic_msg.message]
+        c.commit()
+    assert c.commit_failed_total == 1
+    assert again, "a refused commit re-reads the records since the last commit"
