@@ -14,7 +14,9 @@ the adapter's authority. For each recommendation, in this order:
 5. more than ``max_actions`` acted-on recommendations within ``window_s`` → ``rate_limited``
    (the adapter's own limit, independent of the policy's guards);
 6. dry-run (the actor's or the recommendation's) → ``dry_run`` with the operations it would run;
-7. otherwise the adapter applies it → ``done``, or ``failed`` with the scheduler's refusal.
+7. otherwise the adapter applies it → ``done``, ``skipped_not_ours`` when the node opted out or
+   another owner holds it (:class:`~fleethealth.adapters.base.LeftAlone`), or ``failed`` with the
+   scheduler's refusal.
 
 Every outcome is logged, appended to the journal (a JSON-lines file, so a restart or a replayed
 topic never acts twice once the record is written) and handed to ``emit`` (the CLI publishes it on ``fh.events`` as a
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from fleethealth.adapters.base import ActionRecord, Outcome, SchedulerAdapter, SchedulerError
+from fleethealth.adapters.base import ActionRecord, LeftAlone, Outcome, SchedulerAdapter, SchedulerError
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Guard, Recommendation
 
@@ -205,6 +207,8 @@ class Actor:
                 why = "actor" if self.dry_run else "recommendation"
                 return Outcome.DRY_RUN, f"dry-run ({why}); would run", self.adapter.plan(rec)
             return Outcome.DONE, rec.reason, self.adapter.apply(rec)
+        except LeftAlone as exc:
+            return Outcome.SKIPPED_NOT_OURS, str(exc), ()
         except SchedulerError as exc:
             return Outcome.FAILED, str(exc), ()
 

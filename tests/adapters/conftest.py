@@ -7,11 +7,14 @@ idle, and stops all three afterwards. It needs Debian's ``slurm-wlm`` and ``mung
 (``apt-get install -y slurm-wlm munge``) and root (``slurmd`` runs jobs as their users); without
 them the tests that use it are skipped with the reason printed.
 
-``k8s_replay`` serves recorded Kubernetes API exchanges (``recordings/*.json``) on 127.0.0.1:
-each request the ``kubernetes`` client makes is compared with the next recorded request (method,
-path, query, content type, JSON body) and answered with the recorded response; a request that
-differs, or one too many, is answered 500 and listed in ``mismatches``. No Kubernetes API server
-runs on these machines, so this is as close to one as the tests get.
+``k8s_replay`` serves Kubernetes API exchanges from ``fixtures/*.json`` on 127.0.0.1: each request
+the ``kubernetes`` client makes is compared with the next expected request (method, path, query,
+content type, JSON body; the string ``"<any>"`` in an expected body matches any value, for generated
+names) and answered with the fixture's response; a request that differs, or one too many, is
+answered 500 and listed in ``mismatches``. The fixtures are written by hand from the Kubernetes API
+reference (core/v1 Node, Pod, Event; policy/v1 Eviction; Status for 404/409/429/5xx), not recorded
+from a server: no Kubernetes API server runs on these machines, so this is as close to one as the
+tests get.
 """
 
 from __future__ import annotations
@@ -165,12 +168,22 @@ def _wait(ready, timeout_s: float, what: str, root: Path) -> None:
 
 
 # ---------------------------------------------------------------- Kubernetes API replay
-RECORDINGS = Path(__file__).parent / "recordings"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _matches(want: Any, got: Any) -> bool:
+    if want == "<any>":
+        return True
+    if isinstance(want, dict):
+        return isinstance(got, dict) and want.keys() == got.keys() and all(_matches(want[k], got[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(want) == len(got) and all(map(_matches, want, got))
+    return want == got
 
 
 @dataclass
 class K8sReplay:
-    """A replay of one recording: ``api`` is a ``CoreV1Api`` pointed at it."""
+    """A replay of one fixture: ``api`` is a ``CoreV1Api`` pointed at it."""
 
     name: str
     exchanges: list[dict[str, Any]]
@@ -188,15 +201,15 @@ class K8sReplay:
         self.seen.append(got)
         if self.position >= len(self.exchanges):
             self.mismatches.append(f"unexpected request #{self.position + 1}: {method} {target}")
-            return 500, b'{"kind":"Status","status":"Failure","message":"not in the recording","code":500}'
+            return 500, b'{"kind":"Status","status":"Failure","message":"not in the fixture","code":500}'
         want = self.exchanges[self.position]["request"]
         expected = {k: want[k] for k in ("method", "path", "query")}
         if "body" in want:
             expected["content_type"] = want.get("content_type")
             expected["body"] = want["body"]
-        if got != expected:
+        if not _matches(expected, got):
             self.mismatches.append(f"request #{self.position + 1} differs:\n  want {expected}\n  got  {got}")
-            return 500, b'{"kind":"Status","status":"Failure","message":"differs from the recording","code":500}'
+            return 500, b'{"kind":"Status","status":"Failure","message":"differs from the fixture","code":500}'
         response = self.exchanges[self.position]["response"]
         self.position += 1
         return response["status"], json.dumps(response["body"]).encode()
@@ -204,7 +217,7 @@ class K8sReplay:
     def assert_all_replayed(self) -> None:
         assert not self.mismatches, "\n".join(self.mismatches)
         assert self.position == len(self.exchanges), (
-            f"{self.name}: {len(self.exchanges) - self.position} recorded requests were never made")
+            f"{self.name}: {len(self.exchanges) - self.position} expected requests were never made")
 
 
 def _handler(replay_of: Callable[[], K8sReplay]) -> type[BaseHTTPRequestHandler]:
@@ -238,8 +251,8 @@ def k8s_replay() -> Iterator[Callable[[str], K8sReplay]]:
     clients = []
 
     def load(name: str) -> K8sReplay:
-        recording = json.loads((RECORDINGS / name).read_text())
-        replay = K8sReplay(name=name, exchanges=recording["exchanges"])
+        fixture = json.loads((FIXTURES / name).read_text())
+        replay = K8sReplay(name=name, exchanges=fixture["exchanges"])
         config = kubernetes.client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
         client = kubernetes.client.ApiClient(config)
         clients.append(client)

@@ -150,7 +150,7 @@ def test_act_consumes_the_topic_and_drains_real_slurm(broker, slurm_cluster):
 def test_public_surface():
     import fleethealth.adapters as adapters
 
-    assert set(adapters.__all__) == {"ActionRecord", "Actor", "Journal", "KubernetesAdapter", "Outcome",
+    assert set(adapters.__all__) == {"ActionRecord", "Actor", "Journal", "KubernetesAdapter", "LeftAlone", "Outcome",
                                      "SchedulerAdapter", "SchedulerError", "SlurmAdapter", "UnknownNode",
                                      "check_node_name", "run_act"}
     assert all(hasattr(adapters, name) for name in adapters.__all__)
