@@ -50,7 +50,7 @@ def test_one_action_per_node_per_window_and_replays_are_silent():
     first = actor.handle(_rec("n0005"))
     assert first.outcome is Outcome.DRY_RUN
     assert first.operations == ("scontrol update NodeName=n0005 State=DRAIN "
-                                f"Reason=fleethealth evict {first.recommendation_id}: thermal straggler",)
+                                f"Reason=fleethealth: evict {first.recommendation_id}: thermal straggler",)
     second = actor.handle(_rec("n0005", action=Action.QUARANTINE))
     assert second.outcome is Outcome.SKIPPED_ALREADY and first.recommendation_id in second.detail
     assert actor.handle(_rec("n0005")) is None  # the same recommendation again
@@ -132,7 +132,7 @@ def test_act_consumes_the_topic_and_drains_real_slurm(broker, slurm_cluster):
         assert made == 4 and actor.replays_ == 1
         assert actor.counts_[Outcome.DONE] == 1 and actor.counts_[Outcome.SKIPPED_GUARD] == 1
         assert actor.counts_[Outcome.FAILED] == 1 and actor.counts_[Outcome.SKIPPED_UNSUPPORTED] == 1
-        assert adapter.drain_reasons()[node].startswith(f"fleethealth evict {recs[1].id}")
+        assert adapter.drain_reasons()[node].startswith(f"fleethealth: evict {recs[1].id}")
     finally:
         adapter.resume(node)
     with Consumer(broker.dsn, ["fh.events"], f"e-{job}") as events:
@@ -184,7 +184,7 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
     assert mine["outcome"] == "dry_run" and mine["recommendation_id"] == rec.id
     assert stale["outcome"] == "skipped_stale" and stale["recommendation_id"] == old.id
     assert mine["operations"] == [f"scontrol update NodeName=n0042 State=DRAIN "
-                                  f"Reason=fleethealth quarantine {rec.id}: thermal straggler"]
+                                  f"Reason=fleethealth: quarantine {rec.id}: thermal straggler"]
     assert "dry_run" in done.stderr
 
 
