@@ -1,7 +1,8 @@
 """Fixtures for the scheduler adapters: a real single-node Slurm cluster, a Kubernetes API replay.
 
 ``slurm_cluster`` writes a minimal ``slurm.conf`` (one node, ``n0000`` on 127.0.0.1, free ports,
-every path inside a temporary directory), starts ``munged`` with a fresh key, ``slurmctld`` and
+every path inside a temporary directory, ``HealthCheckProgram`` = deploy/slurm/healthcheck.sh every
+2 s, idle until a test writes its settings file), starts ``munged`` with a fresh key, ``slurmctld`` and
 ``slurmd`` in the foreground in their own process groups, waits until ``sinfo`` shows the node
 idle, and stops all three afterwards. It needs Debian's ``slurm-wlm`` and ``munge`` packages
 (``apt-get install -y slurm-wlm munge``) and root (``slurmd`` runs jobs as their users); without
@@ -49,6 +50,12 @@ class SlurmCluster:
     env: dict[str, str]
     node: str
 
+    @property
+    def healthcheck_conf(self) -> Path:
+        """Writing this file arms slurmd's HealthCheckProgram (deploy/slurm/healthcheck.sh); removing it
+        disarms it."""
+        return self.root / "healthcheck.conf"
+
     def sinfo(self, *args: str) -> str:
         out = subprocess.run(["sinfo", *args], env=self.env, capture_output=True, text=True, timeout=10,
                              check=True)
@@ -61,9 +68,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "healthcheck.sh"
+HEALTHCHECK_INTERVAL_S = 2
+
+
 def _write_conf(root: Path, munge_socket: Path) -> Path:
     for sub in ("state", "spool", "log"):
         (root / sub).mkdir()
+    # slurmd runs HealthCheckProgram without arguments, so a two-line wrapper names the settings file;
+    # it does nothing until a test writes ROOT/healthcheck.conf (see SlurmCluster.healthcheck_conf)
+    wrapper = root / "healthcheck"
+    wrapper.write_text(f"#!/bin/sh\n[ -f {root}/healthcheck.conf ] || exit 0\n"
+                       f"exec /bin/bash {HEALTHCHECK} {root}/healthcheck.conf\n")
+    wrapper.chmod(0o755)
     conf = root / "slurm.conf"
     conf.write_text(f"""\
 ClusterName=fleethealth-test
@@ -89,6 +106,9 @@ ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+HealthCheckProgram={wrapper}
+HealthCheckInterval={HEALTHCHECK_INTERVAL_S}
+HealthCheckNodeState=ANY
 NodeName={SLURM_NODE} NodeAddr=127.0.0.1 NodeHostname=localhost CPUs=1 RealMemory=100 State=UNKNOWN
 PartitionName=debug Nodes={SLURM_NODE} Default=YES MaxTime=INFINITE State=UP
 """)

@@ -8,9 +8,9 @@ LBNL NHC: fleethealth's reasons start with ``fleethealth:``; any other reason is
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
+
+import pytest
 
 from fleethealth.adapters import Actor, LeftAlone, Outcome, SchedulerError, SlurmAdapter, UnknownNode
 from fleethealth.adapters.slurm import REASON_PREFIX, drain_argv, reservation_name, resume_argv
@@ -48,7 +48,8 @@ def _rec(node: str, action: Action = Action.EVICT, guard: Guard = Guard.ALLOWED,
 
 def test_argv_is_a_list_with_validated_node():
     argv = drain_argv("n0013", "hot; rm -rf /\nnext line", scontrol="scontrol")
-    assert argv == ["scontrol", "update", "NodeName=n0013", "State=DRAIN", "Reason=fleethealth: hot; rm -rf / next line"]
+    assert argv == ["scontrol", "update", "NodeName=n0013", "State=DRAIN",
+                    "Reason=fleethealth: hot; rm -rf / next line"]
     assert drain_argv("n0013", "fleethealth: x")[-1] == "Reason=fleethealth: x"  # never prefixed twice
     assert resume_argv("n0013") == ["scontrol", "update", "NodeName=n0013", "State=RESUME"]
     for bad in ("n[0000-0999]", "n0001,n0002", "n0001 State=DOWN", "", "-n1", "n0001=x", "a" * 64):
