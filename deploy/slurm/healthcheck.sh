@@ -10,6 +10,7 @@
 # How slurmd runs it (slurm.conf(5), slurmd source, 22.05): on every node at once, as SlurmdUser, with an
 # EMPTY environment except SLURMD_NODENAME, and it kills the program after 60 s. So:
 # - settings come from a file, /etc/fleethealth/healthcheck.conf (or the first argument), KEY=VALUE lines:
+#     ENABLED         yes | no: no = this node opted out, exit 0 at once (default: yes)
 #     FLEETHEALTH     command that starts fleethealth, split on spaces   (default: fleethealth)
 #     BUDGET_S        hard limit for the self-test, seconds, at most 50  (default: 40)
 #     DEVICE          cpu | cuda:N | all                                 (default: all)
@@ -32,7 +33,7 @@ set -uo pipefail
 
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 conf="${1:-/etc/fleethealth/healthcheck.conf}"
-FLEETHEALTH=fleethealth BUDGET_S=40 DEVICE=all SELFTEST_ARGS="" KAFKA="" DRAIN_ON_HANG=yes NODE=""
+ENABLED=yes FLEETHEALTH=fleethealth BUDGET_S=40 DEVICE=all SELFTEST_ARGS="" KAFKA="" DRAIN_ON_HANG=yes NODE=""
 SCONTROL=scontrol SINFO=sinfo LOGGER=logger
 unknown=()
 if [[ -r "$conf" ]]; then
@@ -43,7 +44,7 @@ if [[ -r "$conf" ]]; then
     value="${value%"${value##*[![:space:]]}"}"
     if [[ "$value" =~ ^\"(.*)\"$ || "$value" =~ ^\'(.*)\'$ ]]; then value="${BASH_REMATCH[1]}"; fi
     case "$key" in
-      FLEETHEALTH|BUDGET_S|DEVICE|SELFTEST_ARGS|KAFKA|DRAIN_ON_HANG|NODE|SCONTROL|SINFO|LOGGER|PATH) printf -v "$key" '%s' "$value" ;;
+      ENABLED|FLEETHEALTH|BUDGET_S|DEVICE|SELFTEST_ARGS|KAFKA|DRAIN_ON_HANG|NODE|SCONTROL|SINFO|LOGGER|PATH) printf -v "$key" '%s' "$value" ;;
       SLURM_CONF) export SLURM_CONF="$value" ;;
       *) unknown+=("$key") ;;
     esac
@@ -56,6 +57,7 @@ log() {  # log PRIORITY MESSAGE: to syslog (daemon facility) and stderr (slurmd'
 }
 fail_open() { log err "FAILING OPEN, node not drained: $1"; exit 0; }
 
+[[ "$ENABLED" == "no" ]] && exit 0  # opted out in $conf
 node="${SLURMD_NODENAME:-${NODE:-$(hostname -s)}}"
 if [[ ! "$node" =~ ^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$ ]]; then
   fail_open "odd node name '$node'"

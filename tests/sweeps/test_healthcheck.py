@@ -80,6 +80,11 @@ def test_an_admins_drain_reason_is_left_alone(tmp_path: Path) -> None:
     assert "by another owner (reason 'disk replacement, ticket 4711'): left alone" in _logged(tmp_path)
 
 
+def test_a_node_opted_out_in_the_settings_is_not_checked(tmp_path: Path) -> None:
+    rc, _ = _check(tmp_path, selftest="--only gemm_exact_fp32 --inject-fault bitflip", ENABLED="no")
+    assert rc == 0 and _drains(tmp_path) == [] and _calls(tmp_path, "logger") == []
+
+
 def test_missing_fleethealth_fails_open_loudly(tmp_path: Path) -> None:
     rc, _ = _check(tmp_path, FLEETHEALTH="/opt/nowhere/fleethealth")
     assert rc == 0 and _drains(tmp_path) == []
