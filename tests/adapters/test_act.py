@@ -238,13 +238,36 @@ def test_failed_action_is_retried_when_delivered_again(tmp_path):
     assert Actor(adapter, journal=Journal(journal_path), clock=_Clock()).handle(rec) is None
 
 
+def test_failed_action_stays_pending_and_is_retried_with_backoff(tmp_path):
+    """A controller that is down: one clear line, the recommendation stays pending, and the actor
+    tries it again after 60 s, then 120 s, never marking it done until Slurm took the drain."""
+    adapter, calls = _flaky_slurm(tmp_path, failures=2)
+    clock = _Clock()
+    actor = Actor(adapter, clock=clock)
+    rec = _rec("n0007")
+    first = actor.handle(rec)
+    assert first.outcome is Outcome.FAILED and "Unable to contact slurm controller" in first.detail
+    assert "retried in 60 s" in first.detail and rec.id in actor.pending_
+    assert actor.retry_due() == []  # not yet
+    clock.now += 60.0
+    (second,) = actor.retry_due()
+    assert second.outcome is Outcome.FAILED and "retried in 120 s" in second.detail
+    clock.now += 119.0
+    assert actor.retry_due() == []
+    clock.now += 1.0
+    (third,) = actor.retry_due()
+    assert third.outcome is Outcome.DONE and actor.pending_ == {}
+    assert calls.read_text().startswith("update NodeName=n0007 State=DRAIN")
+    assert actor.retry_due() == [] and actor.handle(rec) is None
+
+
 def test_retries_are_bounded(tmp_path):
     adapter, calls = _flaky_slurm(tmp_path, failures=100)
     actor = Actor(adapter, max_attempts=2, clock=_Clock())
     rec = _rec("n0007")
     assert actor.handle(rec).outcome is Outcome.FAILED
     last = actor.handle(rec)
-    assert last.outcome is Outcome.FAILED and "giving up" in last.detail
+    assert last.outcome is Outcome.FAILED and "giving up" in last.detail and actor.pending_ == {}
     assert actor.handle(rec) is None and actor.replays_ == 1 and not calls.exists()
     with pytest.raises(ConfigError, match="max_attempts"):
         Actor(adapter, max_attempts=0)
