@@ -722,6 +722,9 @@ def _cmd_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--maint-reservation", action="store_true",
                    help="with --launcher srun: test nodes fleethealth drained inside a MAINT,IGNORE_JOBS "
                         "reservation (srun --reservation), and resume in Slurm those the quarantine book releases")
+    p.add_argument("--kubernetes-release", action="store_true",
+                   help="with --launcher local in a pod: undo fleethealth's cordon and taint on a node the "
+                        "quarantine book releases (in-cluster service account)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="nodes tested at once (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per-node limit (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object per node instead of a table")
@@ -752,6 +755,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
         nodes += slurm_idle_nodes(partition=args.partition)
     if args.maint_reservation and args.launcher != "srun":
         raise ConfigError("--maint-reservation needs --launcher srun")
+    if args.kubernetes_release and args.launcher != "local":
+        raise ConfigError("--kubernetes-release needs --launcher local (the sweep pod on the node)")
     if args.launcher == "srun":
         slurm = None
         if args.maint_reservation:
@@ -759,9 +764,14 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
             slurm = SlurmAdapter()
         launcher = SrunLauncher(srun=args.srun, command=tuple(args.remote_command.split()),
-                                extra=tuple(args.srun_arg), slurm=slurm)
+                                extra=tuple(args.srun_arg), scheduler=slurm)
     else:
-        launcher = LocalLauncher()
+        kubernetes = None
+        if args.kubernetes_release:
+            from fleethealth.adapters import KubernetesAdapter
+
+            kubernetes = KubernetesAdapter(in_cluster=True)
+        launcher = LocalLauncher(scheduler=kubernetes)
         if not nodes and not args.store:
             nodes = [socket.gethostname().split(".")[0]]
     only = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None

@@ -6,8 +6,13 @@ A launcher only builds an argument list (never a shell string): :class:`LocalLau
 the list with a timeout, reads the ``--json`` records from its output and returns a
 :class:`NodeRun`. :func:`slurm_idle_nodes` lists the idle nodes ``sinfo`` reports.
 
-A drained Slurm node runs no job step, not even the sweep's. Given a
-:class:`~fleethealth.adapters.slurm.SlurmAdapter` (``slurm=``), :meth:`SrunLauncher.reach` takes a
+Both launchers may carry the scheduler (``scheduler=``) in which a node the quarantine book releases
+is returned to service (:func:`fleethealth.sweeps.release.apply_release`): a
+:class:`~fleethealth.adapters.kubernetes.KubernetesAdapter` for the local launcher of the sweep
+CronJob, a :class:`~fleethealth.adapters.slurm.SlurmAdapter` for srun.
+
+A drained Slurm node runs no job step, not even the sweep's. Given the Slurm adapter,
+:meth:`SrunLauncher.reach` takes a
 node fleethealth drained (reason ``fleethealth:``) into a maintenance reservation
 (``Flags=MAINT,IGNORE_JOBS``, so no user job can land there), resumes it inside the reservation,
 runs the suite with ``srun --reservation``, and afterwards drains it again with its old reason
@@ -89,9 +94,11 @@ def _selftest_args(node: str, suite: str, device: str, only: Sequence[str] | Non
 
 @dataclass(frozen=True)
 class LocalLauncher:
-    """Runs the suite on this machine with the running interpreter."""
+    """Runs the suite on this machine with the running interpreter; ``scheduler`` returns a node the
+    quarantine book releases (a :class:`~fleethealth.adapters.kubernetes.KubernetesAdapter`)."""
 
     python: str = sys.executable
+    scheduler: Any = None
 
     def argv(self, node: str, suite: str, device: str = "all", only: Sequence[str] | None = None) -> list[str]:
         return [self.python, "-m", "fleethealth.cli", *_selftest_args(node, suite, device, only)]
@@ -103,7 +110,7 @@ class SrunLauncher:
 
     ``command`` is how the node starts fleethealth (default ``fleethealth`` on its PATH);
     ``extra`` adds srun options such as ``--exclusive`` or ``--gres=gpu:8`` (each one list item).
-    ``slurm`` (a :class:`~fleethealth.adapters.slurm.SlurmAdapter`) lets :meth:`reach` test nodes
+    ``scheduler`` (a :class:`~fleethealth.adapters.slurm.SlurmAdapter`) lets :meth:`reach` test nodes
     fleethealth drained, through a maintenance reservation held ``reserve_minutes``;
     ``reservation`` is the one :meth:`reach` made (``srun --reservation=NAME``).
     """
@@ -111,7 +118,7 @@ class SrunLauncher:
     srun: str = "srun"
     command: tuple[str, ...] = ("fleethealth",)
     extra: tuple[str, ...] = ()
-    slurm: Any = None
+    scheduler: Any = None
     reserve_minutes: int = 120
     reservation: str | None = None
 
@@ -127,24 +134,25 @@ class SrunLauncher:
     def reach(self, node: str) -> Iterator[SrunLauncher]:
         """Yield the launcher that reaches ``node``; see the module docstring. Raises
         :class:`~fleethealth.adapters.base.LeftAlone` for a node another owner drained."""
-        if self.slurm is None:
+        slurm = self.scheduler
+        if slurm is None:
             yield self
             return
-        info = self.slurm.info(node)
+        info = slurm.info(node)
         if not info.held:
             yield self
             return
         if not info.ours:
             raise LeftAlone(f"{node} is {info.state} by another owner (reason {info.reason!r}): not swept")
-        name = self.slurm.reserve(node, minutes=self.reserve_minutes)
+        name = slurm.reserve(node, minutes=self.reserve_minutes)
         try:
-            self.slurm.resume(node)
+            slurm.resume(node)
             yield replace(self, reservation=name)
         finally:
             try:
-                self.slurm.drain(node, info.reason)  # drained again until the quarantine book releases it
+                slurm.drain(node, info.reason)  # drained again until the quarantine book releases it
             finally:
-                self.slurm.unreserve(node)
+                slurm.unreserve(node)
 
 
 def parse_records(stdout: str | bytes) -> list[SelfTestResult]:

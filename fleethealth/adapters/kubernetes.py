@@ -155,7 +155,7 @@ class KubernetesAdapter:
                  grace_period_s: int | None = None, drain_timeout_s: float = 300.0, pdb_retry_s: float = 5.0,
                  retries: int = 4, backoff_s: float = 0.5, event_namespace: str = "default",
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 rng: Callable[[], float] = random.random) -> None:
+                 rng: Callable[[], float] = random.random, wall_clock: Callable[[], float] = time.time) -> None:
         if retries < 1:
             raise SchedulerError(f"retries must be >= 1, got {retries}")
         if grace_period_s is not None and grace_period_s < 0:
@@ -171,6 +171,7 @@ class KubernetesAdapter:
         self._sleep = sleep
         self._clock = clock
         self._rng = rng
+        self._wall_clock = wall_clock
         self._api = api if api is not None else self._build_api(kubeconfig, in_cluster)
 
     @staticmethod
@@ -280,6 +281,12 @@ class KubernetesAdapter:
         if done:
             self._event(node, current, "FleetHealthRelease", clean_reason(message), ts, kind="Normal")
         return tuple(done)
+
+    def resume(self, node: str, *, message: str = "passed the complete full self-test") -> str | None:
+        """:meth:`release` at the wall clock's time, for the sweep's return to pool; the writes made
+        as one line, ``None`` when fleethealth had nothing on the node."""
+        done = self.release(node, ts=self._wall_clock(), message=message)
+        return "; ".join(done) or None
 
     # ------------------------------------------------------------ steps
     def _operation(self, rec: Recommendation) -> Operation:

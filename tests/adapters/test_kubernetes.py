@@ -191,3 +191,26 @@ def test_replay_refuses_a_request_that_is_not_in_the_fixture(k8s_replay):
         _adapter(replay.api, cordon_only=True).apply(_rec())  # taint value cordon, not drain: a write
     assert replay.mismatches and any(m.startswith("request #2 differs") and "'method': 'PATCH'" in m
                                      for m in replay.mismatches)
+
+
+def test_the_sweep_returns_a_node_the_quarantine_book_releases(k8s_replay, store):
+    """apply_release with the adapter: the book releases the node after a complete passing full suite
+    (a recorded real CPU run), then fleethealth's cordon, taint and marks come off the node."""
+    import json
+    from pathlib import Path
+
+    from fleethealth.kernels.results import SelfTestResult
+    from fleethealth.policy import quarantine
+    from fleethealth.sweeps.launch import NodeRun
+    from fleethealth.sweeps.release import apply_release, release_decision
+
+    recorded = Path(__file__).parents[1] / "sweeps" / "recordings" / "full_cpu_pass.jsonl"
+    results = tuple(SelfTestResult.from_data({**json.loads(line), "node": "n0013"})
+                    for line in recorded.read_text().splitlines())
+    quarantine.quarantine(store, "n0013", "sdc from cross-rank replay", ts=1000.0)
+    replay = k8s_replay("resume_after_sweep.json")
+    adapter = _adapter(replay.api, wall_clock=lambda: 1795921200.0)
+    assert apply_release(store, release_decision(NodeRun("n0013", "full", 0, results), quarantined=True), adapter)
+    replay.assert_all_replayed()
+    assert quarantine.record(store, "n0013") is None
+    assert replay.seen[1]["body"]["spec"]["unschedulable"] is False

@@ -208,8 +208,15 @@ def test_act_role_grants_the_adapters_verbs_and_no_more(rendered):
     assert spec["serviceAccountName"] == "fleethealth-act"
     args = build_parser().parse_args(spec["containers"][0]["args"])
     assert args.scheduler == "kubernetes" and args.in_cluster and args.dry_run
+    # the sweep may only undo fleethealth's marks on a released node: no list, no pods, no evictions
+    sweep_role = _by_kind(docs, "ClusterRole")["fleethealth-sweep"]
+    sweep_rules = {(res, verb) for rule in sweep_role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    assert sweep_rules == {("nodes", "get"), ("nodes", "patch"), ("nodes/status", "patch"), ("events", "create")}
+    sweep = _pod_specs(docs)["fleethealth-sweep"]
+    assert sweep["serviceAccountName"] == "fleethealth-sweep"
+    assert build_parser().parse_args(sweep["containers"][0]["command"][1:]).kubernetes_release
     # every other workload runs without an API token
-    others = [n for n, s in _pod_specs(docs).items() if n != "fleethealth-act"]
+    others = [n for n in _pod_specs(docs) if n not in {"fleethealth-act", "fleethealth-sweep"}]
     assert all(_pod_specs(docs)[n].get("automountServiceAccountToken") is False for n in others)
 
 

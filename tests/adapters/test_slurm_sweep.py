@@ -62,7 +62,7 @@ def _sweep(cluster, slurm, store, command: Path, calls: list[list[str]]):
         calls.append(list(argv))
         return subprocess.run(argv, env=cluster.env, **kw)
 
-    launcher = SrunLauncher(command=(str(command),), slurm=slurm, reserve_minutes=10)
+    launcher = SrunLauncher(command=(str(command),), scheduler=slurm, reserve_minutes=10)
     return run_sweep([cluster.node], launcher=launcher, store=store, timeout_s=120, run=functools.partial(run))
 
 
