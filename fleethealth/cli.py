@@ -613,8 +613,8 @@ def _cmd_act(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("act", help="carry out recommendations on Slurm or Kubernetes",
                        description="Consume fh.recommendations and act on those with guard 'allowed' whose action "
                                    "the scheduler supports (evict, drain, quarantine): Slurm drains the node, "
-                                   "Kubernetes cordons, taints and marks it. Each outcome is journaled (a replay "
-                                   "never acts twice), logged and published on fh.events.")
+                                   "Kubernetes drains it (cordon, taint, evictions). Each outcome is journaled (a "
+                                   "replay never acts twice), logged and published on fh.events.")
     p.add_argument("--scheduler", required=True, choices=("slurm", "kubernetes"))
     p.add_argument("--kafka", default=None, metavar="DSN",
                    help="the bus, e.g. the DSN `fleethealth serve` prints (default: $FLEETHEALTH_KAFKA)")

@@ -104,7 +104,8 @@ def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLaun
             node_run = future.result()
             if baselines is not None:
                 node_run = replace(node_run, results=tuple(baselines.judge(r) for r in node_run.results))
-            outcomes[risk.node] = _record(risk, node_run, store, producer, release, launcher.scheduler)
+            outcomes[risk.node] = _record(risk, node_run, store, producer, release,
+                                          getattr(launcher, "scheduler", None))
             if progress is not None:
                 progress(f"{risk.node}: {node_run.status.value}", done, total)
     if producer is not None:
