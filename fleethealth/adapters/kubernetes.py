@@ -365,7 +365,8 @@ class KubernetesAdapter:
                                 "metadata": {"name": pod.name, "namespace": pod.namespace}}
         if self.grace_period_s is not None:
             body["deleteOptions"] = {"gracePeriodSeconds": self.grace_period_s}
-        for attempt in range(1, self.retries + 1):
+        attempt = 1
+        while True:
             try:
                 self._api.create_namespaced_pod_eviction(pod.name, pod.namespace, body, _headers=_JSON_HEADERS)
                 return True
@@ -375,11 +376,9 @@ class KubernetesAdapter:
                     return True
                 if status == 429:  # the disruption budget says not now: the drain loop comes back
                     return False
-                if status in _RETRIED and attempt < self.retries:
-                    self._backoff(attempt)
-                    continue
-                raise self._translate(exc, node, f"eviction of pod {pod}") from exc
-        return False  # pragma: no cover - the loop always returns or raises
+                if not self._again(exc, attempt):
+                    raise self._translate(exc, node, f"eviction of pod {pod}") from exc
+                attempt += 1
 
     def _event(self, node: str, current: Any, reason: str, message: str, ts: float, *, kind: str = "Warning") -> None:
         digest = hashlib.sha256(f"{node}|{reason}|{message}|{ts}".encode()).hexdigest()[:16]
@@ -409,14 +408,14 @@ class KubernetesAdapter:
         return self._call(node, "read", lambda: self._api.read_node(node))
 
     def _call(self, node: str, what: str, fn: Callable[[], Any], *, retry_conflict: bool = True) -> Any:
-        for attempt in range(1, self.retries + 1):
+        attempt = 1
+        while True:
             try:
                 return fn()
             except Exception as exc:
-                if (retry_conflict or _status(exc) != 409) and self._again(exc, attempt):
-                    continue
-                raise self._translate(exc, node, what) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+                if not ((retry_conflict or _status(exc) != 409) and self._again(exc, attempt)):
+                    raise self._translate(exc, node, what) from exc
+                attempt += 1
 
     def _again(self, exc: Exception, attempt: int) -> bool:
         """True (after a backoff) when ``exc`` is worth another attempt and attempts remain."""
