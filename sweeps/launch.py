@@ -5,19 +5,36 @@ A launcher only builds an argument list (never a shell string): :class:`LocalLau
 -n 1 … fleethealth selftest …`` so Slurm places the step on that node. :func:`run_node` executes
 the list with a timeout, reads the ``--json`` records from its output and returns a
 :class:`NodeRun`. :func:`slurm_idle_nodes` lists the idle nodes ``sinfo`` reports.
+
+Both launchers may carry the scheduler (``scheduler=``) in which a node the quarantine book releases
+is returned to service (:func:`fleethealth.sweeps.release.apply_release`): a
+:class:`~fleethealth.adapters.kubernetes.KubernetesAdapter` for the local launcher of the sweep
+CronJob, a :class:`~fleethealth.adapters.slurm.SlurmAdapter` for srun.
+
+A drained Slurm node runs no job step, not even the sweep's. Given the Slurm adapter,
+:meth:`SrunLauncher.reach` takes a
+node fleethealth drained (reason ``fleethealth:``) into a maintenance reservation
+(``Flags=MAINT,IGNORE_JOBS``, so no user job can land there), resumes it inside the reservation,
+runs the suite with ``srun --reservation``, and afterwards drains it again with its old reason
+and deletes the reservation: only a release by the quarantine book returns the node for good
+(:func:`fleethealth.sweeps.release.apply_release`). A node another owner drained is not touched
+and its run is an ``error``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 import orjson
 
+from fleethealth.adapters.base import LeftAlone, SchedulerError
 from fleethealth.errors import ConfigError, DeviceError, SchemaError
 from fleethealth.kernels.results import SelfTestResult, Verdict
 from fleethealth.sweeps.plan import read_node_list, validate_node
@@ -77,9 +94,11 @@ def _selftest_args(node: str, suite: str, device: str, only: Sequence[str] | Non
 
 @dataclass(frozen=True)
 class LocalLauncher:
-    """Runs the suite on this machine with the running interpreter."""
+    """Runs the suite on this machine with the running interpreter; ``scheduler`` returns a node the
+    quarantine book releases (a :class:`~fleethealth.adapters.kubernetes.KubernetesAdapter`)."""
 
     python: str = sys.executable
+    scheduler: Any = None
 
     def argv(self, node: str, suite: str, device: str = "all", only: Sequence[str] | None = None) -> list[str]:
         return [self.python, "-m", "fleethealth", *_selftest_args(node, suite, device, only)]
@@ -91,18 +110,49 @@ class SrunLauncher:
 
     ``command`` is how the node starts fleethealth (default ``fleethealth`` on its PATH);
     ``extra`` adds srun options such as ``--exclusive`` or ``--gres=gpu:8`` (each one list item).
+    ``scheduler`` (a :class:`~fleethealth.adapters.slurm.SlurmAdapter`) lets :meth:`reach` test nodes
+    fleethealth drained, through a maintenance reservation held ``reserve_minutes``;
+    ``reservation`` is the one :meth:`reach` made (``srun --reservation=NAME``).
     """
 
     srun: str = "srun"
     command: tuple[str, ...] = ("fleethealth",)
     extra: tuple[str, ...] = ()
+    scheduler: Any = None
+    reserve_minutes: int = 120
+    reservation: str | None = None
 
     def argv(self, node: str, suite: str, device: str = "all", only: Sequence[str] | None = None) -> list[str]:
         for opt in self.extra:
             if not opt.startswith("-"):
                 raise ConfigError(f"srun options must start with '-', got {opt!r}")
-        return [self.srun, "-w", validate_node(node), "-N", "1", "-n", "1", *self.extra, *self.command,
+        held = [f"--reservation={self.reservation}"] if self.reservation else []
+        return [self.srun, "-w", validate_node(node), "-N", "1", "-n", "1", *held, *self.extra, *self.command,
                 *_selftest_args(node, suite, device, only)]
+
+    @contextlib.contextmanager
+    def reach(self, node: str) -> Iterator[SrunLauncher]:
+        """Yield the launcher that reaches ``node``; see the module docstring. Raises
+        :class:`~fleethealth.adapters.base.LeftAlone` for a node another owner drained."""
+        slurm = self.scheduler
+        if slurm is None:
+            yield self
+            return
+        info = slurm.info(node)
+        if not info.held:
+            yield self
+            return
+        if not info.ours:
+            raise LeftAlone(f"{node} is {info.state} by another owner (reason {info.reason!r}): not swept")
+        name = slurm.reserve(node, minutes=self.reserve_minutes)
+        try:
+            slurm.resume(node)
+            yield replace(self, reservation=name)
+        finally:
+            try:
+                slurm.drain(node, info.reason)  # drained again until the quarantine book releases it
+            finally:
+                slurm.unreserve(node)
 
 
 def parse_records(stdout: str | bytes) -> list[SelfTestResult]:
@@ -127,7 +177,18 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 def run_node(launcher: LocalLauncher | SrunLauncher, node: str, *, suite: str = "full", device: str = "all",
              only: Sequence[str] | None = None, timeout_s: float = 1800.0, run: Runner = subprocess.run) -> NodeRun:
-    """Run the suite on ``node`` through ``launcher`` and collect its records."""
+    """Run the suite on ``node`` through ``launcher`` (inside :meth:`SrunLauncher.reach` when the
+    launcher has one) and collect its records; a node the launcher cannot reach is an ``error`` run."""
+    reach = getattr(launcher, "reach", None)
+    try:
+        with (reach(node) if reach is not None else contextlib.nullcontext(launcher)) as active:
+            return _run_node(active, node, suite=suite, device=device, only=only, timeout_s=timeout_s, run=run)
+    except SchedulerError as exc:
+        return NodeRun(node, suite, 2, error=f"cannot reach {node}: {exc}")
+
+
+def _run_node(launcher: LocalLauncher | SrunLauncher, node: str, *, suite: str, device: str,
+              only: Sequence[str] | None, timeout_s: float, run: Runner) -> NodeRun:
     argv = launcher.argv(node, suite, device, only)
     start = time.monotonic()
     try:

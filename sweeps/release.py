@@ -10,11 +10,14 @@ individual results, so the release is recorded with what justified it; completen
 for both (:func:`fleethealth.policy.quarantine.full_suite_missing`).
 :func:`apply_release` asks :func:`fleethealth.policy.quarantine.release`, which checks the
 record again and logs the release, or the refusal and its reason (for a run that failed, was
-slow or was incomplete the record's verdict says so, and the book refuses it).
+slow or was incomplete the record's verdict says so, and the book refuses it). Given the scheduler
+(``scheduler=``, a :class:`~fleethealth.adapters.slurm.SlurmAdapter`), a released node is resumed
+there too, if fleethealth drained it: the node is really back in the pool, not only in the book.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
 __all__ = ["FULL_SUITE", "ReleaseDecision", "release_decision", "apply_release"]
+
+log = logging.getLogger("fleethealth.sweeps.release")
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,22 @@ def release_decision(run: NodeRun, *, quarantined: bool) -> ReleaseDecision:
     return ReleaseDecision(node, verdict == "pass", reason, ts, evidence)
 
 
-def apply_release(store: StoreLike, decision: ReleaseDecision) -> bool:
+def apply_release(store: StoreLike, decision: ReleaseDecision, scheduler: Any = None) -> bool:
     """Hand the decision to the quarantine book; ``True`` when the node left quarantine. A refused
-    decision with evidence is handed over too, so the book logs the refusal and its reason."""
+    decision with evidence is handed over too, so the book logs the refusal and its reason. With a
+    ``scheduler``, a released node is resumed there (only if fleethealth drained it; a failure to
+    resume is logged: the book's release stands, and an operator resumes the node)."""
+    from fleethealth.adapters.base import SchedulerError
     from fleethealth.policy import quarantine
 
     if not decision.evidence:
         return False
-    released = quarantine.release(store, decision.node, decision.ts, decision.evidence)
-    return released and decision.release
+    released = quarantine.release(store, decision.node, decision.ts, decision.evidence) and decision.release
+    if released and scheduler is not None:
+        try:
+            done = scheduler.resume(decision.node)
+            log.info("%s released: %s", decision.node, done or "not drained, nothing to resume")
+        except SchedulerError as exc:
+            log.error("%s released from quarantine but not resumed in %s: %s", decision.node,
+                      getattr(scheduler, "name", "the scheduler"), exc)
+    return released

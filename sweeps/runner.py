@@ -108,7 +108,8 @@ def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLaun
             node_run = future.result()
             if baselines is not None:
                 node_run = replace(node_run, results=tuple(baselines.judge(r) for r in node_run.results))
-            outcomes[risk.node] = _record(risk, node_run, store, producer, release)
+            outcomes[risk.node] = _record(risk, node_run, store, producer, release,
+                                          getattr(launcher, "scheduler", None))
             if progress is not None:
                 progress(f"{risk.node}: {node_run.status.value}", done, total)
     if producer is not None:
@@ -116,7 +117,8 @@ def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLaun
     return SweepReport(tuple(outcomes[r.node] for r in risks))
 
 
-def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer: Any, release: bool) -> NodeOutcome:
+def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer: Any, release: bool,
+            scheduler: Any = None) -> NodeOutcome:
     events = [r.to_event(node_run.node) for r in node_run.results]
     if producer is not None:
         for event in events:
@@ -131,5 +133,5 @@ def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer
         if events:
             store.insert_events(events)
         if release and risk.quarantined:
-            released = apply_release(store, decision)
+            released = apply_release(store, decision, scheduler)
     return NodeOutcome(risk, node_run, decision, released)

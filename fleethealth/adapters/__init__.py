@@ -2,13 +2,15 @@
 
 ``fleethealth act --scheduler slurm|kubernetes`` feeds ``fh.recommendations`` to an
 :class:`Actor`, which checks guard, replay, rate limit and dry-run before a
-:class:`SlurmAdapter` drains a node or a :class:`KubernetesAdapter` cordons and taints it.
+:class:`SlurmAdapter` drains a node or a :class:`KubernetesAdapter` cordons or drains it
+(cordon + Eviction API). Both mark what they did and undo only their own work.
 The ``kubernetes`` client is imported only when a Kubernetes adapter is built.
 """
 
 from fleethealth.adapters.act import Actor, Journal, run_act
 from fleethealth.adapters.base import (
     ActionRecord,
+    LeftAlone,
     Outcome,
     SchedulerAdapter,
     SchedulerError,
@@ -23,6 +25,7 @@ __all__ = [
     "Actor",
     "Journal",
     "KubernetesAdapter",
+    "LeftAlone",
     "Outcome",
     "SchedulerAdapter",
     "SchedulerError",

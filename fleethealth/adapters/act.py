@@ -4,8 +4,9 @@ The :class:`Actor` stands between the recommendations and a :class:`SchedulerAda
 the adapter's authority. For each recommendation, in this order:
 
 1. a recommendation id already in the journal is a replay: nothing happens, nothing is recorded
-   (a ``failed`` attempt does not count: a redelivered recommendation whose earlier attempts failed
-   is tried again, up to ``max_attempts`` attempts in all, then treated as a replay);
+   (a ``failed`` attempt does not count: a recommendation whose earlier attempts failed stays
+   pending and is tried again, by :meth:`Actor.retry_due` after an exponential backoff or when it
+   is delivered again, up to ``max_attempts`` attempts in all, then treated as a replay);
 2. ``guard`` other than ``allowed`` → ``skipped_guard`` (the policy wants a human or is rate-limited);
 3. an action the scheduler has no operation for → ``skipped_unsupported``;
    a recommendation older than ``max_age_s`` (when set) → ``skipped_stale``: a topic replayed
@@ -14,7 +15,9 @@ the adapter's authority. For each recommendation, in this order:
 5. more than ``max_actions`` acted-on recommendations within ``window_s`` → ``rate_limited``
    (the adapter's own limit, independent of the policy's guards);
 6. dry-run (the actor's or the recommendation's) → ``dry_run`` with the operations it would run;
-7. otherwise the adapter applies it → ``done``, or ``failed`` with the scheduler's refusal.
+7. otherwise the adapter applies it → ``done``, ``skipped_not_ours`` when the node opted out or
+   another owner holds it (:class:`~fleethealth.adapters.base.LeftAlone`), or ``failed`` with the
+   scheduler's refusal.
 
 Every outcome is logged, appended to the journal (a JSON-lines file, so a restart or a replayed
 topic never acts twice once the record is written) and handed to ``emit`` (the CLI publishes it on ``fh.events`` as a
@@ -33,7 +36,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from fleethealth.adapters.base import ActionRecord, Outcome, SchedulerAdapter, SchedulerError
+from fleethealth.adapters.base import ActionRecord, LeftAlone, Outcome, SchedulerAdapter, SchedulerError
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Guard, Recommendation
 
@@ -124,8 +127,12 @@ class Actor:
         Recommendations whose event time is more than this many seconds behind ``clock`` are
         recorded, not acted on (``None``: no bound; simulated fleets run in their own time).
     max_attempts:
-        A recommendation whose scheduler call failed is tried again when it is delivered again,
-        up to this many attempts in all; later deliveries are replays.
+        A recommendation whose scheduler call failed stays pending and is tried again (see
+        ``retry_backoff_s``, or when it is delivered again), up to this many attempts in all; later
+        deliveries are replays.
+    retry_backoff_s:
+        The wait before the first retry of a failed recommendation, doubled for each further one
+        (an unreachable controller, an API server that refuses, a drain a PodDisruptionBudget holds).
     emit:
         Called with each new :class:`ActionRecord` (e.g. to publish it on ``fh.events``).
     clock:
@@ -134,7 +141,8 @@ class Actor:
 
     def __init__(self, adapter: SchedulerAdapter, *, journal: Journal | None = None, dry_run: bool = False,
                  max_actions: int = 5, window_s: float = 3600.0, max_age_s: float | None = None,
-                 max_attempts: int = 3, emit: Callable[[ActionRecord], None] | None = None,
+                 max_attempts: int = 3, retry_backoff_s: float = 60.0,
+                 emit: Callable[[ActionRecord], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if max_actions < 1 or window_s <= 0:
             raise ConfigError(f"rate limit needs max_actions >= 1 and window_s > 0, got {max_actions}, {window_s}")
@@ -149,10 +157,12 @@ class Actor:
         self.window_s = window_s
         self.max_age_s = max_age_s
         self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
         self.emit = emit
         self.clock = clock
         self.counts_: dict[Outcome, int] = {o: 0 for o in Outcome}
         self.replays_ = 0
+        self.pending_: dict[str, tuple[Recommendation, float]] = {}
 
     def handle(self, rec: Recommendation) -> ActionRecord | None:
         """Decide and act on one recommendation; ``None`` for a replay of one already handled (or
@@ -164,10 +174,14 @@ class Actor:
             return None
         now = self.clock()
         outcome, detail, ops = self._decide(rec, now)
+        self.pending_.pop(rec.id, None)
         if outcome is Outcome.FAILED:
             left = self.max_attempts - failed - 1
+            wait = self.retry_backoff_s * 2 ** failed
             detail = f"{detail} (attempt {failed + 1} of {self.max_attempts}" + (
-                "; retried when delivered again)" if left else "; giving up)")
+                f"; retried in {wait:g} s)" if left else "; giving up)")
+            if left:
+                self.pending_[rec.id] = (rec, now + wait)
         record = ActionRecord(recommendation_id=rec.id, scheduler=self.adapter.name, node=rec.node,
                               action=rec.action, outcome=outcome, ts=now, rec_ts=rec.ts, job=rec.job,
                               detail=detail, operations=ops)
@@ -179,6 +193,12 @@ class Actor:
         if self.emit is not None:
             self.emit(record)
         return record
+
+    def retry_due(self) -> list[ActionRecord]:
+        """Try again the failed recommendations whose backoff has passed; return the new records."""
+        now = self.clock()
+        due = [rec for rec, at in self.pending_.values() if at <= now]
+        return [r for r in map(self.handle, due) if r is not None]
 
     def handle_all(self, recs: Iterable[Recommendation]) -> list[ActionRecord]:
         return [r for r in map(self.handle, recs) if r is not None]
@@ -205,6 +225,8 @@ class Actor:
                 why = "actor" if self.dry_run else "recommendation"
                 return Outcome.DRY_RUN, f"dry-run ({why}); would run", self.adapter.plan(rec)
             return Outcome.DONE, rec.reason, self.adapter.apply(rec)
+        except LeftAlone as exc:
+            return Outcome.SKIPPED_NOT_OURS, str(exc), ()
         except SchedulerError as exc:
             return Outcome.FAILED, str(exc), ()
 
@@ -222,7 +244,8 @@ def run_act(consumer: RecordSource, actor: Actor, stop: threading.Event, *, poll
     """Poll recommendations and hand each to ``actor`` until ``stop`` is set; return records made.
 
     Offsets are committed after each polled batch is handled (and journaled), so a crash
-    re-delivers at most one batch, which the journal then recognises as replays.
+    re-delivers at most one batch, which the journal then recognises as replays. Failed
+    recommendations whose backoff has passed are tried again after each poll.
     """
     made = 0
     polls = 0
@@ -235,4 +258,5 @@ def run_act(consumer: RecordSource, actor: Actor, stop: threading.Event, *, poll
                 made += 1
         if batch:
             consumer.commit()
+        made += len(actor.retry_due())
     return made

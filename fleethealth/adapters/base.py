@@ -21,6 +21,7 @@ from fleethealth.schema import Action, Event, EventKind, Recommendation
 __all__ = [
     "SchedulerError",
     "UnknownNode",
+    "LeftAlone",
     "Outcome",
     "ActionRecord",
     "SchedulerAdapter",
@@ -47,11 +48,17 @@ class UnknownNode(SchedulerError):
     """The scheduler does not know the node."""
 
 
+class LeftAlone(SchedulerError):
+    """fleethealth must not touch the node: it opted out, or another owner (a person, another tool)
+    drained it for a reason of their own. Not a failure: the recommendation is not retried."""
+
+
 class Outcome(StrEnum):
     """What the actor did with one recommendation.
 
     ``done`` and ``dry_run`` consume the rate budget; the ``skipped_*`` outcomes and
-    ``rate_limited`` leave the scheduler untouched; ``failed`` means the scheduler refused.
+    ``rate_limited`` leave the scheduler untouched (``skipped_not_ours``: the node opted out or
+    another owner holds it, see :class:`LeftAlone`); ``failed`` means the scheduler refused.
     """
 
     DONE = "done"
@@ -60,6 +67,7 @@ class Outcome(StrEnum):
     SKIPPED_UNSUPPORTED = "skipped_unsupported"
     SKIPPED_ALREADY = "skipped_already"
     SKIPPED_STALE = "skipped_stale"
+    SKIPPED_NOT_OURS = "skipped_not_ours"
     RATE_LIMITED = "rate_limited"
     FAILED = "failed"
 

@@ -1,38 +1,80 @@
-"""Slurm adapter: drain and resume nodes with ``scontrol``, as argument lists, never a shell string.
+"""Slurm adapter: drain, resume and reserve nodes with ``scontrol``, as argument lists, never a shell string.
 
 ``evict``, ``drain`` and ``quarantine`` all become one drain::
 
-    scontrol update NodeName=n0013 State=DRAIN Reason=fleethealth evict: thermal straggler ...
+    scontrol update NodeName=n0013 State=DRAIN Reason=fleethealth: evict 4f1c...: thermal straggler ...
 
 Slurm lets running jobs finish on a draining node and schedules nothing new on it, which is
 what each of the three asks for (the job restarts without the node at its next checkpoint).
 The other actions (``alert_facilities``, ``page``, ``rollback``) are not scheduler operations.
 
-Before draining, the adapter checks with ``sinfo`` that Slurm knows the node by exactly that
-name: ``slurmctld`` of a single-node cluster resolves *any* unknown name to its one node, so a
-typo would otherwise drain the wrong machine. Tools are found on ``PATH`` (or given); the
-cluster is chosen by the usual ``SLURM_CONF`` environment variable.
+Ownership, as LBNL NHC keeps it: every reason fleethealth sets starts with ``fleethealth:``
+(:data:`REASON_PREFIX`). A node that is drained, down or failed with any other reason belongs to
+someone else (an admin, NHC, slurmctld itself): fleethealth never overwrites that reason and never
+resumes that node (:class:`~fleethealth.adapters.base.LeftAlone`); :meth:`SlurmAdapter.resume`
+resumes only nodes whose reason is fleethealth's.
+
+Before draining, the adapter reads the node with ``sinfo``: an unknown name is
+:class:`~fleethealth.adapters.base.UnknownNode` (``slurmctld`` itself refuses one with "Invalid node
+name specified", which is translated the same way). A drained node runs no job steps, not even
+fleethealth's: :meth:`SlurmAdapter.reserve` creates a maintenance reservation
+(``Flags=MAINT,IGNORE_JOBS``) so the sweep can resume the node inside it and reach it with
+``srun --reservation`` while no user job can land there (:mod:`fleethealth.sweeps.launch`).
+Tools are found on ``PATH`` (or given); the cluster is chosen by the usual ``SLURM_CONF``
+environment variable.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from fleethealth.adapters.base import SchedulerError, UnknownNode, check_node_name, clean_reason
+from fleethealth.adapters.base import LeftAlone, SchedulerError, UnknownNode, check_node_name, clean_reason
 from fleethealth.schema import Action, Recommendation
 
-__all__ = ["SlurmAdapter", "drain_argv", "resume_argv"]
+__all__ = ["SlurmAdapter", "NodeInfo", "REASON_PREFIX", "drain_argv", "resume_argv", "reservation_name"]
 
 _DRAIN_ACTIONS = frozenset({Action.EVICT, Action.DRAIN, Action.QUARANTINE})
+REASON_PREFIX = "fleethealth:"
+"""Every drain reason fleethealth sets starts with this; a reason without it is another owner's."""
+_HELD = ("drain", "down", "fail")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as ``sinfo`` sees it: ``state`` (``idle``, ``drained``, ``maint`` ...; a trailing ``*``
+    = not responding) and ``reason`` (``""`` when none)."""
+
+    node: str
+    state: str
+    reason: str
+
+    @property
+    def held(self) -> bool:
+        """True when the node is drained, draining, down or failed."""
+        return any(word in self.state for word in _HELD)
+
+    @property
+    def ours(self) -> bool:
+        """True when fleethealth set the node's reason."""
+        return self.reason.startswith(REASON_PREFIX)
+
+
+def reservation_name(node: str) -> str:
+    """The maintenance reservation fleethealth uses for ``node``."""
+    return f"fleethealth-{check_node_name(node)}"
 
 
 def drain_argv(node: str, reason: str, *, scontrol: str = "scontrol") -> list[str]:
-    """The ``scontrol`` argument list that drains ``node`` with ``reason`` (validated, cleaned)."""
+    """The ``scontrol`` argument list that drains ``node`` with ``reason`` (validated, cleaned, and
+    starting with :data:`REASON_PREFIX`)."""
+    text = reason if reason.startswith(REASON_PREFIX) else f"{REASON_PREFIX} {reason}"
     return [scontrol, "update", f"NodeName={check_node_name(node)}", "State=DRAIN",
-            f"Reason={clean_reason(reason)}"]
+            f"Reason={clean_reason(text)}"]
 
 
 def resume_argv(node: str, *, scontrol: str = "scontrol") -> list[str]:
@@ -80,34 +122,68 @@ class SlurmAdapter:
 
     # ------------------------------------------------------------ operations
     def drain(self, node: str, reason: str) -> str:
-        """Drain ``node`` with ``reason``; return the command run. Raises for unknown nodes."""
+        """Drain ``node`` with ``reason`` (prefixed ``fleethealth:``); return the command run.
+
+        Raises :class:`UnknownNode` for a node Slurm does not know and :class:`LeftAlone` for a node
+        another owner already drained, took down or failed (its reason is kept)."""
         argv = drain_argv(node, reason, scontrol=self._tool("scontrol"))
-        self._require_node(node)
+        info = self.info(node)
+        if info.held and info.reason and not info.ours:
+            raise LeftAlone(f"slurm node {node!r} is {info.state} by another owner (reason {info.reason!r}): "
+                            "fleethealth leaves it alone")
         self._run(argv)
         return _shown(argv)
 
     def resume(self, node: str) -> str | None:
-        """Return a drained ``node`` to service; return the command run, ``None`` if not drained.
+        """Return ``node`` to service if fleethealth drained it; the command run, ``None`` if not held.
 
-        Slurm refuses ``State=RESUME`` for a node that is not drained or down, so resuming a
-        node in service is a no-op rather than an error.
+        Raises :class:`LeftAlone` when another owner drained it (only they resume it). Slurm refuses
+        ``State=RESUME`` for a node in service, so resuming one is a no-op rather than an error.
         """
         argv = resume_argv(node, scontrol=self._tool("scontrol"))
-        state = self.state(node)
-        if not any(word in state for word in ("drain", "down", "fail")):
+        info = self.info(node)
+        if not info.held:
             return None
+        if not info.ours:
+            raise LeftAlone(f"slurm node {node!r} is {info.state} by another owner (reason {info.reason!r}): "
+                            "only they resume it")
         self._run(argv)
         return _shown(argv)
 
+    def reserve(self, node: str, *, minutes: int = 120, user: str | None = None) -> str:
+        """Create the maintenance reservation :func:`reservation_name` on ``node`` for ``user``
+        (default: this process's user), ``Flags=MAINT,IGNORE_JOBS``, from now for ``minutes``;
+        return its name. An existing reservation of that name is deleted first."""
+        name = reservation_name(node)
+        self.unreserve(node)
+        self._run([self._tool("scontrol"), "create", "reservation", f"ReservationName={name}",
+                   f"Nodes={check_node_name(node)}", "StartTime=now", f"Duration={int(minutes)}",
+                   f"Users={user or getpass.getuser()}", "Flags=MAINT,IGNORE_JOBS"])
+        return name
+
+    def unreserve(self, node: str) -> bool:
+        """Delete fleethealth's reservation on ``node``; ``False`` when there was none."""
+        name = reservation_name(node)
+        shown = self._run([self._tool("scontrol"), "show", "reservation", "--oneliner"], check=False)
+        if f"ReservationName={name} " not in shown + " ":
+            return False
+        self._run([self._tool("scontrol"), "delete", f"ReservationName={name}"])
+        return True
+
+    def info(self, node: str) -> NodeInfo:
+        """``sinfo``'s state and reason of ``node``; :class:`UnknownNode` when Slurm lists no such node."""
+        argv = [self._tool("sinfo"), "--noheader", "--Node", f"--nodes={check_node_name(node)}", "--format=%N|%T|%E"]
+        for line in self._run(argv).splitlines():
+            name, _, rest = line.strip().partition("|")
+            state, _, reason = rest.partition("|")
+            if name == node:
+                reason = reason.strip()
+                return NodeInfo(node, state.strip(), "" if reason == "none" else reason)
+        raise UnknownNode(f"slurm does not know node {node!r} (sinfo lists no node of that name)")
+
     def state(self, node: str) -> str:
         """Slurm's state of ``node`` (``idle``, ``drained``, ``mixed`` ...; ``*`` = not responding)."""
-        self._require_node(node)
-        argv = [self._tool("sinfo"), "--noheader", "--Node", f"--nodes={check_node_name(node)}", "--format=%N %T"]
-        for line in self._run(argv).splitlines():
-            name, _, state = line.strip().partition(" ")
-            if name == node:
-                return state.strip()
-        raise UnknownNode(f"slurm does not know node {node!r}")
+        return self.info(node).state
 
     def nodes(self, node: str | None = None) -> list[str]:
         """Node names Slurm knows (only ``node`` itself when given and known)."""
@@ -130,7 +206,7 @@ class SlurmAdapter:
     # ------------------------------------------------------------ helpers
     @staticmethod
     def _reason(rec: Recommendation) -> str:
-        return f"fleethealth {rec.action.value} {rec.id}: {rec.reason}"
+        return f"{REASON_PREFIX} {rec.action.value} {rec.id}: {rec.reason}"
 
     def _tool(self, which: str, *, dry: bool = False) -> str:
         given = self.scontrol if which == "scontrol" else self.sinfo
@@ -143,11 +219,7 @@ class SlurmAdapter:
             raise SchedulerError(f"{which} not found on PATH; install Slurm's client tools or pass {which}=")
         return found
 
-    def _require_node(self, node: str) -> None:
-        if node not in self.nodes(node):
-            raise UnknownNode(f"slurm does not know node {node!r} (sinfo lists no node of that name)")
-
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], *, check: bool = True) -> str:
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s,
                                   env=None if self.env is None else dict(self.env), check=False)
@@ -155,7 +227,9 @@ class SlurmAdapter:
             raise SchedulerError(f"{_shown(argv)} did not answer within {self.timeout_s:g} s") from exc
         except OSError as exc:
             raise SchedulerError(f"{_shown(argv)} could not run: {exc}") from exc
-        if done.returncode != 0:
+        if done.returncode != 0 and check:
             err = (done.stderr or done.stdout).strip().replace("\n", " ")[:300]
+            if "Invalid node name specified" in err:
+                raise UnknownNode(f"slurm does not know the node: {_shown(argv)} failed: {err}")
             raise SchedulerError(f"{_shown(argv)} failed (exit {done.returncode}): {err}")
         return done.stdout

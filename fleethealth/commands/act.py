@@ -15,8 +15,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("act", help="carry out recommendations on Slurm or Kubernetes",
                        description="Consume fh.recommendations and act on those with guard 'allowed' whose action "
                                    "the scheduler supports (evict, drain, quarantine): Slurm drains the node, "
-                                   "Kubernetes cordons, taints and marks it. Each outcome is journaled (a replay "
-                                   "never acts twice), logged and published on fh.events.")
+                                   "Kubernetes drains it (cordon, taint, evictions). Each outcome is journaled "
+                                   "(a replay never acts twice), logged and published on fh.events.")
     add_setting(p, "--scheduler", "act.scheduler", choices=("slurm", "kubernetes"),
                 help="required (flag or config key act.scheduler)")
     add_setting(p, "--kafka", "kafka", metavar="DSN",

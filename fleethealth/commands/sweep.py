@@ -38,6 +38,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kafka", metavar="DSN", default=os.environ.get("FLEETHEALTH_KAFKA"),
                    help="publish results to fh.events (default $FLEETHEALTH_KAFKA)")
     p.add_argument("--no-release", action="store_true", help="do not return passing quarantined nodes to the pool")
+    p.add_argument("--maint-reservation", action="store_true",
+                   help="with --launcher srun: test nodes fleethealth drained inside a MAINT,IGNORE_JOBS "
+                        "reservation (srun --reservation), and resume in Slurm those the quarantine book releases")
+    p.add_argument("--kubernetes-release", action="store_true",
+                   help="with --launcher local in a pod: undo fleethealth's cordon and taint on a node the "
+                        "quarantine book releases (in-cluster service account)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="nodes tested at once (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per-node limit (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object per node instead of a table")
@@ -64,11 +70,25 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"cannot read {args.nodes_file}: {exc.strerror}") from exc
     if args.idle:
         nodes += slurm_idle_nodes(partition=args.partition)
+    if args.maint_reservation and args.launcher != "srun":
+        raise ConfigError("--maint-reservation needs --launcher srun")
+    if args.kubernetes_release and args.launcher != "local":
+        raise ConfigError("--kubernetes-release needs --launcher local (the sweep pod on the node)")
     if args.launcher == "srun":
+        slurm = None
+        if args.maint_reservation:
+            from fleethealth.adapters import SlurmAdapter
+
+            slurm = SlurmAdapter()
         launcher = SrunLauncher(srun=args.srun, command=tuple(args.remote_command.split()),
-                                extra=tuple(args.srun_arg))
+                                extra=tuple(args.srun_arg), scheduler=slurm)
     else:
-        launcher = LocalLauncher()
+        kubernetes = None
+        if args.kubernetes_release:
+            from fleethealth.adapters import KubernetesAdapter
+
+            kubernetes = KubernetesAdapter(in_cluster=True)
+        launcher = LocalLauncher(scheduler=kubernetes)
         if not nodes and not args.store:
             nodes = [node_name()]
     only = parse_only(args.only)

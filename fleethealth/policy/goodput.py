@@ -87,7 +87,7 @@ class Interruption:
 
     @classmethod
     def from_event(cls, ev: Event) -> Interruption:
-        """Read an ``interruption`` event (docs/architecture.md contract keys); :class:`SchemaError` names a bad field."""
+        """Read an ``interruption`` event (the contract keys); :class:`SchemaError` names a bad field."""
         if ev.kind is not EventKind.INTERRUPTION:
             raise SchemaError("kind", f"expected an interruption event, got {ev.kind.value}")
         if ev.job is None:

@@ -1,17 +1,21 @@
 """Fixtures for the scheduler adapters: a real single-node Slurm cluster, a Kubernetes API replay.
 
 ``slurm_cluster`` writes a minimal ``slurm.conf`` (one node, ``n0000`` on 127.0.0.1, free ports,
-every path inside a temporary directory), starts ``munged`` with a fresh key, ``slurmctld`` and
+every path inside a temporary directory, ``HealthCheckProgram`` = deploy/slurm/healthcheck.sh every
+2 s, idle until a test writes its settings file), starts ``munged`` with a fresh key, ``slurmctld`` and
 ``slurmd`` in the foreground in their own process groups, waits until ``sinfo`` shows the node
 idle, and stops all three afterwards. It needs Debian's ``slurm-wlm`` and ``munge`` packages
 (``apt-get install -y slurm-wlm munge``) and root (``slurmd`` runs jobs as their users); without
 them the tests that use it are skipped with the reason printed.
 
-``k8s_replay`` serves recorded Kubernetes API exchanges (``recordings/*.json``) on 127.0.0.1:
-each request the ``kubernetes`` client makes is compared with the next recorded request (method,
-path, query, content type, JSON body) and answered with the recorded response; a request that
-differs, or one too many, is answered 500 and listed in ``mismatches``. No Kubernetes API server
-runs on these machines, so this is as close to one as the tests get.
+``k8s_replay`` serves Kubernetes API exchanges from ``fixtures/*.json`` on 127.0.0.1: each request
+the ``kubernetes`` client makes is compared with the next expected request (method, path, query,
+content type, JSON body; the string ``"<any>"`` in an expected body matches any value, for generated
+names) and answered with the fixture's response; a request that differs, or one too many, is
+answered 500 and listed in ``mismatches``. The fixtures are written by hand from the Kubernetes API
+reference (core/v1 Node, Pod, Event; policy/v1 Eviction; Status for 404/409/429/5xx), not recorded
+from a server: no Kubernetes API server runs on these machines, so this is as close to one as the
+tests get.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ class SlurmCluster:
     env: dict[str, str]
     node: str
 
+    @property
+    def healthcheck_conf(self) -> Path:
+        """Writing this file arms slurmd's HealthCheckProgram (deploy/slurm/healthcheck.sh); removing it
+        disarms it."""
+        return self.root / "healthcheck.conf"
+
     def sinfo(self, *args: str) -> str:
         out = subprocess.run(["sinfo", *args], env=self.env, capture_output=True, text=True, timeout=10,
                              check=True)
@@ -58,9 +68,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "healthcheck.sh"
+HEALTHCHECK_INTERVAL_S = 2
+
+
 def _write_conf(root: Path, munge_socket: Path) -> Path:
     for sub in ("state", "spool", "log"):
         (root / sub).mkdir()
+    # slurmd runs HealthCheckProgram without arguments, so a two-line wrapper names the settings file;
+    # it does nothing until a test writes ROOT/healthcheck.conf (see SlurmCluster.healthcheck_conf)
+    wrapper = root / "healthcheck"
+    wrapper.write_text(f"#!/bin/sh\n[ -f {root}/healthcheck.conf ] || exit 0\n"
+                       f"exec /bin/bash {HEALTHCHECK} {root}/healthcheck.conf\n")
+    wrapper.chmod(0o755)
     conf = root / "slurm.conf"
     conf.write_text(f"""\
 ClusterName=fleethealth-test
@@ -86,6 +106,9 @@ ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+HealthCheckProgram={wrapper}
+HealthCheckInterval={HEALTHCHECK_INTERVAL_S}
+HealthCheckNodeState=ANY
 NodeName={SLURM_NODE} NodeAddr=127.0.0.1 NodeHostname=localhost CPUs=1 RealMemory=100 State=UNKNOWN
 PartitionName=debug Nodes={SLURM_NODE} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -165,12 +188,22 @@ def _wait(ready, timeout_s: float, what: str, root: Path) -> None:
 
 
 # ---------------------------------------------------------------- Kubernetes API replay
-RECORDINGS = Path(__file__).parent / "recordings"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _matches(want: Any, got: Any) -> bool:
+    if want == "<any>":
+        return True
+    if isinstance(want, dict):
+        return isinstance(got, dict) and want.keys() == got.keys() and all(_matches(want[k], got[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(want) == len(got) and all(map(_matches, want, got))
+    return want == got
 
 
 @dataclass
 class K8sReplay:
-    """A replay of one recording: ``api`` is a ``CoreV1Api`` pointed at it."""
+    """A replay of one fixture: ``api`` is a ``CoreV1Api`` pointed at it."""
 
     name: str
     exchanges: list[dict[str, Any]]
@@ -188,15 +221,15 @@ class K8sReplay:
         self.seen.append(got)
         if self.position >= len(self.exchanges):
             self.mismatches.append(f"unexpected request #{self.position + 1}: {method} {target}")
-            return 500, b'{"kind":"Status","status":"Failure","message":"not in the recording","code":500}'
+            return 500, b'{"kind":"Status","status":"Failure","message":"not in the fixture","code":500}'
         want = self.exchanges[self.position]["request"]
         expected = {k: want[k] for k in ("method", "path", "query")}
         if "body" in want:
             expected["content_type"] = want.get("content_type")
             expected["body"] = want["body"]
-        if got != expected:
+        if not _matches(expected, got):
             self.mismatches.append(f"request #{self.position + 1} differs:\n  want {expected}\n  got  {got}")
-            return 500, b'{"kind":"Status","status":"Failure","message":"differs from the recording","code":500}'
+            return 500, b'{"kind":"Status","status":"Failure","message":"differs from the fixture","code":500}'
         response = self.exchanges[self.position]["response"]
         self.position += 1
         return response["status"], json.dumps(response["body"]).encode()
@@ -204,7 +237,7 @@ class K8sReplay:
     def assert_all_replayed(self) -> None:
         assert not self.mismatches, "\n".join(self.mismatches)
         assert self.position == len(self.exchanges), (
-            f"{self.name}: {len(self.exchanges) - self.position} recorded requests were never made")
+            f"{self.name}: {len(self.exchanges) - self.position} expected requests were never made")
 
 
 def _handler(replay_of: Callable[[], K8sReplay]) -> type[BaseHTTPRequestHandler]:
@@ -238,8 +271,8 @@ def k8s_replay() -> Iterator[Callable[[str], K8sReplay]]:
     clients = []
 
     def load(name: str) -> K8sReplay:
-        recording = json.loads((RECORDINGS / name).read_text())
-        replay = K8sReplay(name=name, exchanges=recording["exchanges"])
+        fixture = json.loads((FIXTURES / name).read_text())
+        replay = K8sReplay(name=name, exchanges=fixture["exchanges"])
         config = kubernetes.client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
         client = kubernetes.client.ApiClient(config)
         clients.append(client)

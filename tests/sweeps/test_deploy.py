@@ -13,7 +13,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_cronjob_runs_a_full_local_sweep_of_its_own_node_on_every_gpu() -> None:
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "sweep-cronjob.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / "sweep-cronjob.yaml").read_text()))
     cron = next(d for d in docs if d["kind"] == "CronJob")
     pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -23,7 +23,7 @@ def test_cronjob_runs_a_full_local_sweep_of_its_own_node_on_every_gpu() -> None:
     assert (args.command, args.launcher, args.suite, args.device, args.nodes) == ("sweep", "local", "full", "all",
                                                                                  ["n0001"])
     resources = container["resources"]
-    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 8
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "8"
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     assert any(d["kind"] == "PriorityClass" and d["value"] < 0 for d in docs)
 
