@@ -63,6 +63,8 @@ itself.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +273,14 @@ class AbftEncoding:
 
 
 def encode_operands(backend: Backend, a: Any, b: Any, *, precision: Precision = Precision.FP32,
-                    u_acc: float | None = None, block: int = BLOCK) -> AbftEncoding:
+                    u_acc: float | None = None, block: int = BLOCK, chunk_bytes: int | None = None) -> AbftEncoding:
     """Blocked checksums, scales and bounds for products of ``a`` (m×k) and ``b`` (k×n), given in
-    ``precision``'s storage format on ``backend``'s device; all formed in fp64."""
+    ``precision``'s storage format on ``backend``'s device; all formed in fp64.
+
+    The operands are widened to fp64 a slab of rows at a time (about ``chunk_bytes`` each, 8 MiB
+    on a CPU so a slab stays in cache, 1 GiB on a GPU): B is read twice and A once, and no fp64
+    copy of a whole operand is ever made.
+    """
     xp = backend.xp
     m, k = a.shape
     k2, n = b.shape
@@ -282,28 +289,61 @@ def encode_operands(backend: Backend, a: Any, b: Any, *, precision: Precision = 
     if block < 1 or block % min(block, _PARTIAL):
         raise ConfigError(f"block must be a positive multiple of {_PARTIAL} or below it, got {block}")
     u = accumulation_u(backend) if u_acc is None else u_acc
+    chunk = chunk_bytes if chunk_bytes is not None else (1 << 30 if backend.is_gpu else 8 << 20)
     f64 = xp.float64
-    a64 = widen(xp, a, precision).astype(f64)
-    b64 = widen(xp, b, precision).astype(f64)
-    row_ref = a64 @ _column_block_sums(xp, b64, block)  # (m, nb)
-    col_ref = _row_block_sums(xp, a64, block) @ b64  # (mb, n)
-    a_sq = xp.einsum("ij,ij->i", a64, a64)  # (m,)
-    b_sq = xp.einsum("ij,ij->j", b64, b64)  # (n,)
+    nb, mb = _nblocks(n, block), _nblocks(m, block)
+
+    def slab(x: Any, r0: int, r1: int) -> Any:
+        return widen(xp, x[r0:r1], precision).astype(f64)
+
+    # B, pass 1: column-block sums of B and |B|, squared column norms.
+    b_blk = xp.empty((k, nb), dtype=f64)
+    b_abs_blk = xp.empty((k, nb), dtype=f64)
+    b_sq = xp.zeros(n, dtype=f64)
+    for l0, l1 in _slabs(k, n, 1, chunk):
+        part = slab(b, l0, l1)
+        b_blk[l0:l1] = _column_block_sums(xp, part, block)
+        b_sq += xp.einsum("ij,ij->j", part, part)
+        xp.abs(part, out=part)
+        b_abs_blk[l0:l1] = _column_block_sums(xp, part, block)
+    # A, one pass in whole row blocks: row references and magnitudes, row-block sums of A and |A|.
+    row_ref = xp.empty((m, nb), dtype=f64)
+    row_mag = xp.empty((m, nb), dtype=f64)
+    a_sq = xp.empty(m, dtype=f64)
+    a_blk = xp.empty((mb, k), dtype=f64)
+    a_abs_blk = xp.empty((mb, k), dtype=f64)
+    for i0, i1 in _slabs(m, k, block, chunk):
+        part = slab(a, i0, i1)
+        rows = slice(i0 // block, -(-i1 // block))
+        row_ref[i0:i1] = part @ b_blk
+        a_sq[i0:i1] = xp.einsum("ij,ij->i", part, part)
+        a_blk[rows] = _row_block_sums(xp, part, block)
+        xp.abs(part, out=part)
+        row_mag[i0:i1] = part @ b_abs_blk
+        a_abs_blk[rows] = _row_block_sums(xp, part, block)
+    # B, pass 2: column references and magnitudes.
+    col_ref = xp.zeros((mb, n), dtype=f64)
+    col_mag = xp.zeros((mb, n), dtype=f64)
+    for l0, l1 in _slabs(k, n, 1, chunk):
+        part = slab(b, l0, l1)
+        col_ref += a_blk[:, l0:l1] @ part
+        xp.abs(part, out=part)
+        col_mag += a_abs_blk[:, l0:l1] @ part
     row_scale = xp.sqrt(a_sq)[:, None] * xp.sqrt(_column_block_sums(xp, b_sq[None, :], block))
     col_scale = xp.sqrt(_row_block_sums(xp, a_sq[:, None], block)) * xp.sqrt(b_sq)[None, :]
-    xp.abs(a64, out=a64)
-    xp.abs(b64, out=b64)
-    row_mag = a64 @ _column_block_sums(xp, b64, block)  # block sums of |A|·|B|
-    col_mag = _row_block_sums(xp, a64, block) @ b64
-    del a64, b64
     host = backend.to_host
-    rb = min(block, m)
-    cb = min(block, n)
-    row_floor, row_worst = _bounds(host(row_mag), u, k=k, b=cb)
-    col_floor, col_worst = _bounds(host(col_mag), u, k=k, b=rb)
+    row_floor, row_worst = _bounds(host(row_mag), u, k=k, b=min(block, n))
+    col_floor, col_worst = _bounds(host(col_mag), u, k=k, b=min(block, m))
     return AbftEncoding(m=m, n=n, k=k, block=block, row_ref=row_ref, col_ref=col_ref,
                         row_scale=host(row_scale), col_scale=host(col_scale), row_floor=row_floor,
                         col_floor=col_floor, row_worst=row_worst, col_worst=col_worst)
+
+
+def _slabs(rows: int, cols: int, multiple: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """Row ranges of about ``chunk_bytes`` of fp64, each a whole number of ``multiple`` rows."""
+    step = max(1, chunk_bytes // (8 * max(cols, 1) * multiple)) * multiple
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
 
 
 def _bounds(mag: np.ndarray, u_acc: float, *, k: int, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -329,6 +369,8 @@ def verify_product(backend: Backend, c: Any, enc: AbftEncoding) -> AbftCheck:
     xp = backend.xp
     if tuple(c.shape) != (enc.m, enc.n):
         raise ConfigError(f"C has shape {tuple(c.shape)}, the encoding is for {(enc.m, enc.n)}")
+    if backend.is_gpu and os.environ.get("CUPY_TF32") == "1":
+        raise ConfigError("CUPY_TF32=1 lets cuBLAS round the checksums' fp32 operands to TF32; unset it")
     with np.errstate(over="ignore", invalid="ignore"):  # a corrupted C may hold inf or NaN: that is a finding
         row_sums, col_sums = _block_sums(xp, c, enc.block)
         row_res = row_sums - enc.row_ref
