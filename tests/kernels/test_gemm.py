@@ -48,8 +48,9 @@ def test_operands_are_exactly_representable_and_partial_sums_fit_the_mantissa() 
 
 
 def test_float64_reference_path_equals_the_int64_product() -> None:
-    problem = known_problem(520, 520, 520, precision=Precision.FP32, seed=3)  # above the int64 matmul limit
-    assert np.array_equal(exact_reference(problem), problem.a @ problem.b)
+    for problem in (known_problem(520, 520, 520, precision=Precision.FP32, seed=3),  # above the int64 limit
+                    wide_problem(520, 520, 520, precision=Precision.FP32, seed=3)):
+        assert np.array_equal(exact_reference(problem), problem.a @ problem.b)
 
 
 def test_bad_shapes_and_magnitudes_raise_clear_errors() -> None:
