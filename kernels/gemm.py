@@ -16,6 +16,27 @@ changes its pattern and is caught. The test also reads its operands back after t
 compares them bitwise with the seeded originals: a flip in device memory holding A or B can be
 rounded away in C, but never in the operand itself, so it is caught and located too.
 
+**Full-width known answer.** Small integers occupy only the top 7 bits of each significand, so
+their products never set the low-order bits of the multiplier's result: a multiplier whose lowest
+product bit is stuck would pass. :func:`wide_problem` builds a second product of the same shape
+whose exact result needs every bit of the product. For a format with p significand bits (fp32
+24, fp16 11, bf16 8) let W = min(24, 2p), the width of the exact product of two of its values
+that fp32 can hold. Every column j of B has two non-zero entries, in rows 2q and 2q + 1
+(q = j mod ⌊k/2⌋), so C[i, j] = s·(P0 − P1) with
+
+* P0 = |A[i, 2q]·B[2q, j]| an odd integer in (2^(W−1), 2^W): exactly W significant bits, the lowest
+  one set, so the fp32 result uses its whole significand (fp16 and bf16: the whole 22- or 16-bit
+  product of the tensor-core multiplier). Its factors are odd integers of p_a and W − p_a bits,
+  each at least √2 times its bit-width's smallest value, and p_a cycles through every split the
+  format allows (fp32: 2..22), so the full-width products come from factors of every width;
+* P1 = |A[i, 2q + 1]·B[2q + 1, j]| an odd integer in (2^(W−2), 2^(W−1)), of the opposite sign;
+* every other term is a product with an exact zero.
+
+Every partial sum, in any order, is then ±0, ±P0, ∓P1 or ±(P0 − P1): integers of magnitude below
+2^W <= 2^24, exact in fp32. The result 0 < P0 − P1 < 2^W is never zero, so the sign of zero never
+matters, and C must again equal the int64 reference bitwise. With k = 1 the single term is P0.
+:func:`run_exact` checks both products and reports the full-width one's mismatches as ``C_wide``.
+
 **Repeatability.** The same GEMM on the same random (non-integer) operands, run ``runs`` times on
 one device, must give bitwise identical results (cuBLAS and BLAS are deterministic for a fixed
 shape, device and library).
@@ -40,6 +61,7 @@ __all__ = [
     "KnownProblem",
     "pick_magnitude",
     "known_problem",
+    "wide_problem",
     "exact_reference",
     "locate_bits",
     "run_exact",
@@ -68,12 +90,18 @@ def pick_magnitude(k: int, precision: Precision) -> int:
 
 @dataclass(frozen=True)
 class KnownProblem:
-    """Seeded integer operands (int64, host) of an exact GEMM and the magnitude bound ``r``."""
+    """Seeded integer operands (int64, host) of an exact GEMM, the operand magnitude bound ``r``
+    and ``partial_bound``, a bound on |every partial sum| in any order (k·r² unless given)."""
 
     a: np.ndarray
     b: np.ndarray
     r: int
     seed: int
+    partial_bound: int | None = None
+
+    @property
+    def sum_bound(self) -> int:
+        return self.partial_bound if self.partial_bound is not None else self.shape[2] * self.r * self.r
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -98,17 +126,57 @@ def known_problem(m: int, n: int, k: int, *, precision: Precision, seed: int = 0
     return KnownProblem(a=draw((m, k)), b=draw((k, n)), r=r, seed=seed)
 
 
+def _significand_bits(precision: Precision) -> int:
+    return precision.exact_int.bit_length() - 1
+
+
+def _odd(rng: np.random.Generator, bits: int, size: int | tuple[int, ...]) -> np.ndarray:
+    """Odd integers of exactly ``bits`` bits, each above 2^(bits−1)·√2 (int64)."""
+    lo = math.isqrt(1 << (2 * bits - 1)) + 1
+    hi = (1 << bits) - 1
+    return 2 * rng.integers(lo // 2, (hi - 1) // 2 + 1, size=size, dtype=np.int64) + 1
+
+
+def wide_problem(m: int, n: int, k: int, *, precision: Precision, seed: int = 0) -> KnownProblem:
+    """Operands whose exact product needs full-width products (module docstring, "Full-width")."""
+    if min(m, n, k) < 1:
+        raise ConfigError(f"shape must be positive, got m={m} n={n} k={k}")
+    p = _significand_bits(precision)
+    width = min(24, 2 * p)
+    rng = np.random.default_rng(seed + 0x5EED)
+    a = np.empty((m, k), dtype=np.int64)
+    b = np.zeros((k, n), dtype=np.int64)
+    splits = []
+    for col in range(k):
+        total = width - col % 2  # even terms: W-bit products, odd terms: (W−1)-bit
+        lo, hi = max(2, total - p), min(p, total - 2)
+        pa = lo + (col // 2) % (hi - lo + 1)
+        splits.append((pa, total - pa))
+        a[:, col] = _odd(rng, pa, m)
+    a *= np.where(rng.random((m, 1)) < 0.5, -1, 1)
+    pairs = max(1, k // 2)
+    sign = np.where(rng.random(n) < 0.5, -1, 1)
+    for j in range(n):
+        q = j % pairs
+        for col, s in ((2 * q, 1), (2 * q + 1, -1)):
+            if col < k:
+                b[col, j] = s * sign[j] * int(_odd(rng, splits[col][1], 1)[0])
+    return KnownProblem(a=a, b=b, r=int(max(np.abs(a).max(), np.abs(b).max())), seed=seed,
+                        partial_bound=(1 << width) - 1)
+
+
 def exact_reference(problem: KnownProblem) -> np.ndarray:
     """The exact product in int64.
 
     Small shapes use int64 matmul directly. Large ones use float64 BLAS and convert to int64: every
-    partial sum is an integer of magnitude <= k·r^2 <= 2^24 < 2^53, so the float64 product is exact
-    and the conversion loses nothing (``tests/kernels/test_gemm.py`` checks both agree).
+    partial sum is an integer of magnitude <= ``problem.sum_bound`` <= 2^24 < 2^53, and every product
+    below it, so the float64 product is exact and the conversion loses nothing
+    (``tests/kernels/test_gemm.py`` checks both agree).
     """
     m, n, k = problem.shape
     if m * n * k <= _INT64_REFERENCE_MACS:
         return problem.a @ problem.b
-    if k * problem.r * problem.r >= 1 << 53:
+    if problem.sum_bound >= 1 << 53:
         raise ConfigError("operands too large for an exact float64 reference")
     return (problem.a.astype(np.float64) @ problem.b.astype(np.float64)).astype(np.int64)
 
@@ -152,7 +220,8 @@ def _value(v: Any, as_float: bool) -> float | int | str:
 def run_exact(backend: Backend, m: int, n: int, k: int, *, precision: Precision = Precision.FP32,
               seed: int = 0, suite: str = "adhoc", iters: int = 1, fault: Fault | None = None,
               operand_fault: str | None = None) -> SelfTestResult:
-    """Exact known-answer GEMM on ``backend``; bitwise comparison of C and of the operands.
+    """Exact known-answer GEMM on ``backend``; bitwise comparison of C and of the operands, then of
+    the full-width product (:func:`wide_problem`, same shape, untimed; mismatches ``C_wide``).
 
     The product is timed over ``iters`` back-to-back runs (throughput is their mean); the last
     result is the one checked.
@@ -192,6 +261,17 @@ def run_exact(backend: Backend, m: int, n: int, k: int, *, precision: Precision 
         total += n_bad
         found += bad
         max_error = float(xp.max(xp.abs(c.astype(xp.float64) - expected.astype(xp.float64))))
+        del c, expected
+        wide = wide_problem(m, n, k, precision=precision, seed=seed)
+        wide_ref = backend.asarray(exact_reference(wide).astype(np.float32))
+        c_wide = backend.matmul(backend.asarray(encode(wide.a.astype(np.float32), precision)),
+                                backend.asarray(encode(wide.b.astype(np.float32), precision)), precision)
+        n_bad, bad = locate_bits(backend, c_wide, wide_ref, "C_wide")
+        total += n_bad
+        found += bad
+        if n_bad:
+            wide_error = float(xp.max(xp.abs(c_wide.astype(xp.float64) - wide_ref.astype(xp.float64))))
+            max_error = max(max_error, wide_error) if math.isfinite(wide_error) else math.inf
     seconds = fault.stretch(seconds) if fault is not None else seconds
     return SelfTestResult(
         suite=suite, test=f"gemm_exact_{precision.value}", device=backend.device,
@@ -199,7 +279,9 @@ def run_exact(backend: Backend, m: int, n: int, k: int, *, precision: Precision 
         throughput=gemm_tflops(m, n, k, seconds), unit="TFLOP/s",
         max_error=max_error if math.isfinite(max_error) else math.inf, mismatches=found[:MAX_REPORTED],
         mismatch_total=total, model=backend.model,
-        detail=f"m={m} n={n} k={k} r={problem.r} seed={seed}", extra={"m": m, "n": n, "k": k, "r": problem.r})
+        detail=f"m={m} n={n} k={k} r={problem.r} seed={seed}; full-width products of "
+               f"{min(24, 2 * _significand_bits(precision))} bits",
+        extra={"m": m, "n": n, "k": k, "r": problem.r, "wide_bits": min(24, 2 * _significand_bits(precision))})
 
 
 def run_repeat(backend: Backend, m: int, n: int, k: int, *, runs: int = 3, precision: Precision = Precision.FP32,

@@ -1,5 +1,6 @@
-"""ABFT checksums on the CPU path: the tolerance never raises a false alarm, and a corrupted
-element above it is located by (row, column)."""
+"""ABFT checksums on the CPU path: the tolerance never raises a false alarm, a corrupted element
+above it is located by (row, column), and at the suites' sizes the calibrated tolerance catches
+every flip that changes an element by more than 10⁻³ of its row's RMS."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import pytest
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.abft import (
     ABFT_FLIP_BIT,
+    BLOCK,
+    LAMBDA,
     accumulation_u,
     checksum_verify,
+    column_block,
     encode_operands,
     gamma,
     run_abft,
@@ -79,7 +83,7 @@ def test_1000_random_single_bit_flips_in_c_every_one_above_the_bound_is_located(
             delta = float(c[i, j]) - float(c0[i, j]) if np.isfinite(c[i, j]) else np.inf
             check = verify_product(CPU, c, enc)
             flips += 1
-            if abs(delta) > 2 * max(enc.row_tol[i], enc.col_tol[j]):
+            if abs(delta) > check.guaranteed_above(i, j):
                 guaranteed += 1
                 assert [(r, q) for r, q, _ in check.located] == [(i, j)], (i, j, bit, delta)
                 assert check.rows == (i,) and check.cols == (j,)
@@ -134,3 +138,103 @@ def test_bad_input_raises_clear_errors() -> None:
     enc = encode_operands(CPU, a, np.ones((4, 2), np.float32))
     with pytest.raises(ConfigError, match="encoding is for"):
         verify_product(CPU, np.ones((2, 2), np.float32), enc)
+
+
+def _row_rms(c: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.einsum("ij,ij->i", c, c, dtype=np.float64) / c.shape[1])
+
+
+@pytest.mark.parametrize(("n", "precision", "kind"), [(512, Precision.FP32, "normal"), (512, Precision.BF16, "uniform"),
+                                                      (1024, Precision.FP16, "normal"),
+                                                      (2048, Precision.FP32, "uniform")])
+def test_at_suite_sizes_every_flip_above_a_thousandth_of_the_row_rms_is_caught_and_located(
+        n: int, precision: Precision, kind: str) -> None:
+    """Sign, exponent and top-8 mantissa bits (31..15), random elements, one flip per check."""
+    rng = np.random.default_rng(n + len(kind))
+    a, b = _operands(rng, n, n, n, kind, precision)
+    c = np.matmul(widen(np, a, precision), widen(np, b, precision))
+    enc = encode_operands(CPU, a, b, precision=precision)
+    healthy = verify_product(CPU, c, enc)
+    assert healthy.ok and healthy.calibrated and healthy.worst_z < LAMBDA / 2
+    rms = _row_rms(c)
+    # The claim itself: 2·τ is below 10⁻³ of every row's RMS, for every check of both kinds.
+    assert (2 * np.maximum(healthy.row_tolerance.max(axis=1), healthy.col_tolerance.max()) < 1e-3 * rms).all()
+    eligible = located = 0
+    flips = 170 if n < 2048 else 68
+    for t in range(flips):
+        bit = 15 + t % 17
+        i, j = int(rng.integers(n)), int(rng.integers(n))
+        before = float(c[i, j])
+        flip_bit(np, c, i * n + j, bit)
+        after = float(c[i, j])
+        check = verify_product(CPU, c, enc)
+        flip_bit(np, c, i * n + j, bit)
+        if not np.isfinite(after) or abs(after - before) > 1e-3 * rms[i]:
+            eligible += 1
+            located += [(r, q) for r, q, _ in check.located] == [(i, j)]
+    assert eligible >= flips * 0.8 and located == eligible, (eligible, located)
+
+
+def test_the_bitflip_1024_cube_that_used_to_pass_is_now_caught() -> None:
+    fault = Fault("bitflip", seed=2)
+    broken = run_abft(CPU, 1024, 1024, 1024, fault=fault)
+    hit = fault.injected[0]
+    assert broken.verdict is Verdict.FAIL and broken.extra["calibrated"]
+    assert (broken.mismatches[0].row, broken.mismatches[0].col) == (hit.index // 1024, hit.index % 1024)
+
+
+@pytest.mark.parametrize(("n", "precision", "seeds"), [(512, Precision.FP32, range(6)), (512, Precision.BF16, range(3)),
+                                                       (2048, Precision.FP32, range(1)),
+                                                       (2048, Precision.BF16, range(1))])
+def test_harness_fault_at_the_cpu_suite_sizes_is_guaranteed_caught_and_located(
+        n: int, precision: Precision, seeds: range) -> None:
+    """512 (quick) and 2048 (full) are kernels/suite.py's CPU ABFT sizes; healthy runs pass."""
+    assert run_abft(CPU, n, n, n, precision=precision, seed=n).verdict is Verdict.PASS
+    for seed in seeds:
+        fault = Fault("bitflip", seed=seed)
+        broken = run_abft(CPU, n, n, n, precision=precision, seed=seed, fault=fault)
+        hit, info = fault.injected[0], broken.extra["fault"]
+        assert broken.verdict is Verdict.FAIL and broken.extra["calibrated"]
+        assert abs(info["delta"]) > info["guaranteed_above"] and abs(info["delta"]) >= 2.0
+        assert [(m.row, m.col) for m in broken.mismatches] == [(hit.index // n, hit.index % n)]
+
+
+def test_the_harness_refuses_a_flip_its_tolerance_cannot_guarantee() -> None:
+    """Few checks and a large k: the rigorous bound is the tolerance and exceeds a bit-30 flip."""
+    with pytest.raises(ConfigError, match="not above"):
+        run_abft(CPU, 8, 8, 1 << 16, fault=Fault("bitflip", seed=0))
+
+
+def test_small_pools_and_exact_products_fall_back_to_the_rigorous_bound() -> None:
+    rng = np.random.default_rng(11)
+    a, b = _operands(rng, 40, 30, 50, "normal", Precision.FP32)
+    check = checksum_verify(CPU, a, b, a @ b)
+    assert check.ok and not check.calibrated and np.isnan(check.sigma).all()
+    # Small integers: C is exact, every residual is within the floor, a median would say nothing.
+    ints = rng.integers(-8, 9, (600, 600)).astype(np.float32)
+    check = checksum_verify(CPU, ints, ints.T.copy(), ints @ ints.T)
+    assert check.ok and not check.calibrated
+
+
+def test_no_false_alarm_on_calibrated_products_of_every_kind_and_odd_shapes() -> None:
+    rng = np.random.default_rng(31)
+    kinds = ("uniform", "normal", "positive", "scaled")
+    calibrated = 0
+    for run in range(36):
+        m, n = (int(x) for x in rng.integers(256, 700, 2))
+        k = int(rng.integers(4, 700))
+        precision = list(Precision)[run % 3]
+        a, b = _operands(rng, m, n, k, kinds[(run // 3) % 4], precision)
+        c = np.matmul(widen(np, a, precision), widen(np, b, precision))
+        check = checksum_verify(CPU, a, b, c, precision=precision)
+        assert check.ok, (run, m, n, k, precision, check.max_ratio)
+        calibrated += check.calibrated
+        assert not check.calibrated or check.worst_z < LAMBDA / 2
+    assert calibrated >= 30
+
+
+def test_column_blocks_partition_the_columns_into_blocks_of_block_elements() -> None:
+    for n in (1, 100, 256, 300, 4096):
+        blocks = column_block(np.arange(n), n)
+        assert blocks.min() == 0 and np.bincount(blocks).max() <= BLOCK
+        assert blocks.max() == -(-n // BLOCK) - 1 or n < BLOCK

@@ -1,6 +1,9 @@
-"""Exact known-answer GEMM and repeatability on the CPU path (NumPy BLAS), with injected faults."""
+"""Exact known-answer GEMM (small-integer and full-width products) and repeatability on the CPU path
+(NumPy BLAS), with injected faults and a simulated multiplier defect."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -8,7 +11,14 @@ import pytest
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.backend import Backend, Precision, encode, widen
 from fleethealth.kernels.faults import Fault
-from fleethealth.kernels.gemm import exact_reference, known_problem, pick_magnitude, run_exact, run_repeat
+from fleethealth.kernels.gemm import (
+    exact_reference,
+    known_problem,
+    pick_magnitude,
+    run_exact,
+    run_repeat,
+    wide_problem,
+)
 from fleethealth.kernels.results import Verdict
 
 CPU = Backend.for_device("cpu")
@@ -38,8 +48,9 @@ def test_operands_are_exactly_representable_and_partial_sums_fit_the_mantissa() 
 
 
 def test_float64_reference_path_equals_the_int64_product() -> None:
-    problem = known_problem(520, 520, 520, precision=Precision.FP32, seed=3)  # above the int64 matmul limit
-    assert np.array_equal(exact_reference(problem), problem.a @ problem.b)
+    for problem in (known_problem(520, 520, 520, precision=Precision.FP32, seed=3),  # above the int64 limit
+                    wide_problem(520, 520, 520, precision=Precision.FP32, seed=3)):
+        assert np.array_equal(exact_reference(problem), problem.a @ problem.b)
 
 
 def test_bad_shapes_and_magnitudes_raise_clear_errors() -> None:
@@ -106,3 +117,58 @@ def test_bf16_encoding_rounds_to_nearest_even() -> None:
     values = np.array([1.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -2.5, 256.0], dtype=np.float32)
     out = widen(np, encode(values, Precision.BF16), Precision.BF16)
     assert out.tolist() == [1.0, 1.0, 1.0 + 2.0 ** -6, -2.5, 256.0]
+
+
+def _width(precision: Precision) -> int:
+    return min(24, 2 * (precision.exact_int.bit_length() - 1))
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("k", [1, 2, 7, 96, 1024])
+def test_wide_problem_products_are_full_width_and_every_partial_sum_is_exact(precision: Precision, k: int) -> None:
+    w = wide_problem(12, 40, k, precision=precision, seed=3)
+    width = _width(precision)
+    assert np.abs(w.a).max() < precision.exact_int and np.abs(w.b).max() < precision.exact_int
+    terms = w.a[:, :, None] * w.b[None, :, :]  # (m, k, n) exact products
+    nonzero = terms[terms != 0]
+    assert (np.abs(nonzero) % 2 == 1).all() and np.abs(nonzero).max() < 1 << width
+    # Every dot product: one W-bit and (k > 1) one opposite (W−1)-bit term, all others exact zeros.
+    assert (np.count_nonzero(terms, axis=1) == min(k, 2)).all()
+    top = np.abs(terms).max(axis=1)
+    assert (top >= 1 << (width - 1)).all()  # the full-width term: bit W−1 and bit 0 set
+    positive, negative = np.where(terms > 0, terms, 0).sum(axis=1), np.where(terms < 0, -terms, 0).sum(axis=1)
+    assert max(positive.max(), negative.max()) < w.sum_bound + 1 <= 1 << 24  # any subset sum is exact
+    c = exact_reference(w)
+    assert (c != 0).all() and np.abs(c).max() < 1 << width
+
+
+def test_wide_problem_widths_cover_every_split_of_an_fp32_product() -> None:
+    w = wide_problem(64, 64, 64, precision=Precision.FP32, seed=0)
+    widths = {int(x).bit_length() for x in np.abs(w.a[0])}
+    assert widths == set(range(2, 23))
+
+
+@dataclass(frozen=True)
+class _StuckLowProductBit(Backend):
+    """A CPU "device" whose multiplier drops the lowest bit of its W-bit product (W = 24 for fp32
+    operands, 22 for fp16, 16 for bf16): bit 24 − W of each fp32 product's pattern reads 0."""
+
+    def matmul(self, a, b, precision: Precision):  # type: ignore[override]
+        wa, wb = widen(np, a, precision), widen(np, b, precision)
+        products = wa[:, :, None] * wb[None, :, :]  # fp32, exact for both known-answer problems
+        bits = products.view(np.uint32)
+        bits &= ~np.uint32(1 << (24 - _width(precision)))
+        return products.astype(np.float64).sum(axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_a_stuck_low_product_bit_passes_the_small_integer_case_and_fails_the_full_width_one(
+        precision: Precision) -> None:
+    defective = _StuckLowProductBit(device="cpu", xp=np)
+    result = run_exact(defective, 24, 20, 32, precision=precision, seed=5)
+    assert result.verdict is Verdict.FAIL
+    assert {mm.where for mm in result.mismatches} == {"C_wide"}  # the small-integer C is bitwise right
+    assert result.mismatch_total == 24 * 20  # every element of the full-width product is off by one
+    first = result.mismatches[0]
+    assert abs(first.observed - first.expected) == 1.0
+    assert run_exact(CPU, 24, 20, 32, precision=precision, seed=5).verdict is Verdict.PASS

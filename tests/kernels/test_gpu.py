@@ -44,11 +44,18 @@ def test_abft_and_repeatability_on_the_gpu(gpu: Backend) -> None:
     from fleethealth.kernels.gemm import run_repeat
 
     for precision in Precision:
-        assert run_abft(gpu, 2048, 2048, 2048, precision=precision).verdict is Verdict.PASS
+        healthy = run_abft(gpu, 2048, 2048, 2048, precision=precision)
+        assert healthy.verdict is Verdict.PASS and healthy.extra["calibrated"], healthy.detail
     assert run_repeat(gpu, 2048, 2048, 2048, runs=5).verdict is Verdict.PASS
     fault = Fault("bitflip", seed=2)
     broken = run_abft(gpu, 1024, 1024, 1024, fault=fault)
     assert broken.verdict is Verdict.FAIL and broken.mismatches[0].row == fault.injected[0].index // 1024
+    for n, precision in ((4096, Precision.FP32), (4096, Precision.BF16), (8192, Precision.BF16)):  # the GPU suites
+        fault = Fault("bitflip", seed=n)
+        broken = run_abft(gpu, n, n, n, precision=precision, fault=fault)
+        hit = fault.injected[0]
+        assert broken.verdict is Verdict.FAIL and broken.extra["calibrated"]
+        assert [(m.row, m.col) for m in broken.mismatches] == [(hit.index // n, hit.index % n)]
 
 
 @pytest.mark.gpu
