@@ -295,8 +295,8 @@ class _SimFrame(Frame):
         for n, node in enumerate(self.node_names):
             nic = NicPorts(port=(NIC_PORT,), kind=("ib",),
                            columns={"up": np.ones(1), "link_gbps": np.full(1, NIC_LINK_GBPS),
-                                    "tx_bytes": counters["tx_bytes"][n:n + 1], "rx_bytes": counters["rx_bytes"][n:n + 1],
-                                    "xmit_wait": counters["xmit_wait"][n:n + 1], "rx_errors": zeros,
+                                    **{name: counters[name][n:n + 1] for name in ("tx_bytes", "rx_bytes", "xmit_wait")},
+                                    "rx_errors": zeros,
                                     "symbol_errors": zeros, "link_downed": zeros, "link_recovery": zeros})
             out.append(Telemetry(node=node, rack=sim.rack_names[sim.node_rack[n]], ts=self.ts,
                                  gpu=np.arange(sim.gpus, dtype=np.int16),
