@@ -143,7 +143,22 @@ def _cmd_probe(sub: argparse._SubParsersAction) -> None:
                    help="spool bound; beyond it the oldest records are dropped and counted")
     p.add_argument("--metrics-port", type=int, default=9402, metavar="PORT", help="Prometheus port (0: off)")
     p.add_argument("--scenario", metavar="FILE", default=None, help="scenario for --source sim")
-    p.add_argument("--dcgm-host", default="localhost", metavar="HOST", help="nv-hostengine for --source dcgm")
+    p.add_argument("--dcgm-host", default=os.environ.get("FLEETHEALTH_DCGM_HOST", "localhost"), metavar="HOST[:PORT]",
+                   help="nv-hostengine for --source dcgm (default $FLEETHEALTH_DCGM_HOST, else localhost; "
+                        "GPU Operator's standalone host engine is nvidia-dcgm:5555)")
+    p.add_argument("--dcgm-exporter-compat", action="store_true",
+                   default=os.environ.get("FLEETHEALTH_DCGM_EXPORTER_COMPAT", "").lower() in ("1", "true", "yes"),
+                   help="serve dcgm-exporter's DCGM_FI_* metric names and labels instead of fleethealth_gpu_* "
+                        "(only where the probe replaces dcgm-exporter; default $FLEETHEALTH_DCGM_EXPORTER_COMPAT)")
+    p.add_argument("--sysfs-root", metavar="DIR", default=os.environ.get("FLEETHEALTH_SYSFS_ROOT", "/"),
+                   help="root whose sys/class/infiniband and sys/class/net hold the NIC counters "
+                        "(default $FLEETHEALTH_SYSFS_ROOT, else /)")
+    p.add_argument("--no-nic", action="store_true", help="do not read NIC counters")
+    p.add_argument("--log-level", default=os.environ.get("FLEETHEALTH_LOG_LEVEL", "info"),
+                   choices=("debug", "info", "warning", "error"),
+                   help="log level (default $FLEETHEALTH_LOG_LEVEL, else info)")
+    p.add_argument("--log-format", default=os.environ.get("FLEETHEALTH_LOG_FORMAT", "text"), choices=("text", "json"),
+                   help="log lines as text or one JSON object each (default $FLEETHEALTH_LOG_FORMAT, else text)")
     p.add_argument("--stall-timeout", type=float, default=5.0, metavar="S",
                    help="a source call slower than this is reported as telemetry_stalled")
     p.add_argument("--step-timeout", type=float, default=5.0, metavar="S",
@@ -161,8 +176,10 @@ def _run_probe(args: argparse.Namespace) -> int:
 
     from fleethealth.errors import ConfigError
     from fleethealth.probe.daemon import Probe, ProbeConfig, make_source
+    from fleethealth.probe.logs import configure_logging
     from fleethealth.wire import DEFAULT_SOCKET
 
+    configure_logging(args.log_level, args.log_format)
     if not args.kafka:
         raise ConfigError("--kafka DSN is required (or set FLEETHEALTH_KAFKA)")
     source = make_source(args.source, node=args.node, rack=args.rack, interval_s=args.interval,
@@ -171,7 +188,8 @@ def _run_probe(args: argparse.Namespace) -> int:
                          socket_path=None if args.no_socket else (args.socket or DEFAULT_SOCKET),
                          spool_dir=args.spool_dir, spool_max_bytes=int(args.spool_max_mb * (1 << 20)),
                          metrics_port=args.metrics_port or None, stall_timeout_s=args.stall_timeout,
-                         step_timeout_s=args.step_timeout)
+                         step_timeout_s=args.step_timeout, nic_root=None if args.no_nic else args.sysfs_root,
+                         dcgm_exporter_compat=args.dcgm_exporter_compat)
     on_connect = None
     if args.ensure_topics:
         from fleethealth.bus import ensure_topics
