@@ -158,6 +158,7 @@ class DcgmSource:
         self.lost_after = 3
         self.health_error: str | None = None
         self._field_meta = field_meta
+        self._bus_ids: dict[int, str] = {}
         self.version = parse_version(version)
         self.selection = FieldSelection(WATCHED_FIELDS, {}, {})
         self.driver_version = ""
@@ -174,7 +175,20 @@ class DcgmSource:
                 self.health_error = f"{type(exc).__name__}: {exc}"
                 self._health = None
         self._uuids = self._uuids or {int(k): str(v) for k, v in getattr(self._reader, "m_gpuIdToUUId", {}).items()}
+        self._bus_ids = {int(k): _text(v) for k, v in (getattr(self._reader, "m_gpuIdToBusId", None) or {}).items()}
+        self.driver_version = self.driver_version or self._read_driver_version()
         self._read()  # DcgmReader's first since-last-call read only starts the collection
+
+    def _read_driver_version(self) -> str:
+        """The NVIDIA driver version from DCGM's GPU attributes (``""`` when the reader cannot say)."""
+        system = getattr(self._reader, "m_dcgmSystem", None)
+        if system is None or not self._uuids:
+            return ""
+        try:
+            attrs = system.discovery.GetGpuAttributes(min(self._uuids))
+            return _text(attrs.identifiers.driverVersion)
+        except Exception:  # noqa: BLE001 - a label, not worth failing the source for
+            return ""
 
     def _select(self, field_meta: Callable[[int], Any]) -> FieldSelection:
         self.selection = select_fields(WATCHED_FIELDS, field_meta, self.version)
@@ -280,7 +294,9 @@ class DcgmSource:
                     cols[spec.column][i] = cache[spec.dcgm_id]
         events.extend(self._check_health(ts))
         uuid = tuple(self._uuids.get(g, "") for g in gpus) if self._uuids else ()
-        telemetry = Telemetry.from_columns(self.node, self.rack, ts, gpus, model=self._model, uuid=uuid, **cols)
+        bus = tuple(self._bus_ids.get(g, "") for g in gpus) if self._bus_ids else ()
+        telemetry = Telemetry.from_columns(self.node, self.rack, ts, gpus, model=self._model, uuid=uuid,
+                                           pci_bus_id=bus, **cols)
         return Sample(telemetry, tuple(events))
 
     def _lost_gpus(self, ts: float, fresh: dict[Any, dict[Any, list[Any]]]) -> list[Event]:
@@ -341,6 +357,10 @@ class DcgmSource:
                                 message=msg, data={"system": system, "health": result, "source": "dcgm"}))
         self._incidents = seen
         return events
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _number(value: Any, width: int = 64) -> float:

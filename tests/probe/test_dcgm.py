@@ -180,6 +180,19 @@ import dcgm_structs
 class _Group:
     health = None
 
+class _Ids:
+    driverVersion = b"550.54.15"
+
+class _Attrs:
+    identifiers = _Ids()
+
+class _Discovery:
+    def GetGpuAttributes(self, gpu):
+        return _Attrs()
+
+class _System:
+    discovery = _Discovery()
+
 class DcgmReader:
     """Stands in for DCGM's DcgmReader: MODE picks what the host engine does."""
     def __init__(self, hostname, fieldIds, updateFrequency, fieldGroupName):
@@ -187,6 +200,8 @@ class DcgmReader:
         self.m_dcgmHandle = None
         self.m_dcgmGroup = _Group()
         self.m_gpuIdToUUId = {0: "GPU-x"}
+        self.m_gpuIdToBusId = {0: "00000000:18:00.0"}
+        self.m_dcgmSystem = _System()
     def Init(self):
         if dcgm_structs.MODE == "down":
             return  # DcgmReader logs and stays disconnected
@@ -249,3 +264,6 @@ def test_an_older_engine_refusing_new_fields_is_retried_without_them(fake_bindin
     source.open()
     assert 1523 not in source.selection.watch and 1523 in source.selection.unknown
     assert any("retrying without fields 1523" in r.getMessage() for r in caplog.records)
+    # the labels dcgm-exporter's compatibility mode needs come from DCGM's GPU attributes
+    assert source.driver_version == "550.54.15"
+    assert source.sample(1.0).telemetry.pci_bus_id == ("00000000:18:00.0",)
