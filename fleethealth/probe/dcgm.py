@@ -228,8 +228,9 @@ class DcgmSource:
                 reader.Init()
             except dcgm_structs.DCGMError as exc:
                 if getattr(reader, "m_dcgmHandle", None) is None:
+                    where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
                     raise DeviceError(f"DCGM source: cannot connect to the DCGM host engine (nv-hostengine) at "
-                                      f"{self.hostname} ({exc}); start it, or point --dcgm-host / "
+                                      f"{where} ({exc}); start it, or point --dcgm-host / "
                                       f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator: nvidia-dcgm:5555); "
                                       f"{_HINT}") from exc
                 newer = [f for f in fields if f in FIELD_SINCE]
@@ -248,8 +249,9 @@ class DcgmSource:
                                   f"{', '.join(map(str, fields))} ({exc}); {_HINT}") from exc
             break
         if getattr(reader, "m_dcgmHandle", None) is None:
+            where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
             raise DeviceError(f"DCGM source: the DCGM host engine (nv-hostengine) is not reachable at "
-                              f"{self.hostname} (DcgmReader could not connect); start it, or point --dcgm-host / "
+                              f"{where} (DcgmReader could not connect); start it, or point --dcgm-host / "
                               f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator: nvidia-dcgm:5555); {_HINT}")
         return reader, reader.m_dcgmGroup.health
 

@@ -172,3 +172,31 @@ def test_this_machines_real_sys_class_net() -> None:
             tx0, tx1 = _col(first, port, "tx_bytes"), _col(second, port, "tx_bytes")
             assert math.isnan(tx0) or tx1 >= tx0
     assert set(first.kind) <= {"ib", "eth"}
+
+
+def test_probe_adds_the_nic_to_each_sample_and_reports_a_bad_counter_once(ib_root: Path, tmp_path: Path,
+                                                                          recording) -> None:
+    from fleethealth.probe.daemon import Probe, ProbeConfig
+    from fleethealth.probe.delivery import Delivery
+    from fleethealth.probe.nvml import NvmlSource
+    from fleethealth.probe.recorded import NvmlReplay
+    from fleethealth.probe.spool import Spool
+    from fleethealth.schema import TOPIC_TYPES, Event, EventKind, Topic
+
+    source = NvmlSource("n0003", "r00", nvml=NvmlReplay(recording("nvml_h100_faults.json")), xid_events=False)
+    config = ProbeConfig(node="n0003", rack="r00", socket_path=None, metrics_port=None, nic_root=str(ib_root))
+    probe = Probe(source, config, delivery=Delivery("kafka://127.0.0.1:9", Spool(tmp_path / "spool"))).open(
+        background_delivery=False)
+    try:
+        probe.tick(now=100.0)
+        _write(ib_root, f"{IB0}/counters/port_xmit_data", 1_000_000_000 + 12_500_000_000)  # 50 GB in 2 s: 50 %
+        probe.tick(now=102.0)
+        msgs = [schema.decode(TOPIC_TYPES[Topic(r.topic)], r.value) for r in probe.delivery.spool.peek(1000)]
+    finally:
+        probe.close(drain_timeout_s=0.0)
+    tel = [m for m in msgs if isinstance(m, Telemetry)]
+    assert len(tel) == 2 and all(t.nic is not None and t.nic.port == ("mlx5_0/1", "mlx5_1/1") for t in tel)
+    assert tel[0].gpu.tolist() == [0, 1, 2, 3]  # the GPU sample goes out with the NIC
+    assert tel[1].nic_util == pytest.approx(0.5)  # the busiest up port over the last interval
+    errors = [m for m in msgs if isinstance(m, Event) and m.kind is EventKind.PROBE_ERROR]
+    assert len(errors) == 1 and "symbol_error" in (errors[0].message or "") and errors[0].data["source"] == "nic"
