@@ -11,9 +11,16 @@ peers' latest samples. The branches, in R2's order:
    ``peer_throttle_share`` of the peers throttle too, it is ``ENVIRONMENTAL`` (alert facilities,
    evicting will not help), else ``NODE_THERMAL`` (a fan or paste problem: evict). ``SW_POWER_CAP``
    alone does not count: a busy GPU sits at its power limit in normal operation.
-2. **NVLink** — fewer links up than the GPU has, or CRC / replay / recovery counters rising
-   faster than ``nvlink_errors_per_s`` between the two samples → ``NODE_LINK``.
-3. **NIC** — the node NIC's shared utilisation above ``nic_util_band`` → ``NETWORK_CONTENTION``.
+2. **Links** — fewer NVLink links up than the GPU has, or CRC / replay / recovery counters rising
+   faster than ``nvlink_errors_per_s`` between the two samples, or a NIC port that went down
+   between them (up before, down now, or its ``link_downed`` counter rose) → ``NODE_LINK``.
+3. **NIC** — from the NIC port counters of the two samples (:class:`~fleethealth.schema.NicPorts`,
+   real sysfs counters on a node, the same counters from the simulator): a port that waited for
+   credit (``port_xmit_wait`` ticks × ``nic_bytes_per_tick`` over what the link could send in the
+   interval) more than ``nic_xmit_wait_band`` of the time, or sent or received above
+   ``nic_util_band`` of its link rate → ``NETWORK_CONTENTION``. A sample without NIC ports (from
+   a probe older than its NIC source) falls back to its ``nic_util`` summary against
+   ``nic_util_band``.
 4. Otherwise ``UNKNOWN``.
 
 The evidence (values, thresholds, peers) is a JSON-ready dict that goes into the finding.
@@ -53,13 +60,19 @@ class DiagnosisThresholds:
     nvlink_errors_per_s: float = 1.0
     """NVLink CRC + replay + recovery errors per second, summed over the node, still in band."""
     nic_util_band: float = 0.85
-    """NIC shared utilisation above which the network is contended."""
+    """Share of a NIC port's link rate, sent or received, above which the network is contended."""
+    nic_xmit_wait_band: float = 0.10
+    """Share of the interval a NIC port waited for credit (``port_xmit_wait``) above which it is contended."""
+    nic_bytes_per_tick: float = 8.0
+    """Bytes one ``port_xmit_wait`` tick stands for (8 on NVIDIA Quantum-class hardware, per ibdiagnet)."""
 
     def __post_init__(self) -> None:
         check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
         check_number("peer_throttle_share", self.peer_throttle_share, above=0, at_most=1.0, owner=self)
         check_number("nvlink_errors_per_s", self.nvlink_errors_per_s, at_least=0, owner=self)
         check_number("nic_util_band", self.nic_util_band, at_least=0, at_most=1.0, owner=self)
+        check_number("nic_xmit_wait_band", self.nic_xmit_wait_band, at_least=0, at_most=1.0, owner=self)
+        check_number("nic_bytes_per_tick", self.nic_bytes_per_tick, above=0, owner=self)
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,47 @@ def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
     return total / (sample.ts - previous.ts)
 
 
+@dataclass(frozen=True)
+class _NicView:
+    """Per-port NIC figures between two samples (arrays over the ports present in both)."""
+
+    port: list[str]
+    util: np.ndarray
+    wait_share: np.ndarray
+    went_down: np.ndarray
+
+
+def _nic_view(sample: Telemetry, previous: Telemetry | None, bytes_per_tick: float) -> _NicView | None:
+    """Utilisation, credit-wait share and ports gone down between ``previous`` and ``sample``
+    (NaN where a counter is missing or stepped back, e.g. after a probe restart)."""
+    nic = sample.nic
+    if nic is None:
+        return None
+    before = previous.nic if previous is not None else None
+    if before is None or previous is None or previous.ts >= sample.ts:
+        n = len(nic.port)
+        return _NicView(list(nic.port), np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=bool))
+    dt = sample.ts - previous.ts
+    index = {p: i for i, p in enumerate(before.port)}
+    rows = [index.get(p, -1) for p in nic.port]
+    have = np.array([r >= 0 for r in rows], dtype=bool)
+    take = np.array([max(r, 0) for r in rows], dtype=np.int64)
+
+    def delta(name: str) -> np.ndarray:
+        d = nic.columns[name] - before.columns[name][take]
+        return np.where(have & (d >= 0), d, np.nan)
+
+    link = nic.columns["link_gbps"] * 1e9 / 8
+    with np.errstate(invalid="ignore", divide="ignore"):
+        util = np.fmax(delta("tx_bytes"), delta("rx_bytes")) / (link * dt)
+        wait = delta("xmit_wait") * bytes_per_tick / (link * dt)
+    util = np.where(link > 0, util, np.nan)
+    wait = np.where(link > 0, np.minimum(wait, 1.0), np.nan)
+    up_now, up_before = nic.columns["up"], before.columns["up"][take]
+    went_down = have & (((up_before == 1.0) & (up_now == 0.0)) | (delta("link_downed") > 0))
+    return _NicView(list(nic.port), util, wait, went_down)
+
+
 def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gpu: int | None = None,
                        previous: Telemetry | None = None,
                        thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> DiagnosisResult:
@@ -135,14 +189,27 @@ def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gp
     up, top = cols["nvlink_links_up"], cols["nvlink_links_max"]
     down = np.isfinite(up) & np.isfinite(top) & (up < top)
     rate = _nvlink_rate(sample, previous)
+    nic = _nic_view(sample, previous, th.nic_bytes_per_tick)
+    ports_down = [p for p, d in zip(nic.port, nic.went_down, strict=True) if d] if nic is not None else []
     evidence.update(nvlink_links_up=_num(float(np.nansum(up))) if np.isfinite(up).any() else None,
                     nvlink_links_max=_num(float(np.nansum(top))) if np.isfinite(top).any() else None,
                     nvlink_gpus_degraded=sample.gpu[down].tolist(), nvlink_errors_per_s=_num(rate),
-                    nvlink_errors_per_s_band=th.nvlink_errors_per_s)
-    if down.any() or rate > th.nvlink_errors_per_s:
+                    nvlink_errors_per_s_band=th.nvlink_errors_per_s, nic_ports_down=ports_down)
+    if down.any() or rate > th.nvlink_errors_per_s or ports_down:
         return DiagnosisResult(Diagnosis.NODE_LINK, evidence)
-    evidence.update(nic_util=_num(sample.nic_util), nic_util_band=th.nic_util_band)
-    if sample.nic_util > th.nic_util_band:
+    evidence.update(nic_util_band=th.nic_util_band)
+    if nic is None:  # an older probe: only the node's utilisation summary
+        evidence.update(nic_source="nic_util", nic_util=_num(sample.nic_util))
+        contended = sample.nic_util > th.nic_util_band
+    else:
+        util = float(np.nanmax(nic.util)) if np.isfinite(nic.util).any() else math.nan
+        wait = float(np.nanmax(nic.wait_share)) if np.isfinite(nic.wait_share).any() else math.nan
+        evidence.update(nic_source="port_counters", nic_util=_num(util), nic_xmit_wait_share=_num(wait),
+                        nic_xmit_wait_band=th.nic_xmit_wait_band,
+                        nic_ports=[{"port": p, "util": _num(u), "xmit_wait_share": _num(w)}
+                                   for p, u, w in zip(nic.port, nic.util, nic.wait_share, strict=True)])
+        contended = util > th.nic_util_band or wait > th.nic_xmit_wait_band
+    if contended:
         return DiagnosisResult(Diagnosis.NETWORK_CONTENTION, evidence)
     return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
 

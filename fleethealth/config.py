@@ -357,7 +357,17 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
     Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),
     Key("probe.scenario", "str", None, "scenario file for probe.source = sim", optional=True),
-    Key("probe.dcgm_host", "str", "localhost", "nv-hostengine for probe.source = dcgm"),
+    Key("probe.dcgm_host", "str", "localhost", "nv-hostengine for probe.source = dcgm, host[:port] "
+        "(GPU Operator's standalone host engine: nvidia-dcgm:5555)", env="FLEETHEALTH_DCGM_HOST"),
+    Key("probe.dcgm_exporter_compat", "bool", False, "serve dcgm-exporter's DCGM_FI_* names and labels instead of "
+        "fleethealth_gpu_* (only where the probe replaces dcgm-exporter)", env="FLEETHEALTH_DCGM_EXPORTER_COMPAT"),
+    Key("probe.sysfs_root", "str", "/", "root whose sys/class/infiniband and sys/class/net hold the NIC counters",
+        env="FLEETHEALTH_SYSFS_ROOT"),
+    Key("probe.no_nic", "bool", False, "do not read NIC counters"),
+    Key("probe.log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"),
+        env="FLEETHEALTH_LOG_LEVEL"),
+    Key("probe.log_format", "str", "text", "log lines as text or one JSON object each", choices=("text", "json"),
+        env="FLEETHEALTH_LOG_FORMAT"),
     Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
     Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
     Key("probe.ensure_topics", "bool", False, "create the fh.* topics on every (re)connect"),

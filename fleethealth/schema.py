@@ -41,6 +41,8 @@ __all__ = [
     "EventKind",
     "ClockReason",
     "GPU_FIELDS",
+    "NIC_FIELDS",
+    "NicPorts",
     "Telemetry",
     "StepBatch",
     "Event",
@@ -186,8 +188,27 @@ GPU_FIELDS: dict[str, str] = {
     "pcie_gen_max": "maximum PCIe link generation",
     "pcie_width": "current PCIe link width",
     "pcie_width_max": "maximum PCIe link width",
+    "fb_used_mib": "framebuffer memory used, MiB",
+    "fb_free_mib": "framebuffer memory free, MiB",
+    "energy_mj": "energy consumed since the driver loaded, mJ",
+    "tensor_active": "share of cycles the tensor pipes were active, 0-1",
 }
 """Per-GPU telemetry columns (float64; NaN where a source does not report the field)."""
+
+NIC_FIELDS: dict[str, str] = {
+    "up": "1 while the port's link is up (InfiniBand state ACTIVE, Ethernet operstate up), else 0",
+    "link_gbps": "link rate, Gb/s (InfiniBand ports/<p>/rate, Ethernet speed)",
+    "tx_bytes": "bytes sent, counter (InfiniBand port_xmit_data x 4, Ethernet tx_bytes)",
+    "rx_bytes": "bytes received, counter (InfiniBand port_rcv_data x 4, Ethernet rx_bytes)",
+    "xmit_wait": "ticks the port had data to send but no credit to send it, counter (InfiniBand port_xmit_wait)",
+    "rx_errors": "received packets with errors, counter (port_rcv_errors, Ethernet rx_errors)",
+    "symbol_errors": "symbol errors on the link, counter (InfiniBand symbol_error)",
+    "link_downed": "times the link went down, counter (link_downed, Ethernet carrier_down_count)",
+    "link_recovery": "link error recoveries, counter (InfiniBand link_error_recovery)",
+}
+"""Per-port NIC columns (float64; NaN where the port does not have the counter). Counters are
+monotonic totals as the probe read them (32-bit wraps and resets already folded in); rates are
+taken between two samples by the consumer, as for the GPU counters."""
 
 _COUNTER = (0.0, 2.0**64)
 GPU_FIELD_RANGES: dict[str, tuple[float, float]] = {
@@ -201,6 +222,7 @@ GPU_FIELD_RANGES: dict[str, tuple[float, float]] = {
     "nvlink_links_max": (0.0, 64.0), "nvlink_crc_flit": _COUNTER, "nvlink_crc_data": _COUNTER,
     "nvlink_replay": _COUNTER, "nvlink_recovery": _COUNTER, "pcie_replay": _COUNTER, "pcie_gen": (0.0, 16.0),
     "pcie_gen_max": (0.0, 16.0), "pcie_width": (0.0, 64.0), "pcie_width_max": (0.0, 64.0),
+    "fb_used_mib": (0.0, 2.0**24), "fb_free_mib": (0.0, 2.0**24), "energy_mj": _COUNTER, "tensor_active": (0.0, 1.0),
 }
 """Physical range of each telemetry field: a sample with a value outside it (a temperature of
 1e308 °C, a utilisation of 250 %) is a broken or forged probe, and is dead-lettered naming the field."""
@@ -315,9 +337,10 @@ def _array(obj: dict[str, Any], name: str, dtype: type, *, length: int | None = 
         bad = np.isinf(arr) if nan_ok else ~np.isfinite(arr)
         if bad.any():
             raise SchemaError(name, f"non-finite value at index {int(np.argmax(bad))}")
-    if minimum is not None and arr.size and np.nanmin(arr) < minimum:
+    finite = arr.size and not np.isnan(arr).all()
+    if minimum is not None and finite and np.nanmin(arr) < minimum:
         raise SchemaError(name, f"values must be >= {minimum}, found {np.nanmin(arr)}")
-    if maximum is not None and arr.size and np.nanmax(arr) > maximum:
+    if maximum is not None and finite and np.nanmax(arr) > maximum:
         raise SchemaError(name, f"values must be <= {maximum}, found {np.nanmax(arr)}")
     return arr
 
@@ -355,12 +378,76 @@ def _jsonable(arr: np.ndarray) -> list[Any]:
 
 # ---------------------------------------------------------------- messages
 @dataclass(frozen=True, eq=False)
+class NicPorts:
+    """One node's NIC ports at one moment, carried inside :class:`Telemetry` (``"nic"`` on the wire).
+
+    ``port`` names each port (``mlx5_0/1`` for an InfiniBand or RoCE port, the interface name for
+    Ethernet), shape ``(p,)``; ``kind`` is ``"ib"`` or ``"eth"`` per port; ``columns`` maps each name
+    of :data:`NIC_FIELDS` to a float64 array of shape ``(p,)``, NaN where the port lacks it.
+    """
+
+    port: tuple[str, ...]
+    kind: tuple[str, ...]
+    columns: dict[str, np.ndarray]
+
+    KINDS: ClassVar[tuple[str, ...]] = ("ib", "eth")
+
+    @classmethod
+    def from_columns(cls, port: Sequence[str], kind: Sequence[str], **columns: Any) -> NicPorts:
+        """Build the ports; fields of :data:`NIC_FIELDS` not given are NaN. Unknown names raise."""
+        port, kind = tuple(port), tuple(kind)
+        if len(kind) != len(port):
+            raise SchemaError("nic.kind", f"expected {len(port)} values, got {len(kind)}")
+        bad = sorted(set(kind) - set(cls.KINDS))
+        if bad:
+            raise SchemaError("nic.kind", f"unknown port kind {bad[0]!r} (known: {', '.join(cls.KINDS)})")
+        unknown = set(columns) - set(NIC_FIELDS)
+        if unknown:
+            raise SchemaError(f"nic.columns.{sorted(unknown)[0]}", "not a NIC field")
+        full = {}
+        for name in NIC_FIELDS:
+            col = columns.get(name)
+            full[name] = (np.full(len(port), np.nan) if col is None
+                          else np.asarray(col, dtype=np.float64).reshape(len(port)))
+        return cls(port=port, kind=kind, columns=full)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"port": list(self.port), "kind": list(self.kind),
+                "columns": {k: _jsonable(v) for k, v in self.columns.items()}}
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> NicPorts:
+        if not isinstance(obj, dict):
+            raise SchemaError("nic", f"expected an object, got {type(obj).__name__}")
+        port, kind = obj.get("port"), obj.get("kind")
+        for name, value in (("nic.port", port), ("nic.kind", kind)):
+            if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+                raise SchemaError(name, "expected an array of non-empty strings")
+        cols = _obj(obj, "columns")
+        unknown = set(cols) - set(NIC_FIELDS)
+        if unknown:
+            raise SchemaError(f"nic.columns.{sorted(unknown)[0]}", "not a NIC field")
+        arrays = {}
+        for name in NIC_FIELDS:
+            if name in cols:
+                try:
+                    arrays[name] = _array(cols, name, np.float64, length=len(port), nan_ok=True, minimum=0.0)
+                except SchemaError as exc:
+                    raise SchemaError(f"nic.columns.{name}", exc.problem) from None
+        return cls.from_columns(port, kind, **arrays)
+
+
+@dataclass(frozen=True, eq=False)
 class Telemetry:
     """One node's sample of all its GPUs at event time ``ts`` (topic ``fh.telemetry``, key node).
 
     ``gpu`` holds GPU indices (shape ``(g,)``); ``columns`` maps each name of :data:`GPU_FIELDS`
     to a float64 array of shape ``(g,)``, NaN where the source does not report it.
-    ``nic_util`` is the node NIC's shared utilisation in [0, 1] (NaN when unknown).
+    ``nic`` holds the node's NIC port counters (:class:`NicPorts`, ``None`` when no NIC was read);
+    ``nic_util`` is a summary kept for older readers: the busiest up port's utilisation over the
+    probe's last interval, in [0, 1] (NaN when unknown). ``pci_bus_id`` gives each GPU's PCI
+    address (``()`` when the source does not say). Both are optional on the wire, so messages
+    from older probes still decode.
     """
 
     node: str
@@ -371,11 +458,14 @@ class Telemetry:
     nic_util: float = math.nan
     model: str = ""
     uuid: tuple[str, ...] = ()
+    nic: NicPorts | None = None
+    pci_bus_id: tuple[str, ...] = ()
     TOPIC: ClassVar[Topic] = Topic.TELEMETRY
 
     @classmethod
     def from_columns(cls, node: str, rack: str, ts: float, gpu: np.ndarray | list[int], *,
                      nic_util: float = math.nan, model: str = "", uuid: tuple[str, ...] = (),
+                     nic: NicPorts | None = None, pci_bus_id: tuple[str, ...] = (),
                      **columns: np.ndarray | list[float]) -> Telemetry:
         """Build a sample; fields of :data:`GPU_FIELDS` not given are NaN. Unknown names raise."""
         gpu = np.asarray(gpu, dtype=np.int16)
@@ -388,19 +478,24 @@ class Telemetry:
             full[name] = (np.full(gpu.shape, np.nan) if col is None
                           else np.asarray(col, dtype=np.float64).reshape(gpu.shape))
         return cls(node=node, rack=rack, ts=float(ts), gpu=gpu, columns=full, nic_util=float(nic_util),
-                   model=model, uuid=tuple(uuid))
+                   model=model, uuid=tuple(uuid), nic=nic, pci_bus_id=tuple(pci_bus_id))
 
     @property
     def key(self) -> str:
         return self.node
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        obj = {
             "v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
             "gpu": self.gpu.tolist(), "nic_util": None if math.isnan(self.nic_util) else self.nic_util,
             "model": self.model, "uuid": list(self.uuid),
             "columns": {k: _jsonable(v) for k, v in self.columns.items()},
         }
+        if self.nic is not None:
+            obj["nic"] = self.nic.to_obj()
+        if self.pci_bus_id:
+            obj["pci_bus_id"] = list(self.pci_bus_id)
+        return obj
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
@@ -419,9 +514,14 @@ class Telemetry:
         model = obj.get("model", "")
         if not isinstance(model, str):
             raise SchemaError("model", "expected a string")
+        bus = obj.get("pci_bus_id", [])
+        if not isinstance(bus, list) or not all(isinstance(b, str) for b in bus):
+            raise SchemaError("pci_bus_id", "expected an array of strings")
+        ports = obj.get("nic")
         return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu,
                    columns=columns, nic_util=math.nan if nic is None else _float(obj, "nic_util"),
-                   model=model, uuid=tuple(uuid))
+                   model=model, uuid=tuple(uuid), nic=None if ports is None else NicPorts.from_obj(ports),
+                   pci_bus_id=tuple(bus))
 
 
 @dataclass(frozen=True, eq=False)

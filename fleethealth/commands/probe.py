@@ -35,7 +35,20 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="spool bound; beyond it the oldest records are dropped and counted")
     add_setting(p, "--metrics-port", "probe.metrics_port", type=int, metavar="PORT", help="Prometheus port (0: off)")
     add_setting(p, "--scenario", "probe.scenario", metavar="FILE", help="scenario for --source sim")
-    add_setting(p, "--dcgm-host", "probe.dcgm_host", metavar="HOST", help="nv-hostengine for --source dcgm")
+    add_setting(p, "--dcgm-host", "probe.dcgm_host", metavar="HOST[:PORT]",
+                help="nv-hostengine for --source dcgm (default $FLEETHEALTH_DCGM_HOST, else localhost; "
+                     "GPU Operator's standalone host engine is nvidia-dcgm:5555)")
+    add_setting(p, "--dcgm-exporter-compat", "probe.dcgm_exporter_compat", store_true=True,
+                help="serve dcgm-exporter's DCGM_FI_* metric names and labels instead of fleethealth_gpu_* "
+                     "(only where the probe replaces dcgm-exporter; default $FLEETHEALTH_DCGM_EXPORTER_COMPAT)")
+    add_setting(p, "--sysfs-root", "probe.sysfs_root", metavar="DIR",
+                help="root whose sys/class/infiniband and sys/class/net hold the NIC counters "
+                     "(default $FLEETHEALTH_SYSFS_ROOT, else /)")
+    add_setting(p, "--no-nic", "probe.no_nic", store_true=True, help="do not read NIC counters")
+    add_setting(p, "--log-level", "probe.log_level", choices=("debug", "info", "warning", "error"),
+                help="log level (default $FLEETHEALTH_LOG_LEVEL, else info)")
+    add_setting(p, "--log-format", "probe.log_format", choices=("text", "json"),
+                help="log lines as text or one JSON object each (default $FLEETHEALTH_LOG_FORMAT, else text)")
     add_setting(p, "--stall-timeout", "probe.stall_timeout_s", type=float, metavar="S",
                 help="a source call slower than this is reported as telemetry_stalled")
     add_setting(p, "--step-timeout", "probe.step_timeout_s", type=float, metavar="S",
@@ -53,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     from fleethealth.nodename import node_name
     from fleethealth.probe.daemon import Probe, ProbeConfig, make_source
+    from fleethealth.probe.logs import configure_logging
 
     s = load_settings(args)
+    configure_logging(s["probe.log_level"], s["probe.log_format"])
     kafka = require_bus(s["kafka"], "--kafka DSN is required (or set FLEETHEALTH_KAFKA)")
     node = node_name(s["node.name"], naming=s["node.naming"])
     interval, source_name = s["probe.interval_s"], s["probe.source"]
@@ -64,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
                          socket_path=None if s["probe.no_socket"] else s["probe.socket"],
                          spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),
                          metrics_port=s["probe.metrics_port"] or None, stall_timeout_s=s["probe.stall_timeout_s"],
-                         step_timeout_s=s["probe.step_timeout_s"])
+                         step_timeout_s=s["probe.step_timeout_s"],
+                         nic_root=None if s["probe.no_nic"] else s["probe.sysfs_root"],
+                         dcgm_exporter_compat=s["probe.dcgm_exporter_compat"])
     on_connect = None
     if s["probe.ensure_topics"]:
         from fleethealth.bus import ensure_topics

@@ -4,8 +4,10 @@
 simulator, :mod:`.simsource`, chosen by name through :mod:`.sources`) sampled every interval under
 a stall guard; the training ranks' datagrams from the Unix socket aggregated
 into one step batch per (job, step) (:mod:`.aggregator`); everything written ahead to a bounded
-on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); Prometheus
-``/metrics`` in dcgm-exporter's names (:mod:`.metrics`, :mod:`.fields`). The probe shares only the
+on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); the node's NIC
+port counters read from sysfs into each telemetry sample (:mod:`.nic`); Prometheus ``/metrics``
+under the probe's own names, or dcgm-exporter's in its compatibility mode (:mod:`.metrics`,
+:mod:`.fields`); operator warnings and log set-up (:mod:`.logs`). The probe shares only the
 wire format (:mod:`fleethealth.wire`) with the in-job library. Names resolve lazily, so importing
 the package loads neither NVML, DCGM nor the simulator.
 """
@@ -30,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "Delivery": "delivery",
     "ProbeMetrics": "metrics",
     "ProbeHealth": "metrics",
+    "NicReader": "nic",
+    "ProbeWatch": "logs",
+    "configure_logging": "logs",
     "NvmlSource": "nvml",
     "DcgmSource": "dcgm",
     "SimSource": "simsource",

@@ -3,6 +3,7 @@
 ::
 
     every interval:  source.sample()  --(StallGuard: timeout -> telemetry_stalled event)-->
+                     + the node's NIC port counters from sysfs (NicReader, unless the source has its own)
                      one fh.telemetry message + the source's events (Xid, health, gpu_lost)
     continuously:    Unix-socket datagrams from the node's training ranks (own thread) -> StepAggregator
                      -> one fh.steps batch per (job, step) + in-job events (node filled in)
@@ -19,11 +20,16 @@ socket file left by a previous probe, and is writable by every user so training 
 privileges. The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the
 deploy files raise it), so a thread of its own reads them as they come; senders never block, they
 drop and count.
+
+After every interval :class:`~fleethealth.probe.logs.ProbeWatch` logs what an operator must know:
+the broker unreachable, the spool filling or dropping, a GPU off the bus, a bad NIC counter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
 import os
 import selectors
@@ -38,10 +44,12 @@ from pathlib import Path
 from fleethealth.errors import ConfigError
 from fleethealth.probe.aggregator import StepAggregator
 from fleethealth.probe.delivery import Delivery
+from fleethealth.probe.logs import LOGGER, ProbeWatch
 from fleethealth.probe.metrics import DEFAULT_PORT, ProbeHealth, ProbeMetrics
+from fleethealth.probe.nic import NicReader
 from fleethealth.probe.sources import Source, StallGuard
 from fleethealth.probe.spool import DEFAULT_MAX_BYTES, Spool
-from fleethealth.schema import Event, EventKind, Message
+from fleethealth.schema import Event, EventKind, Message, Telemetry
 from fleethealth.wire import DEFAULT_SOCKET, MAX_DATAGRAM
 
 __all__ = ["Probe", "ProbeConfig", "TickReport", "DatagramListener", "make_source"]
@@ -53,7 +61,10 @@ class ProbeConfig:
 
     ``socket_path=None`` runs without the in-job socket; ``metrics_port=None`` without /metrics.
     ``stall_timeout_s`` bounds one source call; ``step_timeout_s`` is how long a step batch waits
-    for the node's slower ranks.
+    for the node's slower ranks. ``nic_root`` is the file-system root whose ``sys/class`` the NIC
+    counters are read from (``None``: no NIC reading); ``dcgm_exporter_compat`` serves dcgm-exporter's
+    ``DCGM_FI_*`` names and labels instead of the probe's own; ``warn_every_s`` rate-limits the
+    repeated warnings.
     """
 
     node: str
@@ -66,6 +77,9 @@ class ProbeConfig:
     metrics_addr: str = "0.0.0.0"
     stall_timeout_s: float = 5.0
     step_timeout_s: float = 5.0
+    nic_root: str | None = None
+    dcgm_exporter_compat: bool = False
+    warn_every_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.node:
@@ -100,8 +114,12 @@ class Probe:
         self.source = source
         self.config = config
         self.delivery = delivery
-        self.metrics = metrics if metrics is not None else ProbeMetrics(config.node)
+        self.metrics = metrics if metrics is not None else ProbeMetrics(config.node,
+                                                                        compat=config.dcgm_exporter_compat)
         self.metrics.set_health(self.health)
+        self.nic = NicReader(config.nic_root) if config.nic_root is not None else None
+        self.watch = ProbeWatch(every_s=config.warn_every_s, clock=monotonic)
+        self.log = logging.getLogger(LOGGER)
         self.aggregator = StepAggregator(config.node, timeout_s=config.step_timeout_s)
         self._clock = clock
         self._monotonic = monotonic
@@ -121,6 +139,9 @@ class Probe:
     def open(self, *, background_delivery: bool = True) -> Probe:
         """Open the source (raising its one-line DeviceError), the socket, /metrics and delivery."""
         self.source.open()
+        driver = getattr(self.source, "driver_version", "")
+        if driver and not self.metrics.driver_version:
+            self.metrics.driver_version = str(driver)
         self._guard = StallGuard(self.source, node=self.config.node, timeout_s=self.config.stall_timeout_s)
         if self.config.socket_path is not None:
             self._listener = DatagramListener(self.config.socket_path)
@@ -171,8 +192,9 @@ class Probe:
             self._last_duration = time.perf_counter() - t0
             self._samples += 1
             sample = result.sample
-            self._submit(sample.telemetry)
-            self.metrics.observe(sample.telemetry)
+            telemetry = self._with_nic(sample.telemetry, events)
+            self._submit(telemetry)
+            self.metrics.observe(telemetry)
             events.extend(sample.events)
             for batch in sample.batches:
                 self._submit(batch)
@@ -185,7 +207,36 @@ class Probe:
         for event in events:
             self._submit_event(event)
         batches += self._drain()
+        self._watch()
         return TickReport(sampled, len(events), batches)
+
+    def _with_nic(self, telemetry: Telemetry, events: list[Event]) -> Telemetry:
+        """The sample with this node's NIC ports added (a source with its own, the simulator, keeps them).
+        A bad counter is one ``probe_error`` event and one warning; the sample is published anyway."""
+        if self.nic is None or telemetry.nic is not None:
+            return telemetry
+        try:
+            ports = self.nic.read(telemetry.ts)
+        except Exception as exc:  # noqa: BLE001 - the GPU sample goes out whatever the NIC does
+            problems = [f"NIC source failed: {type(exc).__name__}: {exc}"]
+            ports = None
+        else:
+            problems = self.nic.take_problems()
+        for problem in problems:
+            events.append(Event(node=self.config.node, ts=telemetry.ts, kind=EventKind.PROBE_ERROR,
+                                message=problem[:2000], data={"source": "nic"}))
+        if ports is None:
+            return telemetry
+        util = self.nic.util
+        return dataclasses.replace(telemetry, nic=ports,
+                                   nic_util=telemetry.nic_util if math.isnan(util) else util)
+
+    def _watch(self) -> None:
+        stats = self.delivery.stats
+        self.watch.delivery(connected=stats.connected, failures_total=stats.failures_total,
+                            last_error=stats.last_error, dsn=self.delivery.dsn)
+        self.watch.spool(pending_bytes=stats.spool.bytes, max_bytes=self.delivery.spool.max_bytes,
+                         dropped_total=stats.spool.dropped_total)
 
     def pump(self, until: float, stop: threading.Event | None = None) -> None:
         """Wait until ``until`` on the monotonic clock (or ``stop``), handing on the batches that
@@ -276,6 +327,10 @@ class Probe:
     def _submit_event(self, event: Event) -> None:
         self._events += 1
         self.metrics.count_event(event)
+        if event.data.get("source") != "nic":  # NIC problems are logged by the watch, once
+            self.watch.event(event)
+        else:
+            self.watch.nic_problems([event.message or ""])
         self.delivery.submit(event)
 
 

@@ -5,35 +5,58 @@ DCGM install, not on PyPI; :func:`find_bindings` looks in ``$DCGM_BINDINGS``, th
 ``/usr/share/datacenter-gpu-manager-4/bindings/python3`` and ``/usr/local/dcgm/bindings/python3``.
 
 Per GPU the source watches every field of :data:`fleethealth.probe.fields.FIELDS` that has a DCGM
-id, plus Xid (230) and the GPU recovery action (1523), and reads them each interval with
+id, plus Xid (230) and the GPU recovery action (1523) — but only the fields the running DCGM
+knows (DCGM 3.3 to 4.6 are supported). Before watching it asks DCGM for each field's metadata
+(``dcgm_fields.DcgmFieldGetById``) and its version (``dcgm_agent.dcgmVersionInfo``): a field DCGM has
+no metadata for, or one newer than that version (:data:`fleethealth.probe.fields.FIELD_SINCE`; the
+recovery action exists from 4.5.0), is left out with one warning naming it, and its column stays
+NaN. If the host engine still refuses the watch (a standalone engine older than the local
+library, as GPU Operator may run), the source retries once without the newer fields, and if that
+fails says that the *watch* failed and on which fields, not that libdcgm is missing. Each
+interval it reads the fields with
 ``DcgmReader.GetAllGpuValuesAsFieldIdDictSinceLastCall()``: the newest value of each field becomes
-the column (DCGM's blank / not-supported sentinels become NaN), and *every* Xid value since the
+the column (DCGM's blank / not-found / not-supported / not-permissioned sentinels become NaN, by
+the width of the field's value: DCGM's integer fields are 64-bit, so a 64-bit counter is checked
+against ``DCGM_INT64_BLANK``, never the 32-bit sentinel), and *every* Xid value since the
 last call becomes one ``xid`` event, so a repeated Xid is not lost. A recovery action other than
 ``none`` becomes a ``health_watch`` event when it changes. DCGM health watches
 (``health.Set(DCGM_HEALTH_WATCH_ALL)``; ``health.Check()`` each interval) turn each new incident
 into a ``health_watch`` event naming the system (PCIe, NVLink, memory, thermal, power, ...).
 
-The reader and the health object are injected (``reader=``, ``health=``): production passes
-nothing and connects to the host engine; tests pass recorded values with the same call surface,
-since these machines have neither a GPU nor DCGM.
+``hostname`` is the host engine, ``localhost`` (the embedded or node-local ``nv-hostengine``)
+or ``HOST[:PORT]`` — GPU Operator's standalone engine is ``nvidia-dcgm:5555`` (``--dcgm-host``,
+``$FLEETHEALTH_DCGM_HOST``).
+
+The reader and the health object are injected (``reader=``, ``health=``), and so are the field
+metadata and the version (``field_meta=``, ``version=``): production passes nothing and connects to
+the host engine; tests pass recorded values with the same call surface, since these machines have
+neither a GPU nor DCGM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+import re
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fleethealth.errors import DeviceError
-from fleethealth.probe.fields import DCGM_GPU_RECOVERY_ACTION, DCGM_XID_ERRORS, FIELDS, RECOVERY_ACTIONS
+from fleethealth.probe.fields import DCGM_GPU_RECOVERY_ACTION, DCGM_XID_ERRORS, FIELD_SINCE, FIELDS, RECOVERY_ACTIONS
 from fleethealth.probe.sources import Sample
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, Telemetry
 
-__all__ = ["DcgmSource", "find_bindings", "BINDING_DIRS", "WATCHED_FIELDS", "HEALTH_SYSTEMS"]
+__all__ = ["DcgmSource", "find_bindings", "select_fields", "FieldSelection", "parse_version", "BINDING_DIRS",
+           "WATCHED_FIELDS", "HEALTH_SYSTEMS"]
+
+_log = logging.getLogger("fleethealth.probe.dcgm")
 
 BINDING_DIRS = ("/usr/share/datacenter-gpu-manager-4/bindings/python3", "/usr/local/dcgm/bindings/python3")
 WATCHED_FIELDS: tuple[int, ...] = tuple(s.dcgm_id for s in FIELDS if s.dcgm_id is not None) + (
@@ -43,10 +66,61 @@ HEALTH_SYSTEMS: dict[int, str] = {0x1: "pcie", 0x2: "nvlink", 0x4: "pmu", 0x8: "
                                   0x400: "nvswitch_nonfatal", 0x800: "nvswitch_fatal"}
 _HEALTH_RESULTS = {0: "pass", 10: "warn", 20: "fail"}
 _HEALTH_WATCH_ALL = 0xFFFFFFFF
-_INT64_BLANK = 0x7FFFFFFFFFFFFFF0  # DCGM_INT64_BLANK and the not-found / not-supported values above it
-_INT32_BLANK = 0x7FFFFFF0
+_INT64_BLANK = 0x7FFFFFFFFFFFFFF0  # DCGM_INT64_BLANK; NOT_FOUND, NOT_SUPPORTED, NOT_PERMISSIONED are +1..+3
+_INT32_BLANK = 0x7FFFFFF0          # DCGM_INT32_BLANK, for the few 32-bit values (field size 4)
 _FP64_BLANK = 140737488355328.0    # DCGM_FP64_BLANK and above
 _HINT = "use --source nvml to read the driver directly, or --source sim without GPUs"
+
+
+@dataclass(frozen=True)
+class FieldSelection:
+    """Which wanted fields to watch: ``watch`` (ids), ``unknown`` (id -> why it is left out) and
+    ``widths`` (id -> 32 or 64, the bit width of an integer field's value, for the blank check)."""
+
+    watch: tuple[int, ...]
+    unknown: dict[int, str]
+    widths: dict[int, int]
+
+
+def parse_version(text: str | bytes | None) -> tuple[int, int, int] | None:
+    """``"version:4.4.1;arch:x86_64;..."`` or ``"4.4.1"`` -> ``(4, 4, 1)``; ``None`` when there is none."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    if not text:
+        return None
+    m = re.search(r"(?:^|version:)\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def select_fields(wanted: Iterable[int], field_meta: Callable[[int], Any],
+                  version: tuple[int, int, int] | None) -> FieldSelection:
+    """The fields of ``wanted`` this DCGM knows: ``field_meta(id)`` is DCGM's metadata for the id
+    (an object with ``fieldType`` and ``size``, as ``dcgm_fields.DcgmFieldGetById`` returns) or
+    ``None``; ``version`` is DCGM's release (``None``: unknown, metadata alone decides)."""
+    watch, unknown, widths = [], {}, {}
+    shown = ".".join(map(str, version)) if version else "this DCGM"
+    for fid in wanted:
+        since = FIELD_SINCE.get(fid)
+        try:
+            meta = field_meta(fid)
+        except Exception as exc:  # noqa: BLE001 - a metadata lookup that fails is an unknown field
+            unknown[fid] = f"DCGM field metadata lookup failed ({type(exc).__name__}: {exc})"
+            continue
+        if meta is None:
+            unknown[fid] = f"DCGM {shown} has no field {fid}" + (
+                f" (added in DCGM {'.'.join(map(str, since))})" if since else "")
+            continue
+        if since is not None and version is not None and version < since:
+            unknown[fid] = f"DCGM {shown} predates field {fid} (added in DCGM {'.'.join(map(str, since))})"
+            continue
+        watch.append(fid)
+        kind = getattr(meta, "fieldType", b"i")
+        kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+        if kind == "i":
+            widths[fid] = 32 if int(getattr(meta, "size", 8) or 8) == 4 else 64
+    return FieldSelection(tuple(watch), unknown, widths)
 
 
 def find_bindings(extra: str | None = None) -> Path:
@@ -66,7 +140,8 @@ class DcgmSource:
 
     def __init__(self, node: str, rack: str, *, reader: Any = None, health: Any = None,
                  hostname: str = "localhost", interval_s: float = 1.0, bindings: str | None = None,
-                 uuids: dict[int, str] | None = None, model: str = "") -> None:
+                 uuids: dict[int, str] | None = None, model: str = "",
+                 field_meta: Callable[[int], Any] | None = None, version: str | None = None) -> None:
         self.node = node
         self.rack = rack
         self.hostname = hostname
@@ -82,10 +157,17 @@ class DcgmSource:
         self._silent: dict[int, int] = {}
         self.lost_after = 3
         self.health_error: str | None = None
+        self._field_meta = field_meta
+        self._bus_ids: dict[int, str] = {}
+        self.version = parse_version(version)
+        self.selection = FieldSelection(WATCHED_FIELDS, {}, {})
+        self.driver_version = ""
 
     def open(self) -> None:
         if self._reader is None:
             self._reader, self._health = self._connect()
+        elif self._field_meta is not None:
+            self._select(self._field_meta)
         if self._health is not None:
             try:
                 self._health.Set(_HEALTH_WATCH_ALL)
@@ -93,28 +175,84 @@ class DcgmSource:
                 self.health_error = f"{type(exc).__name__}: {exc}"
                 self._health = None
         self._uuids = self._uuids or {int(k): str(v) for k, v in getattr(self._reader, "m_gpuIdToUUId", {}).items()}
+        self._bus_ids = {int(k): _text(v) for k, v in (getattr(self._reader, "m_gpuIdToBusId", None) or {}).items()}
+        self.driver_version = self.driver_version or self._read_driver_version()
         self._read()  # DcgmReader's first since-last-call read only starts the collection
+
+    def _read_driver_version(self) -> str:
+        """The NVIDIA driver version from DCGM's GPU attributes (``""`` when the reader cannot say)."""
+        system = getattr(self._reader, "m_dcgmSystem", None)
+        if system is None or not self._uuids:
+            return ""
+        try:
+            attrs = system.discovery.GetGpuAttributes(min(self._uuids))
+            return _text(attrs.identifiers.driverVersion)
+        except Exception:  # noqa: BLE001 - a label, not worth failing the source for
+            return ""
+
+    def _select(self, field_meta: Callable[[int], Any]) -> FieldSelection:
+        self.selection = select_fields(WATCHED_FIELDS, field_meta, self.version)
+        for fid, why in sorted(self.selection.unknown.items()):
+            _log.warning("DCGM source: not watching field %d: %s; its value stays unknown", fid, why,
+                         extra={"event": "dcgm_field_unknown", "field_id": fid})
+        return self.selection
 
     def _connect(self) -> tuple[Any, Any]:
         path = str(find_bindings(self._bindings))
         if path not in sys.path:
             sys.path.append(path)
         try:
+            import dcgm_agent
+            import dcgm_fields
             import dcgm_structs
             from DcgmReader import DcgmReader
         except ImportError as exc:
             raise DeviceError(f"DCGM source: cannot import the DCGM bindings from {path} ({exc}); {_HINT}") from exc
-        reader = DcgmReader(hostname=self.hostname, fieldIds=list(WATCHED_FIELDS),
-                            updateFrequency=int(self.interval_s * 1_000_000),
-                            fieldGroupName=f"fleethealth_{os.getpid()}")
         try:
-            reader.Init()
-        except dcgm_structs.DCGMError as exc:
-            raise DeviceError(f"DCGM source: cannot load libdcgm or reach nv-hostengine at {self.hostname} "
-                              f"({exc}); {_HINT}") from exc
+            dcgm_structs._dcgmInit()
+        except Exception as exc:  # noqa: BLE001 - the bindings raise their own types for a missing library
+            raise DeviceError(f"DCGM source: cannot load libdcgm.so ({type(exc).__name__}: {exc}); install "
+                              f"datacenter-gpu-manager on the node; {_HINT}") from exc
+        if self.version is None:
+            try:
+                self.version = parse_version(dcgm_agent.dcgmVersionInfo().rawBuildInfoString)
+            except Exception as exc:  # noqa: BLE001 - an old library without the call: metadata alone decides
+                _log.info("DCGM source: cannot read the DCGM version (%s); choosing fields by metadata", exc)
+        selection = self._select(self._field_meta or dcgm_fields.DcgmFieldGetById)
+        fields = list(selection.watch)
+        for attempt in (0, 1):
+            reader = DcgmReader(hostname=self.hostname, fieldIds=fields,
+                                updateFrequency=int(self.interval_s * 1_000_000),
+                                fieldGroupName=f"fleethealth_{os.getpid()}")
+            try:
+                reader.Init()
+            except dcgm_structs.DCGMError as exc:
+                if getattr(reader, "m_dcgmHandle", None) is None:
+                    where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
+                    raise DeviceError(f"DCGM source: cannot connect to the DCGM host engine (nv-hostengine) at "
+                                      f"{where} ({exc}); start it, or point --dcgm-host / "
+                                      f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator: nvidia-dcgm:5555); "
+                                      f"{_HINT}") from exc
+                newer = [f for f in fields if f in FIELD_SINCE]
+                if attempt == 0 and newer:  # an engine older than the library: retry without the newer fields
+                    _log.warning("DCGM source: the host engine at %s refused to watch %d fields (%s); retrying "
+                                 "without fields %s, which need a newer DCGM", self.hostname, len(fields), exc,
+                                 ", ".join(map(str, newer)), extra={"event": "dcgm_watch_retry"})
+                    for f in newer:
+                        self.selection.unknown[f] = f"the host engine at {self.hostname} refused it ({exc})"
+                    fields = [f for f in fields if f not in FIELD_SINCE]
+                    self.selection = FieldSelection(tuple(fields), self.selection.unknown, self.selection.widths)
+                    with contextlib.suppress(Exception):
+                        reader.Shutdown()
+                    continue
+                raise DeviceError(f"DCGM source: the host engine at {self.hostname} refused to watch fields "
+                                  f"{', '.join(map(str, fields))} ({exc}); {_HINT}") from exc
+            break
         if getattr(reader, "m_dcgmHandle", None) is None:
+            where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
             raise DeviceError(f"DCGM source: the DCGM host engine (nv-hostengine) is not reachable at "
-                              f"{self.hostname}:5555; {_HINT}")
+                              f"{where} (DcgmReader could not connect); start it, or point --dcgm-host / "
+                              f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator: nvidia-dcgm:5555); {_HINT}")
         return reader, reader.m_dcgmGroup.health
 
     def close(self) -> None:
@@ -136,7 +274,8 @@ class DcgmSource:
             cache = self._cache.setdefault(gpu_id, {})
             for field_id, values in fields.items():
                 field_id = int(field_id)
-                numbers = [_number(v) for v in (values if isinstance(values, list) else [values])]
+                width = self.selection.widths.get(field_id, 64)
+                numbers = [_number(v, width) for v in (values if isinstance(values, list) else [values])]
                 numbers = [x for x in numbers if not math.isnan(x)]
                 if not numbers:
                     continue
@@ -157,7 +296,9 @@ class DcgmSource:
                     cols[spec.column][i] = cache[spec.dcgm_id]
         events.extend(self._check_health(ts))
         uuid = tuple(self._uuids.get(g, "") for g in gpus) if self._uuids else ()
-        telemetry = Telemetry.from_columns(self.node, self.rack, ts, gpus, model=self._model, uuid=uuid, **cols)
+        bus = tuple(self._bus_ids.get(g, "") for g in gpus) if self._bus_ids else ()
+        telemetry = Telemetry.from_columns(self.node, self.rack, ts, gpus, model=self._model, uuid=uuid,
+                                           pci_bus_id=bus, **cols)
         return Sample(telemetry, tuple(events))
 
     def _lost_gpus(self, ts: float, fresh: dict[Any, dict[Any, list[Any]]]) -> list[Event]:
@@ -220,14 +361,21 @@ class DcgmSource:
         return events
 
 
-def _number(value: Any) -> float:
-    """A DCGM sample (a value object with ``.value`` or a bare number) as float; blanks as NaN."""
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _number(value: Any, width: int = 64) -> float:
+    """A DCGM sample (a value object with ``.value`` or a bare number) as float; blanks as NaN.
+
+    ``width`` is the bit width of an integer field's value: 64 (every DCGM integer field) checks
+    against ``DCGM_INT64_BLANK``, 32 against ``DCGM_INT32_BLANK``."""
     if getattr(value, "isBlank", False):
         return math.nan
     raw = getattr(value, "value", value)
     if isinstance(raw, bool) or not isinstance(raw, int | float):
         return math.nan
-    if isinstance(raw, int) and (raw >= _INT64_BLANK or _INT32_BLANK <= raw <= 0x7FFFFFFF):
+    if isinstance(raw, int) and raw >= (_INT64_BLANK if width == 64 else _INT32_BLANK):
         return math.nan
     if isinstance(raw, float) and (not math.isfinite(raw) or raw >= _FP64_BLANK):
         return math.nan

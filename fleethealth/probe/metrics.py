@@ -1,38 +1,71 @@
 """The probe's Prometheus endpoint (default port 9402; dcgm-exporter keeps 9400).
 
-GPU gauges carry dcgm-exporter's names (``DCGM_FI_DEV_GPU_TEMP``, ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``,
-``DCGM_FI_DEV_PCIE_LINK_GEN``, ...; the table is :data:`fleethealth.probe.fields.FIELDS`) and its
-labels ``gpu``, ``UUID``, ``Hostname`` (plus ``modelName``), so existing Grafana dashboards work
-unchanged. A field the source does not report (NaN) is left out rather than exported as NaN.
+Two ways to name the GPU metrics (the table is :data:`fleethealth.probe.fields.FIELDS`):
 
-Xid errors are a *counter* per GPU and code, ``fleethealth_gpu_xid_errors_total{xid="79"}``:
-dcgm-exporter's Xid gauge holds the last code and never resets, so a second Xid 79 is invisible.
+- **default** — the probe's own names, ``fleethealth_gpu_<name>_<unit>`` in base units (counters
+  end in ``_total``) with labels ``gpu, UUID, pci_bus_id, device, modelName, Hostname``. They
+  never collide with dcgm-exporter, which GPU Operator deploys on every GPU node, so Prometheus
+  does not hold two series per GPU under one name and the official dashboard's sums do not double.
+  Xid errors are a *counter* per GPU and code, ``fleethealth_gpu_xid_errors_total{xid="79"}``:
+  dcgm-exporter's Xid gauge holds the last code, so a second Xid 79 is invisible there.
+- **dcgm-exporter compatibility** (``compat=True``; ``--dcgm-exporter-compat``) — for fleets that
+  run the probe *instead of* dcgm-exporter: its ``DCGM_FI_*`` names, values in its units, its
+  Prometheus types (counters as counters, without a ``_total`` suffix) and its label set
+  ``gpu, UUID, pci_bus_id, device, modelName, Hostname`` plus ``DCGM_FI_DRIVER_VERSION``
+  (dcgm-exporter's ``label`` field), and ``DCGM_FI_DEV_XID_ERRORS``: the last Xid code per GPU
+  (0 before any) with ``err_code`` and ``err_msg``. dcgm-exporter 4.x releases spell the host
+  label ``Hostname``; its main branch renamed it ``hostname`` in May 2026, after its 4.6 release.
 
-The probe's own health is ``fleethealth_probe_*`` (counters end in ``_total``): samples, sample
-errors and stalls, datagrams received / garbage / late, step batches (and incomplete ones), events,
-spool records / bytes / dropped, delivered records, delivery failures, and whether the bus is up.
+``device`` is ``nvidia<gpu index>`` as dcgm-exporter writes it. A field the source does not report
+(NaN) is left out rather than exported as NaN. The probe's own health is ``fleethealth_probe_*``
+in both modes (counters end in ``_total``); NIC ports are ``fleethealth_nic_*`` with labels
+``port, kind, Hostname``.
 
-:class:`ProbeMetrics` is a custom collector that renders the latest sample at scrape time; it
-registers in its own :class:`prometheus_client.CollectorRegistry` unless one is passed.
+The text is rendered here (Prometheus text format 0.0.4) rather than by ``prometheus_client``,
+whose counters always gain a ``_total`` suffix that dcgm-exporter's counters do not have.
+:meth:`ProbeMetrics.render` returns the page and :meth:`ProbeMetrics.serve` serves it.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from fleethealth.probe.fields import DCGM_XID_METRIC, FIELDS, XID_METRIC
+from fleethealth.schema import NIC_FIELDS, Event, EventKind, Telemetry
 
-from fleethealth.probe.fields import FIELDS, XID_METRIC
-from fleethealth.schema import Event, EventKind, Telemetry
-
-__all__ = ["ProbeMetrics", "ProbeHealth", "DEFAULT_PORT"]
+__all__ = ["ProbeMetrics", "ProbeHealth", "MetricFamily", "DEFAULT_PORT", "GPU_LABELS", "CONTENT_TYPE",
+           "XID_MESSAGES"]
 
 DEFAULT_PORT = 9402
-_GPU_LABELS = ("gpu", "UUID", "Hostname", "modelName")
+GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
+"""Labels of every per-GPU series, in dcgm-exporter's order."""
+DRIVER_LABEL = "DCGM_FI_DRIVER_VERSION"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+XID_MESSAGES: dict[int, str] = {
+    0: "No Error", 13: "Graphics Engine Exception", 31: "GPU memory page fault", 43: "GPU stopped processing",
+    48: "Double Bit ECC Error", 61: "Internal micro-controller breakpoint/warning",
+    62: "Internal micro-controller halt", 63: "ECC page retirement or row remapping recording event",
+    64: "ECC page retirement or row remapper recording failure", 74: "NVLINK Error",
+    79: "GPU has fallen off the bus", 92: "High single-bit ECC error rate", 94: "Contained ECC error",
+    95: "Uncontained ECC error", 119: "GSP RPC Timeout", 120: "GSP Error",
+}
+"""``err_msg`` of dcgm-exporter's Xid series for the Xids a training fleet meets; others read ``Unknown Error``."""
+
+_NIC_METRICS: dict[str, tuple[str, bool, float]] = {
+    "up": ("fleethealth_nic_up", False, 1.0),
+    "link_gbps": ("fleethealth_nic_link_speed_bytes_per_second", False, 1e9 / 8),
+    "tx_bytes": ("fleethealth_nic_transmit_bytes_total", True, 1.0),
+    "rx_bytes": ("fleethealth_nic_receive_bytes_total", True, 1.0),
+    "xmit_wait": ("fleethealth_nic_transmit_wait_ticks_total", True, 1.0),
+    "rx_errors": ("fleethealth_nic_receive_errors_total", True, 1.0),
+    "symbol_errors": ("fleethealth_nic_symbol_errors_total", True, 1.0),
+    "link_downed": ("fleethealth_nic_link_downed_total", True, 1.0),
+    "link_recovery": ("fleethealth_nic_link_recoveries_total", True, 1.0),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +114,41 @@ _HELP = {
 }
 
 
-class ProbeMetrics:
-    """Prometheus view of one node: the latest telemetry, Xid counts, and the probe's health."""
+@dataclass(slots=True)
+class MetricFamily:
+    """One metric: its exact ``name``, Prometheus ``type`` (``gauge`` or ``counter``), help text and
+    samples as ``(labels, value)``. The sample name is the family name, suffix and all."""
 
-    def __init__(self, hostname: str, *, registry: CollectorRegistry | None = None,
-                 health: Callable[[], ProbeHealth] | None = None) -> None:
+    name: str
+    type: str
+    help: str
+    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.type}"]
+        for labels, value in self.samples:
+            body = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
+            lines.append(f"{self.name}{{{body}}} {_number(value)}" if body else f"{self.name} {_number(value)}")
+        return "\n".join(lines) + "\n"
+
+
+class ProbeMetrics:
+    """Prometheus view of one node: the latest telemetry, Xid counts, NIC ports and the probe's health.
+
+    ``compat`` selects dcgm-exporter's names and types (see the module docstring);
+    ``driver_version`` fills its ``DCGM_FI_DRIVER_VERSION`` label.
+    """
+
+    def __init__(self, hostname: str, *, health: Callable[[], ProbeHealth] | None = None, compat: bool = False,
+                 driver_version: str = "") -> None:
         self.hostname = hostname
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self.compat = compat
+        self.driver_version = driver_version
         self._health = health or ProbeHealth
         self._lock = threading.Lock()
         self._latest: Telemetry | None = None
         self._xid: dict[tuple[str, str, str], int] = {}
-        self.registry.register(self)
+        self._last_xid: dict[int, int] = {}
 
     def set_health(self, health: Callable[[], ProbeHealth]) -> None:
         self._health = health
@@ -113,35 +169,122 @@ class ProbeMetrics:
         key = (gpu, uuid, str(event.code))
         with self._lock:
             self._xid[key] = self._xid.get(key, 0) + 1
+            if event.gpu is not None:
+                self._last_xid[event.gpu] = int(event.code)
 
-    def serve(self, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> object:
-        """Start the HTTP endpoint in a daemon thread; returns the server (``shutdown()`` stops it)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return server
-
-    def collect(self) -> Iterator[Metric]:
+    # ------------------------------------------------------------ rendering
+    def families(self) -> list[MetricFamily]:
+        """Every metric of the page, in order: GPU fields, Xid, NIC ports, probe health."""
         with self._lock:
             latest = self._latest
             xid = dict(self._xid)
+            last_xid = dict(self._last_xid)
+        out: list[MetricFamily] = []
+        gpu_labels: list[dict[str, str]] = []
         if latest is not None:
-            labels = [[str(int(g)), latest.uuid[i] if i < len(latest.uuid) else "", self.hostname, latest.model]
-                      for i, g in enumerate(latest.gpu)]
+            gpu_labels = [self._gpu_labels(latest, i) for i in range(latest.gpu.size)]
             for spec in FIELDS:
-                family = GaugeMetricFamily(spec.metric, spec.help, labels=_GPU_LABELS)
+                if self.compat and spec.dcgm_metric is None:
+                    continue
+                if self.compat:
+                    family = MetricFamily(spec.dcgm_metric or "", spec.dcgm_type, spec.help)
+                    scale = 1.0
+                else:
+                    family = MetricFamily(spec.metric, "counter" if spec.counter else "gauge", spec.help)
+                    scale = spec.scale
                 for i, value in enumerate(latest.columns[spec.column]):
                     if not math.isnan(value):
-                        family.add_metric(labels[i], float(value))
-                yield family
-        xids = CounterMetricFamily(XID_METRIC, "Xid errors seen, per GPU and code",
-                                   labels=("gpu", "UUID", "Hostname", "xid"))
-        for (gpu, uuid, code), count in sorted(xid.items()):
-            xids.add_metric([gpu, uuid, self.hostname, code], count)
-        yield xids
+                        family.samples.append((gpu_labels[i], float(value) * scale))
+                out.append(family)
+        if self.compat:
+            family = MetricFamily(DCGM_XID_METRIC, "gauge", "Value of the last XID error encountered.")
+            if latest is not None:
+                for i, g in enumerate(latest.gpu.tolist()):
+                    code = last_xid.get(int(g), 0)
+                    labels = {**gpu_labels[i], "err_code": str(code),
+                              "err_msg": XID_MESSAGES.get(code, "Unknown Error")}
+                    family.samples.append((labels, float(code)))
+            out.append(family)
+        else:
+            family = MetricFamily(XID_METRIC + "_total", "counter", "Xid errors seen, per GPU and code")
+            for (gpu, uuid, code), count in sorted(xid.items()):
+                family.samples.append(({"gpu": gpu, "UUID": uuid, "Hostname": self.hostname, "xid": code},
+                                       float(count)))
+            out.append(family)
+        if latest is not None and latest.nic is not None:
+            out.extend(self._nic_families(latest))
         health = self._health()
         for f in fields(health):
             value = getattr(health, f.name)
+            name = f"fleethealth_probe_{f.name}"
             if f.name.endswith("_total"):
-                yield CounterMetricFamily(f"fleethealth_probe_{f.name.removesuffix('_total')}", _HELP[f.name],
-                                          value=value)
+                out.append(MetricFamily(name, "counter", _HELP[f.name], [({}, float(value))]))
             elif not (isinstance(value, float) and math.isnan(value)):
-                yield GaugeMetricFamily(f"fleethealth_probe_{f.name}", _HELP[f.name], value=value)
+                out.append(MetricFamily(name, "gauge", _HELP[f.name], [({}, float(value))]))
+        return out
+
+    def render(self) -> bytes:
+        """The whole page in the Prometheus text format."""
+        return "".join(f.render() for f in self.families()).encode()
+
+    def serve(self, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+        """Serve ``/metrics`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
+        metrics = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server hook name
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = metrics.render()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # scrapes are not worth a log line each
+                return
+
+        server = ThreadingHTTPServer((addr, port), _Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="fh-probe-metrics", daemon=True).start()
+        return server
+
+    # ------------------------------------------------------------ internals
+    def _gpu_labels(self, latest: Telemetry, i: int) -> dict[str, str]:
+        gpu = int(latest.gpu[i])
+        labels = {"gpu": str(gpu), "UUID": latest.uuid[i] if i < len(latest.uuid) else "",
+                  "pci_bus_id": latest.pci_bus_id[i] if i < len(latest.pci_bus_id) else "",
+                  "device": f"nvidia{gpu}", "modelName": latest.model, "Hostname": self.hostname}
+        if self.compat:
+            labels[DRIVER_LABEL] = self.driver_version
+        return labels
+
+    def _nic_families(self, latest: Telemetry) -> Iterable[MetricFamily]:
+        nic = latest.nic
+        if nic is None:
+            return
+        labels = [{"port": p, "kind": k, "Hostname": self.hostname} for p, k in zip(nic.port, nic.kind, strict=True)]
+        for column, (name, counter, scale) in _NIC_METRICS.items():
+            family = MetricFamily(name, "counter" if counter else "gauge", NIC_FIELDS[column])
+            for i, value in enumerate(nic.columns[column]):
+                if not math.isnan(value):
+                    family.samples.append((labels[i], float(value) * scale))
+            yield family
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)

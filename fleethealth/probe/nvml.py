@@ -70,6 +70,8 @@ class NvmlSource:
         self._handles: list[Any] = []   # None where the GPU was lost before it could be enumerated
         self._uuids: tuple[str, ...] = ()
         self._model = ""
+        self._bus_ids: tuple[str, ...] = ()
+        self.driver_version = ""
         self._lost: set[int] = set()
         self._pending: list[Event] = []
         self._pending_lock = threading.Lock()
@@ -98,6 +100,7 @@ class NvmlSource:
             uuids.append(uuid)
         self._handles, self._uuids = handles, tuple(uuids)
         self._model = self._read_model()
+        self._bus_ids, self.driver_version = self._read_labels()
         if self._xid_events and any(i not in self._lost for i in range(count)):
             self._xid_thread = threading.Thread(target=self._watch_xid, name="fh-nvml-xid", daemon=True)
             self._xid_thread.start()
@@ -131,6 +134,22 @@ class NvmlSource:
                     raise DeviceError(f"NVML source: cannot read the name of GPU {i} "
                                       f"({_nvml_reason(nv, exc)})") from exc
         return ""
+
+    def _read_labels(self) -> tuple[tuple[str, ...], str]:
+        """Each GPU's PCI bus id and the driver version, once at open (labels of the dcgm-exporter
+        compatible metrics; ``""`` where NVML does not say)."""
+        nv = self._nvml
+        bus = []
+        for i, handle in enumerate(self._handles):
+            try:
+                bus.append("" if i in self._lost else _text(nv.nvmlDeviceGetPciInfo(handle).busId))
+            except Exception:  # noqa: BLE001 - a label, never worth failing the source for
+                bus.append("")
+        try:
+            driver = _text(nv.nvmlSystemGetDriverVersion())
+        except Exception:  # noqa: BLE001 - likewise
+            driver = ""
+        return (tuple(bus) if any(bus) else ()), driver
 
     def close(self) -> None:
         self._stop.set()
@@ -170,7 +189,7 @@ class NvmlSource:
         events.extend(Event(node=self.node, ts=ts, kind=e.kind, gpu=e.gpu, code=e.code, message=e.message,
                             data=e.data) for e in xids)
         telemetry = Telemetry.from_columns(self.node, self.rack, ts, np.arange(g), model=self._model,
-                                           uuid=self._uuids, **cols)
+                                           uuid=self._uuids, pci_bus_id=self._bus_ids, **cols)
         return Sample(telemetry, tuple(events))
 
     def _read_gpu(self, h: Any) -> dict[str, float]:

@@ -32,6 +32,8 @@ class SimSource:
     """
 
     name = "sim"
+    driver_version = "sim"
+    """What the ``DCGM_FI_DRIVER_VERSION`` label reads in dcgm-exporter compatibility mode."""
 
     def __init__(self, node: str, rack: str = "", *, scenario: Any = None, sim: Any = None) -> None:
         from fleethealth.sim import FleetSim, Scenario

@@ -10,7 +10,10 @@ operators see on real fleets:
   bit, all of the rack's ranks mildly slower (between 60 % and 100 % of ``slowdown``).
 - ``nvlink_degraded``: links down (12 of 18 active), CRC flit / replay / recovery counters
   climbing every step, the node's ranks slower.
-- ``nic_contention``: the node's NIC shared utilisation near saturation, its ranks slower.
+- ``nic_contention``: the node's NIC port near saturation and waiting for credit
+  (``port_xmit_wait`` climbing by :data:`CONTENDED_WAIT_SHARE` of the interval, the bytes sent by
+  :data:`CONTENDED_UTIL` of the link rate; :class:`fleethealth.sim.FleetSim` integrates the
+  counters), its ranks slower.
 - ``ecc_precursor``: corrected-error rate rising, retired pages and row remaps growing, a remap
   pending, then uncorrectable errors with Xid 63 / 48 / 64, the GPU lost (Xid 79) at ``fail_step``
   and the job interrupted; the replacement GPU starts clean.
@@ -31,7 +34,12 @@ import numpy as np
 from fleethealth.schema import ClockReason, Event, EventKind
 from fleethealth.sim.scenario import FaultSpec
 
-__all__ = ["Frame", "EFFECTS", "active", "sdc_failures"]
+__all__ = ["Frame", "EFFECTS", "active", "sdc_failures", "CONTENDED_UTIL", "CONTENDED_WAIT_SHARE"]
+
+CONTENDED_UTIL = 0.97
+"""Share of the link rate a contended NIC port sends at."""
+CONTENDED_WAIT_SHARE = 0.30
+"""Share of the interval a contended port spends waiting for credit (``port_xmit_wait``)."""
 
 
 @dataclass
@@ -108,7 +116,7 @@ def _nic_contention(fault: FaultSpec, frame: Frame) -> None:
     if not active(fault, frame.step):
         return
     node = frame.node_index[fault["node"]]
-    frame.nic[node] = 0.97
+    frame.nic[node] = CONTENDED_UTIL
     frame.factor[node, :] *= 1.0 + fault["slowdown"]
 
 

@@ -10,6 +10,11 @@ Compute time of rank *r* at step *s* is ``step_time_s × 0.8 × f_r × e^{jitter
 node-correlated factor and a whole-step drift (both smaller than the jitter), where ``f_r`` is
 the product of the active faults' slowdowns on that rank. A step ends when its slowest rank
 finishes plus a fixed collective time; that is the event time of its batches.
+
+Each node has one InfiniBand port (:data:`NIC_PORT`, :data:`NIC_LINK_GBPS`) whose counters are
+what sysfs would show — bytes sent and received, ``port_xmit_wait`` ticks — as monotonic totals
+integrated over event time from the node's base utilisation and any ``nic_contention`` window, so
+the detectors judge contention from counter deltas exactly as they do on a real node.
 """
 
 from __future__ import annotations
@@ -23,18 +28,24 @@ import numpy as np
 from fleethealth.payloads.checkpoint import checkpoint_event
 from fleethealth.payloads.hang_report import hang_report_event
 from fleethealth.payloads.sdc_check import sdc_check_event
-from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry
-from fleethealth.sim.faults import EFFECTS, Frame, sdc_failures
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, NicPorts, StepBatch, Telemetry
+from fleethealth.sim.faults import CONTENDED_UTIL, CONTENDED_WAIT_SHARE, EFFECTS, Frame, sdc_failures
 from fleethealth.sim.scenario import Scenario
 
-__all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C"]
+__all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C", "NIC_PORT", "NIC_LINK_GBPS",
+           "NIC_BYTES_PER_TICK"]
 
 COMPUTE_SHARE = 0.8
 """Share of a nominal step spent in pre-collective compute; the rest is the collective."""
 THERMAL_SLOWDOWN_C = 85.0
 """The simulated GPUs' thermal slowdown temperature."""
 MODEL = "NVIDIA H100 80GB HBM3"
-
+NIC_PORT = "mlx5_0/1"
+NIC_LINK_GBPS = 400.0
+NIC_BYTES_PER_TICK = 8.0
+"""Bytes a ``port_xmit_wait`` tick stands for (the diagnosis default, Quantum-class hardware)."""
+_BASE_WAIT_SHARE = 0.004
+_FB_TOTAL_MIB = 81559.0
 
 @dataclass(frozen=True)
 class SimStep:
@@ -74,9 +85,15 @@ class FleetSim:
         self._retired_sbe = rng.integers(0, 3, shape).astype(np.float64)
         self._uuid = [tuple(f"GPU-{scenario.seed:04x}{n:04x}-{g:04x}" for g in range(self.gpus))
                       for n in range(self.n_nodes)]
+        self._pci_bus_id = tuple(f"00000000:{0x18 + 0x11 * g:02X}:00.0" for g in range(self.gpus))
         self._durations, self._gaps = self._timeline(job.steps)
         ends = scenario.start_ts + np.cumsum(self._durations + np.concatenate([[0.0], self._gaps[:-1]]))
         self._step_end = ends
+        self._fb_used = rng.uniform(60_000.0, 72_000.0, shape)
+        self._nic_windows = [(self.node_index[f["node"]],
+                              self.step_ts(f["start_step"] - 1) if f["start_step"] > 0 else scenario.start_ts,
+                              self.step_ts(f["end_step"] - 1) if f.params.get("end_step") else math.inf)
+                             for f in scenario.faults if f.kind == "nic_contention"]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -177,13 +194,32 @@ class FleetSim:
         cols["pcie_replay"] = np.floor(self._replay_rate * s / 2)
         cols["pcie_gen"] = cols["pcie_gen_max"] = np.full(shape, 5.0)
         cols["pcie_width"] = cols["pcie_width_max"] = np.full(shape, 16.0)
+        cols["fb_used_mib"] = self._fb_used
+        cols["fb_free_mib"] = _FB_TOTAL_MIB - self._fb_used
+        cols["energy_mj"] = self._base_power * 1000.0 * max(ts - self.scenario.start_ts, 0.0)
+        cols["tensor_active"] = np.clip(0.62 + rng.normal(0.0, 0.02, shape), 0.0, 1.0)
         frame = _SimFrame(step=step, ts=ts, job=self.scenario.job.id, node_names=self.node_names,
                           node_index=self.node_index, rack_nodes=self.rack_nodes, factor=np.ones(shape), cols=cols,
                           nic=self._base_nic + rng.normal(0.0, 0.01, self.n_nodes),
                           silent=np.zeros(shape, dtype=bool), rng=rng)
         for fault in self.scenario.faults:
             EFFECTS[fault.kind](fault, frame)
+        frame.nic_counters = self._nic_counters(ts)
         return frame
+
+    def _nic_counters(self, ts: float) -> dict[str, np.ndarray]:
+        """Each node's port counters at event time ``ts``: the integral of its send rate and
+        credit-wait share since the scenario's start (so they only grow, whatever the step)."""
+        elapsed = max(ts - self.scenario.start_ts, 0.0)
+        busy = self._base_nic * elapsed
+        wait = np.full(self.n_nodes, _BASE_WAIT_SHARE * elapsed)
+        for node, on, off in self._nic_windows:
+            overlap = max(min(ts, off) - on, 0.0)
+            busy[node] += (CONTENDED_UTIL - self._base_nic[node]) * overlap
+            wait[node] += (CONTENDED_WAIT_SHARE - _BASE_WAIT_SHARE) * overlap
+        link = NIC_LINK_GBPS * 1e9 / 8
+        return {"tx_bytes": np.floor(busy * link), "rx_bytes": np.floor(busy * link * 0.98),
+                "xmit_wait": np.floor(wait * link / NIC_BYTES_PER_TICK)}
 
     # ------------------------------------------------------------------ events
     def _check_events(self, step: int, ts: float) -> list[Event]:
@@ -255,13 +291,23 @@ class FleetSim:
 
 
 class _SimFrame(Frame):
+    nic_counters: dict[str, np.ndarray]
+
     def telemetry(self, sim: FleetSim) -> list[Telemetry]:
         out = []
+        counters = self.nic_counters
+        zeros = np.zeros(1)
         for n, node in enumerate(self.node_names):
+            nic = NicPorts(port=(NIC_PORT,), kind=("ib",),
+                           columns={"up": np.ones(1), "link_gbps": np.full(1, NIC_LINK_GBPS),
+                                    **{name: counters[name][n:n + 1] for name in ("tx_bytes", "rx_bytes", "xmit_wait")},
+                                    "rx_errors": zeros,
+                                    "symbol_errors": zeros, "link_downed": zeros, "link_recovery": zeros})
             out.append(Telemetry(node=node, rack=sim.rack_names[sim.node_rack[n]], ts=self.ts,
                                  gpu=np.arange(sim.gpus, dtype=np.int16),
                                  columns={k: v[n] for k, v in self.cols.items()}, nic_util=float(self.nic[n]),
-                                 model=MODEL, uuid=sim._uuid[n]))
+                                 model=MODEL, uuid=sim._uuid[n], nic=nic,
+                                 pci_bus_id=sim._pci_bus_id))
         return out
 
 

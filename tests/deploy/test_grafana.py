@@ -42,10 +42,26 @@ def test_every_clickhouse_panel_runs_on_the_schema(store) -> None:
     assert ratio and all(1.0 <= r[1] < 1.2 for r in ratio)
 
 
-def test_panel_ids_are_unique_and_prometheus_panels_use_exporter_names() -> None:
+def test_panel_ids_are_unique_and_prometheus_panels_use_the_probes_default_names() -> None:
+    """Every probe metric a Prometheus panel uses is served by a probe with default flags (the
+    simulator source here), so the dashboard works beside dcgm-exporter without its names."""
+    from fleethealth.probe.metrics import ProbeMetrics
+
     dash = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"] if "expr" in t]
-    assert any(e.startswith("DCGM_FI_DEV_GPU_TEMP") for e in exprs)
-    assert any("fleethealth_gpu_xid_errors_total" in e for e in exprs)
+    assert not [e for e in exprs if "DCGM_FI_" in e]
+    sim = FleetSim(Scenario.from_obj({"fleet": {"racks": 1, "nodes_per_rack": 1, "gpus_per_node": 2},
+                                      "job": {"steps": 2}}))
+    metrics = ProbeMetrics("n0000")
+    metrics.observe(next(iter(sim.run())).telemetry[0])
+    served = {f.name for f in metrics.families() if f.samples or f.name.endswith("xid_errors_total")}
+    used = set()
+    for expr in exprs:
+        used |= set(re.findall(r"\bfleethealth_(?:gpu|nic|probe)_\w+", expr))
+        for pattern in re.findall(r'__name__=~"([^"]+)"', expr):
+            used |= {name for name in served if re.fullmatch(pattern, name)}
+    assert {"fleethealth_gpu_temperature_celsius", "fleethealth_gpu_xid_errors_total",
+            "fleethealth_nic_transmit_wait_ticks_total", "fleethealth_nic_receive_bytes_total"} <= used
+    assert used <= served, sorted(used - served)

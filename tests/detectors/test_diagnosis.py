@@ -16,7 +16,7 @@ from fleethealth.detectors.diagnosis import (
     diagnose_straggler,
 )
 from fleethealth.errors import ConfigError
-from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
+from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, NicPorts, Telemetry
 
 
 def _sample(node="n0001", rack="r00", ts=100.0, *, temp=66.0, reasons=0, links_up=18.0, crc=0.0,
@@ -89,10 +89,58 @@ def test_rising_link_error_counters_need_the_previous_sample():
     assert reset.diagnosis is Diagnosis.UNKNOWN  # a counter reset is not an error burst
 
 
-def test_nic_beyond_band_is_network_contention_else_unknown():
+_LINK = 400e9 / 8  # bytes/s of a 400 Gb/s port
+
+
+def _ported(ts: float, *, sent_s: float, waited_s: float, up: float = 1.0, downed: float = 0.0,
+            node: str = "n0001") -> Telemetry:
+    """A sample whose one IB port has sent ``sent_s`` link-seconds of bytes and waited ``waited_s``
+    seconds for credit since time 0 (counters as the probe's NIC source publishes them)."""
+    ports = NicPorts.from_columns(["mlx5_0/1"], ["ib"], up=[up], link_gbps=[400.0 if up else math.nan],
+                                  tx_bytes=[sent_s * _LINK], rx_bytes=[0.5 * sent_s * _LINK],
+                                  xmit_wait=[waited_s * _LINK / 8], link_downed=[downed])
+    return dataclasses.replace(_sample(node=node, ts=ts, nic=math.nan), nic=ports)
+
+
+def test_nic_port_counters_judge_contention_by_credit_wait_or_utilisation():
+    before = _ported(100.0, sent_s=30.0, waited_s=0.4)
+    # 2 s later: sent 0.8 link-seconds (40 % util) but waited 0.6 s for credit (30 % of the interval)
+    waiting = diagnose_straggler(_ported(102.0, sent_s=30.8, waited_s=1.0), _peers(), previous=before)
+    assert waiting.diagnosis is Diagnosis.NETWORK_CONTENTION
+    ev = waiting.evidence
+    assert ev["nic_source"] == "port_counters" and ev["nic_util"] == pytest.approx(0.4)
+    assert ev["nic_xmit_wait_share"] == pytest.approx(0.3) and ev["nic_xmit_wait_band"] == 0.10
+    assert ev["nic_ports"] == [{"port": "mlx5_0/1", "util": pytest.approx(0.4), "xmit_wait_share": pytest.approx(0.3)}]
+    saturated = diagnose_straggler(_ported(102.0, sent_s=31.9, waited_s=0.41), _peers(), previous=before)
+    assert saturated.diagnosis is Diagnosis.NETWORK_CONTENTION and saturated.evidence["nic_util"] == 0.95
+    healthy = diagnose_straggler(_ported(102.0, sent_s=30.7, waited_s=0.41), _peers(), previous=before)
+    assert healthy.diagnosis is Diagnosis.UNKNOWN and healthy.evidence["nic_util"] == pytest.approx(0.35)
+    # the node-level nic_util summary is not what decides once port counters are there
+    claims = dataclasses.replace(_ported(102.0, sent_s=30.7, waited_s=0.41), nic_util=0.99)
+    assert diagnose_straggler(claims, _peers(), previous=before).diagnosis is Diagnosis.UNKNOWN
+    # one sample alone gives no rate; counters that stepped back (a probe restart) give none either
+    assert diagnose_straggler(before, _peers()).diagnosis is Diagnosis.UNKNOWN
+    restarted = diagnose_straggler(_ported(102.0, sent_s=1.0, waited_s=0.0), _peers(), previous=before)
+    assert restarted.diagnosis is Diagnosis.UNKNOWN and restarted.evidence["nic_util"] is None
+
+
+def test_nic_port_going_down_is_node_link():
+    before = _ported(100.0, sent_s=30.0, waited_s=0.4)
+    down = diagnose_straggler(_ported(102.0, sent_s=30.0, waited_s=0.4, up=0.0), _peers(), previous=before)
+    assert down.diagnosis is Diagnosis.NODE_LINK and down.evidence["nic_ports_down"] == ["mlx5_0/1"]
+    flapped = diagnose_straggler(_ported(102.0, sent_s=30.7, waited_s=0.41, downed=1.0), _peers(), previous=before)
+    assert flapped.diagnosis is Diagnosis.NODE_LINK
+    # a port that was already down before is not news
+    still = diagnose_straggler(_ported(104.0, sent_s=30.0, waited_s=0.4, up=0.0), _peers(),
+                               previous=_ported(102.0, sent_s=30.0, waited_s=0.4, up=0.0))
+    assert still.diagnosis is Diagnosis.UNKNOWN
+
+
+def test_nic_util_summary_of_older_probes_beyond_band_is_network_contention_else_unknown():
     res = diagnose_straggler(_sample(nic=0.97), _peers())
     assert res.diagnosis is Diagnosis.NETWORK_CONTENTION
     assert res.evidence["nic_util"] == 0.97 and res.evidence["nic_util_band"] == 0.85
+    assert res.evidence["nic_source"] == "nic_util"
     quiet = diagnose_straggler(_sample(), _peers())
     assert quiet.diagnosis is Diagnosis.UNKNOWN and quiet.evidence["nic_util"] == 0.35
 
@@ -109,6 +157,10 @@ def test_nan_fields_and_no_peers_are_handled():
 def test_thresholds_validate():
     with pytest.raises(ConfigError, match="nic_util_band"):
         DiagnosisThresholds(nic_util_band=2.0)
+    with pytest.raises(ConfigError, match="nic_xmit_wait_band"):
+        DiagnosisThresholds(nic_xmit_wait_band=-0.1)
+    with pytest.raises(ConfigError, match="nic_bytes_per_tick"):
+        DiagnosisThresholds(nic_bytes_per_tick=0.0)
     tight = DiagnosisThresholds(nic_util_band=0.3)
     assert diagnose_straggler(_sample(), _peers(), thresholds=tight).diagnosis is Diagnosis.NETWORK_CONTENTION
 
@@ -167,7 +219,11 @@ def test_simulated_faults_get_their_diagnosis():
     assert d.diagnose("n0013", 3).diagnosis is Diagnosis.NODE_THERMAL
     assert {d.diagnose(f"n{i:04d}", 0).diagnosis for i in range(16, 24)} == {Diagnosis.ENVIRONMENTAL}
     assert d.diagnose("n0025", 1).diagnosis is Diagnosis.NODE_LINK
-    assert d.diagnose("n0005", 2).diagnosis is Diagnosis.NETWORK_CONTENTION
+    contended = d.diagnose("n0005", 2)
+    assert contended.diagnosis is Diagnosis.NETWORK_CONTENTION
+    # judged from the simulated port counters (credit wait), as on a real node
+    assert contended.evidence["nic_source"] == "port_counters"
+    assert contended.evidence["nic_xmit_wait_share"] == pytest.approx(0.30, abs=0.01)
     healthy = [n for n in sim.node_names if n not in {"n0013", "n0025", "n0005"} and sim.rack_of(n) != "r02"]
     assert {d.diagnose(n).diagnosis for n in healthy} == {Diagnosis.UNKNOWN}
 

@@ -12,6 +12,7 @@ import math
 import time
 
 import numpy as np
+import orjson
 import pynvml
 import pytest
 
@@ -228,3 +229,15 @@ def test_an_event_set_wait_error_is_reported_once_and_the_xid_thread_keeps_going
     finally:
         source.close()
     assert source._xid_thread is not None and not source._xid_thread.is_alive()
+
+
+def test_pci_bus_ids_label_the_gpus_and_their_absence_is_no_failure(recording) -> None:
+    """The recording lacks nvmlDeviceGetPciInfo (NOT_SUPPORTED): the sample has no bus ids; with
+    answers for it (added to a copy of the recording) each GPU carries its own."""
+    source, _ = _open(recording("nvml_h100_faults.json"), xid_events=False)
+    assert source.sample(1.0).telemetry.pci_bus_id == ()
+    data = orjson.loads(recording("nvml_h100_faults.json").read_bytes())
+    for i, device in enumerate(data["devices"]):
+        device["nvmlDeviceGetPciInfo"] = {"": {"busId": f"00000000:{0x18 + i:02X}:00.0"}}
+    source, _ = _open(data, xid_events=False)
+    assert source.sample(1.0).telemetry.pci_bus_id == tuple(f"00000000:{0x18 + i:02X}:00.0" for i in range(4))

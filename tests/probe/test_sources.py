@@ -77,11 +77,14 @@ def test_dcgm_without_a_host_engine_is_one_clear_line(tmp_path, monkeypatch) -> 
     """Bindings present, host engine absent: a stand-in for the bindings' documented behaviour
     (this machine has no DCGM install)."""
     (tmp_path / "pydcgm.py").write_text("")
-    (tmp_path / "dcgm_structs.py").write_text("class DCGMError(Exception):\n    pass\n")
+    (tmp_path / "dcgm_structs.py").write_text("class DCGMError(Exception):\n    pass\n"
+                                              "def _dcgmInit(libDcgmPath=None):\n    pass\n")
+    (tmp_path / "dcgm_fields.py").write_text("def DcgmFieldGetById(fid):\n    return object()\n")
+    (tmp_path / "dcgm_agent.py").write_text("def dcgmVersionInfo():\n    raise RuntimeError('old library')\n")
     (tmp_path / "DcgmReader.py").write_text(_FAKE_READER)
     monkeypatch.setenv("DCGM_BINDINGS", str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("pydcgm", "dcgm_structs", "DcgmReader"):
+    for name in ("pydcgm", "dcgm_structs", "dcgm_fields", "dcgm_agent", "DcgmReader"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(DeviceError) as info:
         DcgmSource("n0", "r0", hostname="localhost").open()
