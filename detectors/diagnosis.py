@@ -5,12 +5,18 @@ Classify before evicting (R2): evicting a symptom whose cause is the aisle just 
 :class:`~fleethealth.schema.Telemetry` (and the one before it, for counter rates) and its rack
 peers' latest samples. The branches, in R2's order:
 
-1. **Thermal or power cap** — the GPU's temperature above ``thermal_limit_c``, a thermal
-   clock-event bit (``SW_THERMAL``/``HW_THERMAL``) or the hardware power brake. Then the rack
-   decides: if the peers' median temperature is also above the limit, or at least
-   ``peer_throttle_share`` of the peers throttle too, it is ``ENVIRONMENTAL`` (alert facilities,
-   evicting will not help), else ``NODE_THERMAL`` (a fan or paste problem: evict). ``SW_POWER_CAP``
-   alone does not count: a busy GPU sits at its power limit in normal operation.
+1. **Thermal or power cap** — the GPU's temperature above *its own* slowdown temperature (the
+   ``slowdown_temp_c`` the GPU reports through NVML or DCGM; ``thermal_limit_c`` only where it does
+   not say), a thermal clock-event bit (``SW_THERMAL``/``HW_THERMAL``) or the hardware power brake.
+   Then the rack decides, by its temperature distribution rather than only by who crossed a line:
+   it is ``ENVIRONMENTAL`` (alert facilities, evicting will not help) when the peers' median
+   temperature is above their own limits, or at least ``peer_throttle_share`` of the peers throttle
+   too, or the rack's median rise over each node's own baseline (:class:`Diagnoser` keeps a slow
+   baseline per node) is at least ``rack_rise_c`` — a hot aisle in which only part of the rack has
+   crossed its limit is still one cause. Else ``NODE_THERMAL`` (a fan or paste problem: evict).
+   With no rack peer that has telemetry the node and its environment cannot be told apart: that is
+   ``UNKNOWN``, with the reason in the evidence. ``SW_POWER_CAP`` alone does not count: a busy GPU
+   sits at its power limit in normal operation.
 2. **Links** — fewer NVLink links up than the GPU has, or CRC / replay / recovery counters rising
    faster than ``nvlink_errors_per_s`` between the two samples, or a NIC port that went down
    between them (up before, down now, or its ``link_downed`` counter rose) → ``NODE_LINK``.
@@ -21,7 +27,9 @@ peers' latest samples. The branches, in R2's order:
    ``nic_util_band`` of its link rate → ``NETWORK_CONTENTION``. A sample without NIC ports (from
    a probe older than its NIC source) falls back to its ``nic_util`` summary against
    ``nic_util_band``.
-4. Otherwise ``UNKNOWN``.
+4. Otherwise ``UNKNOWN``. Missing evidence gives ``UNKNOWN`` with ``evidence["reason"]``, never a
+   confident wrong class: a node with no telemetry, telemetry older than ``max_age_s`` at the
+   straggler's time, or a sample that reports none of the fields a branch reads.
 
 The evidence (values, thresholds, peers) is a JSON-ready dict that goes into the finding.
 :class:`Diagnoser` is the small stateful helper a runner keeps: it remembers the latest two
@@ -54,7 +62,8 @@ class DiagnosisThresholds:
     """Limits of :func:`diagnose_straggler` (defaults suit H100-class GPUs)."""
 
     thermal_limit_c: float = 85.0
-    """GPU core temperature above which the GPU slows itself (H100 slowdown temperature)."""
+    """GPU core temperature taken as the slowdown point where the GPU does not report its own
+    (``slowdown_temp_c`` NaN: an old driver, a source without the field)."""
     peer_throttle_share: float = 0.5
     """Share of rack peers throttling too that makes the cause environmental."""
     nvlink_errors_per_s: float = 1.0
@@ -65,6 +74,10 @@ class DiagnosisThresholds:
     """Share of the interval a NIC port waited for credit (``port_xmit_wait``) above which it is contended."""
     nic_bytes_per_tick: float = 8.0
     """Bytes one ``port_xmit_wait`` tick stands for (8 on NVIDIA Quantum-class hardware, per ibdiagnet)."""
+    rack_rise_c: float = 5.0
+    """Median rise of a rack's node temperatures over their own baselines that makes the cause environmental."""
+    max_age_s: float = 120.0
+    """Telemetry older than this at the straggler's time is no evidence (a node whose probe went quiet)."""
 
     def __post_init__(self) -> None:
         check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
@@ -73,6 +86,8 @@ class DiagnosisThresholds:
         check_number("nic_util_band", self.nic_util_band, at_least=0, at_most=1.0, owner=self)
         check_number("nic_xmit_wait_band", self.nic_xmit_wait_band, at_least=0, at_most=1.0, owner=self)
         check_number("nic_bytes_per_tick", self.nic_bytes_per_tick, above=0, owner=self)
+        check_number("rack_rise_c", self.rack_rise_c, above=0, owner=self)
+        check_number("max_age_s", self.max_age_s, above=0, owner=self)
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,20 @@ def _throttled(sample: Telemetry) -> np.ndarray:
 def _node_temp(sample: Telemetry) -> float:
     temps = sample.columns["temp_c"]
     return float(np.nanmedian(temps)) if np.isfinite(temps).any() else math.nan
+
+
+def _limits(sample: Telemetry, default: float) -> np.ndarray:
+    """Each GPU's own slowdown temperature, ``default`` where the GPU does not report one."""
+    own = sample.columns["slowdown_temp_c"]
+    return np.where(np.isfinite(own), own, default)
+
+
+def _over_limit(sample: Telemetry, default: float) -> float:
+    """The node's median temperature minus its GPUs' median limit (NaN without temperatures)."""
+    temps = sample.columns["temp_c"]
+    if not np.isfinite(temps).any():
+        return math.nan
+    return float(np.nanmedian(temps) - np.median(_limits(sample, default)))
 
 
 def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
@@ -158,34 +187,57 @@ def _nic_view(sample: Telemetry, previous: Telemetry | None, bytes_per_tick: flo
 
 def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gpu: int | None = None,
                        previous: Telemetry | None = None,
-                       thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> DiagnosisResult:
+                       thresholds: DiagnosisThresholds = DiagnosisThresholds(),
+                       baselines: dict[str, float] | None = None) -> DiagnosisResult:
     """Classify a straggler on ``sample.node`` (GPU ``gpu``, or the whole node when None).
 
     ``peers`` are the latest samples of the other nodes in the rack (the node itself is skipped
-    if present); ``previous`` is the node's sample before ``sample`` (for counter rates).
+    if present); ``previous`` is the node's sample before ``sample`` (for counter rates);
+    ``baselines`` maps nodes to their usual median temperature (see :class:`Diagnoser`).
     """
     th = thresholds
     rows = _rows(sample, gpu)
     cols = sample.columns
     temps = cols["temp_c"][rows]
-    temp = float(np.nanmax(temps)) if np.isfinite(temps).any() else math.nan
+    limits = _limits(sample, th.thermal_limit_c)[rows]
+    over = temps - limits
+    k = int(np.nanargmax(over)) if np.isfinite(over).any() else -1
+    temp = float(temps[k]) if k >= 0 else math.nan
+    limit = float(limits[k]) if k >= 0 else float(np.median(limits)) if limits.size else th.thermal_limit_c
     reasons = int(np.bitwise_or.reduce(np.nan_to_num(cols["clock_reasons"][rows], nan=0.0).astype(np.int64)))
     evidence: dict[str, Any] = {
         "node": sample.node, "rack": sample.rack, "gpu": gpu, "sample_ts": sample.ts,
-        "temp_c": _num(temp), "thermal_limit_c": th.thermal_limit_c,
+        "temp_c": _num(temp), "thermal_limit_c": _num(limit),
+        "thermal_limit_source": "gpu" if np.isfinite(cols["slowdown_temp_c"][rows]).all() else "default",
         "clock_reasons": [r.name for r in ClockReason if r & reasons],
     }
-    hot = temp > th.thermal_limit_c or bool(reasons & _THROTTLE_BITS)
+    hot = temp > limit or bool(reasons & _THROTTLE_BITS)
     if hot:
         others = [p for p in peers if p.node != sample.node]
+        over_limit = np.array([_over_limit(p, th.thermal_limit_c) for p in others])
         peer_temps = np.array([_node_temp(p) for p in others])
-        finite = peer_temps[np.isfinite(peer_temps)]
-        median = float(np.median(finite)) if finite.size else math.nan
+        finite = np.isfinite(peer_temps)
+        median = float(np.median(peer_temps[finite])) if finite.any() else math.nan
+        median_over = float(np.median(over_limit[finite])) if finite.any() else math.nan
         share = float(np.mean([_throttled(p).any() for p in others])) if others else 0.0
-        evidence.update(peers=len(others), peer_median_temp_c=_num(median), peer_throttle_share=round(share, 4),
-                        peer_throttle_share_limit=th.peer_throttle_share)
-        rack_hot = median > th.thermal_limit_c or (bool(others) and share >= th.peer_throttle_share)
+        base = baselines or {}
+        rises = np.array([peer_temps[i] - base[p.node] for i, p in enumerate(others)
+                          if finite[i] and p.node in base])
+        rise = float(np.median(rises)) if rises.size else math.nan
+        evidence.update(peers=len(others), peers_with_telemetry=int(finite.sum()), peer_median_temp_c=_num(median),
+                        peer_median_over_limit_c=_num(median_over), peer_throttle_share=round(share, 4),
+                        peer_throttle_share_limit=th.peer_throttle_share, rack_rise_c=_num(rise),
+                        rack_rise_limit_c=th.rack_rise_c)
+        if not finite.any():
+            evidence["reason"] = "no rack peer with telemetry: the node cannot be told from its environment"
+            return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
+        rack_hot = median_over > 0 or share >= th.peer_throttle_share or rise >= th.rack_rise_c
         return DiagnosisResult(Diagnosis.ENVIRONMENTAL if rack_hot else Diagnosis.NODE_THERMAL, evidence)
+    reported = [name for name in ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay") if
+                np.isfinite(cols[name][rows]).any()]
+    if not reported and sample.nic is None and not math.isfinite(sample.nic_util):
+        evidence["reason"] = "the sample reports none of the fields the diagnosis reads"
+        return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
     up, top = cols["nvlink_links_up"], cols["nvlink_links_max"]
     down = np.isfinite(up) & np.isfinite(top) & (up < top)
     rate = _nvlink_rate(sample, previous)
@@ -223,11 +275,13 @@ class Diagnoser:
     ``UNKNOWN`` with ``evidence["telemetry"] = "missing"``.
     """
 
-    def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> None:
+    def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds(), baseline_s: float = 1800.0) -> None:
         self.thresholds = thresholds
+        self.baseline_s = baseline_s
         self.latest_: dict[str, Telemetry] = {}
         self.previous_: dict[str, Telemetry] = {}
         self.racks_: dict[str, set[str]] = {}
+        self.baseline_: dict[str, float] = {}
         self.stale_total_ = 0
 
     def observe(self, samples: Iterable[Telemetry]) -> None:
@@ -242,18 +296,42 @@ class Diagnoser:
                     self.racks_.get(last.rack, set()).discard(sample.node)
             self.latest_[sample.node] = sample
             self.racks_.setdefault(sample.rack, set()).add(sample.node)
+            self._learn_baseline(sample, last)
+
+    def _learn_baseline(self, sample: Telemetry, last: Telemetry | None) -> None:
+        """A slow exponential average (time constant ``baseline_s`` of event time) of the node's median
+        temperature: what this node usually runs at, its slot's airflow and its silicon included."""
+        temp = _node_temp(sample)
+        if not math.isfinite(temp):
+            return
+        base = self.baseline_.get(sample.node)
+        if base is None or last is None:
+            self.baseline_[sample.node] = temp
+            return
+        weight = 1.0 - math.exp(-max(sample.ts - last.ts, 0.0) / self.baseline_s)
+        self.baseline_[sample.node] = base + weight * (temp - base)
 
     def rack_of(self, node: str) -> str | None:
         sample = self.latest_.get(node)
         return None if sample is None else sample.rack
 
-    def diagnose(self, node: str, gpu: int | None = None) -> DiagnosisResult:
+    def diagnose(self, node: str, gpu: int | None = None, *, at: float | None = None) -> DiagnosisResult:
+        """Diagnose a straggler on ``node`` found at event time ``at`` (telemetry older than
+        ``thresholds.max_age_s`` then is no evidence; peers that old are left out)."""
         sample = self.latest_.get(node)
         if sample is None:
-            return DiagnosisResult(Diagnosis.UNKNOWN, {"node": node, "gpu": gpu, "telemetry": "missing"})
-        peers = [self.latest_[n] for n in sorted(self.racks_.get(sample.rack, ())) if n != node]
+            return DiagnosisResult(Diagnosis.UNKNOWN, {"node": node, "gpu": gpu, "telemetry": "missing",
+                                                       "reason": "no telemetry from the node"})
+        max_age = self.thresholds.max_age_s
+        if at is not None and at - sample.ts > max_age:
+            return DiagnosisResult(Diagnosis.UNKNOWN, {
+                "node": node, "gpu": gpu, "telemetry": "stale", "sample_ts": sample.ts,
+                "reason": f"the node's newest telemetry is {at - sample.ts:.0f} s older than the straggler"})
+        peers = [self.latest_[n] for n in sorted(self.racks_.get(sample.rack, ())) if n != node
+                 and (at is None or at - self.latest_[n].ts <= max_age)]
+        baselines = {n: self.baseline_[n] for n in self.racks_.get(sample.rack, ()) if n in self.baseline_}
         return diagnose_straggler(sample, peers, gpu=gpu, previous=self.previous_.get(node),
-                                  thresholds=self.thresholds)
+                                  thresholds=self.thresholds, baselines=baselines)
 
 
 class RackEpisodes:

@@ -187,7 +187,7 @@ class Pipeline:
             peers = self.diagnoser.racks_.get(rack, ()) if rack is not None else ()
             caught_up = f.node in latest and all(latest[n].ts >= f.ts for n in peers)
             if final or caught_up or self.now_ - f.ts >= self.diagnosis_wait_s:
-                result = self.diagnoser.diagnose(f.node, f.gpu)
+                result = self.diagnoser.diagnose(f.node, f.gpu, at=f.ts)
                 ready.append(dataclasses.replace(f, diagnosis=result.diagnosis,
                                                  evidence={**f.evidence, **result.evidence}))
             else:

@@ -192,6 +192,7 @@ GPU_FIELDS: dict[str, str] = {
     "fb_free_mib": "framebuffer memory free, MiB",
     "energy_mj": "energy consumed since the driver loaded, mJ",
     "tensor_active": "share of cycles the tensor pipes were active, 0-1",
+    "slowdown_temp_c": "the GPU's own slowdown temperature, °C: above it the GPU throttles itself (NaN: not reported)",
 }
 """Per-GPU telemetry columns (float64; NaN where a source does not report the field)."""
 
@@ -223,6 +224,7 @@ GPU_FIELD_RANGES: dict[str, tuple[float, float]] = {
     "nvlink_replay": _COUNTER, "nvlink_recovery": _COUNTER, "pcie_replay": _COUNTER, "pcie_gen": (0.0, 16.0),
     "pcie_gen_max": (0.0, 16.0), "pcie_width": (0.0, 64.0), "pcie_width_max": (0.0, 64.0),
     "fb_used_mib": (0.0, 2.0**24), "fb_free_mib": (0.0, 2.0**24), "energy_mj": _COUNTER, "tensor_active": (0.0, 1.0),
+    "slowdown_temp_c": (0.0, 200.0),
 }
 """Physical range of each telemetry field: a sample with a value outside it (a temperature of
 1e308 °C, a utilisation of 250 %) is a broken or forged probe, and is dead-lettered naming the field."""

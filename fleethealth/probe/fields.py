@@ -106,6 +106,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _spec("energy_mj", 156, _G + "energy_joules_total", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", counter=True,
           scale=1e-3),
     _spec("tensor_active", 1004, _G + "tensor_active_ratio", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"),
+    _spec("slowdown_temp_c", 158, _G + "slowdown_temperature_celsius", "DCGM_FI_DEV_SLOWDOWN_TEMP"),
 )
 """Every column of :data:`schema.GPU_FIELDS`, each once."""
 

@@ -200,6 +200,9 @@ class NvmlSource:
         out["temp_c"] = read.first(("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
                                    h, nv.NVML_TEMPERATURE_GPU)
         out["mem_temp_c"] = read.field(h, nv.NVML_FI_DEV_MEMORY_TEMP)
+        # the GPU's own throttle point (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1 in nvml.h)
+        out["slowdown_temp_c"] = read.first(("nvmlDeviceGetTemperatureThreshold",), h,
+                                            getattr(nv, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1))
         out["power_w"] = read(nv.nvmlDeviceGetPowerUsage, h) / 1000.0
         out["power_limit_w"] = read(nv.nvmlDeviceGetEnforcedPowerLimit, h) / 1000.0
         out["sm_clock_mhz"] = read(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)

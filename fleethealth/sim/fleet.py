@@ -40,6 +40,8 @@ COMPUTE_SHARE = 0.8
 THERMAL_SLOWDOWN_C = 85.0
 """The simulated GPUs' thermal slowdown temperature."""
 MODEL = "NVIDIA H100 80GB HBM3"
+SLOWDOWN_TEMP_C = 85.0
+"""The simulated GPUs' own slowdown temperature (each sample carries it, as NVML and DCGM report it)."""
 NIC_PORT = "mlx5_0/1"
 NIC_LINK_GBPS = 400.0
 NIC_BYTES_PER_TICK = 8.0
@@ -174,6 +176,7 @@ class FleetSim:
         cols["mem_temp_c"] = cols["temp_c"] + 6.0
         cols["power_w"] = self._base_power + rng.normal(0.0, 5.0, shape)
         cols["power_limit_w"] = np.full(shape, 700.0)
+        cols["slowdown_temp_c"] = np.full(shape, SLOWDOWN_TEMP_C)  # what NVML reports as the GPU's throttle point
         cols["sm_clock_max_mhz"] = np.full(shape, 1980.0)
         cols["sm_clock_mhz"] = np.full(shape, 1980.0)
         cols["mem_clock_mhz"] = np.full(shape, 2619.0)

@@ -150,7 +150,9 @@ def test_nan_fields_and_no_peers_are_handled():
     res = diagnose_straggler(blank, [])
     assert res.diagnosis is Diagnosis.UNKNOWN and res.evidence["temp_c"] is None
     alone = diagnose_straggler(_sample(hot_gpu=1, reasons=ClockReason.HW_THERMAL), [], gpu=1)
-    assert alone.diagnosis is Diagnosis.NODE_THERMAL and alone.evidence["peers"] == 0
+    # a hot node with no peer to compare: node and environment cannot be told apart, and it says why
+    assert alone.diagnosis is Diagnosis.UNKNOWN and alone.evidence["peers"] == 0
+    assert "no rack peer" in alone.evidence["reason"]
     assert math.isnan(res.evidence["sample_ts"]) is False
 
 
@@ -232,3 +234,61 @@ def test_results_are_frozen():
     res = diagnose_straggler(_sample(), [])
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.diagnosis = Diagnosis.NODE_LINK  # type: ignore[misc]
+
+
+def _rack(temps_by_node: dict[str, float], *, ts: float, limit: float | None = None) -> list[Telemetry]:
+    out = []
+    for node, temp in temps_by_node.items():
+        cols = {"temp_c": np.full(8, temp)}
+        if limit is not None:
+            cols["slowdown_temp_c"] = np.full(8, limit)
+        out.append(Telemetry.from_columns(node, "r02", ts, np.arange(8), **cols))
+    return out
+
+
+def test_a_hot_aisle_where_only_part_of_the_rack_crosses_its_limit_is_environmental():
+    """Every node of the rack runs 12 °C above its own baseline; only two cross 85 °C. Judged by the
+    share that throttles (2 of 7) it looked like a bad node; judged by the rack's rise it is the aisle."""
+    diag = Diagnoser()
+    base = {f"n{i:04d}": 68.0 + (i % 3) for i in range(16, 24)}  # per-slot offsets: warm and cool slots
+    for k in range(30):
+        diag.observe(_rack(base, ts=10.0 * k))
+    hot = {n: t + 12.0 for n, t in base.items()}
+    hot["n0016"], hot["n0017"] = 88.0, 87.0  # these two crossed the limit, the rest run hot below it
+    diag.observe(_rack(hot, ts=400.0))
+    res = diag.diagnose("n0016", 3, at=400.0)
+    assert res.diagnosis is Diagnosis.ENVIRONMENTAL, res.evidence
+    assert res.evidence["rack_rise_c"] >= 10.0 and res.evidence["peer_throttle_share"] == 0.0
+    # one node heating alone in a rack that stays at its baseline is the node
+    alone = dict(base)
+    alone["n0016"] = 92.0
+    diag2 = Diagnoser()
+    for k in range(30):
+        diag2.observe(_rack(base, ts=10.0 * k))
+    diag2.observe(_rack(alone, ts=400.0))
+    assert diag2.diagnose("n0016", 3, at=400.0).diagnosis is Diagnosis.NODE_THERMAL
+
+
+def test_each_gpu_is_judged_against_its_own_slowdown_temperature():
+    peers = _rack({f"n{i:04d}": 60.0 for i in range(17, 24)}, ts=1.0, limit=95.0)
+    warm_but_fine = Telemetry.from_columns("n0016", "r02", 1.0, np.arange(8), temp_c=np.full(8, 88.0),
+                                           slowdown_temp_c=np.full(8, 95.0))
+    res = diagnose_straggler(warm_but_fine, peers, gpu=0)
+    assert res.diagnosis is not Diagnosis.NODE_THERMAL and res.evidence["thermal_limit_c"] == 95.0
+    assert res.evidence["thermal_limit_source"] == "gpu"
+    low_limit = Telemetry.from_columns("n0016", "r02", 1.0, np.arange(8), temp_c=np.full(8, 82.0),
+                                       slowdown_temp_c=np.full(8, 80.0))
+    assert diagnose_straggler(low_limit, peers, gpu=0).diagnosis is Diagnosis.NODE_THERMAL
+    unreported = Telemetry.from_columns("n0016", "r02", 1.0, np.arange(8), temp_c=np.full(8, 88.0))
+    res = diagnose_straggler(unreported, peers, gpu=0)
+    assert res.evidence["thermal_limit_source"] == "default" and res.diagnosis is Diagnosis.NODE_THERMAL
+
+
+def test_stale_or_missing_telemetry_is_unknown_with_the_reason():
+    diag = Diagnoser()
+    diag.observe(_rack({"n0016": 92.0, "n0017": 60.0}, ts=100.0))
+    stale = diag.diagnose("n0016", 0, at=100.0 + 600.0)
+    assert stale.diagnosis is Diagnosis.UNKNOWN and "older than the straggler" in stale.evidence["reason"]
+    assert diag.diagnose("n0999", 0, at=100.0).evidence["reason"] == "no telemetry from the node"
+    blank = Telemetry.from_columns("n0001", "r00", 1.0, np.arange(4))
+    assert "none of the fields" in diagnose_straggler(blank, []).evidence["reason"]
