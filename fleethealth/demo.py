@@ -5,6 +5,8 @@ events — to the probe's delivery path (the bounded disk spool in ``DATA/spool`
 idempotent producer) into the embedded Kafka-protocol broker; the detector runner consumes them as a consumer
 group, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
 result is exported from the store to ``OUT/findings.jsonl`` and ``OUT/recommendations.jsonl``.
+Only then is the scenario's fault list read, to score the run (``OUT/scorecard.json``), and the
+page of :mod:`fleethealth.report` is written to ``OUT/report.html``.
 Nothing is mocked: the same runner, bus and store code runs against a Kafka cluster and a
 ClickHouse server in production. Like :mod:`fleethealth.commands`, this module wires parts together.
 """
@@ -25,6 +27,7 @@ from fleethealth.detectors.runner import Runner
 from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
+from fleethealth.report.scorecard import Scorecard, score
 from fleethealth.schema import Finding, Recommendation
 from fleethealth.sim import FleetSim, Scenario
 from fleethealth.store import StoreLike, open_store
@@ -50,6 +53,11 @@ class DemoResult:
     detect_s: float
     out_dir: Path
     store_dir: Path
+    scorecard: Scorecard | None = None
+    report: Path | None = None
+    """``OUT/report.html``; None when the report's extra (matplotlib, jinja2) is not installed."""
+    report_s: float = 0.0
+    report_note: str = ""
 
     @property
     def messages_per_s(self) -> float:
@@ -123,6 +131,25 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
             dead = runner.consumer.dead_lettered_total
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
+        # the ground truth, read only now that the detectors have finished
+        card = score(scenario, findings, recs)
+        (out / "scorecard.json").write_bytes(orjson.dumps(card.to_obj(), option=orjson.OPT_INDENT_2))
+        report, report_s, note = _report(store, out / "report.html", scenario.job.id, card, progress)
     return DemoResult(scenario=scenario.name, findings=findings, recommendations=recs, messages=published,
                       dead_letters=dead, wall_s=time.perf_counter() - started, publish_s=t1 - t0, detect_s=t2 - t1,
-                      out_dir=out, store_dir=store_dir)
+                      out_dir=out, store_dir=store_dir, scorecard=card, report=report, report_s=report_s,
+                      report_note=note)
+
+
+def _report(store: StoreLike, path: Path, job: str, card: Scorecard,
+            progress: Progress | None) -> tuple[Path | None, float, str]:
+    """Write the demo's report page; without the report extra, say so instead."""
+    from fleethealth.errors import ConfigError
+    from fleethealth.report import require_extra, write
+
+    try:
+        require_extra()
+    except ConfigError as exc:
+        return None, 0.0, str(exc)
+    built = write(store, path, job, scorecard=card, progress=progress)
+    return path, built.render_s, ""

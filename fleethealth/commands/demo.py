@@ -62,6 +62,8 @@ def summary(result: DemoResult, *, as_json: bool = False) -> str:
             "findings_by_kind": dict(Counter(f.kind.value for f in result.findings)),
             "recommendations_by_action": dict(Counter(r.action.value for r in result.recommendations)),
             "out_dir": str(result.out_dir), "store_dir": str(result.store_dir),
+            "scorecard": None if result.scorecard is None else result.scorecard.to_obj(),
+            "report": None if result.report is None else str(result.report),
         }).decode()
     lines = [
         f"scenario {result.scenario}: {result.messages} messages through Kafka -> detectors -> ClickHouse "
@@ -86,7 +88,14 @@ def summary(result: DemoResult, *, as_json: bool = False) -> str:
                   "'none': already decided, stale or not worth acting on):"]
     for r in acted:
         lines.append(f"  {r.action.value:16s} {r.node:8s} [{r.guard.value}] {r.reason}")
-    lines += ["", f"wrote {result.out_dir}/findings.jsonl and {result.out_dir}/recommendations.jsonl; "
+    if result.scorecard is not None:
+        lines += ["", *result.scorecard.lines()]
+    lines += ["", f"wrote {result.out_dir}/findings.jsonl, {result.out_dir}/recommendations.jsonl and "
+                  f"{result.out_dir}/scorecard.json; "
                   f"query the store: fleethealth query \"SELECT kind, node, count() FROM findings GROUP BY ALL\" "
                   f"--data {result.store_dir.parent}"]
+    if result.report is not None:
+        lines.append(f"report: {result.report} ({result.report_s:.1f} s to render)")
+    elif result.report_note:
+        lines.append(f"no report.html: {result.report_note}")
     return "\n".join(lines)

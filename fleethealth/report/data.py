@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fleethealth.errors import ConfigError
+from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.policy.goodput import Interruption, ideal_step_time
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Recommendation
 
@@ -163,8 +163,10 @@ def load(store: StoreLike, job: str | None = None) -> ReportData:
 
     node_set = set(nodes)
     lo, hi = t0 - 3600.0, t1 + 3600.0
-    findings = [f for f in store.findings(since=lo, until=hi) if f.job == job or (f.job is None and f.node in node_set)]
-    recs = [r for r in store.recommendations(since=lo, until=hi) if r.job == job or (r.job is None and r.node in node_set)]
+    findings = [f for f in store.findings(since=lo, until=hi)
+                if f.job == job or (f.job is None and f.node in node_set)]
+    recs = [r for r in store.recommendations(since=lo, until=hi)
+            if r.job == job or (r.job is None and r.node in node_set)]
     events = store.events(job=job)
     checks = [e for e in events if e.kind is EventKind.SDC_CHECK]
     checkpoints = [e for e in events if e.kind is EventKind.CHECKPOINT]
@@ -173,7 +175,7 @@ def load(store: StoreLike, job: str | None = None) -> ReportData:
         if e.kind is EventKind.INTERRUPTION:
             try:
                 interruptions.append(Interruption.from_event(e))
-            except Exception:  # noqa: BLE001 - a malformed record is left out of the sums, not fatal
+            except SchemaError:  # a malformed record is left out of the sums, not fatal
                 continue
     return ReportData(
         job=job, dsn=store.dsn, first_step=first, last_step=last, t0=t0, t1=t1, step_bin=step_bin,

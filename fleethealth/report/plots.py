@@ -78,14 +78,21 @@ def heatmap(data: ReportData) -> str:
     ax.set_yticks(ticks, names)
     row = {int(r): i for i, r in enumerate(data.ranks)}
     node_rows = {n: [i for i, m in enumerate(data.rank_nodes) if m == n] for n in set(data.rank_nodes)}
+    labelled: set[tuple[str, str]] = set()
     for f in stragglers(data):
         step = f.step if f.step is not None else data.step_at(f.ts)
-        rows = [row[f.rank]] if f.rank is not None and f.rank in row else node_rows.get(f.node, [])
-        for r in rows:
-            ax.plot([step], [r + 0.5], marker="v", ms=8, color="#00e0ff", mec="black", mew=0.6)
-        if rows:
-            ax.annotate(f"{f.node} {f.diagnosis.value if f.diagnosis else ''}", (step, rows[0] + 0.5),
-                        xytext=(6, -6), textcoords="offset points", color="#00e0ff", fontsize=8)
+        if f.rank is not None and f.rank in row:
+            r = row[f.rank]
+        elif node_rows.get(f.node):
+            r = node_rows[f.node][len(node_rows[f.node]) // 2]
+        else:
+            continue
+        ax.plot([step], [r + 0.5], marker="v", ms=8, color="#00e0ff", mec="black", mew=0.6)
+        diag = f.diagnosis.value if f.diagnosis else ""
+        if (f.node, diag) not in labelled:  # one label per node and cause; later findings only marked
+            labelled.add((f.node, diag))
+            ax.annotate(f"{f.node} {diag}", (step, r + 0.5), xytext=(6, -6), textcoords="offset points",
+                        color="#00e0ff", fontsize=8)
     ax.set_xlabel("step" + ("" if data.step_bin == 1 else f" (cells of {data.step_bin} steps)"))
     ax.set_ylabel(f"{n_ranks} ranks by rack / node")
     ax.set_title(f"{data.job}: per-rank compute time (▼ straggler findings)")
@@ -120,8 +127,7 @@ def temperature(data: ReportData) -> str:
     ax.set_title(f"{data.job}: rack temperature (hatched: hot-aisle episodes)")
     thermal = int(ClockReason.thermal())
     power = int(ClockReason.power())
-    for i, rack in enumerate(data.racks):
-        row = data.reasons[i]
+    for i, row in enumerate(data.reasons):
         x = (np.arange(row.size) + 0.5) * data.time_bin_s / 60.0
         for bit, colour, off, label in ((thermal, "#d62728", 0.15, "thermal"), (power, "#1f77b4", -0.15, "power"),
                                         (int(ClockReason.HW_SLOWDOWN), "#9467bd", 0.0, "hw slowdown")):
