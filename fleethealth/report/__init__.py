@@ -10,10 +10,10 @@ floor 4: it reads the store and the policy's goodput arithmetic, and nothing abo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleethealth.errors import ConfigError
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["SECTIONS", "Built", "build", "render", "write", "require_extra", "check_writable"]
 
 SECTIONS = ("heatmap", "temperature", "timeline", "sdc", "goodput", "scorecard")
-"""The page's sections, in order (``scorecard`` only for a scenario run); each has ``id`` = its name."""
+"""The page's sections, in order (``scorecard`` only for a scenario run); each has ``id`` = its name.
+A closed-loop demo adds ``closedloop``."""
 
 Progress = Callable[[str, int, int], None]
 
@@ -40,7 +41,7 @@ class Built:
 
 
 def build(store: StoreLike, job: str | None = None, *, scorecard: Scorecard | None = None,
-          progress: Progress | None = None) -> Built:
+          progress: Progress | None = None, closed_loop: Sequence[Any] = ()) -> Built:
     """Read ``job`` (default: the job with most steps) from ``store`` and render the page."""
     require_extra()
     import jinja2
@@ -58,6 +59,8 @@ def build(store: StoreLike, job: str | None = None, *, scorecard: Scorecard | No
     ]
     if scorecard is not None:
         steps.append(("scorecard", lambda: plots.scorecard(scorecard)))
+    if closed_loop:
+        steps.append(("closedloop", lambda: plots.closed_loop(closed_loop)))
     figures: dict[str, str] = {}
     for i, (name, draw) in enumerate(steps):
         if progress is not None:
@@ -70,6 +73,7 @@ def build(store: StoreLike, job: str | None = None, *, scorecard: Scorecard | No
     checks = check_summary(data.checks)
     html = env.get_template("report.html.j2").render(
         version=__version__, data=data, figures=figures, scorecard=scorecard, goodput=data.goodput,
+        closed_loop=list(closed_loop),
         checks_failed=sum(f for _, f in checks.values()), checks_total=sum(n for n, _ in checks.values()),
         acted=[r for r in data.recommendations if r.action.value != "none"],
         generated=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
@@ -110,12 +114,12 @@ def render(store: StoreLike, job: str | None = None, *, scorecard: Scorecard | N
 
 
 def write(store: StoreLike, out: str | Path, job: str | None = None, *, scorecard: Scorecard | None = None,
-          progress: Progress | None = None) -> Built:
+          progress: Progress | None = None, closed_loop: Sequence[Any] = ()) -> Built:
     """Render and write the page to ``out``; a path that cannot be written is a :class:`ConfigError`
     (checked before anything is drawn)."""
     require_extra()
     path = check_writable(out)
-    built = build(store, job, scorecard=scorecard, progress=progress)
+    built = build(store, job, scorecard=scorecard, progress=progress, closed_loop=closed_loop)
     try:
         path.write_text(built.html, encoding="utf-8")
     except OSError as exc:

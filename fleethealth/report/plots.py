@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from fleethealth.report.data import ReportData
     from fleethealth.report.scorecard import Scorecard
 
-__all__ = ["svg", "heatmap", "temperature", "timeline", "sdc", "waterfall", "scorecard"]
+__all__ = ["svg", "heatmap", "temperature", "timeline", "sdc", "waterfall", "scorecard", "closed_loop"]
 
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "figure.dpi": 100})
 
@@ -296,4 +297,23 @@ def scorecard(card: Scorecard) -> str:
                  f"{len(card.healthy_flagged)} healthy nodes flagged")
     ax.legend([Patch(color=c) for c in ("#2ca02c", "#ff7f0e", "#d62728")], ["correct", "wrong kind/diagnosis",
                                                                           "missed"], fontsize=7, loc="lower right")
+    return svg(fig)
+
+
+def closed_loop(results: Sequence[Any]) -> str:
+    """The closed-loop runs side by side: goodput, ETTR and correct work per accelerator-hour."""
+    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    names = [r.policy for r in results]
+    colours = ["#2ca02c", "#1f77b4", "#7f7f7f"][:len(results)]
+    for ax, (label, values) in zip(axes, (
+            ("goodput", [r.goodput for r in results]), ("ETTR", [r.ettr for r in results]),
+            ("correct steps per accelerator-hour", [r.correct_per_accel_hour for r in results])), strict=True):
+        bars = ax.bar(names, values, color=colours)
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(f"{v:.3f}" if v < 10 else f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v),
+                        xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_ylim(0, max(values) * 1.15 if values and max(values) > 0 else 1)
+    fig.suptitle("closed loop: " + ", ".join(f"{r.policy} {r.evictions} evictions" for r in results), fontsize=9)
     return svg(fig)

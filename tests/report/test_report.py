@@ -38,8 +38,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("report-demo")
     (root / "scenario.yaml").write_text(SCENARIO)
-    run = _cli("demo", "--json", "--scenario", str(root / "scenario.yaml"), "--out", str(root / "out"),
-               "--data", str(root / "data"))
+    run = _cli("demo", "--json", "--closed-loop", "--scenario", str(root / "scenario.yaml"),
+               "--out", str(root / "out"), "--data", str(root / "data"))
     assert run.returncode == 0, run.stderr
     return root, orjson.loads(run.stdout)
 
@@ -63,7 +63,7 @@ def test_demo_writes_a_self_contained_report_with_every_plot(demo: tuple[Path, d
     assert summary["report"] == str(page) and page.is_file()
     html = page.read_text()
     sections = _sections(html)
-    assert set(sections) == set(SECTIONS)
+    assert set(sections) == {*SECTIONS, "closedloop"}
     for name, body in sections.items():
         assert body.count("<svg") == 1, name
         assert len(re.findall(r"<(path|use|rect|text)\b", body)) > 20, f"{name}: an empty plot"
@@ -78,6 +78,10 @@ def test_demo_writes_a_self_contained_report_with_every_plot(demo: tuple[Path, d
     assert "rollback target 80" in _svg_text(sections["sdc"])                  # last passing replay before 90
     assert "ETTR = 0." in _svg_text(sections["goodput"])
     assert "thermal_straggler n0005" in _svg_text(sections["scorecard"])
+    assert [r["policy"] for r in summary["closed_loop"]] == ["fleethealth", "seed rule", "no detection"]
+    loop = _svg_text(sections["closedloop"])
+    assert "fleethealth 2 evictions" in loop  # evict n0005, quarantine n0002; the hot aisle goes to facilities
+    assert "seed rule 4 evictions" in loop    # the rule takes every node of the hot rack r01 (n0005 among them)
 
 
 @pytest.mark.slow
