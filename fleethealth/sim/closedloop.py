@@ -137,7 +137,8 @@ def account(scenario: Scenario, acts: Iterable[Act], *, policy: str, params: Loo
             if f.kind.startswith("sdc_") and f.params.get("diverge_step") is not None:
                 start = int(f["start_step"])
                 rollbacks.append((int(f["diverge_step"]), (start - 1) // every * every, f["node"]))
-    corrupt = np.zeros(job.steps, dtype=bool)  # steps whose kept result an SDC touched
+    sdc_nodes = sorted({f["node"] for f in scenario.faults if f.kind.startswith("sdc_")})
+    corrupt = {n: np.zeros(job.steps, dtype=bool) for n in sdc_nodes}  # steps whose kept result the node's SDC touched
     clear_at: dict[str, float] = {}          # rack -> wallclock at which the hot aisle clears
     crashes = {}
     for f in scenario.faults:
@@ -187,8 +188,9 @@ def account(scenario: Scenario, acts: Iterable[Act], *, policy: str, params: Loo
         wall = job.step_time_s * (1.0 - COMPUTE_SHARE + COMPUTE_SHARE * (1.0 + worst))
         out.wall_s += wall
         out.forward_s += wall
-        corrupt[s] = any(f.kind.startswith("sdc_") and s >= f["start_step"] and in_job(f["node"], s)
-                         for f in scenario.faults)
+        for f in scenario.faults:
+            if f.kind.startswith("sdc_") and s >= f["start_step"] and in_job(f["node"], s):
+                corrupt[f["node"]][s] = True
         if s in hangs:
             h = hangs[s]
             stop(float(h["duration_s"]), "stall_s")
@@ -201,11 +203,15 @@ def account(scenario: Scenario, acts: Iterable[Act], *, policy: str, params: Loo
         if s in rollback_at:
             target, node = rollback_at[s]
             recompute(target, s + 1)           # the steps since the target, done again on a spare
-            corrupt[target:s + 1] = False
+            if node in corrupt:  # redone on a spare: clean of this node's SDC (another one still in the job
+                corrupt[node][target:s + 1] = False  # corrupts the redone steps again: its marks stay)
             if not restarted:  # a node that left at this step's checkpoint already paid the restart
                 stop(p.mttr_s, "restart_s")
             removed_at.setdefault(node, s + 1)
-    out.correct_steps = int(job.steps - corrupt.sum())
+    touched = np.zeros(job.steps, dtype=bool)
+    for marks in corrupt.values():
+        touched |= marks
+    out.correct_steps = int(job.steps - touched.sum())
     return out
 
 

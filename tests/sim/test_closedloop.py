@@ -59,3 +59,16 @@ def test_seed_rule_evicts_after_its_window_and_every_node_of_a_hot_rack() -> Non
 
 def _obj(s: Scenario) -> dict:
     return {"seed": s.seed, "fleet": vars(s.fleet), "job": vars(s.job), "checks": vars(s.checks)}
+
+
+def test_a_rollback_cleans_only_the_corruption_it_answers() -> None:
+    # two SDCs: n0000 from step 6 (rolled back at 7 to 5), n0001 from step 3 (never found): the redone
+    # steps 5..7 run beside n0001 again, so they stay corrupt; only steps 0-2 are correct
+    both = Scenario.from_obj({**_obj(TWO), "faults": [
+        {"kind": "sdc_deterministic", "node": "n0000", "gpu": 0, "start_step": 6},
+        {"kind": "sdc_transient", "node": "n0001", "gpu": 0, "start_step": 3}]})
+    r = account(both, [Act(7, "n0000", "rollback", target_step=5)], policy="a", params=P)
+    assert r.correct_steps == 3
+    alone = Scenario.from_obj({**_obj(TWO), "faults": [
+        {"kind": "sdc_deterministic", "node": "n0000", "gpu": 0, "start_step": 6}]})
+    assert account(alone, [Act(7, "n0000", "rollback", target_step=5)], policy="a", params=P).correct_steps == 10
