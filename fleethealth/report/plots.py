@@ -315,5 +315,6 @@ def closed_loop(results: Sequence[Any]) -> str:
         ax.set_title(label)
         ax.tick_params(axis="x", labelsize=7)
         ax.set_ylim(0, max(values) * 1.15 if values and max(values) > 0 else 1)
-    fig.suptitle("closed loop: " + ", ".join(f"{r.policy} {r.evictions} evictions" for r in results), fontsize=9)
+    fig.suptitle("closed loop: " + ", ".join(f"{r.policy} {r.evictions} evictions" for r in results),
+                 fontsize=9, y=1.06)
     return svg(fig)
