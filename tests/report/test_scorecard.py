@@ -115,3 +115,13 @@ def test_the_detector_path_never_sees_the_ground_truth() -> None:
     assert "fleethealth.detectors.pipeline" in seen and "fleethealth.policy.engine" in seen  # the walk works
     truth = {m for m in seen if m.startswith(("fleethealth.sim", "fleethealth.scenarios", "fleethealth.report"))}
     assert not truth, f"the detector path imports the ground truth: {sorted(truth)}"
+
+
+def test_importing_the_report_package_or_the_cli_draws_in_no_plotting() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, fleethealth.report, fleethealth.report.scorecard, fleethealth.commands, fleethealth.demo; "
+            "print(','.join(m for m in ('matplotlib', 'jinja2') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == ""
