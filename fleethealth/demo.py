@@ -5,6 +5,8 @@ events — to the probe's delivery path (the bounded disk spool in ``DATA/spool`
 idempotent producer) into the embedded Kafka-protocol broker; the detector runner consumes them as a consumer
 group, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
 result is exported from the store to ``OUT/findings.jsonl`` and ``OUT/recommendations.jsonl``.
+Only then is the scenario's fault list read, to score the run (``OUT/scorecard.json``), and the
+page of :mod:`fleethealth.report` is written to ``OUT/report.html``.
 Nothing is mocked: the same runner, bus and store code runs against a Kafka cluster and a
 ClickHouse server in production. Like :mod:`fleethealth.commands`, this module wires parts together.
 """
@@ -25,11 +27,13 @@ from fleethealth.detectors.runner import Runner
 from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
+from fleethealth.report.scorecard import Scorecard, score
 from fleethealth.schema import Finding, Recommendation
 from fleethealth.sim import FleetSim, Scenario
+from fleethealth.sim.closedloop import LoopResult, account, acts_from, seed_rule_acts
 from fleethealth.store import StoreLike, open_store
 
-__all__ = ["DemoResult", "run_demo", "export_jsonl"]
+__all__ = ["DemoResult", "run_demo", "export_jsonl", "compare_policies"]
 
 Progress = Callable[[str, int, int], None]
 _DELIVERY_BATCH = 5000
@@ -50,6 +54,13 @@ class DemoResult:
     detect_s: float
     out_dir: Path
     store_dir: Path
+    scorecard: Scorecard | None = None
+    report: Path | None = None
+    """``OUT/report.html``; None when the report's extra (matplotlib, jinja2) is not installed."""
+    report_s: float = 0.0
+    report_note: str = ""
+    closed_loop: tuple[LoopResult, ...] = ()
+    """With ``closed_loop``: the run under fleethealth's policy, the seed rule alone, no detection."""
 
     @property
     def messages_per_s(self) -> float:
@@ -68,8 +79,10 @@ def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recom
     return findings, recs
 
 
-def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | None = None) -> DemoResult:
-    """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first."""
+def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | None = None,
+             closed_loop: bool = False) -> DemoResult:
+    """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first.
+    ``closed_loop`` also weighs acting on the recommendations (:func:`compare_policies`)."""
     started = time.perf_counter()
     store_dir = data / "store"
     for stale in (store_dir, data / "spool"):
@@ -123,6 +136,42 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
             dead = runner.consumer.dead_lettered_total
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
+        # the ground truth, read only now that the detectors have finished
+        card = score(scenario, findings, recs)
+        (out / "scorecard.json").write_bytes(orjson.dumps(card.to_obj(), option=orjson.OPT_INDENT_2))
+        loop = compare_policies(scenario, findings, recs) if closed_loop else ()
+        if loop:
+            (out / "closed_loop.json").write_bytes(orjson.dumps([r.to_obj() for r in loop],
+                                                                option=orjson.OPT_INDENT_2))
+        report, report_s, note = _report(store, out / "report.html", scenario.job.id, card, progress, loop)
     return DemoResult(scenario=scenario.name, findings=findings, recommendations=recs, messages=published,
                       dead_letters=dead, wall_s=time.perf_counter() - started, publish_s=t1 - t0, detect_s=t2 - t1,
-                      out_dir=out, store_dir=store_dir)
+                      out_dir=out, store_dir=store_dir, scorecard=card, report=report, report_s=report_s,
+                      report_note=note, closed_loop=tuple(loop))
+
+
+def compare_policies(scenario: Scenario, findings: list[Finding],
+                recommendations: list[Recommendation]) -> tuple[LoopResult, ...]:
+    """The scenario's job three times through :func:`fleethealth.sim.closedloop.account`: (a) a
+    scheduler carrying out fleethealth's allowed recommendations at the step of the finding each
+    answers, (b) the seed rule alone (z > 3 for 100 steps, then evict), (c) no detection."""
+    steps = {f.id: (f.step if f.step is not None
+                    else int(round((f.ts - scenario.start_ts) / scenario.job.step_time_s)))
+             for f in findings}
+    return (account(scenario, acts_from(recommendations, steps), policy="fleethealth"),
+            account(scenario, seed_rule_acts(scenario), policy="seed rule", detect_sdc=False),
+            account(scenario, [], policy="no detection", detect_sdc=False))
+
+
+def _report(store: StoreLike, path: Path, job: str, card: Scorecard, progress: Progress | None,
+            loop: tuple[LoopResult, ...] = ()) -> tuple[Path | None, float, str]:
+    """Write the demo's report page; without the report extra, say so instead."""
+    from fleethealth.errors import ConfigError
+    from fleethealth.report import require_extra, write
+
+    try:
+        require_extra()
+    except ConfigError as exc:
+        return None, 0.0, str(exc)
+    built = write(store, path, job, scorecard=card, progress=progress, closed_loop=loop)
+    return path, built.render_s, ""

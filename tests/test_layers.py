@@ -6,7 +6,7 @@ contract (a module on floor 1) is allowed from anywhere, since a type annotation
 dependency. Floors, top down:
 
 5. ``fleethealth.commands`` (the CLI), ``fleethealth.demo``, ``fleethealth.__main__``
-4. the wings: ``detectors``, ``probe``, ``api``, ``sweeps`` — never importing each other
+4. the wings: ``detectors``, ``probe``, ``api``, ``sweeps``, ``report`` — never importing each other
 3. ``bus`` and ``store`` (the only modules that talk to Kafka and ClickHouse)
 2. ``config``, ``broker``, ``sim``, ``policy``, ``adapters``
 1. contracts (``schema``, ``payloads``, ``errors``, ``store.protocol`` …) and the two libraries that
@@ -31,6 +31,7 @@ _FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
 _FLOORS: dict[str, int] = {
     "fleethealth.commands": 5,
     "fleethealth.detectors": 4, "fleethealth.probe": 4, "fleethealth.api": 4, "fleethealth.sweeps": 4,
+    "fleethealth.report": 4,
     "fleethealth.bus": 3, "fleethealth.store": 3,
     "fleethealth.config": 2, "fleethealth.broker": 2, "fleethealth.sim": 2, "fleethealth.policy": 2,
     "fleethealth.adapters": 2,

@@ -14,7 +14,7 @@ import pytest
 
 PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
             "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
-            "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands"]
+            "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands", "fleethealth.report"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 
 

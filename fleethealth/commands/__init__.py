@@ -23,6 +23,7 @@ from fleethealth.commands import (
     detect,
     probe,
     query,
+    report,
     selftest,
     serve,
     sweep,
@@ -33,7 +34,7 @@ __all__ = ["main", "build_parser", "GROUPS"]
 
 Run = Callable[[argparse.Namespace], int]
 
-GROUPS = (demo, detect, probe, broker, query, budget, selftest, serve, act, sweep, config)
+GROUPS = (demo, detect, probe, broker, query, report, budget, selftest, serve, act, sweep, config)
 """The command groups, in ``--help`` order."""
 
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="start here:\n"
                "  fleethealth demo                      a faulty 256-GPU job through Kafka, detectors and ClickHouse\n"
                "  fleethealth query \"SELECT * FROM findings\" --data fleethealth-data\n"
+               "  fleethealth report --data fleethealth-data --out report.html\n"
                "  fleethealth budget young-daly --checkpoint-s 30 --mtbf-h 3.1 --restart-s 600\n"
                "on a GPU node: fleethealth probe --source nvml --kafka kafka://broker:9092\n"
                "settings: fleethealth config show (file < $FLEETHEALTH_... < flags)\n"

@@ -32,6 +32,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the demo's store (DIR/store, recreated empty) and broker log (default: %(default)s); "
                         "query it afterwards with 'fleethealth query --data DIR'")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
+    p.add_argument("--closed-loop", action="store_true",
+                   help="also weigh acting on the recommendations: the job replayed under fleethealth's policy, "
+                        "the seed rule alone and no detection (goodput, ETTR, correct work per accelerator-hour)")
     p.set_defaults(run=run)
 
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
     tune_gc()
     with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:
-        result = run_demo(scenario, Path(args.out), Path(args.data), progress=show)
+        result = run_demo(scenario, Path(args.out), Path(args.data), progress=show,
+                          closed_loop=getattr(args, "closed_loop", False))
     print(summary(result, as_json=args.json))
     return 0
 
@@ -62,6 +66,9 @@ def summary(result: DemoResult, *, as_json: bool = False) -> str:
             "findings_by_kind": dict(Counter(f.kind.value for f in result.findings)),
             "recommendations_by_action": dict(Counter(r.action.value for r in result.recommendations)),
             "out_dir": str(result.out_dir), "store_dir": str(result.store_dir),
+            "scorecard": None if result.scorecard is None else result.scorecard.to_obj(),
+            "report": None if result.report is None else str(result.report),
+            **({"closed_loop": [r.to_obj() for r in result.closed_loop]} if result.closed_loop else {}),
         }).decode()
     lines = [
         f"scenario {result.scenario}: {result.messages} messages through Kafka -> detectors -> ClickHouse "
@@ -86,7 +93,19 @@ def summary(result: DemoResult, *, as_json: bool = False) -> str:
                   "'none': already decided, stale or not worth acting on):"]
     for r in acted:
         lines.append(f"  {r.action.value:16s} {r.node:8s} [{r.guard.value}] {r.reason}")
-    lines += ["", f"wrote {result.out_dir}/findings.jsonl and {result.out_dir}/recommendations.jsonl; "
+    if result.scorecard is not None:
+        lines += ["", *result.scorecard.lines()]
+    if result.closed_loop:
+        lines += ["", f"closed loop ({'policy':12s}  goodput  ETTR   correct steps/accel-h  evictions):"]
+        for r in result.closed_loop:
+            lines.append(f"  {r.policy:24s} {r.goodput:7.3f} {r.ettr:6.3f} {r.correct_per_accel_hour:14.2f} "
+                         f"{r.evictions:10d}")
+    lines += ["", f"wrote {result.out_dir}/findings.jsonl, {result.out_dir}/recommendations.jsonl and "
+                  f"{result.out_dir}/scorecard.json; "
                   f"query the store: fleethealth query \"SELECT kind, node, count() FROM findings GROUP BY ALL\" "
                   f"--data {result.store_dir.parent}"]
+    if result.report is not None:
+        lines.append(f"report: {result.report} ({result.report_s:.1f} s to render)")
+    elif result.report_note:
+        lines.append(f"no report.html: {result.report_note}")
     return "\n".join(lines)

@@ -30,13 +30,14 @@ FAULT_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "nvlink_degraded": (("node", "start_step"), {"gpu": None, "slowdown": 0.15, "end_step": None}),
     "nic_contention": (("node", "start_step"), {"slowdown": 0.10, "end_step": None}),
     "ecc_precursor": (("node", "gpu", "start_step", "fail_step"), {}),
-    "sdc_transient": (("node", "gpu", "start_step"), {}),
-    "sdc_deterministic": (("node", "gpu", "start_step"), {}),
+    # diverge_step: when the loss would diverge with no detection (the closed loop's "no detection" run)
+    "sdc_transient": (("node", "gpu", "start_step"), {"diverge_step": None}),
+    "sdc_deterministic": (("node", "gpu", "start_step"), {"diverge_step": None}),
     "hang": (("node", "step"), {"gpu": None, "duration_s": 120.0, "restart_s": 600.0}),
     "xid": (("node", "gpu", "step", "code"), {}),
 }
 
-_INT_FIELDS = {"gpu", "start_step", "end_step", "fail_step", "step", "code"}
+_INT_FIELDS = {"gpu", "start_step", "end_step", "fail_step", "step", "code", "diverge_step"}
 _FLOAT_FIELDS = {"slowdown", "temp_rise_c", "duration_s", "restart_s"}
 
 
@@ -220,7 +221,10 @@ def _fault(index: int, raw: Any, fleet: FleetSpec, job: JobSpec, checks: ChecksS
     gpu = params.get("gpu")
     if gpu is not None and gpu >= fleet.gpus_per_node:
         raise ConfigError(f"scenario: {where}: gpu {gpu} out of range (0..{fleet.gpus_per_node - 1})")
-    for key in ("start_step", "step", "fail_step"):
+    diverge = params.get("diverge_step")
+    if diverge is not None and not params["start_step"] < diverge:
+        raise ConfigError(f"scenario: {where}: diverge_step must come after start_step")
+    for key in ("start_step", "step", "fail_step", "diverge_step"):
         value = params.get(key)
         if value is not None and value >= job.steps:
             raise ConfigError(f"scenario: {where}: {key} {value} is past the job's last step ({job.steps - 1})")

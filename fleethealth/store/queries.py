@@ -10,7 +10,8 @@ store class mixes it in, so a caller holding a :class:`~fleethealth.store.protoc
 * policy state, eviction outcomes and the fleet breaker (``policy_state``, ``eviction_outcomes``,
   ``breaker``): rows are versioned, a write takes the next version of its key;
 * the quarantine book (``quarantine``, ``quarantine_log``);
-* self-test baselines (``selftest`` events).
+* self-test baselines (``selftest`` events);
+* the report's views (aggregates for ``fleethealth report``'s plots).
 
 The only other SQL is the analyst's own, through :mod:`fleethealth.api.sqlgate` (and
 ``fleethealth query``), and the migrations in ``deploy/clickhouse/``. Times are event time in
@@ -414,6 +415,54 @@ class NamedQueries:
             None if since is None else {"since": float(since)})
         return [(str(model), str(suite), str(test), float(value), int(n)) for model, suite, test, value, n in res.rows]
 
+
+    # ================================================================ report views (``fleethealth report``)
+    # Aggregated for plotting: a heatmap cell per (rank, step bin), a temperature cell per (rack, time bin).
+    def report_jobs(self) -> list[tuple[str, int]]:
+        """``(job, distinct steps)`` of every job with step rows, most steps first."""
+        res = self.query("SELECT job, uniqExact(step) AS steps FROM rank_steps GROUP BY job ORDER BY steps DESC, job")
+        return [(str(job), int(n)) for job, n in res.rows]
+
+    def report_job_span(self, job: str) -> tuple[int, int, float, float] | None:
+        """``(first step, last step, first ts, last ts)`` of ``job``'s step rows, or ``None``."""
+        res = self.query(f"SELECT min(step), max(step), min({_TS}), max({_TS}), count() FROM rank_steps "
+                         "WHERE job = {job:String}", {"job": job})
+        if not res.rows or not int(res.rows[0][4]):
+            return None
+        lo, hi, t0, t1, _ = res.rows[0]
+        return int(lo), int(hi), float(t0), float(t1)
+
+    def report_rank_compute(self, job: str, *, step_bin: int = 1) -> list[tuple[int, str, int, float]]:
+        """``(rank, node, step bin, mean compute_s)`` of ``job``, the bin being ``step // step_bin``."""
+        res = self.query(
+            "SELECT rank, any(node) AS node, intDiv(step, {bin:UInt64}) AS b, avg(compute_s) AS c FROM rank_steps "
+            "WHERE job = {job:String} GROUP BY rank, b ORDER BY rank, b", {"job": job, "bin": max(1, int(step_bin))})
+        return [(int(r), str(n), int(b), float(c)) for r, n, b, c in res.rows]
+
+    def report_node_racks(self, nodes: Sequence[str]) -> dict[str, str]:
+        """The rack of each of ``nodes`` that has telemetry (its latest sample's)."""
+        res = self.query("SELECT node, argMax(rack, ts) FROM gpu_samples WHERE node IN {nodes:Array(String)} "
+                         "GROUP BY node", {"nodes": list(nodes)})
+        return {str(n): str(r) for n, r in res.rows}
+
+    def report_rack_temperature(self, nodes: Sequence[str], *, since: float, until: float,
+                                bin_s: float) -> list[tuple[str, int, float, float, int]]:
+        """``(rack, time bin, mean temp_c, max temp_c, OR of clock_reasons)`` over the GPUs of ``nodes``
+        with ``since <= ts <= until``; the bin is ``(ts - since) // bin_s``."""
+        res = self.query(
+            f"SELECT rack, toInt64(floor(({_TS} - {{since:Float64}}) / {{bin:Float64}})) AS b, avg(temp_c), "
+            "max(temp_c), groupBitOr(toUInt64(if(isNaN(clock_reasons), 0, clock_reasons))) FROM gpu_samples "
+            f"WHERE node IN {{nodes:Array(String)}} AND {_TS} >= {{since:Float64}} AND {_TS} <= {{until:Float64}} "
+            "GROUP BY rack, b ORDER BY rack, b",
+            {"nodes": list(nodes), "since": float(since), "until": float(until), "bin": float(bin_s)})
+        return [(str(r), int(b), float(m), float(x), int(c)) for r, b, m, x, c in res.rows]
+
+    def breaker_history(self, name: str) -> list[dict[str, Any]]:
+        """Every stored version of the breaker ``name`` (``open``, ``tripped_ts``, ``reset_ts``,
+        ``reason``, ``version``), oldest first."""
+        return self.query("SELECT open, toFloat64(tripped_ts) AS tripped_ts, toFloat64(reset_ts) AS reset_ts, "
+                          "reason, version FROM breaker WHERE name = {n:String} ORDER BY version",
+                          {"n": name}).dicts()
 
 def _filters(**conds: Any) -> tuple[str, dict[str, Any]]:
     clauses: list[str] = []
