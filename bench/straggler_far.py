@@ -19,7 +19,7 @@ Prints one JSON object: ``false_findings`` (change and persistent), ``false_find
 at ``--steps-per-s`` (10) with a 95 % upper bound, ``extrapolated_per_job_day`` per arm and in
 total, ``siegmund_gaussian_per_job_day``, ``rank_steps`` and ``seconds``.
 
-    python bench/straggler_far.py [--ranks 16384] [--rank-steps 1000000000] [--seed 1]
+    python bench/straggler_far.py [--ranks 16384] [--rank-steps 1000000000] [--seed 1] [--thresholds 56,23,9.5,6.5]
 """
 
 from __future__ import annotations
@@ -65,11 +65,14 @@ def main() -> None:
     parser.add_argument("--rank-steps", type=int, default=1_000_000_000)
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--thresholds", type=str, default=None,
+                        help="comma-separated CUSUM thresholds instead of the defaults, e.g. 56,23,9.5,6.5")
     args = parser.parse_args()
     t0 = time.perf_counter()
     n = args.ranks
     gen = FleetSteps(np.random.default_rng(args.seed), n, FleetNoise())
-    det = StragglerDetector()
+    det = (StragglerDetector() if args.thresholds is None
+           else StragglerDetector(thresholds=tuple(float(x) for x in args.thresholds.split(","))))
     steps = -(-args.rank_steps // n)
     findings: list[dict[str, object]] = []
     exc = None

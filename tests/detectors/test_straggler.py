@@ -208,7 +208,9 @@ def test_malformed_calls_raise_schema_errors(make):
 
 @pytest.mark.parametrize("params", [{"clip": 0.1}, {"drifts": (1.0,), "thresholds": (1.0, 2.0)},
                                     {"min_group": 1}, {"thresholds": (-1.0, 2.0, 3.0, 4.0)},
-                                    {"min_scale": 0.0}, {"max_rank": -3}])
+                                    {"min_scale": 0.0}, {"max_rank": -3}, {"clip_margin": 0.0},
+                                    {"min_effect": -0.01}, {"baseline_steps": 0}, {"persistent_min": 0.0},
+                                    {"freeze_at": 1.5}, {"init_steps": 0}])
 def test_bad_parameters_raise_config_error_on_first_update(params):
     det = StragglerDetector(**params)  # construction only stores
     with pytest.raises(ConfigError, match="StragglerDetector"):
