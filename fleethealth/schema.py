@@ -89,6 +89,7 @@ class FindingKind(StrEnum):
     XID = "xid"
     ECC = "ecc"
     THERMAL = "thermal"
+    POWER_BRAKE = "power_brake"
     LINK = "link"
 
 

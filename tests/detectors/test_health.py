@@ -64,12 +64,13 @@ def test_ecc_rules_and_escalation():
     assert fail.evidence["remap_failure"] is True and fail.evidence["severity"] == "critical"
 
 
-def test_flapping_power_brake_is_one_thermal_episode():
+def test_flapping_power_brake_is_one_power_brake_episode_per_node():
     rules = HealthRules(clear_after_s=300.0)
     brake = int(ClockReason.HW_POWER_BRAKE | ClockReason.HW_SLOWDOWN)
     samples = [_t(float(i), clock_reasons=(0, brake if i % 2 else 0)) for i in range(200)]
     (f,) = rules.update(samples)
-    assert f.kind is FindingKind.THERMAL and f.ts == 1.0 and "HW_POWER_BRAKE" in f.evidence["clock_reasons"]
+    assert f.kind is FindingKind.POWER_BRAKE and f.ts == 1.0 and "HW_POWER_BRAKE" in f.evidence["clock_reasons"]
+    assert f.gpu is None and f.evidence["gpus"] == [0]
     assert rules.update([_t(1000.0, clock_reasons=(0, brake))])[0].ts == 1000.0
     # software power capping alone is normal at full load
     assert HealthRules().update([_t(1.0, clock_reasons=(0, int(ClockReason.SW_POWER_CAP)))]) == []
