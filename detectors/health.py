@@ -16,8 +16,9 @@ Rules (per GPU, on each node's telemetry and the node's events):
            GPU is busy: idle GPUs lower their PCIe generation to save power); and NVLink error
            counters (CRC flit and data, replay, recovery) climbing at ``nvlink_errors_per_min``
            or more over ``nvlink_window_s``, with hysteresis: the rule keeps holding until the
-           rate falls below ``nvlink_clear_per_min``. Slow or not: a degrading link is reported
-           on its own, and the policy reads it as a failure risk
+           rate falls below ``nvlink_clear_per_min``; one finding per node (``gpu`` set when a
+           single GPU holds, ``evidence["gpus"]`` lists them). Slow or not: a degrading link is
+           reported on its own, and the policy reads it as a failure risk
 =========  ==================================================================================
 
 Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
@@ -204,20 +205,26 @@ class HealthRules:
         if span < self.nvlink_window_s / 2:
             return []
         rate = (errors - first) / span * 60.0
-        out: list[Finding] = []
+        holding: list[int] = []
         for i, g in enumerate(s.gpu.tolist()):
             key = (s.node, int(g))
             hot = key in self.nvlink_hot_
             if rate[i] >= self.nvlink_errors_per_min or (hot and rate[i] >= self.nvlink_clear_per_min):
                 self.nvlink_hot_.add(key)
-                ev = {"rule": "nvlink", "errors_per_min": round(float(rate[i]), 3), "window_s": round(span, 3),
-                      "errors_total": float(errors[i]), "threshold_per_min": self.nvlink_errors_per_min,
-                      **{name: _f(_col(s, name)[i]) for name in ("nvlink_crc_flit", "nvlink_crc_data",
-                                                                  "nvlink_replay", "nvlink_recovery")}}
-                out += self._emit(FindingKind.LINK, s.node, int(g), s.ts, _WARN, ev, rule="nvlink")
+                holding.append(i)
             elif hot:
                 self.nvlink_hot_.discard(key)
-        return out
+        if not holding:
+            return []
+        # one episode per node: a degraded NVSwitch or bridge shows on every GPU behind it
+        worst = max(holding, key=lambda i: rate[i])
+        ev = {"rule": "nvlink", "gpus": [int(s.gpu[i]) for i in holding],
+              "errors_per_min": round(float(rate[worst]), 3), "window_s": round(span, 3),
+              "errors_total": float(errors[worst]), "threshold_per_min": self.nvlink_errors_per_min,
+              **{name: _f(_col(s, name)[worst]) for name in ("nvlink_crc_flit", "nvlink_crc_data",
+                                                                "nvlink_replay", "nvlink_recovery")}}
+        gpu = int(s.gpu[worst]) if len(holding) == 1 else None
+        return self._emit(FindingKind.LINK, s.node, gpu, s.ts, _WARN, ev, rule="nvlink")
 
     def _xid(self, e: Event) -> list[Finding]:
         if e.code is None:
