@@ -17,8 +17,9 @@ Rules (per GPU, on each node's telemetry and the node's events):
            counters (CRC flit and data, replay, recovery) climbing at ``nvlink_errors_per_min``
            or more over ``nvlink_window_s``, with hysteresis: the rule keeps holding until the
            rate falls below ``nvlink_clear_per_min``; one finding per node (``gpu`` set when a
-           single GPU holds, ``evidence["gpus"]`` lists them). Slow or not: a degrading link is
-           reported on its own, and the policy reads it as a failure risk
+           single GPU holds, ``evidence["gpus"]`` lists them), ``warning``, escalating to
+           ``critical`` at ``nvlink_critical_per_min``. Slow or not: a degrading link is
+           reported on its own, and the policy reads a critical one as a failure risk
 =========  ==================================================================================
 
 Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
@@ -74,19 +75,22 @@ class HealthRules:
     generation counts as downtraining; ``min_xid_severity`` the least severe Xid reported;
     ``nvlink_errors_per_min`` the NVLink error rate (all four counters summed, over
     ``nvlink_window_s``, measured once at least half the window is seen) that opens a ``link``
-    episode and ``nvlink_clear_per_min`` the rate below which it stops holding.
+    episode and ``nvlink_clear_per_min`` the rate below which it stops holding; at
+    ``nvlink_critical_per_min`` the episode escalates to ``critical``.
     """
 
     name = "health"
 
     def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
                  min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,
-                 nvlink_clear_per_min: float = 2.0, nvlink_window_s: float = 300.0) -> None:
+                 nvlink_clear_per_min: float = 2.0, nvlink_critical_per_min: float = 100.0,
+                 nvlink_window_s: float = 300.0) -> None:
         self.clear_after_s = clear_after_s
         self.pcie_busy_util_pct = pcie_busy_util_pct
         self.min_xid_severity = min_xid_severity
         self.nvlink_errors_per_min = nvlink_errors_per_min
         self.nvlink_clear_per_min = nvlink_clear_per_min
+        self.nvlink_critical_per_min = nvlink_critical_per_min
         self.nvlink_window_s = nvlink_window_s
 
     def _start(self) -> None:
@@ -95,6 +99,8 @@ class HealthRules:
         check_number("nvlink_errors_per_min", self.nvlink_errors_per_min, above=0, owner=self)
         check_number("nvlink_clear_per_min", self.nvlink_clear_per_min, at_least=0,
                      at_most=self.nvlink_errors_per_min, owner=self)
+        check_number("nvlink_critical_per_min", self.nvlink_critical_per_min, at_least=self.nvlink_errors_per_min,
+                     owner=self)
         check_number("nvlink_window_s", self.nvlink_window_s, above=0, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
@@ -224,7 +230,8 @@ class HealthRules:
               **{name: _f(_col(s, name)[worst]) for name in ("nvlink_crc_flit", "nvlink_crc_data",
                                                                 "nvlink_replay", "nvlink_recovery")}}
         gpu = int(s.gpu[worst]) if len(holding) == 1 else None
-        return self._emit(FindingKind.LINK, s.node, gpu, s.ts, _WARN, ev, rule="nvlink")
+        severity = _CRIT if rate[worst] >= self.nvlink_critical_per_min else _WARN
+        return self._emit(FindingKind.LINK, s.node, gpu, s.ts, severity, ev, rule="nvlink")
 
     def _xid(self, e: Event) -> list[Finding]:
         if e.code is None:

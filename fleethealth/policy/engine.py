@@ -25,8 +25,9 @@ hang                   ``drain`` of the node named, so the restart does not land
 xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
                        finding's ``evidence["action"]``; without one, the Xid rulebook
                        :mod:`fleethealth.xid` for the code) and uncorrectable errors; else ``none``
-link (NVLink errors)   ``drain`` at the next checkpoint boundary, as a failure risk: NVLink error
-                       counters climbing steadily precede hard failures, slow or not
+link (NVLink errors)   critical rate: ``drain`` at the next checkpoint boundary, as a failure
+                       risk (NVLink errors climbing steadily precede hard failures), slow or
+                       not; a warning rate ``none``: reported and watched
 thermal / power_brake  ``none`` (a PCIe ``link`` too): reported; acted on through a straggler's
                        diagnosis
 =====================  ===========================================================================
@@ -411,9 +412,20 @@ class PolicyEngine:
     def _link_errors(self, f: Finding, now: float) -> list[Recommendation]:
         """NVLink error counters climbing steadily: a failure risk of its own (seed 000 §9.6), slow or not."""
         rate = f.evidence.get("errors_per_min")
-        ev: dict[str, Any] = {"errors_per_min": rate, "rule": "nvlink"}
+        severity = f.evidence.get("severity")
+        ev: dict[str, Any] = {"errors_per_min": rate, "rule": "nvlink", "severity": severity}
+        if severity not in _FATAL:
+            return [self._rec(Action.NONE, f, now, f"NVLink errors climbing at {rate}/min on {f.node}: reported and "
+                              "watched; a critical rate drains the node as a failure risk, a slow rank through "
+                              "its straggler's NODE_LINK diagnosis", ev)]
         if f.node in self.drained_:
             return [self._rec(Action.NONE, f, now, f"{f.node} already draining", ev)]
+        held = self.held_.get(f.node)
+        if held is not None and f.ts - held[0] < self.rate_.window_s:
+            # a drain restarts the job the node runs just as the held eviction would: the same hold applies
+            return [self._rec(Action.NONE, f, now, f"NVLink errors climbing at {rate}/min on {f.node}: its eviction "
+                              f"was recommended at ts={held[0]:.0f} and held ({held[1]}); one recommendation per "
+                              "node", {**ev, "held_ts": held[0]})]
         at = self._next_boundary(f.job)
         ev["at_step"] = at
         where = f"step {at}" if at is not None else "the next checkpoint"

@@ -135,25 +135,29 @@ def test_a_stalled_steps_partition_is_not_a_hang_and_drains_no_node(own_broker, 
 
 
 def test_climbing_nvlink_errors_on_a_gpu_that_is_not_slow_are_one_link_finding(own_broker, chdb) -> None:
-    """GPU 1 of n0002 logs NVLink replays and CRC errors at a steady ~30 a minute (its steps are as fast
-    as everyone's): one ``link`` finding for that GPU (the rule holds with hysteresis, so one episode),
-    and the policy treats it as a failure risk: a planned drain of the node."""
+    """GPU 1 of n0002 logs NVLink replays and CRC errors at a steady 30 a minute, then 300 a minute (its
+    steps are as fast as everyone's): one ``link`` episode for that GPU (the rule holds with
+    hysteresis), reported as a warning, re-reported when it turns critical; the policy reports the
+    first and treats the second as a failure risk: a planned drain of the node."""
     tel = []
     for k, ts in enumerate(np.arange(T0, T0 + 600.0, 10.0).tolist()):
         for n in NODES:
             if n == "n0002":
-                errs = max(0, k - 10) * 5.0
+                errs = max(0, k - 10) * 5.0 + max(0, k - 35) * 45.0
                 tel.append(_sample(n, ts, nvlink_replay=[0.0, errs * 0.6], nvlink_crc_flit=[0.0, errs * 0.4]))
             else:
                 tel.append(_sample(n, ts))
     total = _publish(own_broker.dsn, [*_steps(0, 300), *tel])
     with _runner(own_broker.dsn, chdb, f"link-{uuid.uuid4().hex[:6]}") as runner:
         _consume(runner, total)
-    [link] = chdb.findings(kind="link")
-    assert (link.node, link.gpu) == ("n0002", 1) and link.evidence["rule"] == "nvlink"
-    assert link.evidence["errors_per_min"] >= 10.0
+    warning, critical = chdb.findings(kind="link")
+    assert {(f.node, f.gpu, f.evidence["rule"]) for f in (warning, critical)} == {("n0002", 1, "nvlink")}
+    assert warning.evidence["severity"] == "warning" and warning.evidence["errors_per_min"] >= 10.0
+    assert critical.evidence["escalated_from"] == "warning" and critical.evidence["errors_per_min"] >= 100.0
     assert chdb.findings(kind="straggler") == []
-    [rec] = [r for r in chdb.recommendations() if r.finding_id == link.id]
+    [watch] = [r for r in chdb.recommendations() if r.finding_id == warning.id]
+    [rec] = [r for r in chdb.recommendations() if r.finding_id == critical.id]
+    assert watch.action is Action.NONE
     assert rec.action is Action.DRAIN and rec.node == "n0002" and rec.evidence["planned"] is True
 
 
