@@ -129,9 +129,9 @@ def test_a_stalled_steps_partition_is_not_a_hang_and_drains_no_node(own_broker, 
         assert runner.pipeline.now_ > T0 + 98.0 + 30.0  # past the deadline of the last step delivered
         second = _publish(own_broker.dsn, [*_steps(50, 150), *_telemetry(T0 + 160.0, T0 + 300.0)])
         _consume(runner, first + second)
-        assert runner.pipeline.hang.clock_ahead_total_ >= 1
     assert chdb.findings(kind="hang") == []
     assert [r for r in chdb.recommendations() if r.action is not Action.NONE] == []
+    assert runner.pipeline.hang.clock_ahead_total_ >= 1  # the deadline was passed, then withdrawn
 
 
 def test_climbing_nvlink_errors_on_a_gpu_that_is_not_slow_are_one_link_finding(own_broker, chdb) -> None:
@@ -171,7 +171,6 @@ def test_offsets_of_a_last_step_that_never_completes_are_committed(own_broker, c
     with _runner(own_broker.dsn, chdb, group) as runner:
         _consume(runner, total)
         runner.process_once(0.2)
-        assert runner.pipeline.open_steps() == set()
     again = []
     with Consumer(own_broker.dsn, [Topic.STEPS.value, Topic.TELEMETRY.value, Topic.EVENTS.value], group,
                   session_timeout_s=2.0, max_poll_interval_s=2.0) as consumer:
@@ -180,6 +179,7 @@ def test_offsets_of_a_last_step_that_never_completes_are_committed(own_broker, c
         while time.monotonic() < deadline:
             again += consumer.poll(0.3)
     assert [r for r in again if r.topic == Topic.STEPS.value] == []
+    assert runner.pipeline.open_steps() == set()
     stored = chdb.query(f"SELECT count() FROM rank_steps FINAL WHERE job = '{JOB}'").rows[0][0]
     assert stored == (30 * len(NODES) - 2) * GPUS
 
