@@ -18,11 +18,11 @@ What the runner calls, per input:
       findings = rack_episodes.update(findings, diagnoser.rack_of)      # RackEpisodes()
 
   ``SeedRule()`` has the same interface (seed 000's rule, the benchmark baseline).
-* **step batches, events and the event-time watermark** — ``hang.update(batches, events, now)``
+* **step batches, events and the event-time watermark** — ``hang.update(batches, events, now, alive=...)``
   (:class:`HangDetector`; one instance for all jobs).
 * **telemetry samples and events** — ``diagnoser.observe(samples)``;
-  ``health.update(samples, events)`` (:class:`HealthRules`: ``ecc`` / ``xid`` / ``thermal`` /
-  ``link``); ``predictor.update(samples, events)`` (:class:`FailurePredictor`:
+  ``health.update(samples, events)`` (:class:`HealthRules`: ``ecc`` / ``xid`` /
+  ``power_brake`` / ``link``); ``predictor.update(samples, events)`` (:class:`FailurePredictor`:
   ``failure_risk``; loads the shipped model on first use, needs scikit-learn).
 * **events** — ``sdc.update(events)`` (:class:`SdcDetector`: ``sdc`` from ``sdc_check`` records).
 

@@ -11,8 +11,10 @@ in event-time order.
 :class:`StepAssembler` joins one (job, step) across nodes: it emits the step when every rank the
 job has shown in earlier steps reported (the first step of a job waits for the timeout, since
 nothing says yet how many ranks it has), or when the completeness timeout (event time) has passed — a hung node
-must not stall detection on everyone else. Late batches of an emitted step are counted, not
-re-scored; duplicate batches (same job, step and node) are dropped.
+must not stall detection on everyone else. A step that no later batch of its job cuts short (the
+job's last steps) is concluded by :meth:`StepAssembler.overdue` once the caller's clock over all
+inputs is past the job's step timeout, so a runner never holds its offsets forever. Late batches
+of an emitted step are counted, not re-scored; duplicate batches (same job, step and node) are dropped.
 
 Forged or broken input cannot take a job over: once a job has emitted steps, a batch more than
 ``max_step_jump`` steps ahead of the newest emitted step is refused (one batch claiming step 2⁶³−1
@@ -196,6 +198,16 @@ class StepAssembler:
         """Emit open steps (of ``job``, or of every job) whose first batch is older than ``now - timeout_s``."""
         due = [key for key, entry in self._open.items()
                if (job is None or key[0] == job) and entry.parts[0].ts + self.timeout_s <= now]
+        return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
+
+    def overdue(self, now: float, timeout_of: Callable[[str], float]) -> list[AssembledStep]:
+        """Emit open steps whose first batch is more than ``timeout_of(job)`` (at least ``timeout_s``)
+        older than ``now``, a clock over all inputs: a step no later batch of its job will ever cut
+        short (the job's last steps, a node's batch that never comes) is concluded, not held forever."""
+        if not self._open:
+            return []
+        due = [key for key, entry in self._open.items()
+               if entry.parts[0].ts + max(self.timeout_s, timeout_of(key[0])) <= now]
         return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
 
     def drain(self) -> list[AssembledStep]:

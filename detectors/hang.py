@@ -18,20 +18,33 @@ as they are, or at ``deadline + stack_grace_s`` with what arrived, or earlier wh
 resumes or is reported interrupted. Its ``ts`` is that moment in event time (not the caller's
 clock), so a replay yields the same finding.
 
-Not a hang: a job interrupted for a known cause (an ``interruption`` event before the deadline —
-a lost GPU, a planned restart) and a job whose ranks are all level with no watchdog report (it
-finished or is idle; counted in ``idle_total_``). After an interruption the job's rank state
-starts afresh, since a restarted job may resume from an earlier step.
+A whole-job hang (a network or storage hang: every rank stops at the same step, none behind, no
+watchdog report) is told from a finished or idle job by the job's nodes: while most of them still
+report telemetry at ``deadline + stack_grace_s``, the job is hung and yields a finding with no
+culprit (``rank`` null, ``evidence["culprit"]`` false, ``evidence["level"]`` true, the last step
+and the stacks if any); the policy pages a human instead of draining a node. Without that
+telemetry, ranks all level with no watchdog report is a job that finished or is idle (counted in
+``idle_total_``). Not a hang either: a job interrupted for a known cause (an ``interruption``
+event before the deadline — a lost GPU, a planned restart). After an interruption the job's rank
+state starts afresh, since a restarted job may resume from an earlier step.
 
-``update(batches, events, now)``: ``now`` is the newest event time the caller has seen (the
-runner passes its watermark); it must be finite.
+The clock never outruns the step input: ``now`` comes from all inputs, so a stalled steps
+partition lets it pass a job's deadline while the job is in fact progressing. A batch that
+arrives after the deadline was passed but carries an event time before it shows progress in
+time: the deadline is withdrawn (counted in ``clock_ahead_total_``), not reported as a resumed
+hang. Level ranks wait the ``stack_grace_s`` before being reported, which is what lets a
+stalled partition deliver its backlog first.
+
+``update(batches, events, now, alive=...)``: ``now`` is the newest event time the caller has seen
+(the runner passes its watermark); it must be finite. ``alive`` maps a node to the event time of
+its newest telemetry sample.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,7 +118,9 @@ class HangDetector:
         check_int("max_listed", self.max_listed, at_least=1, owner=self)
         self.jobs_: dict[str, _Job] = {}
         self.idle_total_ = 0
+        self.clock_ahead_total_ = 0
         self.ignored_events_total_ = 0
+        self.alive_: Mapping[str, float] = {}
 
     def timeout_s(self, job: str) -> float:
         """The current step timeout of ``job`` (the floor until step durations are known)."""
@@ -210,6 +225,12 @@ class HangDetector:
             "behind_nodes": nodes, "last_steps": sorted({int(s) for s in job.last_step[listed]}),
             "stacks": [r.to_evidence() for r in stacks[: self.max_listed]],
         }
+        evidence["culprit"] = bool(culprits)
+        evidence["level"] = behind.size == 0
+        if not culprits:
+            evidence["last_step"] = job.max_step
+            evidence["nodes_reporting"] = self._reporting(job, ts)
+            evidence["node_count"] = len(job.nodes)
         one = len(culprits) == 1 and first is not None
         return [Finding(kind=FindingKind.HANG, node=node, ts=float(ts), job=name,
                         gpu=int(job.gpu_of[first]) if one and job.gpu_of[first] >= 0 else None,
@@ -225,7 +246,10 @@ class HangDetector:
             job.deadline = deadline
         behind = self._behind(job)
         if behind.size == 0 and not job.stacks:
-            if now > job.deadline + self.stack_grace_s:
+            at = job.deadline + self.stack_grace_s
+            if now > at:
+                if 2 * self._reporting(job, at) > len(job.nodes):  # its nodes live on: the whole job hangs
+                    return self._report(name, job, at, "timeout")
                 job.reported = True  # level and silent: finished or idle, not hung
                 self.idle_total_ += 1
             return []
@@ -239,6 +263,11 @@ class HangDetector:
             return self._report(name, job, job.deadline + self.stack_grace_s, "timeout")
         return []
 
+    def _reporting(self, job: _Job, at: float) -> int:
+        """How many of the job's nodes sent telemetry at or after event time ``at``."""
+        alive = self.alive_
+        return sum(1 for n in job.nodes if alive.get(n, -math.inf) >= at)
+
     def _advances(self, job: _Job, b: StepBatch) -> bool:
         ranks = np.asarray(b.ranks, dtype=np.int64)
         if ranks.size == 0:
@@ -247,26 +276,36 @@ class HangDetector:
             return True
         return bool((job.last_step[ranks] < b.step).any())
 
-    def update(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float) -> list[Finding]:
+    def update(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float, *,
+               alive: Mapping[str, float] | None = None) -> list[Finding]:
         """Fold in step batches and events in event-time order; return new ``hang`` findings.
 
         Before each input the job is checked at that input's time, so a stall is seen even when
         the caller hands over a long stretch at once; finally every job is checked at ``now``.
+        ``alive`` (node -> newest telemetry event time) tells a whole-job hang from an idle job.
         """
         if not hasattr(self, "jobs_"):
             self._start()
         if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
             raise SchemaError("now", f"expected a finite event time, got {now!r}")
+        if alive is not None:
+            self.alive_ = alive
         items: list[tuple[float, int, int, StepBatch | Event]] = [(b.ts, 0, i, b) for i, b in enumerate(batches)]
         items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
         out: list[Finding] = []
         for ts, _, _, item in sorted(items, key=lambda x: x[:3]):
             job = self.jobs_.get(item.job) if item.job is not None else None
+            if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline
+                    and self._advances(job, item)):
+                job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
+                self.clock_ahead_total_ += 1
             if job is not None:
                 out += self._check(item.job, job, ts)
             if isinstance(item, StepBatch):
                 if job is not None and self._pending(job) and self._advances(job, item):
-                    out += self._report(item.job, job, max(ts, job.deadline), "resumed")
+                    if self._behind(job).size or job.stacks:
+                        out += self._report(item.job, job, max(ts, job.deadline), "resumed")
+                    # else a level pause that ended before its grace: nobody to name, nothing to report
                 self._batch(item)
             else:
                 out += self._event(item)

@@ -1,4 +1,4 @@
-"""Telemetry health rules: ECC, Xid, power brake and PCIe downtraining, debounced into episodes.
+"""Telemetry health rules: ECC, Xid, power brake, PCIe downtraining and NVLink errors, debounced into episodes.
 
 Rules (per GPU, on each node's telemetry and the node's events):
 
@@ -8,10 +8,18 @@ Rules (per GPU, on each node's telemetry and the node's events):
            growing since the node's previous sample (``warning``)
 ``xid``    each Xid event, read through the Xid rulebook :mod:`fleethealth.xid` (severity,
            action, remedy); codes below ``min_xid_severity`` are counted, not reported
-``thermal`` the hardware power brake clock-event bit (``HW_POWER_BRAKE``): an external power
-           event, the kind that hits several nodes at once
+``power_brake`` the hardware power brake clock-event bit (``HW_POWER_BRAKE``): an external
+           power event (the node's power supply or the facility asserts the brake), the kind that
+           hits several nodes at once; one finding per node, listing the GPUs braked — not a
+           thermal fault, whatever the temperature
 ``link``   PCIe link trained below its maximum generation or width (generation only while the
-           GPU is busy: idle GPUs lower their PCIe generation to save power)
+           GPU is busy: idle GPUs lower their PCIe generation to save power); and NVLink error
+           counters (CRC flit and data, replay, recovery) climbing at ``nvlink_errors_per_min``
+           or more over ``nvlink_window_s``, with hysteresis: the rule keeps holding until the
+           rate falls below ``nvlink_clear_per_min``; one finding per node (``gpu`` set when a
+           single GPU holds, ``evidence["gpus"]`` lists them), ``warning``, escalating to
+           ``critical`` at ``nvlink_critical_per_min``. Slow or not: a degrading link is
+           reported on its own, and the policy reads a critical one as a failure risk
 =========  ==================================================================================
 
 Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
@@ -29,6 +37,7 @@ without a code is counted in ``invalid_events_total_`` and skipped.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,24 +68,40 @@ def _col(sample: Telemetry, name: str) -> np.ndarray:
 
 
 class HealthRules:
-    """ECC / Xid / power-brake / PCIe rules with episode debouncing (see the module docstring).
+    """ECC / Xid / power-brake / PCIe / NVLink rules with episode debouncing (see the module docstring).
 
     Parameters (keyword-only, checked on the first ``update``): ``clear_after_s`` quiet event
     time that closes an episode; ``pcie_busy_util_pct`` utilisation above which a lower PCIe
-    generation counts as downtraining; ``min_xid_severity`` the least severe Xid reported.
+    generation counts as downtraining; ``min_xid_severity`` the least severe Xid reported;
+    ``nvlink_errors_per_min`` the NVLink error rate (all four counters summed, over
+    ``nvlink_window_s``, measured once at least half the window is seen) that opens a ``link``
+    episode and ``nvlink_clear_per_min`` the rate below which it stops holding; at
+    ``nvlink_critical_per_min`` the episode escalates to ``critical``.
     """
 
     name = "health"
 
     def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
-                 min_xid_severity: str = "warning") -> None:
+                 min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,
+                 nvlink_clear_per_min: float = 2.0, nvlink_critical_per_min: float = 100.0,
+                 nvlink_window_s: float = 300.0) -> None:
         self.clear_after_s = clear_after_s
         self.pcie_busy_util_pct = pcie_busy_util_pct
         self.min_xid_severity = min_xid_severity
+        self.nvlink_errors_per_min = nvlink_errors_per_min
+        self.nvlink_clear_per_min = nvlink_clear_per_min
+        self.nvlink_critical_per_min = nvlink_critical_per_min
+        self.nvlink_window_s = nvlink_window_s
 
     def _start(self) -> None:
         check_number("clear_after_s", self.clear_after_s, above=0, owner=self)
         check_number("pcie_busy_util_pct", self.pcie_busy_util_pct, at_least=0, at_most=100.0, owner=self)
+        check_number("nvlink_errors_per_min", self.nvlink_errors_per_min, above=0, owner=self)
+        check_number("nvlink_clear_per_min", self.nvlink_clear_per_min, at_least=0,
+                     at_most=self.nvlink_errors_per_min, owner=self)
+        check_number("nvlink_critical_per_min", self.nvlink_critical_per_min, at_least=self.nvlink_errors_per_min,
+                     owner=self)
+        check_number("nvlink_window_s", self.nvlink_window_s, above=0, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
         except ValueError:
@@ -85,6 +110,8 @@ class HealthRules:
                               f"got {self.min_xid_severity!r}") from None
         self.episodes_: dict[tuple[str, int | None, str], _Episode] = {}
         self.previous_: dict[str, Telemetry] = {}
+        self.nvlink_: dict[str, deque[tuple[float, np.ndarray]]] = {}  # node -> (ts, errors per GPU) in window
+        self.nvlink_hot_: set[tuple[str, int]] = set()
         self.stale_total_ = 0
         self.suppressed_total_ = 0
         self.xid_below_min_total_ = 0
@@ -148,10 +175,16 @@ class HealthRules:
             out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
                               rule="ecc")
         bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)
-        for i in np.flatnonzero(bits & int(ClockReason.HW_POWER_BRAKE)).tolist():
-            ev = {"clock_reasons": [r.name for r in ClockReason if r & int(bits[i])],
-                  "power_w": _f(_col(s, "power_w")[i]), "power_limit_w": _f(_col(s, "power_limit_w")[i])}
-            out += self._emit(FindingKind.THERMAL, s.node, int(s.gpu[i]), s.ts, _WARN, ev, rule="power_brake")
+        braked = np.flatnonzero(bits & int(ClockReason.HW_POWER_BRAKE))
+        if braked.size:
+            power, limit = _col(s, "power_w"), _col(s, "power_limit_w")
+            ev = {"gpus": [int(g) for g in s.gpu[braked]],
+                  "clock_reasons": sorted({r.name for i in braked.tolist() for r in ClockReason if r & int(bits[i])}),
+                  "power_w": [_f(power[i]) for i in braked.tolist()],
+                  "power_limit_w": [_f(limit[i]) for i in braked.tolist()],
+                  "temp_c": [_f(_col(s, "temp_c")[i]) for i in braked.tolist()]}
+            out += self._emit(FindingKind.POWER_BRAKE, s.node, None, s.ts, _WARN, ev, rule="power_brake")
+        out += self._nvlink(s)
         gen, gen_max = _col(s, "pcie_gen"), _col(s, "pcie_gen_max")
         width, width_max = _col(s, "pcie_width"), _col(s, "pcie_width_max")
         util = _col(s, "util_pct")
@@ -162,6 +195,43 @@ class HealthRules:
                   "pcie_width_max": _f(width_max[i]), "util_pct": _f(util[i])}
             out += self._emit(FindingKind.LINK, s.node, int(s.gpu[i]), s.ts, _WARN, ev, rule="pcie")
         return out
+
+    def _nvlink(self, s: Telemetry) -> list[Finding]:
+        """NVLink error counters climbing: the rate over the window, with hysteresis (see the module docstring)."""
+        errors = np.nan_to_num(_col(s, "nvlink_crc_flit") + _col(s, "nvlink_crc_data") + _col(s, "nvlink_replay")
+                               + _col(s, "nvlink_recovery"), nan=0.0)
+        hist = self.nvlink_.get(s.node)
+        if hist is None or hist[-1][1].shape != errors.shape or (errors < hist[-1][1]).any():
+            hist = self.nvlink_[s.node] = deque()  # a new GPU set or a counter reset (driver reload)
+        hist.append((s.ts, errors))
+        while len(hist) > 2 and hist[1][0] <= s.ts - self.nvlink_window_s:
+            hist.popleft()
+        t0, first = hist[0]
+        span = s.ts - t0
+        if span < self.nvlink_window_s / 2:
+            return []
+        rate = (errors - first) / span * 60.0
+        holding: list[int] = []
+        for i, g in enumerate(s.gpu.tolist()):
+            key = (s.node, int(g))
+            hot = key in self.nvlink_hot_
+            if rate[i] >= self.nvlink_errors_per_min or (hot and rate[i] >= self.nvlink_clear_per_min):
+                self.nvlink_hot_.add(key)
+                holding.append(i)
+            elif hot:
+                self.nvlink_hot_.discard(key)
+        if not holding:
+            return []
+        # one episode per node: a degraded NVSwitch or bridge shows on every GPU behind it
+        worst = max(holding, key=lambda i: rate[i])
+        ev = {"rule": "nvlink", "gpus": [int(s.gpu[i]) for i in holding],
+              "errors_per_min": round(float(rate[worst]), 3), "window_s": round(span, 3),
+              "errors_total": float(errors[worst]), "threshold_per_min": self.nvlink_errors_per_min,
+              **{name: _f(_col(s, name)[worst]) for name in ("nvlink_crc_flit", "nvlink_crc_data",
+                                                                "nvlink_replay", "nvlink_recovery")}}
+        gpu = int(s.gpu[worst]) if len(holding) == 1 else None
+        severity = _CRIT if rate[worst] >= self.nvlink_critical_per_min else _WARN
+        return self._emit(FindingKind.LINK, s.node, gpu, s.ts, severity, ev, rule="nvlink")
 
     def _xid(self, e: Event) -> list[Finding]:
         if e.code is None:

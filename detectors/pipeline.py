@@ -6,10 +6,12 @@ nodes of their newest message's event time. What it calls, in order, for each ``
 
 1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
    power brake, PCIe) and the failure predictor;
-2. step batches → the :class:`StepAssembler` (one step across nodes) → the job's straggler
+2. step batches → the :class:`StepAssembler` (one step across nodes; a step that can no longer
+   complete is concluded once "now" is past the job's step timeout) → the job's straggler
    detector (one per job: its state is indexed by rank), given the assembled step as the
    placement, so each finding comes out with its node, GPU, job and time;
-3. events → the hang detector (with step progress), SDC check results, Xid rules;
+3. events → the hang detector (with step progress and each node's newest telemetry), SDC check
+   results, Xid rules;
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
@@ -83,6 +85,7 @@ class Pipeline:
         self.stragglers_: dict[str, StragglerLike] = {}
         self.restarted_: dict[str, float] = {}   # interruption event id -> its ts, once acted on
         self.clock_: dict[str, float] = {}
+        self.telemetry_ts_: dict[str, float] = {}  # node -> newest telemetry: a hung job's nodes live on
         self.job_seen_: dict[str, float] = {}
         self.steps_: list[tuple[str, float]] = []
         self.ended_: list[str] = []
@@ -102,6 +105,7 @@ class Pipeline:
             if isinstance(m, Telemetry):
                 telemetry.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
+                self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
                 self.diagnoser.observe((m,))
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
@@ -114,6 +118,8 @@ class Pipeline:
             else:
                 events.append(m)
         self._advance_clock(events)
+        for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
+            self._wait(self._stragglers(step))
         return self._conclude(ready, telemetry, batches, events, final=False)
 
     def drain(self) -> Output:
@@ -150,7 +156,7 @@ class Pipeline:
                   events: list[Event], *, final: bool) -> Output:
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
-        out.findings += self.hang.update(batches, events, now)
+        out.findings += self.hang.update(batches, events, now, alive=self.telemetry_ts_)
         out.findings += self.sdc.update(events)
         out.findings += self.health.update(telemetry, events)
         out.findings += self.predictor.update(telemetry, events)

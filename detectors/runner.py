@@ -168,6 +168,14 @@ class Runner:
             watermark = max(self.buffer.latest_.values()) - self.lateness_s
         return watermark
 
+    def caught_up(self, polled: int) -> bool:
+        """Whether the last poll (which returned ``polled`` records) found every assigned partition
+        read to its end: nothing returned, and every partition's end known and reached."""
+        if polled:
+            return False
+        lag = self.consumer.lag()
+        return bool(lag) and all(behind == 0 for behind in lag.values())
+
     def drain(self) -> None:
         """End of input (a finished replay or demo): release everything held and flush the detectors."""
         self._handle(self.buffer.release(float("inf")), final=True)

@@ -574,6 +574,19 @@ class Consumer:
             if self._pending.get(tp) == off:
                 del self._pending[tp]
 
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The next offset to read per assigned ``(topic, partition)`` (after a join: where reading
+        starts, the group's committed offset or the reset position)."""
+        out: dict[tuple[str, int], int] = {}
+        try:
+            for tp in self._kc.assignment():
+                out[(tp.topic, tp.partition)] = self._kc.position(tp, timeout_ms=5000)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "reading consumer positions", self.dsn) from exc
+            raise
+        return out
+
     def lag(self) -> dict[tuple[str, int], int | None]:
         """Records not yet returned by :meth:`poll`, per assigned ``(topic, partition)``.
 

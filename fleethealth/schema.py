@@ -91,6 +91,7 @@ class FindingKind(StrEnum):
     XID = "xid"
     ECC = "ecc"
     THERMAL = "thermal"
+    POWER_BRAKE = "power_brake"
     LINK = "link"
 
 

@@ -37,6 +37,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_setting(p, "--group", "detect.group", help="consumer group (default: %(default)s)")
     add_setting(p, "--metrics-port", "detect.metrics_port", type=int,
                 help="Prometheus /metrics port, 0 to disable (default: %(default)s)")
+    p.add_argument("--until-caught-up", action="store_true",
+                   help="batch mode: once every assigned partition is read to its end, conclude what is held "
+                        "(open steps, undiagnosed findings), write and commit it, and exit 0")
     add_config_flags(p)
     p.set_defaults(run=run)
 
@@ -93,6 +96,20 @@ def run(args: argparse.Namespace) -> int:
             start_http_server(port)
         ensure_topics(kafka)
         with open_store_at(store_dsn) as store, build_runner(kafka, store, settings) as runner:
-            print(f"fleethealth detect: consuming as group {settings['detect.group']!r}", file=sys.stderr, flush=True)
-            runner.run(stop)
+            group = settings["detect.group"]
+            print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
+            runner.consumer.wait_assigned(timeout_s=60.0)
+            starts = ", ".join(f"{topic}/{part}@{offset}"
+                               for (topic, part), offset in sorted(runner.consumer.positions().items()))
+            print(f"fleethealth detect: joined group {group!r}; reading from {starts}", file=sys.stderr, flush=True)
+            if not args.until_caught_up:
+                runner.run(stop)
+                return 0
+            while not stop.is_set():
+                if runner.caught_up(runner.process_once(0.5)):
+                    runner.drain()
+                    print(f"fleethealth detect: caught up ({runner.consumer.consumed_total} records, "
+                          f"{runner.findings_total} findings, {runner.recommendations_total} recommendations)",
+                          file=sys.stderr, flush=True)
+                    break
     return 0

@@ -20,11 +20,16 @@ sdc                    ``quarantine`` of the node and ``rollback`` of the job to
                        passing check for a transient fault, the last passing *replay* for any
                        other (a self-check cannot see a deterministic fault)
 failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
-hang                   ``drain`` of the node named, so the restart does not land on it
+hang                   ``drain`` of the node named, so the restart does not land on it; a hang
+                       with no culprit (every rank level) ``page``: no node is to blame
 xid / ecc              ``drain`` for critical severity, a catalogue advice of ``drain`` (the
                        finding's ``evidence["action"]``; without one, the Xid rulebook
                        :mod:`fleethealth.xid` for the code) and uncorrectable errors; else ``none``
-thermal / link         ``none``: reported; acted on through a straggler's diagnosis
+link (NVLink errors)   critical rate: ``drain`` at the next checkpoint boundary, as a failure
+                       risk (NVLink errors climbing steadily precede hard failures), slow or
+                       not; a warning rate ``none``: reported and watched
+thermal / power_brake  ``none`` (a PCIe ``link`` too): reported; acted on through a straggler's
+                       diagnosis
 =====================  ===========================================================================
 
 Every node-removing action passes the guards of :mod:`fleethealth.policy.guards`; a guard that
@@ -241,6 +246,8 @@ class PolicyEngine:
             return self._hang(f, now)
         if kind in (FindingKind.XID, FindingKind.ECC):
             return self._hardware_error(f, now)
+        if kind is FindingKind.LINK and f.evidence.get("rule") == "nvlink":
+            return self._link_errors(f, now)
         return [self._rec(Action.NONE, f, now, f"{kind.value} finding reported; a node is acted on "
                           "through a straggler's diagnosis, not this signal alone", {})]
 
@@ -402,8 +409,39 @@ class PolicyEngine:
             self.drained_.add(f.node)
         return recs
 
+    def _link_errors(self, f: Finding, now: float) -> list[Recommendation]:
+        """NVLink error counters climbing steadily: a failure risk of its own (seed 000 §9.6), slow or not."""
+        rate = f.evidence.get("errors_per_min")
+        severity = f.evidence.get("severity")
+        ev: dict[str, Any] = {"errors_per_min": rate, "rule": "nvlink", "severity": severity}
+        if severity not in _FATAL:
+            return [self._rec(Action.NONE, f, now, f"NVLink errors climbing at {rate}/min on {f.node}: reported and "
+                              "watched; a critical rate drains the node as a failure risk, a slow rank through "
+                              "its straggler's NODE_LINK diagnosis", ev)]
+        if f.node in self.drained_:
+            return [self._rec(Action.NONE, f, now, f"{f.node} already draining", ev)]
+        held = self.held_.get(f.node)
+        if held is not None and f.ts - held[0] < self.rate_.window_s:
+            # a drain restarts the job the node runs just as the held eviction would: the same hold applies
+            return [self._rec(Action.NONE, f, now, f"NVLink errors climbing at {rate}/min on {f.node}: its eviction "
+                              f"was recommended at ts={held[0]:.0f} and held ({held[1]}); one recommendation per "
+                              "node", {**ev, "held_ts": held[0]})]
+        at = self._next_boundary(f.job)
+        ev["at_step"] = at
+        where = f"step {at}" if at is not None else "the next checkpoint"
+        recs = self._guarded(Action.DRAIN, f, now, f"NVLink errors climbing at {rate}/min on {f.node} (GPU {f.gpu}): "
+                             f"a failure risk; drain at the next checkpoint boundary ({where}), a planned restart "
+                             "instead of an interruption", {**ev, "planned": True})
+        if recs[0].guard is Guard.ALLOWED:
+            self.drained_.add(f.node)
+        return recs
+
     def _hang(self, f: Finding, now: float) -> list[Recommendation]:
         ev = {"step": f.step}
+        if f.evidence.get("culprit") is False:
+            return [self._rec(Action.PAGE, f, now, f"job {f.job} hung at step {f.step} with every rank level "
+                              "(a network or storage hang?): no rank to blame, so no node is drained; a human "
+                              "must look", {**ev, "culprit": False})]
         if f.node in self.drained_:
             return [self._rec(Action.NONE, f, now, f"hang attributed to {f.node}: already draining", ev)]
         recs = self._guarded(Action.DRAIN, f, now, f"hang attributed to {f.node}: drain it so the restart "

@@ -42,3 +42,43 @@ def test_defaults_build_the_same_parts_as_the_runner_alone(broker, store) -> Non
         assert pa.breaker_.fleet_nodes == pb.breaker_.fleet_nodes == 0
         assert (pa.restart_s, pa.stale_after_s) == (pb.restart_s, pb.stale_after_s)
         assert (ours.lateness_s, ours.max_records) == (plain.lateness_s, plain.max_records)
+
+
+def test_until_caught_up_logs_the_join_and_start_offsets_then_exits_once_read_to_the_end(tmp_path) -> None:
+    """``fleethealth detect --until-caught-up`` on a broker of its own: it logs the group it joins and
+    the offset it starts each partition at, reads everything, concludes what it holds, commits and
+    exits 0; a second run in the same group starts where the first ended and reads nothing again."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from fleethealth.broker import EmbeddedBroker
+    from fleethealth.bus import Producer, ensure_topics
+    from fleethealth.schema import StepBatch, Telemetry
+    from fleethealth.store import open_store
+
+    with EmbeddedBroker() as running:
+        ensure_topics(running.dsn, partitions=4)
+        with Producer(running.dsn) as producer:
+            for k in range(20):
+                for i, node in enumerate(("n0000", "n0001")):
+                    producer.publish(Telemetry.from_columns(node, "r00", 1000.0 + 2 * k, [0, 1], temp_c=[50.0, 50.0]))
+                    producer.publish(StepBatch(job="batch", step=k, node=node, ts=1000.0 + 2 * k,
+                                               ranks=np.array([2 * i, 2 * i + 1], dtype=np.int32),
+                                               gpus=np.array([0, 1], dtype=np.int16), compute_s=np.array([1.9, 1.9])))
+            producer.flush()
+        store = f"chdb://{tmp_path}/store"
+        argv = [sys.executable, "-m", "fleethealth", "detect", "--kafka", running.dsn, "--store", store,
+                "--group", "fh-batch", "--metrics-port", "0", "--until-caught-up"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
+        first = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert first.returncode == 0, first.stderr
+        assert "joined group 'fh-batch'; reading from fh.events/0@0" in first.stderr
+        assert "fh.steps/" in first.stderr and "caught up (80 records" in first.stderr
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert second.returncode == 0, second.stderr
+        assert "caught up (0 records" in second.stderr
+    with open_store(store) as s:
+        assert s.query("SELECT count() FROM rank_steps FINAL WHERE job = 'batch'").rows[0][0] == 80

@@ -148,3 +148,34 @@ def test_bad_now_and_parameters():
     det = HangDetector()
     assert det.update([], [_report(1, 5.0, job="unknown")], 5.0) == []
     assert det.ignored_events_total_ == 1
+
+
+def test_every_rank_level_while_the_nodes_live_on_is_a_hang_without_a_culprit():
+    """Steps stop at step 9 for every rank, no watchdog report, telemetry goes on: at deadline +
+    stack_grace_s one finding with no rank, ``culprit`` false; with the nodes silent too it is idle."""
+    det = HangDetector(min_timeout_s=30.0, stack_grace_s=60.0)
+    assert _feed(det) == []
+    alive = {f"n{n:04d}": 1018.0 for n in range(4)}
+    for ts in np.arange(1020.0, 1200.0, 2.0).tolist():
+        alive.update(dict.fromkeys(alive, ts))
+        found = det.update([], [], ts, alive=alive)
+        if found:
+            break
+    (f,) = found
+    assert f.kind is FindingKind.HANG and f.rank is None and f.gpu is None and f.step == 10
+    assert f.ts == 1018.0 + 30.0 + 60.0 and f.evidence["culprit"] is False and f.evidence["level"] is True
+    assert f.evidence["last_step"] == 9 and f.evidence["nodes_reporting"] == 4
+    quiet = HangDetector(min_timeout_s=30.0, stack_grace_s=60.0)
+    _feed(quiet)
+    assert quiet.update([], [], 1300.0, alive=dict.fromkeys(alive, 1018.0)) == [] and quiet.idle_total_ == 1
+
+
+def test_steps_delivered_late_with_times_before_the_deadline_withdraw_it():
+    """The clock (other inputs) passes the deadline while the steps input stalls; the backlog then
+    arrives carrying its own earlier times: the job progressed, no hang, not even a resumed one."""
+    det = HangDetector(min_timeout_s=30.0, stack_grace_s=60.0)
+    _feed(det)
+    assert det.update([], [], 1060.0, alive=dict.fromkeys([f"n{n:04d}" for n in range(4)], 1060.0)) == []
+    assert det.jobs_["train-1"].deadline == 1048.0
+    late = [b for s in range(10, 40) for b in _batches(s, 1000.0 + 2.0 * s)]
+    assert det.update(late, [], 1080.0) == [] and det.clock_ahead_total_ == 1

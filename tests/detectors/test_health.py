@@ -17,7 +17,7 @@ def _t(ts, node="n0001", **cols):
             "pcie_width": 16.0, "pcie_width_max": 16.0, "util_pct": 97.0, "ecc_sbe_volatile": 0.0}
     full = {k: np.full(4, v) for k, v in base.items()}
     for name, (gpu, value) in cols.items():
-        full[name][gpu] = value
+        full.setdefault(name, np.zeros(4))[gpu] = value
     return Telemetry.from_columns(node, "r00", ts, np.arange(4), **full)
 
 
@@ -64,12 +64,13 @@ def test_ecc_rules_and_escalation():
     assert fail.evidence["remap_failure"] is True and fail.evidence["severity"] == "critical"
 
 
-def test_flapping_power_brake_is_one_thermal_episode():
+def test_flapping_power_brake_is_one_power_brake_episode_per_node():
     rules = HealthRules(clear_after_s=300.0)
     brake = int(ClockReason.HW_POWER_BRAKE | ClockReason.HW_SLOWDOWN)
     samples = [_t(float(i), clock_reasons=(0, brake if i % 2 else 0)) for i in range(200)]
     (f,) = rules.update(samples)
-    assert f.kind is FindingKind.THERMAL and f.ts == 1.0 and "HW_POWER_BRAKE" in f.evidence["clock_reasons"]
+    assert f.kind is FindingKind.POWER_BRAKE and f.ts == 1.0 and "HW_POWER_BRAKE" in f.evidence["clock_reasons"]
+    assert f.gpu is None and f.evidence["gpus"] == [0]
     assert rules.update([_t(1000.0, clock_reasons=(0, brake))])[0].ts == 1000.0
     # software power capping alone is normal at full load
     assert HealthRules().update([_t(1.0, clock_reasons=(0, int(ClockReason.SW_POWER_CAP)))]) == []
@@ -120,3 +121,32 @@ def test_simulated_ecc_precursor_and_healthy_fleet():
     assert ecc[-1].evidence["severity"] == "critical"
     xids = sorted(f.evidence["code"] for f in found if f.kind is FindingKind.XID and f.node == "n0006")
     assert xids == [48, 63, 64, 79]
+
+
+def _links(ts, errors, node="n0001"):
+    return _t(ts, node=node, nvlink_replay=(1, errors), nvlink_crc_flit=(0, 0.0), nvlink_crc_data=(0, 0.0),
+              nvlink_recovery=(0, 0.0))
+
+
+def test_climbing_nvlink_errors_are_one_link_episode_with_hysteresis():
+    rules = HealthRules(nvlink_errors_per_min=10.0, nvlink_clear_per_min=2.0, nvlink_window_s=300.0)
+    # 30 errors a minute from t=0: one finding once half the window is seen, then the episode holds
+    found = [f for k in range(60) for f in rules.update([_links(10.0 * k, 5.0 * k)])]
+    (f,) = found
+    assert f.kind is FindingKind.LINK and f.gpu == 1 and f.evidence["rule"] == "nvlink"
+    assert f.evidence["errors_per_min"] >= 10.0 and f.ts == 150.0 and f.evidence["gpus"] == [1]
+    # the rate falls to ~5/min: between the two thresholds it keeps holding, nothing new
+    assert [f for k in range(60, 120) for f in rules.update([_links(10.0 * k, 295.0 + (k - 59) * 0.8)])] == []
+    assert (rules.nvlink_hot_ == {("n0001", 1)})
+
+
+def test_a_trickle_or_one_jump_of_nvlink_errors_is_no_finding_and_a_counter_reset_starts_over():
+    rules = HealthRules(nvlink_errors_per_min=10.0)
+    trickle = [_links(10.0 * k, float(k // 6)) for k in range(100)]        # one a minute
+    assert rules.update(trickle) == []
+    jump = [_links(1000.0 + 10.0 * k, 16.0 + (40.0 if k == 0 else 40.0)) for k in range(40)]  # once, then flat
+    assert rules.update(jump) == []
+    reset = [_links(2000.0 + 10.0 * k, float(k)) for k in range(40)]          # driver reload: counters restart
+    assert rules.update(reset) == []
+    with pytest.raises(ConfigError, match="nvlink_clear_per_min"):
+        HealthRules(nvlink_errors_per_min=5.0, nvlink_clear_per_min=6.0).update([])

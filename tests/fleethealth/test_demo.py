@@ -87,7 +87,7 @@ def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path:
     rack_r02 = {f"n{i:04d}" for i in range(16, 24)}
     env = [f for f in findings if f["diagnosis"] == "ENVIRONMENTAL"]                 # hot_aisle: one rack episode
     assert len(env) == 1 and env[0]["node"] in rack_r02 and env[0]["evidence"]["rack"] == "r02"
-    assert kinds("n0021") == {("straggler", "NODE_LINK")}                          # nvlink_degraded
+    assert kinds("n0021") == {("straggler", "NODE_LINK"), ("link", None)}           # nvlink_degraded
     assert kinds("n0005") == {("straggler", "NETWORK_CONTENTION")}                 # nic_contention
     ecc_gpu = [f for f in findings if f["node"] == "n0007"]
     risk = [f for f in ecc_gpu if f["kind"] == "failure_risk"]                       # ecc_precursor, before it fails
