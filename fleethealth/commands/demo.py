@@ -32,6 +32,14 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the demo's store (DIR/store, recreated empty) and broker log (default: %(default)s); "
                         "query it afterwards with 'fleethealth query --data DIR'")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
+    p.add_argument("--injob", action="store_true",
+                   help="instead of the simulator: a real 4-rank CPU torch job with the in-job SDC defence, a "
+                        "fault, detection through probe, broker, detectors and store, rollback, bitwise check")
+    p.add_argument("--fault", metavar="KIND", default="none",
+                   help="with --injob: transient, deterministic or none (default: %(default)s)")
+    p.add_argument("--world", metavar="N", type=int, default=4, help="with --injob: ranks (default: %(default)s)")
+    p.add_argument("--ckpt-dir", metavar="DIR",
+                   help="with --injob: where checkpoints go (default: a temporary directory, removed after)")
     p.set_defaults(run=run)
 
 
@@ -43,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.detectors.runner import tune_gc
     from fleethealth.sim import Scenario
 
+    if args.injob:
+        from fleethealth.demo_injob import run_injob_main
+
+        return run_injob_main(args.fault, world=args.world, ckpt_dir=args.ckpt_dir, as_json=args.json)
     scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
     tune_gc()
     with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:
