@@ -88,6 +88,7 @@ class InjobResult:
     final_bitwise_equal_to_clean: bool = False
     wall_s: float = 0.0
     detect_wait_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -98,7 +99,8 @@ class InjobResult:
 
     def to_obj(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok, "wall_s": round(self.wall_s, 2),
-                "detect_wait_s": round(self.detect_wait_s, 2)}
+                "detect_wait_s": round(self.detect_wait_s, 2),
+                "phases_s": {k: round(v, 2) for k, v in self.phases_s.items()}}
 
 
 # ---------------------------------------------------------------------------- input checks
@@ -150,13 +152,12 @@ def check_ckpt_dir(path: Path) -> None:
 class _Probes:
     """One probe socket and step aggregator per node, read by one thread, delivered through one spool."""
 
-    def __init__(self, nodes: list[str], folder: Path, delivery: Any) -> None:
+    def __init__(self, sockets: dict[str, str], delivery: Any) -> None:
         from fleethealth.probe.aggregator import StepAggregator
         from fleethealth.probe.daemon import DatagramListener
 
-        self.paths = {n: str(folder / f"{n}.sock") for n in nodes}
-        self.listeners = {n: DatagramListener(p) for n, p in self.paths.items()}
-        self.aggregators = {n: StepAggregator(n) for n in nodes}
+        self.listeners = {n: DatagramListener(p) for n, p in sockets.items()}
+        self.aggregators = {n: StepAggregator(n) for n in sockets}
         self.delivery = delivery
         self.submitted = 0
         self._stop = threading.Event()
@@ -193,22 +194,34 @@ class _Probes:
 
 # ---------------------------------------------------------------------------- the launcher
 class _Launcher:
-    def __init__(self, spec: Any, runner: Any, store: Any, probes: _Probes) -> None:
+    def __init__(self, spec: Any) -> None:
+        """Start the ranks (they import torch and run the clean job while the pipeline comes up);
+        :meth:`attach` the pipeline before waiting on them."""
         import torch.multiprocessing as mp
 
         from fleethealth.demo_injob_worker import worker
 
-        self.spec, self.runner, self.store, self.probes = spec, runner, store, probes
-        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.runner: Any = None
+        self.probes: Any = None
+        # a fork server that imported torch once forks every rank: four fresh interpreters each
+        # importing torch and torch._dynamo (which DDP and every optimiser load when built) cost tens
+        # of seconds on a small CI machine
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "fleethealth.demo_injob_worker"])
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(spec.world)]
         self.procs = [ctx.Process(target=worker, args=(r, spec, self.commands[r], self.results), daemon=True,
                                   name=f"fh-injob-rank{r}") for r in range(spec.world)]
+        self.reports: dict[str, dict[int, Any]] = {}
         self.consumed = 0
         self.sent = 0
         self.dropped = 0
         for p in self.procs:
             p.start()
+
+    def attach(self, runner: Any, probes: _Probes) -> None:
+        self.runner, self.probes = runner, probes
 
     def pump(self, timeout_s: float = 0.2) -> int:
         got = self.runner.process_once(timeout_s)
@@ -219,8 +232,7 @@ class _Launcher:
         """Run the detectors while every rank finishes ``phase``; return the ranks' reports."""
         import queue
 
-        reports: dict[int, Any] = {}
-        while len(reports) < self.spec.world:
+        while len(self.reports.get(phase, {})) < self.spec.world:
             try:
                 kind, rank, payload = self.results.get_nowait()
             except queue.Empty:
@@ -233,8 +245,8 @@ class _Launcher:
                 continue
             if kind == "error":
                 raise DemoFailed(f"rank {rank} failed: {str(payload).strip().splitlines()[-1]}")
-            if payload.phase == phase:
-                reports[rank] = payload
+            self.reports.setdefault(payload.phase, {})[rank] = payload
+        reports = self.reports[phase]
         if phase != "clean":
             self.sent += sum(r.events_sent for r in reports.values())
             self.dropped += sum(r.events_dropped for r in reports.values())
@@ -268,6 +280,18 @@ class _Launcher:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5.0)
+
+
+class _Marks:
+    """Seconds spent in each named phase, each measured from the previous mark."""
+
+    def __init__(self, into: dict[str, float], since: float) -> None:
+        self.into, self.last = into, since
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = now - self.last
+        self.last = now
 
 
 def _free_port() -> int:
@@ -334,7 +358,16 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
     result = InjobResult(fault=fault, world=world, steps=steps)
     f_step, f_rank, f_bit, f_target, f_index = _FAULT_AT.get(fault, (0, 0, 22, None, 0))
     (work / "weights").mkdir()
+    sockets = {n: str(work / f"{n}.sock") for n in nodes}
+    spec = JobSpec(job=JOB, world=world, steps=steps, every=every, replay_every=replay_every,
+                   ckpt_every=ckpt_every, seed=seed, ckpt_dir=str(ckpt), out_dir=str(work / "weights"),
+                   master_port=_free_port(), placement=placement, sockets=sockets, fault=fault,
+                   fault_step=f_step, fault_node=placement[f_rank] if fault != "none" else None,
+                   fault_bit=f_bit, fault_target=f_target, fault_index=f_index)
+    mark = _Marks(result.phases_s, started)
     with contextlib.ExitStack() as stack:
+        launcher = _Launcher(spec)
+        stack.callback(launcher.close)
         broker = stack.enter_context(EmbeddedBroker(log_path=work / "broker.log"))
         store = stack.enter_context(open_store(f"chdb://{work / 'store'}"))
         store.migrate()
@@ -343,19 +376,16 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                             batch_records=500)
         delivery.start()
         stack.callback(delivery.close)
-        probes = _Probes(nodes, work, delivery)
+        probes = _Probes(sockets, delivery)
         stack.callback(probes.close)
         runner = stack.enter_context(Runner(broker.dsn, store, group="fleethealth-injob-demo",
                                             registry=CollectorRegistry()))
-        spec = JobSpec(job=JOB, world=world, steps=steps, every=every, replay_every=replay_every,
-                       ckpt_every=ckpt_every, seed=seed, ckpt_dir=str(ckpt), out_dir=str(work / "weights"),
-                       master_port=_free_port(), placement=placement, sockets=probes.paths, fault=fault,
-                       fault_step=f_step, fault_node=placement[f_rank] if fault != "none" else None,
-                       fault_bit=f_bit, fault_target=f_target, fault_index=f_index)
-        launcher = _Launcher(spec, runner, store, probes)
-        stack.callback(launcher.close)
+        launcher.attach(runner, probes)
+        mark("start")
         launcher.wait_phase("clean", deadline)
+        mark("clean_run")
         run = launcher.wait_phase("run", deadline)
+        mark("run")
         fired = [(r.fault_fired_at, rank) for rank, r in run.items() if r.fault_fired_at is not None]
         if fired:
             result.injected_at_step, result.injected_rank = min(fired)
@@ -363,6 +393,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         t_detect = time.perf_counter()
         launcher.quiesce(deadline)
         result.detect_wait_s = time.perf_counter() - t_detect
+        mark("detect")
         findings = store.findings(kind="sdc", job=JOB)
         result.sdc_findings = len(findings)
         final = work / "weights" / "run-final.npz"
@@ -388,6 +419,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                 result.steps_retrained = steps - min(r.first_step for r in resumed.values())
                 launcher.quiesce(deadline)
                 result.sdc_findings_after_rollback = len(store.findings(kind="sdc", job=JOB)) - len(findings)
+                mark("resume")
                 final = work / "weights" / "resume-final.npz"
         result.final_bitwise_equal_to_clean = _equal(work / "weights" / "clean-final.npz", final)
         exits = store.events(kind="job_exit", job=JOB)
@@ -395,6 +427,8 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         result.events_stored = len(store.events(job=JOB))
         result.events_dropped = launcher.dropped
         result.checkpoints_written = len(list(ckpt.glob("ckpt-*.json")))
+        mark("compare")
+    mark("shutdown")
     result.wall_s = time.perf_counter() - started
     return result
 
