@@ -80,6 +80,7 @@ class InjobResult:
     replaced_with: str | None = None
     steps_retrained: int = 0
     sdc_findings: int = 0
+    findings_by_kind: dict[str, int] = field(default_factory=dict)
     sdc_findings_after_rollback: int = 0
     checkpoints_written: int = 0
     job_exits: list[str] = field(default_factory=list)
@@ -422,6 +423,8 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                 mark("resume")
                 final = work / "weights" / "resume-final.npz"
         result.final_bitwise_equal_to_clean = _equal(work / "weights" / "clean-final.npz", final)
+        for f in store.findings(job=JOB):
+            result.findings_by_kind[f.kind.value] = result.findings_by_kind.get(f.kind.value, 0) + 1
         exits = store.events(kind="job_exit", job=JOB)
         result.job_exits = [str(e.data.get("status")) for e in sorted(exits, key=lambda e: e.ts)]
         result.events_stored = len(store.events(job=JOB))

@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.detectors.runner import tune_gc
     from fleethealth.sim import Scenario
 
+    if not args.injob and (args.fault != "none" or args.world != 4 or args.ckpt_dir is not None):
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError("--fault, --world and --ckpt-dir apply to --injob only")
     if args.injob:
         from fleethealth.demo_injob import run_injob_main
 
