@@ -133,6 +133,8 @@ class EventKind(StrEnum):
     INTERRUPTION = "interruption"
     CHECKPOINT = "checkpoint"
     SCHEDULER_ACTION = "scheduler_action"
+    JOB_START = "job_start"
+    JOB_EXIT = "job_exit"
 
 
 class ClockReason(IntFlag):

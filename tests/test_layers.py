@@ -38,7 +38,8 @@ _FLOORS: dict[str, int] = {
     "fleethealth.injob": 1, "fleethealth.kernels": 1,
 }
 # The top floor is one unit: the commands and the demo harness they drive wire everything together.
-_TOP = ("fleethealth.commands", "fleethealth.demo", "fleethealth.__main__")
+_TOP = ("fleethealth.commands", "fleethealth.demo", "fleethealth.demo_injob", "fleethealth.demo_injob_worker",
+        "fleethealth.__main__")
 # Contracts: floor 1, importable by every unit (the hubs).
 _CONTRACTS = ("fleethealth", "fleethealth.schema", "fleethealth.errors", "fleethealth.payloads",
               "fleethealth.wire", "fleethealth.lazy", "fleethealth.ids", "fleethealth.xid",

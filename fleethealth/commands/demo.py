@@ -35,6 +35,14 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--closed-loop", action="store_true",
                    help="also weigh acting on the recommendations: the job replayed under fleethealth's policy, "
                         "the seed rule alone and no detection (goodput, ETTR, correct work per accelerator-hour)")
+    p.add_argument("--injob", action="store_true",
+                   help="instead of the simulator: a real 4-rank CPU torch job with the in-job SDC defence, a "
+                        "fault, detection through probe, broker, detectors and store, rollback, bitwise check")
+    p.add_argument("--fault", metavar="KIND", default="none",
+                   help="with --injob: transient, deterministic or none (default: %(default)s)")
+    p.add_argument("--world", metavar="N", type=int, default=4, help="with --injob: ranks (default: %(default)s)")
+    p.add_argument("--ckpt-dir", metavar="DIR",
+                   help="with --injob: where checkpoints go (default: a temporary directory, removed after)")
     p.set_defaults(run=run)
 
 
@@ -46,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.detectors.runner import tune_gc
     from fleethealth.sim import Scenario
 
+    if not args.injob and (args.fault != "none" or args.world != 4 or args.ckpt_dir is not None):
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError("--fault, --world and --ckpt-dir apply to --injob only")
+    if args.injob:
+        from fleethealth.demo_injob import run_injob_main
+
+        return run_injob_main(args.fault, world=args.world, ckpt_dir=args.ckpt_dir, as_json=args.json)
     scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
     tune_gc()
     with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:

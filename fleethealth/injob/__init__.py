@@ -10,6 +10,8 @@ side reads too; they are re-exported here.
 - :class:`SdcGuard` — bitwise self-check, cross-rank replay, invariants, watermark (seed 000 §7, R3, R6).
 - :class:`HangWatchdog` — progress watchdog with faulthandler stack dumps.
 - :class:`Watermark`, :func:`retention`, :func:`rollback_target` — verification watermark (R6).
+- :class:`JobLife` — ``job_start`` / ``job_exit`` events of the run.
+- :class:`FaultInjector` — a transient or deterministic fault, off unless a loop attaches one (demos, drills).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _EXPORTS: dict[str, str] = {
     "rollback_target": "fleethealth.payloads.rollback",
     "event_datagram": "fleethealth.wire",
     "Reporter": "reporter",
+    "JobLife": "lifecycle",
+    "ExitStatus": "fleethealth.payloads.job",
+    "job_start_event": "fleethealth.payloads.job",
+    "job_exit_event": "fleethealth.payloads.job",
     "Watermark": "watermark",
     "Retention": "watermark",
     "retention": "watermark",
@@ -46,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "NondeterminismWarning": "results",
     # torch
     "SdcGuard": "guard",
+    "FaultInjector": "faults",
     "BitDigest": "digest",
     "bit_digest": "digest",
     "fingerprint": "digest",

@@ -22,9 +22,15 @@ a gradient into a zeroed buffer turns -0.0 into +0.0 and is not a fault. Modular
 associative and commutative, so the digest is deterministic on every device and equal across
 devices for equal bits.
 
-**Fingerprint.** For the replay, where two devices legitimately differ in the last bits, each tensor
-gives ``[sum, sum of squares, key-signed sum, n]`` in float64; :func:`fingerprint_distance` scales
-the differences by their Cauchy-Schwarz bounds, so the distance is a relative error in [0, inf).
+**Fingerprint.** For the replay, where two devices legitimately differ in the last bits, every
+:data:`FINGERPRINT_ROW` elements of each tensor give one row ``[sum, sum of squares, key-signed
+sum, n]`` in float64; :func:`fingerprint_distance` scales the differences by their Cauchy-Schwarz
+bounds, so the distance is a relative error in [0, inf). Rows of a fixed size keep the replay's
+sensitivity from fading with the tensor's size: a row's distance is normalised by its own
+magnitude (about ``row x RMS`` for the sums), so with one row per tensor the smallest single-element
+error above a 1e-6 tolerance grew with n (worst of four elements: 1 RMS at 10^6 elements, 7 at
+10^7, 16 at 10^8; up to 1e-6 x n x RMS for an element near zero); with rows of 65,536 elements it
+is 0.066 RMS at every size (``bench/replay_sensitivity.py``).
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CHUNK", "BitDigest", "PendingDigest", "bit_digest", "bit_digest_async", "fingerprint",
+__all__ = ["CHUNK", "FINGERPRINT_ROW", "BitDigest", "PendingDigest", "bit_digest", "bit_digest_async", "fingerprint",
            "fingerprint_distance"]
 
 CHUNK = 1 << 20
 """64-bit words per chunk; the position key is this long (8 MiB on each device)."""
+FINGERPRINT_ROW = 1 << 16
+"""Elements per fingerprint row (divides :data:`CHUNK`): the replay compares each row on its own."""
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIX = 0xBF58476D1CE4E5B9 - (1 << 64)  # an odd 64-bit constant (splitmix64's), as a signed int64
@@ -172,24 +180,36 @@ def bit_digest(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = No
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """Per tensor ``[sum, sum of squares, key-signed sum, n]`` in float64; shape ``(len(tensors), 4)``.
+    """One row ``[sum, sum of squares, key-signed sum, n]`` in float64 per :data:`FINGERPRINT_ROW`
+    elements of each tensor (a tensor of at most that many elements is one row), in tensor order;
+    shape ``(rows, 4)``.
 
-    Each tensor is widened to float64 one chunk of :data:`CHUNK` elements at a time, so the
-    temporary memory is a few chunks (tens of MiB), not four times the largest gradient."""
+    Each tensor is widened to float64 one chunk of :data:`CHUNK` elements at a time (three
+    row-wise reductions per chunk), so the temporary memory is a few chunks (tens of MiB), not four
+    times the largest gradient."""
     rows: list[torch.Tensor] = []
     for t in tensors:
         flat = t.detach().reshape(-1)
         key = _key(flat.device, torch.int64)
-        acc = torch.zeros(3, dtype=torch.float64, device=flat.device)
+        if flat.numel() == 0:
+            rows.append(torch.zeros(1, 4, dtype=torch.float64, device=flat.device))
+            continue
         for part in flat.split(CHUNK):  # widened chunk by chunk: float64 scratch stays <= CHUNK elements
             chunk = part.to(torch.float64)
-            sign = 1.0 - 2.0 * (key[:chunk.numel()] & 1).to(torch.float64)
-            acc = acc + torch.stack([chunk.sum(), (chunk * chunk).sum(), (chunk * sign).sum()])
-        rows.append(torch.cat([acc, torch.tensor([float(flat.numel())], dtype=torch.float64,
-                                                 device=flat.device)]))
+            m = chunk.numel()
+            sign = 1.0 - 2.0 * (key[:m] & 1).to(torch.float64)
+            count = -(-m // FINGERPRINT_ROW)
+            pad = count * FINGERPRINT_ROW - m
+            if pad:
+                chunk = torch.nn.functional.pad(chunk, (0, pad))
+                sign = torch.nn.functional.pad(sign, (0, pad))
+            c, s = chunk.view(count, FINGERPRINT_ROW), sign.view(count, FINGERPRINT_ROW)
+            n = torch.full((count,), float(FINGERPRINT_ROW), dtype=torch.float64, device=flat.device)
+            n[-1] = FINGERPRINT_ROW - pad
+            rows.append(torch.stack([c.sum(dim=1), (c * c).sum(dim=1), (c * s).sum(dim=1), n], dim=1))
     if not rows:
         return np.zeros((0, 4))
-    return torch.stack(rows).cpu().numpy()
+    return torch.cat(rows).cpu().numpy()
 
 
 def _scaled(a: np.ndarray, b: np.ndarray, scale: np.ndarray) -> np.ndarray:

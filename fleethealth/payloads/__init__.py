@@ -9,11 +9,13 @@ training process and the detectors meet here and nowhere else.
 - :mod:`~fleethealth.payloads.checkpoint` — ``checkpoint`` events: :class:`CheckpointRecord`.
 - :mod:`~fleethealth.payloads.sdc_evidence` — an ``sdc`` finding's evidence: :class:`SdcEvidence`.
 - :mod:`~fleethealth.payloads.rollback` — the rollback rule: :func:`rollback_target`.
+- :mod:`~fleethealth.payloads.job` — ``job_start`` / ``job_exit`` events: :class:`JobStart`, :class:`JobExit`.
 """
 
 from __future__ import annotations
 
 from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
+from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_event, job_start_event
 from fleethealth.payloads.hang_report import HangReport, RankStacks, hang_report_event
 from fleethealth.payloads.rollback import rollback_target
 from fleethealth.payloads.sdc_check import CheckKind, Classification, SdcCheck, classify, sdc_check_event
@@ -23,13 +25,18 @@ __all__ = [
     "CheckKind",
     "CheckpointRecord",
     "Classification",
+    "ExitStatus",
     "HangReport",
+    "JobExit",
+    "JobStart",
     "RankStacks",
     "SdcCheck",
     "SdcEvidence",
     "checkpoint_event",
     "classify",
     "hang_report_event",
+    "job_exit_event",
+    "job_start_event",
     "rollback_target",
     "sdc_check_event",
 ]

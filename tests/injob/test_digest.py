@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fleethealth.injob.digest import CHUNK, bit_digest, fingerprint, fingerprint_distance
+from fleethealth.injob.digest import CHUNK, FINGERPRINT_ROW, bit_digest, fingerprint, fingerprint_distance
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -161,5 +161,20 @@ def test_fingerprint_widens_to_float64_one_chunk_at_a_time() -> None:
         fp = fingerprint([big])
     assert 0 < seen.largest <= CHUNK
     ref = big.double()
-    assert fp[0, 3] == big.numel() and fp[0, 0] == pytest.approx(float(ref.sum()), rel=1e-9)
-    assert fp[0, 1] == pytest.approx(float((ref * ref).sum()), rel=1e-9)
+    assert fp.shape == (-(-big.numel() // FINGERPRINT_ROW), 4) and fp[:, 3].sum() == big.numel()
+    assert fp[:-1, 3].tolist() == [FINGERPRINT_ROW] * (len(fp) - 1) and fp[-1, 3] == 5
+    assert fp[:, 0].sum() == pytest.approx(float(ref.sum()), rel=1e-9)
+    assert fp[:, 1].sum() == pytest.approx(float((ref * ref).sum()), rel=1e-9)
+    assert fp[0, 0] == pytest.approx(float(ref[:FINGERPRINT_ROW].sum()), rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [FINGERPRINT_ROW, 64 * FINGERPRINT_ROW])
+def test_replay_sensitivity_does_not_fade_with_tensor_size(n: int) -> None:
+    """One element moved by a tenth of the RMS is above the replay's tolerance floor in a small and in a
+    4 Mi-element tensor alike (one row per tensor needed 1e-6 x n x RMS: 4 RMS at 4 Mi elements)."""
+    from fleethealth.injob.replay import MIN_REPLAY_TOLERANCE
+
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    moved = g.clone()
+    moved[n // 3] += 0.1 * float(g.square().mean().sqrt())
+    assert fingerprint_distance(fingerprint([g]), fingerprint([moved])) > MIN_REPLAY_TOLERANCE
