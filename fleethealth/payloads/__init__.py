@@ -15,8 +15,8 @@ training process and the detectors meet here and nowhere else.
 from __future__ import annotations
 
 from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
-from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_event, job_start_event
 from fleethealth.payloads.hang_report import HangReport, RankStacks, hang_report_event
+from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_event, job_start_event
 from fleethealth.payloads.rollback import rollback_target
 from fleethealth.payloads.sdc_check import CheckKind, Classification, SdcCheck, classify, sdc_check_event
 from fleethealth.payloads.sdc_evidence import SdcEvidence
