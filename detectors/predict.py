@@ -10,10 +10,12 @@ in the short window and the volatile count, retired-page and row-remap growth, p
 retirements, uncorrected errors, Xid counts by class (ECC, NVLink, other hardware, application), temperature slope and
 margin to the slowdown limit, NVLink and PCIe error rates, and NVLink links down. A GPU that
 falls off the bus (Xid 79) or is reported lost starts a fresh history: its replacement is judged
-on its own counters.
+on its own counters. Retired-page and row-remap fields a GPU model does not report (Hopper and
+Ampere retire no pages, Volta remaps no rows) stay NaN through their features, which the
+classifier routes as "not reported"; other missing fields count as zero.
 
 :class:`FailurePredictor` feeds those rows to a scikit-learn ``HistGradientBoostingClassifier``
-(the versioned artifact in ``detectors/models/``, trained on simulator runs by
+(the versioned artifact in ``detectors/models/``, trained on simulator and generated runs by
 ``python -m fleethealth.detectors.predict_train``) and yields a ``failure_risk`` finding per GPU
 episode when the probability reaches ``threshold``. ``probability`` is P(failure within
 ``horizon_s``); ``evidence["top_features"]`` names the features that raise it most: each row is
@@ -76,7 +78,12 @@ def _counters(s: Telemetry) -> np.ndarray:
             c["ecc_dbe_volatile"], c["temp_c"],
             c["nvlink_crc_flit"] + c["nvlink_crc_data"] + c["nvlink_replay"] + c["nvlink_recovery"],
             c["pcie_replay"], c["nvlink_links_max"] - c["nvlink_links_up"]]
-    return np.nan_to_num(np.stack(cols, axis=1), nan=0.0)
+    out = np.stack(cols, axis=1)
+    # a memory-repair field the GPU does not report stays NaN (Hopper retires no pages, Volta remaps
+    # no rows): the model tells "not reported" from "none"; every other gap counts as zero
+    keep = np.zeros(out.shape[1], dtype=bool)
+    keep[[_RETIRED, _REMAP, _PENDING, _RPENDING]] = True
+    return np.where(np.isnan(out) & ~keep, 0.0, out)
 
 
 def _xid_class(code: int) -> int:

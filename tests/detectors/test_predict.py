@@ -1,6 +1,7 @@
 """Failure predictor: features on hand-made telemetry (rates, deltas, Xid classes, slopes, GPU loss),
 the shipped artifact (metadata, size, version check), failure_risk findings on a simulated precursor,
-and the training script's path end to end on two small runs."""
+the harder generator's fields (NaN where a GPU model does not report them) and the training script's
+path end to end on small runs."""
 
 from __future__ import annotations
 
@@ -169,8 +170,37 @@ def test_training_script_round_trip(tmp_path):
     assert spec == pt.make_run(101)  # deterministic for the seed
     X, y = pt.collect(spec)
     assert X.shape[1] == len(FEATURES) and 0 < y.sum() < len(y)
-    art = pt.train([101, 103])
+    art = pt.train([101, 103], [1000])
     path = pt.save(art, tmp_path)
     loaded = load_model(path)
-    assert loaded.meta["train_seeds"] == [101, 103]
+    assert loaded.meta["train_seeds"] == [101, 103] and loaded.meta["synth_train_seeds"] == [1000]
+    assert not np.isnan(loaded.reference).any()
     np.testing.assert_allclose(loaded.predict_proba(X[:50]), art.predict_proba(X[:50]))
+
+
+def test_harder_generator_reports_what_each_gpu_model_reports_and_features_keep_the_gaps():
+    from fleethealth.detectors.failure_synth import GPU_MODELS, make_synth_run, stream
+    from fleethealth.detectors.health import HealthRules
+
+    run = make_synth_run(5, nodes=4, days=0.5)
+    assert run == make_synth_run(5, nodes=4, days=0.5) and run.failures and set(run.kinds) == set(run.failures)
+    assert run.gpu_days == pytest.approx(4 * 8 * 0.5, rel=0.01)
+    feats, rules = GpuFeatures(), HealthRules()
+    lost, rows = [], []
+    for telemetry, events in stream(run):
+        lost += [(e.node, e.gpu, e.ts) for e in events if e.code == 79]
+        rows += feats.update(telemetry, events)
+        rules.update(telemetry, events)
+        for s in telemetry:
+            spec = GPU_MODELS[s.model]
+            up = ~np.isnan(s.columns["ecc_sbe_volatile"])
+            assert np.isnan(s.columns["retired_sbe"][up]).all() != spec["pages"]
+            assert np.isnan(s.columns["remap_pending"][up]).all() != spec["remap"]
+    assert sorted((n, g) for n, g, _ in lost) == sorted(run.failures)
+    assert all(run.failures[(n, g)] == ts for n, g, ts in lost)
+    models = dict(zip(run.nodes, run.models, strict=True))
+    for r in rows[-len(run.nodes):]:
+        pages = GPU_MODELS[models[r.node]]["pages"]
+        assert np.isnan(r.X[:, F["retired_pages_delta"]]).all() != pages
+        assert np.isnan(r.X[:, F["row_remap_delta"]]).all() == pages
+        assert not np.isnan(r.X[:, F["sbe_rate_short_per_h"]]).any()
