@@ -267,7 +267,7 @@ def _episodes(artifact: ModelArtifact, runs: list[_Scored], threshold: float) ->
     """Precision, recall and lead of :class:`FailurePredictor`'s episodes at ``threshold``."""
     score = Score()
     for run in runs:
-        det = FailurePredictor(model=artifact, threshold=threshold, top_k=0)
+        det = FailurePredictor(model=artifact, threshold=threshold, top_k=0, use_model=True)
         if run.scores is None:  # the same for every threshold
             run.scores = [artifact.predict_proba(np.concatenate([r.X for r in batch])) for batch in run.batches]
         found: list[Finding] = []

@@ -100,7 +100,7 @@ def test_version_mismatch_and_bad_artifacts_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"scikit-learn 0\.0\.1.*retrain with"):
         load_model(tmp_path / "m.joblib")
     with pytest.raises(ConfigError, match="retrain"):
-        FailurePredictor(model=tmp_path / "m.joblib").update([], [])
+        FailurePredictor(model=tmp_path / "m.joblib", use_model=True).update([], [])
     assert load_model(tmp_path / "m.joblib", check_version=False).meta["sklearn"] == "0.0.1"
     (tmp_path / "m.json").write_text(json.dumps({**meta, "features": ["x"]}))
     with pytest.raises(ConfigError, match="other features"):
@@ -117,7 +117,7 @@ def test_simulated_precursor_is_flagged_before_failure_and_healthy_gpus_are_not(
     sim = FleetSim(Scenario.from_obj({
         "seed": 11, "fleet": {"racks": 1, "nodes_per_rack": 4, "gpus_per_node": 8}, "job": {"steps": 600},
         "faults": [{"kind": "ecc_precursor", "node": "n0002", "gpu": 6, "start_step": 50, "fail_step": 500}]}))
-    det = FailurePredictor()
+    det = FailurePredictor(use_model=True)
     found = []
     for frame in sim.run():
         found += det.update(frame.telemetry, frame.events)
@@ -146,7 +146,7 @@ def _artifact(p: float) -> ModelArtifact:
 
 
 def test_probability_needs_hard_evidence_and_fires_once_per_episode():
-    det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0)
+    det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0, use_model=True)
     found = []
     for i in range(30):  # GPU 0: a steady trickle (2 per 5 min); GPU 1: corrected errors piling up
         found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[2.0 * i, 40.0 * i])])
@@ -154,8 +154,23 @@ def test_probability_needs_hard_evidence_and_fires_once_per_episode():
     assert found[0].probability == 0.99 and found[0].evidence["model"] == "stub"
     lost = Event(node="n0001", ts=9000.0, kind=EventKind.XID, gpu=1, code=79)
     assert det.update([_sample(9100.0, ecc_sbe_volatile=[60.0, 9999.0])], [lost]) == []  # muted after loss
-    quiet = FailurePredictor(model=_artifact(0.1))
+    quiet = FailurePredictor(model=_artifact(0.1), use_model=True)
     assert quiet.update([_sample(0.0, remap_pending=[1.0, 0.0])]) == []
+
+
+def test_default_is_the_ecc_rule_and_needs_no_model():
+    det = FailurePredictor(model="/nonexistent/model.joblib")  # not loaded: the rule needs none
+    found = []
+    for i in range(30):  # GPU 0: corrected errors piling up, nothing else; GPU 1: a row remap pending from 1 h
+        pending = [0.0, float(i >= 12)]
+        found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[400.0 * i, 0.0], remap_pending=pending)])
+    assert [(f.gpu, f.ts, f.probability) for f in found] == [(1, 3600.0, 1.0)]
+    assert found[0].evidence["rule"] == ["remap_pending"] and found[0].evidence["model"] == "ecc_rule"
+    hopper = FailurePredictor()
+    nan = np.full(2, np.nan)
+    assert hopper.update([_sample(0.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan)]) == []
+    with pytest.raises(ConfigError, match="use_model"):
+        FailurePredictor(use_model="yes").update([], [])
 
 
 def test_threshold_parameter_is_validated():
