@@ -10,10 +10,12 @@ in the short window and the volatile count, retired-page and row-remap growth, p
 retirements, uncorrected errors, Xid counts by class (ECC, NVLink, other hardware, application), temperature slope and
 margin to the slowdown limit, NVLink and PCIe error rates, and NVLink links down. A GPU that
 falls off the bus (Xid 79) or is reported lost starts a fresh history: its replacement is judged
-on its own counters.
+on its own counters. Retired-page and row-remap fields a GPU model does not report (Hopper and
+Ampere retire no pages, Volta remaps no rows) stay NaN through their features, which the
+classifier routes as "not reported"; other missing fields count as zero.
 
 :class:`FailurePredictor` feeds those rows to a scikit-learn ``HistGradientBoostingClassifier``
-(the versioned artifact in ``detectors/models/``, trained on simulator runs by
+(the versioned artifact in ``detectors/models/``, trained on simulator and generated runs by
 ``python -m fleethealth.detectors.predict_train``) and yields a ``failure_risk`` finding per GPU
 episode when the probability reaches ``threshold``. ``probability`` is P(failure within
 ``horizon_s``); ``evidence["top_features"]`` names the features that raise it most: each row is
@@ -56,6 +58,7 @@ FEATURES: tuple[str, ...] = (
 """Feature names, in column order."""
 
 _GATE_COUNT = FEATURES.index("sbe_count_short")
+_RULE = [FEATURES.index(n) for n in ("retired_pages_delta", "remap_pending", "retired_pending", "dbe_volatile")]
 _GATE_ANY = [FEATURES.index(n) for n in ("retired_pages_delta", "row_remap_delta", "remap_pending", "retired_pending",
                                          "dbe_volatile", "xid_ecc")]
 
@@ -76,7 +79,17 @@ def _counters(s: Telemetry) -> np.ndarray:
             c["ecc_dbe_volatile"], c["temp_c"],
             c["nvlink_crc_flit"] + c["nvlink_crc_data"] + c["nvlink_replay"] + c["nvlink_recovery"],
             c["pcie_replay"], c["nvlink_links_max"] - c["nvlink_links_up"]]
-    return np.nan_to_num(np.stack(cols, axis=1), nan=0.0)
+    out = np.stack(cols, axis=1)
+    # a memory-repair field the GPU does not report stays NaN (Hopper retires no pages, Volta remaps
+    # no rows): the model tells "not reported" from "none"; every other gap counts as zero
+    keep = np.zeros(out.shape[1], dtype=bool)
+    keep[[_RETIRED, _REMAP, _PENDING, _RPENDING]] = True
+    return np.where(np.isnan(out) & ~keep, 0.0, out)
+
+
+def _num(v: float) -> float | None:
+    """A feature value for evidence: rounded, None where the field is not reported (JSON has no NaN)."""
+    return None if math.isnan(v) else round(float(v), 4)
 
 
 def _xid_class(code: int) -> int:
@@ -292,13 +305,21 @@ class FailurePredictor:
     corrected errors within the short window, or a retired page, a row remap, a pending remap or
     retirement, an uncorrected error or an ECC Xid. A GPU that merely logs a steady trickle of
     corrected errors is noisy, not failing, however the model scores it.
+
+    ``use_model`` (default False): the classifier is optional. Without it the detector applies the
+    ECC rule — a page retired within the long window, a remap or retirement pending, or an
+    uncorrected error — and a finding's ``probability`` is 1.0 (the rule holds; no estimate), its
+    ``evidence["rule"]`` the reasons. The rule is the default because on held-out runs of the
+    harder generator (:mod:`fleethealth.detectors.failure_synth`, ``bench/predictor_eval.py``) the
+    model beats it on precision, lead time and false alarms but catches fewer failing GPUs.
     """
 
     name = "failure_risk"
 
     def __init__(self, *, model: str | Path | ModelArtifact | None = None, threshold: float | None = None,
                  clear_after_s: float = 3600.0, quiet_after_loss_s: float = 1800.0, top_k: int = 3,
-                 min_corrected: float = 50.0, features: GpuFeatures | None = None) -> None:
+                 min_corrected: float = 50.0, features: GpuFeatures | None = None, use_model: bool = False) -> None:
+        self.use_model = use_model
         self.min_corrected = min_corrected
         self.model = model
         self.threshold = threshold
@@ -314,12 +335,19 @@ class FailurePredictor:
         check_number("quiet_after_loss_s", self.quiet_after_loss_s, at_least=0, owner=self)
         check_int("top_k", self.top_k, at_least=0, owner=self)
         check_number("min_corrected", self.min_corrected, at_least=0, owner=self)
-        self.artifact_ = self.model if isinstance(self.model, ModelArtifact) else load_model(self.model)
-        threshold = self.artifact_.meta.get("threshold", 0.5) if self.threshold is None else self.threshold
+        if not isinstance(self.use_model, bool):
+            raise ConfigError(f"FailurePredictor: use_model must be true or false, got {self.use_model!r}")
+        if self.use_model:
+            self.artifact_ = self.model if isinstance(self.model, ModelArtifact) else load_model(self.model)
+            meta = self.artifact_.meta
+        else:
+            self.artifact_, meta = None, {"threshold": 1.0, "name": "ecc_rule"}
+        threshold = meta.get("threshold", 0.5) if self.threshold is None else self.threshold
         self.threshold_ = check_number("threshold", threshold, above=0, at_most=1.0, owner=self)
         self.features_ = self.features if self.features is not None else GpuFeatures()
         self.episodes_: dict[tuple[str, int], float] = {}  # -> last ts at or above threshold / 2
-        self.horizon_s_ = float(self.artifact_.meta.get("horizon_s", 86_400.0))
+        self.horizon_s_ = float(meta.get("horizon_s", 86_400.0))
+        self.model_name_ = str(meta.get("name", MODEL_NAME))
 
     def _explain(self, x: np.ndarray, p: float) -> list[dict[str, Any]]:
         ref = self.artifact_.reference
@@ -327,7 +355,7 @@ class FailurePredictor:
         trial[np.arange(len(FEATURES)), np.arange(len(FEATURES))] = ref
         drop = p - self.artifact_.predict_proba(trial)
         order = [int(i) for i in np.argsort(-drop)[: self.top_k] if drop[i] > 1e-6]
-        return [{"feature": FEATURES[i], "value": round(float(x[i]), 4), "reference": round(float(ref[i]), 4),
+        return [{"feature": FEATURES[i], "value": _num(x[i]), "reference": _num(ref[i]),
                  "probability_without": round(float(p - drop[i]), 4)} for i in order]
 
     def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
@@ -337,7 +365,8 @@ class FailurePredictor:
         rows = self.features_.update(telemetry, events)
         if not rows:
             return []
-        p = self.artifact_.predict_proba(np.concatenate([r.X for r in rows]))
+        X = np.concatenate([r.X for r in rows])
+        p = self.artifact_.predict_proba(X) if self.artifact_ is not None else (X[:, _RULE] > 0).any(axis=1) * 1.0
         return self.decide(rows, p, self.features_.lost_)
 
     def decide(self, rows: Sequence[FeatureRows], probabilities: np.ndarray,
@@ -355,7 +384,8 @@ class FailurePredictor:
             p = probabilities[at: at + len(r.gpu)]
             at += len(r.gpu)
             X = r.X
-            hard = (X[:, _GATE_COUNT] >= self.min_corrected) | (X[:, _GATE_ANY] > 0).any(axis=1)
+            hard = ((X[:, _GATE_COUNT] >= self.min_corrected) | (X[:, _GATE_ANY] > 0).any(axis=1)
+                    if self.artifact_ is not None else (X[:, _RULE] > 0).any(axis=1))
             for i in np.flatnonzero((p >= self.threshold_ / 2) & hard).tolist():
                 gpu = int(r.gpu[i])
                 key = (r.node, gpu)
@@ -369,10 +399,10 @@ class FailurePredictor:
                 self.episodes_[key] = r.ts
                 if not fresh:
                     continue
-                evidence = {"horizon_s": self.horizon_s_, "threshold": self.threshold_,
-                            "model": self.artifact_.meta.get("name", MODEL_NAME),
-                            "top_features": self._explain(r.X[i], float(p[i])),
-                            "features": {n: round(float(v), 4) for n, v in zip(FEATURES, r.X[i], strict=True)}}
+                evidence = {"horizon_s": self.horizon_s_, "threshold": self.threshold_, "model": self.model_name_,
+                            **({"top_features": self._explain(r.X[i], float(p[i]))} if self.artifact_ is not None
+                               else {"rule": [FEATURES[j] for j in _RULE if r.X[i, j] > 0]}),
+                            "features": {n: _num(v) for n, v in zip(FEATURES, r.X[i], strict=True)}}
                 out.append(Finding(kind=FindingKind.FAILURE_RISK, node=r.node, ts=r.ts, gpu=gpu,
                                    probability=round(float(p[i]), 4), detector=self.name, evidence=evidence))
         return out

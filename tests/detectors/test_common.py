@@ -168,7 +168,8 @@ def _run(case: Case, calls: list[Call]) -> list:
 
 
 def _canon(results: list) -> list:
-    return [r.to_obj() if hasattr(r, "to_obj") else (r.node, r.ts, r.gpu.tolist(), r.X.round(9).tolist())
+    return [r.to_obj() if hasattr(r, "to_obj")  # NaN (a field not reported) as None: NaN != NaN
+            else (r.node, r.ts, r.gpu.tolist(), np.where(np.isnan(r.X), None, r.X.round(9)).tolist())
             for r in results]
 
 

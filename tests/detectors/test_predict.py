@@ -1,6 +1,7 @@
 """Failure predictor: features on hand-made telemetry (rates, deltas, Xid classes, slopes, GPU loss),
 the shipped artifact (metadata, size, version check), failure_risk findings on a simulated precursor,
-and the training script's path end to end on two small runs."""
+the harder generator's fields (NaN where a GPU model does not report them) and the training script's
+path end to end on small runs."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_version_mismatch_and_bad_artifacts_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"scikit-learn 0\.0\.1.*retrain with"):
         load_model(tmp_path / "m.joblib")
     with pytest.raises(ConfigError, match="retrain"):
-        FailurePredictor(model=tmp_path / "m.joblib").update([], [])
+        FailurePredictor(model=tmp_path / "m.joblib", use_model=True).update([], [])
     assert load_model(tmp_path / "m.joblib", check_version=False).meta["sklearn"] == "0.0.1"
     (tmp_path / "m.json").write_text(json.dumps({**meta, "features": ["x"]}))
     with pytest.raises(ConfigError, match="other features"):
@@ -116,7 +117,7 @@ def test_simulated_precursor_is_flagged_before_failure_and_healthy_gpus_are_not(
     sim = FleetSim(Scenario.from_obj({
         "seed": 11, "fleet": {"racks": 1, "nodes_per_rack": 4, "gpus_per_node": 8}, "job": {"steps": 600},
         "faults": [{"kind": "ecc_precursor", "node": "n0002", "gpu": 6, "start_step": 50, "fail_step": 500}]}))
-    det = FailurePredictor()
+    det = FailurePredictor(use_model=True)
     found = []
     for frame in sim.run():
         found += det.update(frame.telemetry, frame.events)
@@ -145,7 +146,7 @@ def _artifact(p: float) -> ModelArtifact:
 
 
 def test_probability_needs_hard_evidence_and_fires_once_per_episode():
-    det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0)
+    det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0, use_model=True)
     found = []
     for i in range(30):  # GPU 0: a steady trickle (2 per 5 min); GPU 1: corrected errors piling up
         found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[2.0 * i, 40.0 * i])])
@@ -153,8 +154,23 @@ def test_probability_needs_hard_evidence_and_fires_once_per_episode():
     assert found[0].probability == 0.99 and found[0].evidence["model"] == "stub"
     lost = Event(node="n0001", ts=9000.0, kind=EventKind.XID, gpu=1, code=79)
     assert det.update([_sample(9100.0, ecc_sbe_volatile=[60.0, 9999.0])], [lost]) == []  # muted after loss
-    quiet = FailurePredictor(model=_artifact(0.1))
+    quiet = FailurePredictor(model=_artifact(0.1), use_model=True)
     assert quiet.update([_sample(0.0, remap_pending=[1.0, 0.0])]) == []
+
+
+def test_default_is_the_ecc_rule_and_needs_no_model():
+    det = FailurePredictor(model="/nonexistent/model.joblib")  # not loaded: the rule needs none
+    found = []
+    for i in range(30):  # GPU 0: corrected errors piling up, nothing else; GPU 1: a row remap pending from 1 h
+        pending = [0.0, float(i >= 12)]
+        found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[400.0 * i, 0.0], remap_pending=pending)])
+    assert [(f.gpu, f.ts, f.probability) for f in found] == [(1, 3600.0, 1.0)]
+    assert found[0].evidence["rule"] == ["remap_pending"] and found[0].evidence["model"] == "ecc_rule"
+    hopper = FailurePredictor()
+    nan = np.full(2, np.nan)
+    assert hopper.update([_sample(0.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan)]) == []
+    with pytest.raises(ConfigError, match="use_model"):
+        FailurePredictor(use_model="yes").update([], [])
 
 
 def test_threshold_parameter_is_validated():
@@ -169,8 +185,37 @@ def test_training_script_round_trip(tmp_path):
     assert spec == pt.make_run(101)  # deterministic for the seed
     X, y = pt.collect(spec)
     assert X.shape[1] == len(FEATURES) and 0 < y.sum() < len(y)
-    art = pt.train([101, 103])
+    art = pt.train([101, 103], [1000])
     path = pt.save(art, tmp_path)
     loaded = load_model(path)
-    assert loaded.meta["train_seeds"] == [101, 103]
+    assert loaded.meta["train_seeds"] == [101, 103] and loaded.meta["synth_train_seeds"] == [1000]
+    assert not np.isnan(loaded.reference).any()
     np.testing.assert_allclose(loaded.predict_proba(X[:50]), art.predict_proba(X[:50]))
+
+
+def test_harder_generator_reports_what_each_gpu_model_reports_and_features_keep_the_gaps():
+    from fleethealth.detectors.failure_synth import GPU_MODELS, make_synth_run, stream
+    from fleethealth.detectors.health import HealthRules
+
+    run = make_synth_run(5, nodes=4, days=0.5)
+    assert run == make_synth_run(5, nodes=4, days=0.5) and run.failures and set(run.kinds) == set(run.failures)
+    assert run.gpu_days == pytest.approx(4 * 8 * 0.5, rel=0.01)
+    feats, rules = GpuFeatures(), HealthRules()
+    lost, rows = [], []
+    for telemetry, events in stream(run):
+        lost += [(e.node, e.gpu, e.ts) for e in events if e.code == 79]
+        rows += feats.update(telemetry, events)
+        rules.update(telemetry, events)
+        for s in telemetry:
+            spec = GPU_MODELS[s.model]
+            up = ~np.isnan(s.columns["ecc_sbe_volatile"])
+            assert np.isnan(s.columns["retired_sbe"][up]).all() != spec["pages"]
+            assert np.isnan(s.columns["remap_pending"][up]).all() != spec["remap"]
+    assert sorted((n, g) for n, g, _ in lost) == sorted(run.failures)
+    assert all(run.failures[(n, g)] == ts for n, g, ts in lost)
+    models = dict(zip(run.nodes, run.models, strict=True))
+    for r in rows[-len(run.nodes):]:
+        pages = GPU_MODELS[models[r.node]]["pages"]
+        assert np.isnan(r.X[:, F["retired_pages_delta"]]).all() != pages
+        assert np.isnan(r.X[:, F["row_remap_delta"]]).all() == pages
+        assert not np.isnan(r.X[:, F["sbe_rate_short_per_h"]]).any()
