@@ -18,8 +18,10 @@ Forged or broken input cannot take a job over: once a job has emitted steps, a b
 ``max_step_jump`` steps ahead of the newest emitted step is refused (one batch claiming step 2⁶³−1
 would otherwise make every later step look late), and once a rank has been seen on a node, a
 batch from another node naming that rank is refused until the job restarts (a new placement).
-Refused batches are counted in ``implausible_total`` and ``foreign_total``; :meth:`StepAssembler.add`
-reports them through ``refused_`` so the runner stores only what the assembler accepted.
+Refused batches are counted in ``implausible_total`` and ``foreign_total`` (a batch naming ranks
+another node already reported for the step is refused too, counted as a duplicate);
+:meth:`StepAssembler.add` reports them through ``refused_`` and the runner stores only what the
+assembler accepted, so a forged row cannot replace a real one in ``rank_steps``.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class StepAssembler:
         self.implausible_total = 0
         self.foreign_total = 0
         self.refused_ = False
-        """Whether the last :meth:`add` refused its batch as implausible or foreign."""
+        """Whether the last :meth:`add` refused its batch: implausible, foreign, or naming ranks another
+        node already reported for that step."""
 
     def _foreign(self, batch: StepBatch) -> bool:
         """True when a rank of ``batch`` was seen on another node of the same job (columnar)."""
@@ -172,6 +175,9 @@ class StepAssembler:
         entry = self._open.get((job, step))
         if entry is not None and (batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks)):
             self.duplicate_total += 1
+            # a node repeating itself is a replay; ranks another node already reported for this step
+            # are a claim the step's owner contradicts: refused, so the store keeps the first report
+            self.refused_ = batch.node not in entry.nodes
             return []
         if self._foreign(batch):
             self.foreign_total += 1

@@ -54,6 +54,8 @@ class Output:
     steps: list[tuple[str, float]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     now: float = 0.0
+    refused: list[StepBatch] = field(default_factory=list)
+    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
 
 
 class Pipeline:
@@ -98,6 +100,7 @@ class Pipeline:
         batches: list[StepBatch] = []
         events: list[Event] = []
         ready: list[Finding] = []
+        refused: list[StepBatch] = []
         for m in messages:
             if isinstance(m, Telemetry):
                 telemetry.append(m)
@@ -111,10 +114,14 @@ class Pipeline:
                 self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
                 for step in self.assembler.add(m):
                     self._wait(self._stragglers(step))
+                if self.assembler.refused_:
+                    refused.append(m)
             else:
                 events.append(m)
         self._advance_clock(events)
-        return self._conclude(ready, telemetry, batches, events, final=False)
+        out = self._conclude(ready, telemetry, batches, events, final=False)
+        out.refused = refused
+        return out
 
     def drain(self) -> Output:
         """End of input: emit open steps and undiagnosed findings with what is known."""

@@ -27,6 +27,12 @@ xid / ecc              ``drain`` for critical severity, a catalogue advice of ``
 thermal / link         ``none``: reported; acted on through a straggler's diagnosis
 =====================  ===========================================================================
 
+Never two evictions or drains in a row in one rack without a human (:class:`RackGuard`, shared by
+both): two nodes of a rack failing one after the other points at what they share (power, cooling,
+the top-of-rack switch), which taking out a second node does not fix and a human should look at; and
+each one removed costs the rack's jobs a restart. A quarantine for SDC is exempt: a node that
+corrupts results must leave at once, whatever its rack (the breaker still bounds it).
+
 Every node-removing action passes the guards of :mod:`fleethealth.policy.guards`; a guard that
 fires sets ``guard`` (``rate_limited`` / ``needs_human``) and is named in ``evidence["guards_fired"]``.
 A ``none`` recommendation (stale, already decided, not worth it) keeps ``guard`` ``allowed``: there is
@@ -441,9 +447,18 @@ class PolicyEngine:
     # ------------------------------------------------------------ helpers
     def _guarded(self, action: Action, f: Finding, now: float, reason: str, ev: dict[str, Any], *,
                  fired: list[str] | None = None) -> list[Recommendation]:
-        """Apply the breaker to a node-removing action; earlier guards in ``fired`` already decided."""
+        """Apply the same-rack rule to a drain and the breaker to a node-removing action; earlier guards in
+        ``fired`` already decided (a straggler's eviction applies the rack rule itself)."""
         fired = list(fired or [])
         out: list[Recommendation] = []
+        rack = None
+        if action is Action.DRAIN:
+            given = f.evidence.get("rack")
+            rack = given if isinstance(given, str) and given else rack_of(f.node, self.nodes_per_rack)
+            if self.rack_.blocks(rack):
+                fired.append(GuardName.SAME_RACK)
+                reason += (f"; the last node taken out ({self.rack_.last_node_}) was also in rack {rack}: "
+                           "needs a human")
         if action in _REMOVING:
             if self.breaker_.open_:
                 fired.append(GuardName.BREAKER)
@@ -463,6 +478,8 @@ class PolicyEngine:
         guard = Guard.ALLOWED
         if fired:
             guard = Guard.RATE_LIMITED if fired == [GuardName.RATE_LIMIT] else Guard.NEEDS_HUMAN
+        elif rack is not None:
+            self.rack_.note(rack, f.node)
         return [self._rec(action, f, now, reason, ev, fired=fired, guard=guard), *out]
 
     def _rec(self, action: Action, f: Finding, now: float, reason: str, ev: Mapping[str, Any], *,

@@ -185,3 +185,9 @@ class StoreLike(Protocol):
     # ---------------------------------------------------------------- named queries: self-test baselines
     def selftest_throughput_medians(self, *, since: float | None = None) -> list[tuple[str, str, str, float, int]]:
         ...
+
+    # ---------------------------------------------------------------- named queries: the outbox
+    def write_outbox(self, rows: Sequence[tuple[str, str, str, float, str]], *, published: bool,
+                     dedup_token: str | None = None) -> int: ...
+
+    def pending_outbox(self, *, limit: int = 10_000) -> list[tuple[str, str, str, float, str]]: ...
