@@ -448,8 +448,9 @@ def _valid(draw, tag: str, i: int):
         n = draw(st.integers(1, 8))
         compute = draw(st.lists(st.floats(0.0, 86_400.0), min_size=n, max_size=n))
         groups = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+        # each node owns its own ranks (a batch naming another node's ranks is refused, not stored)
         return StepBatch(job=f"{tag}-ok", step=i, node=f"{tag}-n{i % 3}", ts=ts,
-                         ranks=np.arange(n, dtype=np.int32), gpus=np.arange(n, dtype=np.int16),
+                         ranks=np.arange(n, dtype=np.int32) + 8 * (i % 3), gpus=np.arange(n, dtype=np.int16),
                          compute_s=np.asarray(compute), groups=None if groups is None else np.asarray(groups, np.int32))
     if which == "telemetry":
         g = draw(st.integers(1, 8))
