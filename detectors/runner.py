@@ -49,9 +49,10 @@ from collections import Counter as Tally
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import orjson
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from fleethealth.bus import Consumer, Producer, Record
+from fleethealth.bus import Consumer, DeadLetter, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.errors import BusError
@@ -82,6 +83,7 @@ class Conclusions:
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
     refused: list[StepBatch] = field(default_factory=list)
+    rejected: list[tuple[Message, str]] = field(default_factory=list)
 
 
 def publishable(msg: Finding | Recommendation) -> bool:
@@ -103,7 +105,8 @@ def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message
         decided.extend(policy.update(tail.findings, (), tail.now, steps=tail.steps, ended=tail.ended))
         findings += tail.findings
     return Conclusions(findings=findings, recommendations=decided.recommendations, outcomes=decided.outcomes,
-                       policy_changed=decided.changed, refused=list(out.refused))
+                       policy_changed=decided.changed, refused=list(out.refused),
+                       rejected=list(out.rejected))
 
 
 class _Metrics:
@@ -126,6 +129,9 @@ class _Metrics:
                            registry=registry)
         self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
                             "acknowledged by the broker", registry=registry)
+        self.over_limit = Gauge("fleethealth_detect_over_limit_records",
+                                "Records dead-lettered for naming a new job or node beyond the cardinality limits",
+                                ["what"], registry=registry)
         self.publish_errors = Counter("fleethealth_detect_publish_errors_total",
                                       "Publishes of the outbox that failed (retried on the next batch)",
                                       registry=registry)
@@ -238,6 +244,10 @@ class Runner:
         out = conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
+        if out.rejected:
+            self._dead_letter(ready, out.rejected)
+            rejected = {id(m) for m, _ in out.rejected}
+            ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
         events = [r.msg for r in ready if isinstance(r.msg, Event)]
@@ -275,8 +285,22 @@ class Runner:
         self.metrics.dropped.labels("late").set(assembler.late_total)
         self.metrics.dropped.labels("duplicate").set(assembler.duplicate_total)
         self.metrics.early.set(self.released_early_total)
+        for what, count in self.pipeline.over_limit_.items():
+            self.metrics.over_limit.labels(what).set(count)
         self.findings_total += len(out.findings)
         self.recommendations_total += len(out.recommendations)
+
+    def _dead_letter(self, ready: Sequence[Record], rejected: Sequence[tuple[Message, str]]) -> None:
+        """Publish what the pipeline refused to take (beyond its cardinality limits) as dead letters; the
+        records are committed with the rest, the dead letter is where they are kept."""
+        where = {id(r.msg): r for r in ready}
+        for msg, why in rejected:
+            rec = where.get(id(msg))
+            if rec is None:
+                continue
+            letter = DeadLetter.of(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), why, None)
+            self.producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), rec.key)
+        self.producer.flush()
 
     def _publish_pending(self) -> bool:
         """Publish every pending outbox row and, once the broker acknowledged them all, mark them
