@@ -200,6 +200,15 @@ class PolicyEngine:
     def p_healthy(self, diagnosis: Diagnosis | str) -> float:
         return self.posterior_.mean(diagnosis)
 
+    def forget_job(self, job: str) -> None:
+        """Drop what the engine keeps per job once detection forgot the job as ended: checkpoints,
+        verification marks, remaining time and its rollbacks (node-level memory is kept)."""
+        self.checkpoints_.pop(job, None)
+        self.last_pass_.pop(job, None)
+        self.last_replay_pass_.pop(job, None)
+        self.remaining_.pop(job, None)
+        self.rolled_back_ = {k for k in self.rolled_back_ if k.rpartition("@")[0] != job}
+
     def set_remaining(self, job: str, seconds: float) -> None:
         self.remaining_[job] = check_number("remaining seconds", seconds, at_least=0)
 
