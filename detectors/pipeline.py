@@ -186,6 +186,16 @@ class Pipeline:
             self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
+        if idle:
+            gone = set(idle)
+            sdc = self.sdc
+            if hasattr(sdc, "passes_"):
+                sdc.passes_ = {k: v for k, v in sdc.passes_.items() if k[0] not in gone}
+                for job in gone:
+                    sdc.checkpoints_.pop(job, None)
+            episodes = getattr(self.rack_episodes, "episodes_", None)
+            if episodes:
+                self.rack_episodes.episodes_ = {k: v for k, v in episodes.items() if k[0] not in gone}
         if self.restarted_:
             self.restarted_ = {k: ts for k, ts in self.restarted_.items() if ts >= self.now_ - self.job_idle_s}
 
