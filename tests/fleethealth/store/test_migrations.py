@@ -75,7 +75,7 @@ def test_core_schema_keys(store: Store) -> None:
     assert keys["rank_steps"] == ("ReplacingMergeTree", "job, step, rank")
     for table in ("events", "findings"):
         assert keys[table] == ("ReplacingMergeTree", "node, ts, id")
-    # keyed on what a recommendation is about, not on when it was decided (004_outbox.sql)
+    # keyed on what a recommendation is about, not on when it was decided (006_outbox.sql)
     assert keys["recommendations"] == ("ReplacingMergeTree", "node, id")
     assert keys["outbox"] == ("ReplacingMergeTree", "topic, id")
     columns = {r[0]: r[1] for r in store.query(
