@@ -10,7 +10,8 @@ that is never dropped shows as growth; the runner's pipeline forgets idle jobs a
 ``--idle-s`` of event time.
 
 Each minute it prints one JSON line: minute, resident set size (``/proc/self/statm``, MiB), records
-processed, and the distinct job and node names the pipeline holds. At the end one JSON object:
+processed, the distinct job and node names the pipeline holds, and the Python objects alive (to tell
+growth of this process's own state from the embedded store's memory). At the end one JSON object:
 the RSS series, the slope after ``--warmup-min`` minutes (least squares, MiB per minute, and the
 change over the measured span as a share of the mean RSS — target: within 5 %), and whether the
 runner kept up (records published vs processed).
@@ -21,6 +22,7 @@ runner kept up (records published vs processed).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -120,7 +122,8 @@ def main() -> None:
                         point = {"minute": round((now - start) / 60.0, 2), "rss_mib": round(rss_mib(), 1),
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
-                                 "open_steps": len(pipeline.open_steps())}
+                                 "open_steps": len(pipeline.open_steps()),
+                                 "py_objects": len(gc.get_objects())}
                         series.append(point)
                         print(json.dumps(point), flush=True)
                         next_sample += args.sample_s
