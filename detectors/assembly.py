@@ -20,8 +20,10 @@ Forged or broken input cannot take a job over: once a job has emitted steps, a b
 ``max_step_jump`` steps ahead of the newest emitted step is refused (one batch claiming step 2⁶³−1
 would otherwise make every later step look late), and once a rank has been seen on a node, a
 batch from another node naming that rank is refused until the job restarts (a new placement).
-Refused batches are counted in ``implausible_total`` and ``foreign_total``; :meth:`StepAssembler.add`
-reports them through ``refused_`` so the runner stores only what the assembler accepted.
+Refused batches are counted in ``implausible_total`` and ``foreign_total`` (a batch naming ranks
+another node already reported for the step is refused too, counted as a duplicate);
+:meth:`StepAssembler.add` reports them through ``refused_`` and the runner stores only what the
+assembler accepted, so a forged row cannot replace a real one in ``rank_steps``.
 """
 
 from __future__ import annotations
@@ -127,17 +129,21 @@ class StepAssembler:
         self.timeout_s = timeout_s
         self.max_step_jump = max_step_jump
         self._open: dict[tuple[str, int], _OpenStep] = {}
+        self._open_by_job: dict[str, dict[int, _OpenStep]] = {}  # the same entries, per job: work per batch
+        # is bounded by the job's own open steps, not by every job's
         self._ranks_known: dict[str, set[int]] = {}
         self._done: dict[str, int] = {}
         self._owner: dict[str, np.ndarray] = {}  # job -> node code per rank (-1: not seen yet)
         self._codes: dict[str, int] = {}  # node name -> code
+        self._next_code = 0  # codes are never reused, so forgetting a node cannot alias another
         self._last_ranks: dict[tuple[str, str], bytes] = {}  # (job, node) -> ranks it last reported
         self.late_total = 0
         self.duplicate_total = 0
         self.implausible_total = 0
         self.foreign_total = 0
         self.refused_ = False
-        """Whether the last :meth:`add` refused its batch as implausible or foreign."""
+        """Whether the last :meth:`add` refused its batch: implausible, foreign, or naming ranks another
+        node already reported for that step."""
 
     def _foreign(self, batch: StepBatch) -> bool:
         """True when a rank of ``batch`` was seen on another node of the same job (columnar)."""
@@ -145,7 +151,10 @@ class StepAssembler:
         signature = batch.ranks.tobytes()
         if same == signature:  # the common case: a node reports the ranks it reported last step
             return False
-        code = self._codes.setdefault(batch.node, len(self._codes))
+        code = self._codes.get(batch.node)
+        if code is None:
+            code = self._codes[batch.node] = self._next_code
+            self._next_code += 1
         owner = self._owner.get(batch.job)
         top = int(batch.ranks.max()) + 1
         if owner is None or owner.size < top:
@@ -174,6 +183,9 @@ class StepAssembler:
         entry = self._open.get((job, step))
         if entry is not None and (batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks)):
             self.duplicate_total += 1
+            # a node repeating itself is a replay; ranks another node already reported for this step
+            # are a claim the step's owner contradicts: refused, so the store keeps the first report
+            self.refused_ = batch.node not in entry.nodes
             return []
         if self._foreign(batch):
             self.foreign_total += 1
@@ -184,7 +196,7 @@ class StepAssembler:
             self.late_total += 1
             return []
         if entry is None:
-            entry = self._open[(job, step)] = _OpenStep([], set(), set())
+            entry = self._open[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep([], set(), set())
         entry.parts.append(batch)
         entry.nodes.add(batch.node)
         entry.ranks.update(ranks)
@@ -196,8 +208,11 @@ class StepAssembler:
 
     def flush(self, now: float, *, job: str | None = None) -> list[AssembledStep]:
         """Emit open steps (of ``job``, or of every job) whose first batch is older than ``now - timeout_s``."""
-        due = [key for key, entry in self._open.items()
-               if (job is None or key[0] == job) and entry.parts[0].ts + self.timeout_s <= now]
+        if job is not None:
+            mine = self._open_by_job.get(job, {})
+            due = [(job, step) for step, entry in mine.items() if entry.parts[0].ts + self.timeout_s <= now]
+        else:
+            due = [key for key, entry in self._open.items() if entry.parts[0].ts + self.timeout_s <= now]
         return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
 
     def overdue(self, now: float, timeout_of: Callable[[str], float]) -> list[AssembledStep]:
@@ -225,8 +240,20 @@ class StepAssembler:
         self._done.pop(job, None)
         self._ranks_known.pop(job, None)
         self._drop_owners(job)
-        for key in [k for k in self._open if k[0] == job]:
-            del self._open[key]
+        for step in self._open_by_job.pop(job, {}):
+            del self._open[(job, step)]
+
+    def forget_node(self, nodes: set[str]) -> None:
+        """Drop the node codes of ``nodes`` (not seen for a long time); a node that comes back gets a new
+        code, and the rank owners of its jobs are learned again."""
+        for node in nodes:
+            code = self._codes.pop(node, None)
+            if code is None:
+                continue
+            for owner in self._owner.values():
+                owner[owner == code] = -1
+        if nodes:
+            self._last_ranks = {k: v for k, v in self._last_ranks.items() if k[1] not in nodes}
 
     def _drop_owners(self, job: str) -> None:
         self._owner.pop(job, None)
@@ -244,12 +271,15 @@ class StepAssembler:
         for arr in ranks:
             known.update(arr.tolist())
         if len(known) != before:
-            for (j, _), entry in self._open.items():
-                if j == job:
-                    entry.covered = len(known & entry.ranks)
+            for entry in self._open_by_job.get(job, {}).values():
+                entry.covered = len(known & entry.ranks)
 
     def _emit(self, job: str, step: int, *, complete: bool) -> AssembledStep:
         parts = self._open.pop((job, step)).parts
+        mine = self._open_by_job[job]
+        del mine[step]
+        if not mine:
+            del self._open_by_job[job]
         self._done[job] = max(self._done.get(job, -1), step)
         self._learn(job, [b.ranks for b in parts])
         groups = None

@@ -17,6 +17,12 @@ nodes of their newest message's event time. What it calls, in order, for each ``
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
 5. interruption records restart the job's step assembly (a restarted run repeats step numbers).
 
+State is bounded: a job without a batch for ``job_idle_s`` and a node without telemetry or a batch
+for ``node_idle_s`` of event time are forgotten by every detector (checked once per ``prune_every_s``
+of event time, so the work per batch does not grow with the number of jobs and nodes); beyond
+``max_jobs`` jobs or ``max_nodes`` nodes a message naming a new one is refused (``Output.rejected``,
+which the runner dead-letters, and counted in ``over_limit_``).
+
 Policy is a stage of its own (:class:`fleethealth.policy.stage.PolicyStage`); the runner
 (:mod:`fleethealth.detectors.runner`) composes the two. :class:`Output` carries, besides the
 findings, what the policy's goodput needs from detection: the steps assembled and the jobs forgotten.
@@ -37,6 +43,7 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
+from fleethealth.params import check_number
 from fleethealth.schema import Event, EventKind, Finding, Message, StepBatch, Telemetry
 
 __all__ = ["Pipeline", "Output"]
@@ -56,6 +63,10 @@ class Output:
     steps: list[tuple[str, float]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     now: float = 0.0
+    refused: list[StepBatch] = field(default_factory=list)
+    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
+    rejected: list[tuple[Message, str]] = field(default_factory=list)
+    """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
 
 
 class Pipeline:
@@ -71,7 +82,8 @@ class Pipeline:
                  rack_episodes: RackEpisodes | None = None, health: HealthRules | None = None,
                  sdc: SdcDetector | None = None, predictor: FailurePredictor | None = None,
                  assembler: StepAssembler | None = None, diagnosis_wait_s: float = 10.0,
-                 job_idle_s: float = 6 * 3600.0) -> None:
+                 job_idle_s: float = 6 * 3600.0, node_idle_s: float = 6 * 3600.0, prune_every_s: float = 60.0,
+                 max_jobs: int = 20_000, max_nodes: int = 100_000) -> None:
         self.straggler = straggler
         self.hang = hang if hang is not None else HangDetector()
         self.diagnoser = diagnoser if diagnoser is not None else Diagnoser()
@@ -81,7 +93,14 @@ class Pipeline:
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
         self.diagnosis_wait_s = diagnosis_wait_s
-        self.job_idle_s = job_idle_s
+        self.job_idle_s = check_number("job_idle_s", job_idle_s, above=0)
+        self.node_idle_s = check_number("node_idle_s", node_idle_s, above=0)
+        self.prune_every_s = check_number("prune_every_s", prune_every_s, at_least=0)
+        self.max_jobs = int(check_number("max_jobs", max_jobs, at_least=1))
+        self.max_nodes = int(check_number("max_nodes", max_nodes, at_least=1))
+        self.over_limit_: dict[str, int] = {"jobs": 0, "nodes": 0}
+        self.forgotten_nodes_total_ = 0
+        self._pruned_at = float("-inf")
         self.stragglers_: dict[str, StragglerLike] = {}
         self.restarted_: dict[str, float] = {}   # interruption event id -> its ts, once acted on
         self.clock_: dict[str, float] = {}
@@ -101,7 +120,13 @@ class Pipeline:
         batches: list[StepBatch] = []
         events: list[Event] = []
         ready: list[Finding] = []
+        refused: list[StepBatch] = []
+        rejected: list[tuple[Message, str]] = []
         for m in messages:
+            why = self._over_limit(m)
+            if why is not None:
+                rejected.append((m, why))
+                continue
             if isinstance(m, Telemetry):
                 telemetry.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
@@ -115,12 +140,27 @@ class Pipeline:
                 self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
                 for step in self.assembler.add(m):
                     self._wait(self._stragglers(step))
+                if self.assembler.refused_:
+                    refused.append(m)
             else:
                 events.append(m)
         self._advance_clock(events)
         for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
             self._wait(self._stragglers(step))
-        return self._conclude(ready, telemetry, batches, events, final=False)
+        out = self._conclude(ready, telemetry, batches, events, final=False)
+        out.refused = refused
+        out.rejected = rejected
+        return out
+
+    def _over_limit(self, m: Message) -> str | None:
+        """Why ``m`` is refused for naming a new job or node beyond the limits, or None."""
+        if isinstance(m, StepBatch) and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
+            self.over_limit_["jobs"] += 1
+            return f"job: {m.job!r} would be job {len(self.job_seen_) + 1}, beyond max_jobs={self.max_jobs}"
+        if isinstance(m, Telemetry | StepBatch) and m.node not in self.clock_ and len(self.clock_) >= self.max_nodes:
+            self.over_limit_["nodes"] += 1
+            return f"node: {m.node!r} would be node {len(self.clock_) + 1}, beyond max_nodes={self.max_nodes}"
+        return None
 
     def drain(self) -> Output:
         """End of input: emit open steps and undiagnosed findings with what is known."""
@@ -141,6 +181,10 @@ class Pipeline:
         else:
             now = max((e.ts for e in events), default=self.now_)
         self.now_ = max(self.now_, now)
+        if self.now_ < self._pruned_at + self.prune_every_s:
+            return
+        self._pruned_at = self.now_
+        self._forget_nodes({node for node, seen in self.clock_.items() if seen < self.now_ - self.node_idle_s})
         idle = [job for job, seen in self.job_seen_.items() if seen < self.now_ - self.job_idle_s]
         for job in idle:
             del self.job_seen_[job]
@@ -148,8 +192,49 @@ class Pipeline:
             self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
+        if idle:
+            gone = set(idle)
+            sdc = self.sdc
+            if hasattr(sdc, "passes_"):
+                sdc.passes_ = {k: v for k, v in sdc.passes_.items() if k[0] not in gone}
+                for job in gone:
+                    sdc.checkpoints_.pop(job, None)
+            episodes = getattr(self.rack_episodes, "episodes_", None)
+            if episodes:
+                self.rack_episodes.episodes_ = {k: v for k, v in episodes.items() if k[0] not in gone}
         if self.restarted_:
             self.restarted_ = {k: ts for k, ts in self.restarted_.items() if ts >= self.now_ - self.job_idle_s}
+
+    def _forget_nodes(self, gone: set[str]) -> None:
+        """Drop every detector's state about ``gone`` nodes (one pass over each keyed table)."""
+        if not gone:
+            return
+        self.forgotten_nodes_total_ += len(gone)
+        for node in gone:
+            del self.clock_[node]
+        d = self.diagnoser
+        for node in gone:
+            d.previous_.pop(node, None)
+            sample = d.latest_.pop(node, None)
+            if sample is not None:
+                peers = d.racks_.get(sample.rack)
+                if peers is not None:
+                    peers.discard(node)
+                    if not peers:
+                        del d.racks_[sample.rack]
+        h = self.health
+        for node in gone:
+            h.previous_.pop(node, None)
+        h.episodes_ = {k: v for k, v in h.episodes_.items() if k[0] not in gone}
+        features = getattr(self.predictor, "features_", None)
+        if features is not None:
+            for node in gone:
+                features.nodes_.pop(node, None)
+            features.lost_ = {k: v for k, v in features.lost_.items() if k[0] not in gone}
+        episodes = getattr(self.predictor, "episodes_", None)
+        if episodes is not None:
+            self.predictor.episodes_ = {k: v for k, v in episodes.items() if k[0] not in gone}
+        self.assembler.forget_node(gone)
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],

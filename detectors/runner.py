@@ -10,10 +10,12 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
 3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
    detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
    recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs, findings and recommendations to the store — idempotently: every table is a
-   ReplacingMergeTree on its natural key and every insert carries a deduplication token derived
-   from the offsets it covers — then eviction outcomes and the policy engine's state;
-5. publishes findings and recommendations;
+4. writes inputs (the step batches the assembler accepted), findings and recommendations to the
+   store — idempotently: every table is a ReplacingMergeTree on its natural key and every insert
+   carries a deduplication token derived from the offsets it covers — then what is to be
+   published to the **outbox** (pending), then eviction outcomes and the policy engine's state;
+5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
+   published (a failed publish leaves them pending: they go out again on the next batch);
 6. commits offsets — only now, never past a record still held in the buffer, and never past
    the step batches of a step the pipeline has not concluded (still assembling, or stragglers
    waiting for telemetry to diagnose them), so a restart sees them again.
@@ -21,6 +23,14 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
 A crash anywhere replays from the last commit: rows already written are rewritten with the same
 keys, so after merges (or with ``FINAL``) each (job, step, rank) is in the store exactly once.
 Detector state lives in memory and restarts empty; findings keep stable ids.
+
+Nothing decided is lost between store and bus: the outbox row of a finding or recommendation is
+written before the policy state that remembers the decision, and a runner publishes every pending
+row when it starts. A crash between publishing and marking published sends a row again with the
+same id (derived from the finding and the action), which consumers drop (``fleethealth act``
+journals ids). Published are findings, and of the recommendations only those asking for an action
+(``action`` other than ``none``); a ``none`` (already recommended, not worth it, stale) is kept in
+the store for the audit trail only, so a scheduler reads decisions, not repetitions.
 
 Scaling out: replicas in one group split the partitions of every topic, but a straggler's
 diagnosis needs the telemetry of its node's rack and steps are keyed by job while telemetry is
@@ -33,27 +43,35 @@ store writes absorb.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections import Counter as Tally
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import orjson
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from fleethealth.bus import Consumer, Producer, Record
+from fleethealth.bus import Consumer, DeadLetter, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.errors import BusError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
 from fleethealth.policy.stage import PolicyStage
-from fleethealth.schema import Event, Finding, Message, Recommendation, StepBatch, Telemetry, Topic
+from fleethealth.schema import Action, Event, Finding, Message, Recommendation, StepBatch, Telemetry, Topic, encode
 from fleethealth.store import StoreLike
 
-__all__ = ["Runner", "Conclusions", "conclude", "INPUT_TOPICS", "tune_gc"]
+__all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc"]
 
 INPUT_TOPICS = (Topic.STEPS.value, Topic.TELEMETRY.value, Topic.EVENTS.value)
+
+log = logging.getLogger(__name__)
+
+OutboxRow = tuple[str, str, str, float, str]
+"""``(topic, id, key, ts_s, payload)``: one message stored in the outbox, as it is published."""
 
 
 @dataclass
@@ -64,6 +82,14 @@ class Conclusions:
     recommendations: list[Recommendation] = field(default_factory=list)
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
+    refused: list[StepBatch] = field(default_factory=list)
+    rejected: list[tuple[Message, str]] = field(default_factory=list)
+
+
+def publishable(msg: Finding | Recommendation) -> bool:
+    """Whether ``msg`` goes to the bus: every finding, and the recommendations that ask a scheduler for
+    an action (a ``none`` — already recommended, not worth it, stale — stays in the store only)."""
+    return not isinstance(msg, Recommendation) or msg.action is not Action.NONE
 
 
 def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message], *,
@@ -79,7 +105,8 @@ def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message
         decided.extend(policy.update(tail.findings, (), tail.now, steps=tail.steps, ended=tail.ended))
         findings += tail.findings
     return Conclusions(findings=findings, recommendations=decided.recommendations, outcomes=decided.outcomes,
-                       policy_changed=decided.changed)
+                       policy_changed=decided.changed, refused=list(out.refused),
+                       rejected=list(out.rejected))
 
 
 class _Metrics:
@@ -100,6 +127,14 @@ class _Metrics:
         self.early = Gauge("fleethealth_detect_released_early_records",
                            "Records released before the watermark because the reorder buffer was full",
                            registry=registry)
+        self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
+                            "acknowledged by the broker", registry=registry)
+        self.over_limit = Gauge("fleethealth_detect_over_limit_records",
+                                "Records dead-lettered for naming a new job or node beyond the cardinality limits",
+                                ["what"], registry=registry)
+        self.publish_errors = Counter("fleethealth_detect_publish_errors_total",
+                                      "Publishes of the outbox that failed (retried on the next batch)",
+                                      registry=registry)
 
 
 class Runner:
@@ -135,10 +170,17 @@ class Runner:
         self.metrics = _Metrics(registry if registry is not None else REGISTRY)
         self.findings_total = 0
         self.recommendations_total = 0
+        self.pending_: list[OutboxRow] = []
+        self._recovered = not publish  # the outbox left by an earlier run is read on the first batch
 
     # ------------------------------------------------------------------ loop
     def process_once(self, timeout_s: float = 1.0) -> int:
         """Poll, detect, write, publish, commit. Returns the number of records polled."""
+        if not self._recovered:
+            self.pending_ = self.store.pending_outbox() + self.pending_
+            self._recovered = True
+        if self.pending_:
+            self._publish_pending()
         records = self.consumer.poll(timeout_s, self.max_records)
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
@@ -210,7 +252,12 @@ class Runner:
         out = conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
-        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch)]
+        if out.rejected:
+            self._dead_letter(ready, out.rejected)
+            rejected = {id(m) for m, _ in out.rejected}
+            ready = [r for r in ready if id(r.msg) not in rejected]
+        refused = {id(b) for b in out.refused}
+        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
         events = [r.msg for r in ready if isinstance(r.msg, Event)]
         if telemetry:
             self.store.insert_telemetry(telemetry, dedup_token=derived("t", token))
@@ -222,15 +269,17 @@ class Runner:
             self.store.insert_findings(out.findings, dedup_token=derived("f", token))
         if out.recommendations:
             self.store.insert_recommendations(out.recommendations, dedup_token=derived("r", token))
+        outgoing = [_outbox_row(m) for m in (*out.findings, *out.recommendations) if publishable(m)] \
+            if self.publish else []
+        if outgoing:  # before the engine state that remembers these decisions: none is lost
+            self.store.write_outbox(outgoing, published=False, dedup_token=derived("o", token))
         for outcome in out.outcomes:  # before the engine state that no longer watches them
             record_outcome(self.store, outcome)
         if out.policy_changed:
             save_engine(self.store, self.policy.engine, self.pipeline.now_)
-        if self.publish:
-            for msg in (*out.findings, *out.recommendations):
-                self.producer.publish(msg)
-            if out.findings or out.recommendations:
-                self.producer.flush()
+        self.pending_ += outgoing
+        if self.pending_:
+            self._publish_pending()
         self.consumer.commit(self._safe_offsets(ready))
         for topic, count in Tally(rec.topic for rec in ready).items():
             self.metrics.records.labels(topic).inc(count)
@@ -244,8 +293,43 @@ class Runner:
         self.metrics.dropped.labels("late").set(assembler.late_total)
         self.metrics.dropped.labels("duplicate").set(assembler.duplicate_total)
         self.metrics.early.set(self.released_early_total)
+        for what, count in self.pipeline.over_limit_.items():
+            self.metrics.over_limit.labels(what).set(count)
         self.findings_total += len(out.findings)
         self.recommendations_total += len(out.recommendations)
+
+    def _dead_letter(self, ready: Sequence[Record], rejected: Sequence[tuple[Message, str]]) -> None:
+        """Publish what the pipeline refused to take (beyond its cardinality limits) as dead letters; the
+        records are committed with the rest, the dead letter is where they are kept."""
+        where = {id(r.msg): r for r in ready}
+        for msg, why in rejected:
+            rec = where.get(id(msg))
+            if rec is None:
+                continue
+            letter = DeadLetter.of(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), why, None)
+            self.producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), rec.key)
+        self.producer.flush()
+
+    def _publish_pending(self) -> bool:
+        """Publish every pending outbox row and, once the broker acknowledged them all, mark them
+        published. A failure is logged and counted and the rows stay pending (stored, so a restart
+        publishes them too); returns whether the outbox is empty now."""
+        rows = self.pending_
+        try:
+            for topic, _, key, _, payload in rows:
+                self.producer.publish_raw(topic, payload.encode(), key.encode())
+            self.producer.flush()
+        except BusError as exc:
+            self.metrics.publish_errors.inc()
+            self.metrics.outbox.set(len(rows))
+            log.warning("publishing %d finding(s)/recommendation(s) failed, kept in the outbox for the next "
+                        "batch: %s", len(rows), exc)
+            return False
+        self.store.write_outbox(rows, published=True,
+                                dedup_token=derived("p", _digest_token(f"{r[0]}/{r[1]};" for r in rows)))
+        self.pending_ = []
+        self.metrics.outbox.set(0)
+        return True
 
     def _safe_offsets(self, ready: Sequence[Record]) -> dict[Hashable, int]:
         """Per partition, the first offset not to commit: records still held in the buffer, and the
@@ -271,6 +355,10 @@ def tune_gc() -> None:
     command's entry point, not from a library."""
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
+
+
+def _outbox_row(msg: Finding | Recommendation) -> OutboxRow:
+    return (msg.TOPIC.value, msg.id, msg.key, float(msg.ts), encode(msg).decode())
 
 
 def _token(records: Sequence[Record], out: Conclusions) -> str:

@@ -32,6 +32,12 @@ thermal / power_brake  ``none`` (a PCIe ``link`` too): reported; acted on throug
                        diagnosis
 =====================  ===========================================================================
 
+Never two evictions or drains in a row in one rack without a human (:class:`RackGuard`, shared by
+both): two nodes of a rack failing one after the other points at what they share (power, cooling,
+the top-of-rack switch), which taking out a second node does not fix and a human should look at; and
+each one removed costs the rack's jobs a restart. A quarantine for SDC is exempt: a node that
+corrupts results must leave at once, whatever its rack (the breaker still bounds it).
+
 Every node-removing action passes the guards of :mod:`fleethealth.policy.guards`; a guard that
 fires sets ``guard`` (``rate_limited`` / ``needs_human``) and is named in ``evidence["guards_fired"]``.
 A ``none`` recommendation (stale, already decided, not worth it) keeps ``guard`` ``allowed``: there is
@@ -198,6 +204,15 @@ class PolicyEngine:
 
     def p_healthy(self, diagnosis: Diagnosis | str) -> float:
         return self.posterior_.mean(diagnosis)
+
+    def forget_job(self, job: str) -> None:
+        """Drop what the engine keeps per job once detection forgot the job as ended: checkpoints,
+        verification marks, remaining time and its rollbacks (node-level memory is kept)."""
+        self.checkpoints_.pop(job, None)
+        self.last_pass_.pop(job, None)
+        self.last_replay_pass_.pop(job, None)
+        self.remaining_.pop(job, None)
+        self.rolled_back_ = {k for k in self.rolled_back_ if k.rpartition("@")[0] != job}
 
     def set_remaining(self, job: str, seconds: float) -> None:
         self.remaining_[job] = check_number("remaining seconds", seconds, at_least=0)
@@ -479,9 +494,18 @@ class PolicyEngine:
     # ------------------------------------------------------------ helpers
     def _guarded(self, action: Action, f: Finding, now: float, reason: str, ev: dict[str, Any], *,
                  fired: list[str] | None = None) -> list[Recommendation]:
-        """Apply the breaker to a node-removing action; earlier guards in ``fired`` already decided."""
+        """Apply the same-rack rule to a drain and the breaker to a node-removing action; earlier guards in
+        ``fired`` already decided (a straggler's eviction applies the rack rule itself)."""
         fired = list(fired or [])
         out: list[Recommendation] = []
+        rack = None
+        if action is Action.DRAIN:
+            given = f.evidence.get("rack")
+            rack = given if isinstance(given, str) and given else rack_of(f.node, self.nodes_per_rack)
+            if self.rack_.blocks(rack):
+                fired.append(GuardName.SAME_RACK)
+                reason += (f"; the last node taken out ({self.rack_.last_node_}) was also in rack {rack}: "
+                           "needs a human")
         if action in _REMOVING:
             if self.breaker_.open_:
                 fired.append(GuardName.BREAKER)
@@ -501,6 +525,8 @@ class PolicyEngine:
         guard = Guard.ALLOWED
         if fired:
             guard = Guard.RATE_LIMITED if fired == [GuardName.RATE_LIMIT] else Guard.NEEDS_HUMAN
+        elif rack is not None:
+            self.rack_.note(rack, f.node)
         return [self._rec(action, f, now, reason, ev, fired=fired, guard=guard), *out]
 
     def _rec(self, action: Action, f: Finding, now: float, reason: str, ev: Mapping[str, Any], *,

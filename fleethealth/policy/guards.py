@@ -111,8 +111,8 @@ class JobRateLimiter:
 
 
 class RackGuard:
-    """Never two consecutive evictions in the same rack without a human: ``last_rack_`` is the rack of
-    the last allowed eviction; :meth:`acknowledge` (a human) clears it."""
+    """Never two consecutive evictions or drains in the same rack without a human: ``last_rack_`` is the
+    rack of the last allowed one; :meth:`acknowledge` (a human) clears it."""
 
     def __init__(self) -> None:
         self.last_rack_: str | None = None

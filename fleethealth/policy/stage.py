@@ -114,6 +114,7 @@ class PolicyStage:
         for job in ended:
             self.step_ends_.pop(job, None)
             self.job_first_.pop(job, None)
+            self.engine.forget_job(job)
 
     def _worst_goodput(self, jobs: set[str], now: float) -> float | None:
         """The lowest goodput over the last hour (or the job's life, from 10 minutes on) among ``jobs``."""

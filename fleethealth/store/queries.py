@@ -13,6 +13,8 @@ store class mixes it in, so a caller holding a :class:`~fleethealth.store.protoc
 * self-test baselines (``selftest`` events);
 * the report's views (aggregates for ``fleethealth report``'s plots).
 
+* the outbox (``outbox``): findings and recommendations stored before they are published.
+
 The only other SQL is the analyst's own, through :mod:`fleethealth.api.sqlgate` (and
 ``fleethealth query``), and the migrations in ``deploy/clickhouse/``. Times are event time in
 epoch seconds.
@@ -414,6 +416,25 @@ class NamedQueries:
             f"AND JSONExtractFloat(data, 'throughput') > 0{where} GROUP BY model, suite, test",
             None if since is None else {"since": float(since)})
         return [(str(model), str(suite), str(test), float(value), int(n)) for model, suite, test, value, n in res.rows]
+
+    # ================================================================ the outbox (to publish, then published)
+    def write_outbox(self, rows: Sequence[tuple[str, str, str, float, str]], *, published: bool,
+                     dedup_token: str | None = None) -> int:
+        """Write outbox rows ``(topic, id, key, ts_s, payload)``: pending (``published`` False, version 0)
+        or acknowledged by the broker (True, version 1, which wins under ``FINAL``)."""
+        if not rows:
+            return 0
+        topic, ids, keys, ts, payload = (list(c) for c in zip(*rows, strict=True))
+        flag = int(bool(published))
+        return self.insert("outbox", {"id": ids, "topic": topic, "key": keys, "ts_s": ts, "payload": payload,
+                                      "published": [flag] * len(ids), "version": [flag] * len(ids)},
+                           dedup_token=dedup_token)
+
+    def pending_outbox(self, *, limit: int = 10_000) -> list[tuple[str, str, str, float, str]]:
+        """Outbox rows not yet acknowledged, ``(topic, id, key, ts_s, payload)``, oldest decision first."""
+        res = self.query("SELECT topic, id, key, ts_s, payload FROM outbox FINAL WHERE published = 0 "
+                         "ORDER BY ts_s, topic, id LIMIT {limit:UInt32}", {"limit": int(limit)})
+        return [(str(t), str(i), str(k), float(ts), str(p)) for t, i, k, ts, p in res.rows]
 
 
     # ================================================================ report views (``fleethealth report``)

@@ -75,3 +75,42 @@ def test_an_interruption_restarts_step_assembly_once() -> None:
     pipe.feed([stop])                                           # redelivered: no second restart
     pipe.feed(_steps("j", 3))
     assert pipe.assembler.late_total == late + 6
+
+
+def _sample(node: str, ts: float, temp: float = 60.0) -> Telemetry:
+    return Telemetry.from_columns(node, f"r{int(node[1:]) // 8:02d}", ts, [0, 1], temp_c=[temp, temp])
+
+
+def test_nodes_not_seen_for_node_idle_s_are_forgotten_by_every_detector() -> None:
+    """20 nodes report once, 30 keep reporting: once event time is ``node_idle_s`` past the 20, no
+    detector holds anything about them (clock, diagnosis, health, feature windows, rank owners), and
+    what remains is the 30 — bounded by the live fleet, not by every name ever seen."""
+    pipe = Pipeline(node_idle_s=600.0, prune_every_s=60.0)
+    transient = [f"n{1000 + i}" for i in range(20)]
+    live = [f"n{i:04d}" for i in range(30)]
+    pipe.feed([_sample(n, T0) for n in transient])
+    pipe.feed([StepBatch(job="j", step=0, node=n, ts=T0, ranks=np.array([k], dtype=np.int32),
+                         gpus=np.array([0], dtype=np.int16), compute_s=np.ones(1)) for k, n in enumerate(transient)])
+    for t in range(0, 1500, 30):
+        pipe.feed([_sample(n, T0 + t) for n in live])
+    assert set(pipe.clock_) == set(live)
+    assert set(pipe.diagnoser.latest_) == set(live) and set(pipe.diagnoser.previous_) <= set(live)
+    assert all(set(peers) <= set(live) for peers in pipe.diagnoser.racks_.values())
+    assert set(pipe.health.previous_) <= set(live)
+    assert set(pipe.predictor.features_.nodes_) <= set(live)
+    assert not set(pipe.assembler._codes) & set(transient)
+    assert pipe.forgotten_nodes_total_ == 20
+
+
+def test_beyond_max_nodes_and_max_jobs_a_new_name_is_rejected_with_a_reason() -> None:
+    pipe = Pipeline(max_nodes=5, max_jobs=2)
+    out = pipe.feed([_sample(f"n{i:04d}", T0) for i in range(8)])
+    assert len(pipe.clock_) == 5 and [why.split(":")[0] for _, why in out.rejected] == ["node"] * 3
+    assert {m.node for m, _ in out.rejected} == {"n0005", "n0006", "n0007"}
+    batches = [StepBatch(job=f"j{k}", step=0, node="n0000", ts=T0 + 1, ranks=np.array([k], dtype=np.int32),
+                         gpus=np.array([0], dtype=np.int16), compute_s=np.ones(1)) for k in range(3)]
+    out = pipe.feed(batches)
+    assert [m.job for m, _ in out.rejected] == ["j2"] and out.rejected[0][1].startswith("job:")
+    assert pipe.over_limit_ == {"jobs": 1, "nodes": 3}
+    # a known node and job are never refused
+    assert pipe.feed([_sample("n0001", T0 + 2), batches[0]]).rejected == []

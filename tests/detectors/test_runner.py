@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import random
+import runpy
 import signal
 import subprocess
 import sys
@@ -53,8 +54,10 @@ def _uid(prefix: str) -> str:
 class _Worker:
     """One runner process; its output lines are read by a thread into a queue."""
 
-    def __init__(self, dsn: str, store_dir: Path, group: str, max_records: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(store_dir), group, str(max_records)],
+    def __init__(self, dsn: str, store_dir: Path, group: str, max_records: int, kill_at: str | None = None) -> None:
+        extra = [] if kill_at is None else [kill_at]
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(store_dir), group, str(max_records),
+                                      *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -155,6 +158,148 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
         assert dup.rows == []
         stragglers = store.findings(kind="straggler", job=job)
         assert {(f.node, f.gpu) for f in stragglers} == {("n0001", 2)}
+
+
+def _topic_ids(dsn: str, topic: Topic, expected: int, timeout_s: float = 20.0) -> list[str]:
+    """The ids of every record on ``topic``, read from the beginning by a group of its own."""
+    ids: list[str] = []
+    with Consumer(dsn, [topic.value], _uid("read")) as consumer:
+        deadline = time.monotonic() + timeout_s
+        idle = 0
+        while time.monotonic() < deadline and (len(ids) < expected or idle < 3):
+            got = consumer.poll(0.5)
+            ids += [r.msg.id for r in got]
+            idle = 0 if got else idle + 1
+    return ids
+
+
+def test_killed_between_every_write_and_publish_no_recommendation_is_lost(own_broker: EmbeddedBroker,
+                                                                         tmp_path: Path) -> None:
+    """Kill the runner right after each step of its write/publish path in turn — findings stored,
+    recommendations stored, outbox rows stored pending, policy state saved, one message queued, the
+    broker's acknowledgement, the outbox marked published — restarting it each time; the last run
+    finishes. Then every stored recommendation that asks for an action is on ``fh.recommendations``,
+    each id once after dropping republished copies (what ``fleethealth act`` does by id), every copy
+    identical; nothing else is there (no ``none``), and the outbox has nothing pending. Before the
+    outbox, a kill after the policy state left such recommendations stored and never published."""
+    KILL_POINTS = runpy.run_path(str(WORKER))["KILL_POINTS"]  # noqa: N806 - the worker's constant
+    job = _uid("outbox")
+    scenario = Scenario.from_obj({
+        "seed": 5, "fleet": {"racks": 2, "nodes_per_rack": 2, "gpus_per_node": 4},
+        "job": {"id": job, "steps": 260, "step_time_s": 1.0},
+        "checks": {"selfcheck_every": 20, "replay_every": 40, "checkpoint_every": 10},
+        "faults": [{"kind": "thermal_straggler", "node": "n0001", "gpu": 2, "start_step": 30, "slowdown": 0.3},
+                   {"kind": "xid", "node": "n0002", "gpu": 1, "step": 60, "code": 79},
+                   {"kind": "sdc_transient", "node": "n0003", "gpu": 0, "start_step": 90}],
+    })
+    with Producer(own_broker.dsn, client_id="outbox-fleet") as producer:
+        for tick in FleetSim(scenario).run():
+            for msg in (*tick.telemetry, *tick.batches, *tick.events):
+                producer.publish(msg)
+        producer.flush()
+    store_dir = tmp_path / "store"
+    group = _uid("outbox-group")
+    killed: list[str] = []
+    for point in KILL_POINTS:
+        worker = _Worker(own_broker.dsn, store_dir, group, max_records=40, kill_at=f"{point}:1")
+        end = worker.wait_for(lambda line: line.startswith("killed at") or line == "done", timeout_s=60.0)
+        assert end is not None and end != "<eof>", f"no kill at {point}: {worker.seen[-5:]}"
+        if end == "done":
+            assert worker.proc.wait(timeout=10) == 0
+            break
+        assert worker.proc.wait(timeout=10) == -signal.SIGKILL
+        killed.append(point)
+    assert killed == list(KILL_POINTS), f"the input ran out before every kill point was reached: {killed}"
+    final = _Worker(own_broker.dsn, store_dir, group, max_records=40)
+    assert final.wait_for(lambda line: line == "done", timeout_s=90.0) == "done", final.seen[-5:]
+    assert final.proc.wait(timeout=10) == 0
+
+    with open_store(f"chdb://{store_dir}") as store:
+        stored = store.query("SELECT id, action FROM recommendations FINAL").rows
+        pending = store.pending_outbox()
+        payloads = dict(store.query("SELECT id, payload FROM outbox FINAL WHERE topic = {t:String}",
+                                    {"t": Topic.RECOMMENDATIONS.value}).rows)
+    actionable = {i for i, action in stored if action != "none"}
+    assert {"evict", "drain", "quarantine", "rollback"} <= {a for _, a in stored}, stored
+    assert pending == []
+    on_topic = _topic_ids(own_broker.dsn, Topic.RECOMMENDATIONS, expected=len(actionable))
+    assert set(on_topic) == actionable
+    assert {i for i, a in stored if a == "none"}.isdisjoint(on_topic)
+    with Consumer(own_broker.dsn, [Topic.RECOMMENDATIONS.value], _uid("raw")) as consumer:
+        copies = consumer.poll(2.0)
+    assert all(orjson.loads(payloads[r.msg.id]) == r.msg.to_obj() for r in copies)
+
+
+def test_a_failed_publish_keeps_the_decisions_in_the_outbox_until_the_broker_takes_them(
+        own_broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """The broker refuses every publish for a while (the producer's flush raises): the runner keeps
+    consuming, storing and committing, counts the failures and keeps the findings and recommendations
+    pending in the outbox; once the broker takes them again every one is published and marked."""
+    from fleethealth.errors import BusError
+
+    _published_scenario(own_broker.dsn, "refused-bus", 200)
+    with open_store(f"chdb://{tmp_path}/store") as store:
+        store.migrate()
+        with Runner(own_broker.dsn, store, group=_uid("refused"), registry=CollectorRegistry(),
+                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+            real_flush = runner.producer.flush
+            broken = {"on": True, "failed": 0}
+
+            def flush(timeout_s: float = 10.0) -> None:
+                if broken["on"]:
+                    broken["failed"] += 1
+                    raise BusError("broker refused the batch")
+                real_flush(timeout_s)
+
+            runner.producer.flush = flush  # type: ignore[method-assign]
+            deadline = time.monotonic() + 60
+            while not store.pending_outbox() and time.monotonic() < deadline:
+                runner.process_once(0.5)
+            while time.monotonic() < deadline and runner.consumer.consumed_total < 200 * 4:
+                runner.process_once(0.5)
+            pending = store.pending_outbox()
+            assert pending and broken["failed"] > 0 and runner.pending_
+            assert {t for t, *_ in pending} <= {Topic.FINDINGS.value, Topic.RECOMMENDATIONS.value}
+            broken["on"] = False
+            runner.drain()
+            runner.process_once(0.2)
+            assert store.pending_outbox() == [] and runner.pending_ == []
+        outbox = store.query("SELECT topic, id FROM outbox FINAL").rows
+    on_topic = set(_topic_ids(own_broker.dsn, Topic.FINDINGS, 1)) | set(_topic_ids(
+        own_broker.dsn, Topic.RECOMMENDATIONS, 1))
+    assert {i for _, i in outbox} == on_topic and {i for _, i, *_ in pending} <= on_topic
+
+
+def test_refused_step_batches_are_not_stored(own_broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """A forged batch naming another node's ranks for a step it already reported, and one claiming an
+    implausible step, are refused by the assembler and so never reach ``rank_steps``: the real rows
+    stay as they were published."""
+    def batch(node: str, step: int, ranks: list[int], value: float) -> StepBatch:
+        return StepBatch(job="forged", step=step, node=node, ts=1000.0 + min(step, 100),
+                         ranks=np.array(ranks, dtype=np.int32), gpus=np.arange(len(ranks), dtype=np.int16),
+                         compute_s=np.full(len(ranks), value))
+
+    with Producer(own_broker.dsn) as producer:
+        for step in range(20):
+            producer.publish(batch("n0001", step, [0, 1], 1.0))
+            producer.publish(batch("n0002", step, [2, 3], 1.0))
+            if step >= 5:  # after the ranks' owners are known
+                producer.publish(batch("n6666", step, [0, 3], 9.0))
+        producer.publish(batch("n6666", 2**63 - 1, [0, 1], 9.0))
+        producer.flush()
+    with open_store(f"chdb://{tmp_path}/store") as store:
+        store.migrate()
+        with Runner(own_broker.dsn, store, group=_uid("forged"), publish=False, registry=CollectorRegistry(),
+                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+            deadline = time.monotonic() + 60
+            while runner.consumer.consumed_total < 20 * 2 + 15 + 1 and time.monotonic() < deadline:
+                runner.process_once(0.5)
+            runner.drain()
+            asm = runner.pipeline.assembler
+            refused = asm.foreign_total + asm.implausible_total + asm.duplicate_total
+        rows = store.query("SELECT node, compute_s FROM rank_steps FINAL WHERE job = 'forged'").rows
+    assert refused >= 16
+    assert len(rows) == 20 * 4 and {n for n, _ in rows} == {"n0001", "n0002"} and {c for _, c in rows} == {1.0}
 
 
 # ---------------------------------------------------------------------------------------- fuzz test
@@ -303,8 +448,9 @@ def _valid(draw, tag: str, i: int):
         n = draw(st.integers(1, 8))
         compute = draw(st.lists(st.floats(0.0, 86_400.0), min_size=n, max_size=n))
         groups = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+        # each node owns its own ranks (a batch naming another node's ranks is refused, not stored)
         return StepBatch(job=f"{tag}-ok", step=i, node=f"{tag}-n{i % 3}", ts=ts,
-                         ranks=np.arange(n, dtype=np.int32), gpus=np.arange(n, dtype=np.int16),
+                         ranks=np.arange(n, dtype=np.int32) + 8 * (i % 3), gpus=np.arange(n, dtype=np.int16),
                          compute_s=np.asarray(compute), groups=None if groups is None else np.asarray(groups, np.int32))
     if which == "telemetry":
         g = draw(st.integers(1, 8))

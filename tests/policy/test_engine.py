@@ -237,7 +237,8 @@ def test_limiter_counts_from_decision_time_not_the_finding_stamp():
 
 def test_breaker_trips_and_holds_until_reset():
     eng = PolicyEngine(fleet_nodes=100, breaker_share=0.05, breaker_min_nodes=3, breaker_window_s=600)
-    xids = [_finding(FindingKind.XID, f"n{i:04d}", T0 + i, evidence={"code": 79}) for i in range(7)]
+    # one node per rack (8 per rack): the same-rack rule holds no drain here, only the breaker does
+    xids = [_finding(FindingKind.XID, f"n{8 * i:04d}", T0 + i, evidence={"code": 79}) for i in range(7)]
     recs = eng.decide(xids, now=T0 + 10)
     drains = _actions(recs, Action.DRAIN)
     assert [r.guard for r in drains] == [Guard.ALLOWED] * 5 + [Guard.NEEDS_HUMAN] * 2
@@ -438,3 +439,30 @@ def test_judge_eviction_feeds_p_healthy():
     assert eng.p_healthy(Diagnosis.NODE_THERMAL) == pytest.approx(3 / 5)
     with pytest.raises(ConfigError, match="not a straggler eviction"):
         judge_eviction(Recommendation(action=Action.DRAIN, node="n1", ts=T0, reason="x"), [], now=T0)
+
+
+def test_two_drains_in_one_rack_need_a_human_and_an_sdc_quarantine_does_not():
+    """The README's rule holds for drains as for evictions: after a drain in rack r00, a second node of
+    r00 is held for a human (``same_rack``) while a node of another rack is drained; an acknowledgement
+    clears the hold. A quarantine for SDC is exempt: a corrupting node leaves whatever its rack."""
+    eng = PolicyEngine()
+    recs = eng.decide([_finding(FindingKind.XID, "n0001", T0, evidence={"code": 79}),
+                       _finding(FindingKind.HANG, "n0002", T0 + 1),
+                       _finding(FindingKind.XID, "n0009", T0 + 2, evidence={"code": 79})], now=T0 + 3)
+    drains = {r.node: r for r in _actions(recs, Action.DRAIN)}
+    assert drains["n0001"].guard is Guard.ALLOWED
+    assert drains["n0002"].guard is Guard.NEEDS_HUMAN and "same_rack" in drains["n0002"].evidence["guards_fired"]
+    assert "n0001" in drains["n0002"].reason and "r00" in drains["n0002"].reason
+    assert drains["n0009"].guard is Guard.ALLOWED            # rack r01
+    # a drain and an eviction share the rule: a straggler eviction in r01 right after is held too
+    [held] = eng.decide([_finding(FindingKind.STRAGGLER, "n0010", T0 + 4, job="train-2", slowdown=0.3,
+                                  diagnosis=Diagnosis.NODE_THERMAL)], now=T0 + 4)
+    assert held.action is Action.EVICT and held.guard is Guard.NEEDS_HUMAN
+    assert "same_rack" in held.evidence["guards_fired"]
+    [quarantine] = _actions(eng.decide([_finding(FindingKind.SDC, "n0011", T0 + 5, job=None)], now=T0 + 5),
+                            Action.QUARANTINE)
+    assert quarantine.guard is Guard.ALLOWED
+    eng.acknowledge_rack()
+    [again] = _actions(eng.decide([_finding(FindingKind.XID, "n0012", T0 + 6, evidence={"code": 79})],
+                                  now=T0 + 6), Action.DRAIN)
+    assert again.guard is Guard.ALLOWED

@@ -33,11 +33,11 @@ def _straggler(node, ts, slowdown=0.2):
 
 def test_restarted_engine_refuses_replay_and_keeps_guards(store):
     eng = load_engine(store)
-    first = eng.decide([_straggler("n0013", T0), _xid("n0019", T0 + 1)], now=T0 + 2)
+    first = eng.decide([_xid("n0019", T0 - 1), _straggler("n0013", T0)], now=T0 + 2)
     assert [r.guard for r in first] == [Guard.ALLOWED, Guard.ALLOWED]
     save_engine(store, eng, T0 + 2)
     restarted = load_engine(store)
-    assert restarted.decide([_straggler("n0013", T0), _xid("n0019", T0 + 1)], now=T0 + 3) == []
+    assert restarted.decide([_xid("n0019", T0 - 1), _straggler("n0013", T0)], now=T0 + 3) == []
     [held] = restarted.decide([_straggler("n0014", T0 + 10)], now=T0 + 10)   # same job, same rack
     assert held.guard is Guard.NEEDS_HUMAN and set(held.evidence["guards_fired"]) == {"same_rack", "rate_limit"}
     save_engine(store, restarted, T0 + 10)
@@ -65,7 +65,7 @@ def test_p_healthy_comes_from_recorded_outcomes(store):
 
 def test_breaker_trip_is_stored_and_reset_by_an_operator(store):
     eng = load_engine(store, breaker_min_nodes=2, fleet_nodes=10, breaker_share=0.1)
-    recs = eng.decide([_xid(f"n{i:04d}", T0 + i) for i in range(4)], now=T0 + 5)
+    recs = eng.decide([_xid(f"n{8 * i:04d}", T0 + i) for i in range(4)], now=T0 + 5)  # one per rack
     assert [r.guard for r in recs if r.action is Action.DRAIN].count(Guard.ALLOWED) == 2
     save_engine(store, eng, T0 + 5)
     stored = breaker_record(store)

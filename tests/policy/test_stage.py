@@ -100,3 +100,17 @@ def test_the_watch_and_recorded_outcomes_survive_a_restart_and_count_once(store)
     record_outcome(store, outcome)                                    # even a duplicate row counts once
     assert len(outcomes(store)) == 2
     assert load_engine(store).posterior_.counts(Diagnosis.NODE_THERMAL) == (0, 1)
+
+
+def test_a_job_detection_forgot_is_forgotten_by_the_engine_too():
+    """Bounded state: once detection reports a job ended, the engine drops its checkpoints, marks and
+    rollbacks, so the saved engine state does not grow with every job that ever ran."""
+    from fleethealth.policy.engine import Checkpoint
+
+    stage = PolicyStage()
+    eng = stage.engine
+    eng.checkpoints_["old"] = [Checkpoint("old", 10, "s3://c", 5)]
+    eng.last_pass_["old"] = 5
+    eng.rolled_back_ |= {"old@10", "live@3"}
+    stage.update([], [], 1000.0, ended=["old"])
+    assert "old" not in eng.checkpoints_ and "old" not in eng.last_pass_ and eng.rolled_back_ == {"live@3"}

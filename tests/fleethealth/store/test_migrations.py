@@ -73,8 +73,11 @@ def test_core_schema_keys(store: Store) -> None:
     keys = {name: (engine, key) for name, engine, key in res.rows}
     assert keys["gpu_samples"] == ("ReplacingMergeTree", "node, gpu, ts")
     assert keys["rank_steps"] == ("ReplacingMergeTree", "job, step, rank")
-    for table in ("events", "findings", "recommendations"):
+    for table in ("events", "findings"):
         assert keys[table] == ("ReplacingMergeTree", "node, ts, id")
+    # keyed on what a recommendation is about, not on when it was decided (006_outbox.sql)
+    assert keys["recommendations"] == ("ReplacingMergeTree", "node, id")
+    assert keys["outbox"] == ("ReplacingMergeTree", "topic, id")
     columns = {r[0]: r[1] for r in store.query(
         "SELECT name, type FROM system.columns WHERE database = currentDatabase() AND table = 'gpu_samples'").rows}
     assert all(columns[f] == "Float64" for f in GPU_FIELDS)
@@ -85,3 +88,19 @@ def test_core_schema_keys(store: Store) -> None:
     assert rec_cols["acked_at"].startswith("Nullable(DateTime64(3") and rec_cols["acked_by"] == "String"
 
 
+
+
+def test_a_recommendation_decided_again_is_one_row_and_keeps_its_acknowledgement(store: Store) -> None:
+    """Keyed on (node, id), not on the decision time: the same recommendation decided again after a
+    restart (a later ``ts``) is one row under FINAL, and a replayed decision does not undo an ack."""
+    from fleethealth.schema import Action, Recommendation
+    first = Recommendation(action=Action.DRAIN, node="n0001", ts=1_000.0, reason="r", finding_id="f1")
+    again = Recommendation(action=Action.DRAIN, node="n0001", ts=1_500.0, reason="r", finding_id="f1")
+    assert first.id == again.id
+    store.insert_recommendations([first])
+    row = store.recommendation_row(first.id)
+    assert row is not None
+    store.write_recommendation_row({**row, "ts": float(row["ts_s"]), "acked_at": 1_200.0, "acked_by": "act"})
+    store.insert_recommendations([again])
+    rows = store.query("SELECT id, ts_s, acked_by FROM recommendations FINAL").rows
+    assert rows == [(first.id, 1_000.0, "act")]
