@@ -87,7 +87,7 @@ def test_existing_environment_variables_keep_their_names(monkeypatch) -> None:
 def test_unknown_keys_are_an_error_naming_the_key_and_the_known_ones(tmp_path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[detect.straggler]\nclipp = 5.0\n")
-    known = r"known in \[detect.straggler\]: clip, drifts, max_rank"
+    known = r"known in \[detect.straggler\]: baseline_steps, clip, clip_margin, drifts"
     with pytest.raises(ConfigError, match=rf"'detect.straggler.clipp'.*{known}"):
         _settings(["detect", "--config", str(path)])
     path.write_text("[detectors]\nz = 1\n")

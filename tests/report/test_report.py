@@ -20,12 +20,12 @@ pytest.importorskip("jinja2", reason="the report extra (jinja2) is not installed
 
 SCENARIO = """
 seed: 3
-fleet: {racks: 2, nodes_per_rack: 4, gpus_per_node: 4}
+fleet: {racks: 4, nodes_per_rack: 2, gpus_per_node: 4}
 job: {id: train-rep, steps: 240, step_time_s: 2.0, jitter: 0.02}
 checks: {selfcheck_every: 20, replay_every: 80, checkpoint_every: 10}
 faults:
   - {kind: thermal_straggler, node: n0005, gpu: 2, start_step: 40, slowdown: 0.20}
-  - {kind: hot_aisle, rack: r01, start_step: 100, temp_rise_c: 15, slowdown: 0.10}
+  - {kind: hot_aisle, rack: r03, start_step: 100, temp_rise_c: 15, slowdown: 0.10}
   - {kind: sdc_deterministic, node: n0002, gpu: 1, start_step: 90}
 """
 
@@ -72,7 +72,7 @@ def test_demo_writes_a_self_contained_report_with_every_plot(demo: tuple[Path, d
     assert not re.search(r'(src|href)="(https?:)?//', html)
     # each plot shows what the store holds
     assert "n0005 NODE_THERMAL" in _svg_text(sections["heatmap"])              # the straggler, where it fired
-    assert "hot aisle r01" in _svg_text(sections["temperature"])               # the episode, shaded
+    assert "hot aisle r03" in _svg_text(sections["temperature"])               # the episode, shaded
     timeline = _svg_text(sections["timeline"])
     assert "n0005 [allowed]" in timeline and "breaker" in timeline             # guards and the breaker band
     assert "rollback target 80" in _svg_text(sections["sdc"])                  # last passing replay before 90
@@ -81,7 +81,7 @@ def test_demo_writes_a_self_contained_report_with_every_plot(demo: tuple[Path, d
     assert [r["policy"] for r in summary["closed_loop"]] == ["fleethealth", "seed rule", "no detection"]
     loop = _svg_text(sections["closedloop"])
     assert "fleethealth 2 evictions" in loop  # evict n0005, quarantine n0002; the hot aisle goes to facilities
-    assert "seed rule 4 evictions" in loop    # the rule takes every node of the hot rack r01 (n0005 among them)
+    assert "seed rule 3 evictions" in loop    # the rule takes n0005 and both nodes of the hot rack r03
 
 
 @pytest.mark.slow
