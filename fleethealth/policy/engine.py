@@ -414,12 +414,15 @@ class PolicyEngine:
                               f"{self.failure_risk_threshold} threshold", ev)]
         if f.node in self.drained_:
             return [self._rec(Action.NONE, f, now, f"{f.node} already draining", ev)]
+        return self._planned_drain(f, now, f"failure risk {p:.2f} on {f.node} (GPU {f.gpu})", ev)
+
+    def _planned_drain(self, f: Finding, now: float, what: str, ev: dict[str, Any]) -> list[Recommendation]:
+        """Drain ``f.node`` at the job's next checkpoint boundary: a planned restart instead of an interruption."""
         at = self._next_boundary(f.job)
         ev["at_step"] = at
         where = f"step {at}" if at is not None else "the next checkpoint"
-        recs = self._guarded(Action.DRAIN, f, now, f"failure risk {p:.2f} on {f.node} (GPU {f.gpu}): drain at "
-                             f"the next checkpoint boundary ({where}), a planned restart instead of an "
-                             "interruption", {**ev, "planned": True})
+        recs = self._guarded(Action.DRAIN, f, now, f"{what}: drain at the next checkpoint boundary ({where}), a "
+                             "planned restart instead of an interruption", {**ev, "planned": True})
         if recs[0].guard is Guard.ALLOWED:
             self.drained_.add(f.node)
         return recs
@@ -441,15 +444,8 @@ class PolicyEngine:
             return [self._rec(Action.NONE, f, now, f"NVLink errors climbing at {rate}/min on {f.node}: its eviction "
                               f"was recommended at ts={held[0]:.0f} and held ({held[1]}); one recommendation per "
                               "node", {**ev, "held_ts": held[0]})]
-        at = self._next_boundary(f.job)
-        ev["at_step"] = at
-        where = f"step {at}" if at is not None else "the next checkpoint"
-        recs = self._guarded(Action.DRAIN, f, now, f"NVLink errors climbing at {rate}/min on {f.node} (GPU {f.gpu}): "
-                             f"a failure risk; drain at the next checkpoint boundary ({where}), a planned restart "
-                             "instead of an interruption", {**ev, "planned": True})
-        if recs[0].guard is Guard.ALLOWED:
-            self.drained_.add(f.node)
-        return recs
+        return self._planned_drain(f, now, f"NVLink errors climbing at {rate}/min on {f.node} (GPU {f.gpu}): "
+                                   "a failure risk", ev)
 
     def _hang(self, f: Finding, now: float) -> list[Recommendation]:
         ev = {"step": f.step}
