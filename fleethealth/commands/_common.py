@@ -77,6 +77,19 @@ def embedded_store_dsn(data: str | Path, *, create: bool = False) -> str:
     return f"chdb://{path.resolve()}"
 
 
+def store_dsn(store: str | None, data: str | Path) -> str:
+    """``store`` when given, else the DSN of an existing demo store at ``data/store``; a
+    :class:`ConfigError` naming the path when there is none (nothing is created)."""
+    if store is not None:
+        return store
+    path = Path(data) / "store"
+    if not path.is_dir():
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError(f"no store at {path} (run `fleethealth demo --data {data}` first, or give --store)")
+    return embedded_store_dsn(data)
+
+
 def open_store_at(dsn: str, *, migrate: bool = True) -> Any:
     """The store behind ``dsn``, migrated to the current schema unless ``migrate`` is False (a
     read-only client); the caller closes it (it is a context manager)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fleethealth.commands._common import embedded_store_dsn, open_store_at
+from fleethealth.commands._common import open_store_at, store_dsn
 
 __all__ = ["add"]
 
@@ -27,25 +27,17 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
-    from pathlib import Path
 
     import orjson
 
     from fleethealth.api.client import DEFAULT_URL, query_via_api, server_running
-    from fleethealth.errors import ConfigError
 
     api = args.api or (DEFAULT_URL if args.store is None and server_running(DEFAULT_URL) else None)
     if api is not None:
         token = os.environ.get("FLEETHEALTH_READ_TOKEN") or os.environ.get("FLEETHEALTH_API_TOKEN")
         result = query_via_api(api, args.sql, token)
     else:
-        dsn = args.store
-        if dsn is None:
-            path = Path(args.data) / "store"
-            if not path.is_dir():
-                raise ConfigError(f"no store at {path} (run `fleethealth demo --data {args.data}` first)")
-            dsn = embedded_store_dsn(args.data)
-        with open_store_at(dsn, migrate=False) as store:
+        with open_store_at(store_dsn(args.store, args.data), migrate=False) as store:
             result = store.query(args.sql, readonly=True)
     if args.json:
         for row in result.dicts():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fleethealth.commands._common import embedded_store_dsn, open_store_at, progress
+from fleethealth.commands._common import open_store_at, progress, store_dsn
 
 __all__ = ["add"]
 
@@ -26,16 +26,10 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fleethealth.errors import ConfigError
     from fleethealth.report import check_writable, require_extra, write
     from fleethealth.report.data import pick_job
 
-    dsn = args.store
-    if dsn is None:
-        path = Path(args.data) / "store"
-        if not path.is_dir():
-            raise ConfigError(f"no store at {path} (run `fleethealth demo --data {args.data}` first, or give --store)")
-        dsn = embedded_store_dsn(args.data)
+    dsn = store_dsn(args.store, args.data)
     require_extra()
     check_writable(args.out)
     with open_store_at(dsn, migrate=False) as store:
