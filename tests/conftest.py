@@ -8,9 +8,26 @@ so ``store`` closes its client at the end of each test.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 
 import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_SOURCE_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
+                   "kernels": "fleethealth.kernels", "sweeps": "fleethealth.sweeps"}
+
+
+@pytest.fixture(scope="session")
+def source_modules() -> dict[str, pathlib.Path]:
+    """Every module of the source tree by import name (``fleethealth.detectors.straggler`` ->
+    ``detectors/straggler.py``), for the tests that read the import graph from the source."""
+    found = {}
+    for folder, package in _SOURCE_FOLDERS.items():
+        for path in (_ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(_ROOT / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,6 @@ import pathlib
 
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
-            "kernels": "fleethealth.kernels", "sweeps": "fleethealth.sweeps"}
-
 # unit -> floor; the unit of a module is the longest prefix listed here.
 _FLOORS: dict[str, int] = {
     "fleethealth.commands": 5,
@@ -45,15 +41,6 @@ _CONTRACTS = ("fleethealth", "fleethealth.schema", "fleethealth.errors", "fleeth
               "fleethealth.wire", "fleethealth.lazy", "fleethealth.ids", "fleethealth.xid",
               "fleethealth.params", "fleethealth.nodename", "fleethealth.store.protocol", "fleethealth.evidence",
               "fleethealth.scenarios", "fleethealth.migrations")
-
-
-def _modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for folder, package in _FOLDERS.items():
-        for path in (_ROOT / folder).rglob("*.py"):
-            parts = [p for p in path.relative_to(_ROOT / folder).with_suffix("").parts if p != "__init__"]
-            found[".".join([package, *parts])] = path
-    return found
 
 
 def _is_contract(module: str) -> bool:
@@ -84,9 +71,8 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def _edges() -> dict[str, set[tuple[str, bool]]]:
+def _edges(modules: dict[str, pathlib.Path]) -> dict[str, set[tuple[str, bool]]]:
     """module -> {(imported module, typing only)} for imports of project modules."""
-    modules = _modules()
     edges: dict[str, set[tuple[str, bool]]] = {m: set() for m in modules}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -106,14 +92,14 @@ def _edges() -> dict[str, set[tuple[str, bool]]]:
     return edges
 
 
-def test_every_module_has_a_floor() -> None:
-    for module in _modules():
+def test_every_module_has_a_floor(source_modules) -> None:
+    for module in source_modules:
         _unit(module)
 
 
-def test_imports_point_down() -> None:
+def test_imports_point_down(source_modules) -> None:
     wrong = []
-    for module, targets in _edges().items():
+    for module, targets in _edges(source_modules).items():
         here = _unit(module)
         for target, typing_only in targets:
             there = _unit(target)
@@ -126,16 +112,16 @@ def test_imports_point_down() -> None:
     assert not wrong, "imports that do not point down:\n" + "\n".join(sorted(wrong))
 
 
-def test_streaming_side_never_imports_the_injob_library() -> None:
-    wrong = [f"{m} imports {t}" for m, ts in _edges().items() for t, _ in ts
+def test_streaming_side_never_imports_the_injob_library(source_modules) -> None:
+    wrong = [f"{m} imports {t}" for m, ts in _edges(source_modules).items() for t, _ in ts
              if t.startswith("fleethealth.injob") and not m.startswith("fleethealth.injob")
              and _unit(m) in {"fleethealth.detectors", "fleethealth.policy", "fleethealth.sim", "fleethealth.store",
                               "fleethealth.bus", "fleethealth.api", "fleethealth.adapters", "contracts"}]
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_no_import_circle() -> None:
-    edges = {m: {t for t, typing_only in ts if not typing_only} for m, ts in _edges().items()}
+def test_no_import_circle(source_modules) -> None:
+    edges = {m: {t for t, typing_only in ts if not typing_only} for m, ts in _edges(source_modules).items()}
     state: dict[str, int] = {}
     stack: list[str] = []
     circles: list[str] = []
@@ -158,7 +144,7 @@ def test_no_import_circle() -> None:
 
 
 @pytest.mark.parametrize("floor", [1, 2, 3, 4, 5])
-def test_each_floor_is_populated(floor: int) -> None:
+def test_each_floor_is_populated(floor: int, source_modules) -> None:
     """The table is not stale: every floor it names still holds a module."""
-    units = {_unit(m) for m in _modules()}
+    units = {_unit(m) for m in source_modules}
     assert any(_floor(u) == floor for u in units)

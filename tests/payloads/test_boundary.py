@@ -12,24 +12,6 @@ import ast
 import sys
 from pathlib import Path
 
-import fleethealth
-
-ROOT = Path(fleethealth.__file__).resolve().parent.parent
-PACKAGE_DIRS = {"fleethealth": ROOT / "fleethealth", "fleethealth.detectors": ROOT / "detectors",
-                "fleethealth.kernels": ROOT / "kernels", "fleethealth.sweeps": ROOT / "sweeps"}
-
-
-def _modules() -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for package, folder in PACKAGE_DIRS.items():
-        for path in folder.rglob("*.py"):
-            rel = path.relative_to(folder).with_suffix("").parts
-            name = ".".join((package, *rel))
-            if package == "fleethealth" and rel[0] in ("detectors", "kernels", "sweeps"):
-                continue
-            out[name.removesuffix(".__init__")] = path
-    return out
-
 
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
@@ -42,12 +24,9 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-MODULES = _modules()
-
-
-def test_payloads_import_only_the_floor_below() -> None:
+def test_payloads_import_only_the_floor_below(source_modules) -> None:
     allowed = ("fleethealth.payloads", "fleethealth.schema", "fleethealth.errors", "numpy")
-    for name, path in MODULES.items():
+    for name, path in source_modules.items():
         if not name.startswith("fleethealth.payloads"):
             continue
         for imp in _imports(path):
@@ -60,15 +39,15 @@ def test_payloads_import_only_the_floor_below() -> None:
 _TRAINING_JOBS = ("fleethealth.demo_injob_worker",)
 
 
-def test_nothing_outside_the_injob_package_imports_it() -> None:
-    offenders = [(name, imp) for name, path in MODULES.items()
+def test_nothing_outside_the_injob_package_imports_it(source_modules) -> None:
+    offenders = [(name, imp) for name, path in source_modules.items()
                  if not name.startswith("fleethealth.injob") and name not in _TRAINING_JOBS
                  for imp in _imports(path) if imp == "fleethealth.injob" or imp.startswith("fleethealth.injob.")]
     assert offenders == []
 
 
-def test_the_injob_modules_form_no_circle() -> None:
-    injob = {n: p for n, p in MODULES.items() if n.startswith("fleethealth.injob.")}
+def test_the_injob_modules_form_no_circle(source_modules) -> None:
+    injob = {n: p for n, p in source_modules.items() if n.startswith("fleethealth.injob.")}
     graph = {n: {i for i in _imports(p) if i in injob and i != n} for n, p in injob.items()}
     done: set[str] = set()
 

@@ -15,10 +15,6 @@ from fleethealth.report.scorecard import score
 from fleethealth.schema import Action, Diagnosis, Finding, FindingKind, Guard, Recommendation
 from fleethealth.sim import Scenario
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
-_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors", "kernels": "fleethealth.kernels",
-            "sweeps": "fleethealth.sweeps"}
-
 SCENARIO = Scenario.from_obj({
     "seed": 1, "fleet": {"racks": 3, "nodes_per_rack": 2, "gpus_per_node": 2},
     "job": {"id": "j", "steps": 100, "step_time_s": 2.0, "jitter": 0.02},
@@ -73,15 +69,6 @@ def test_goodput_buckets_by_hand() -> None:
     assert g.ettr == pytest.approx(10.0 / (10.0 + 30 + 24 + 36 + 3 + 1))
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for folder, package in _FOLDERS.items():
-        for path in (_ROOT / folder).rglob("*.py"):
-            parts = [p for p in path.relative_to(_ROOT / folder).with_suffix("").parts if p != "__init__"]
-            found[".".join([package, *parts])] = path
-    return found
-
-
 def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -98,10 +85,10 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     return out
 
 
-def test_the_detector_path_never_sees_the_ground_truth() -> None:
+def test_the_detector_path_never_sees_the_ground_truth(source_modules) -> None:
     """Everything the runner (detectors, diagnosis, policy) imports, transitively and including imports
     inside functions, stays clear of the simulator, the shipped scenarios and the scorecard."""
-    modules = _modules()
+    modules = source_modules
     seen, todo = set(), ["fleethealth.detectors.runner"]
     while todo:
         mod = todo.pop()
