@@ -212,9 +212,13 @@ def parse_explain(text: str) -> AstNode:
 
 
 def _walk(node: AstNode, parent: AstNode | None) -> Iterable[tuple[AstNode, AstNode | None]]:
-    yield node, parent
-    for child in node.children:
-        yield from _walk(child, node)
+    """Every node with its parent, depth first; iterative, so a deeply nested statement cannot
+    exhaust Python's recursion limit before ClickHouse's own ``max_ast_depth`` refuses it."""
+    stack = [(node, parent)]
+    while stack:
+        current, above = stack.pop()
+        yield current, above
+        stack.extend((child, current) for child in reversed(current.children))
 
 
 def check_ast(tree: AstNode, *, tables: frozenset[str], defined: frozenset[str] = frozenset()) -> None:
