@@ -51,7 +51,6 @@ import contextlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError, SchemaError
@@ -73,24 +72,12 @@ from fleethealth.policy.guards import (
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
 from fleethealth.xid import lookup as xid_lookup
 
-__all__ = ["PolicyEngine", "Checkpoint", "rack_of"]
+__all__ = ["PolicyEngine", "rack_of"]
 
 _FATAL = {"fatal", "critical"}
 _MILD = {"warning", "info", "informational"}
 _REMOVING = {Action.EVICT, Action.DRAIN, Action.QUARANTINE}
 _STRAGGLER_EVICT = {Diagnosis.NODE_THERMAL, Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION, Diagnosis.UNKNOWN}
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint of a job with the verification marks when it was written (seed 000 R6):
-    ``last_verified_step`` (any passing check) and ``last_replay_step`` (a passing replay)."""
-
-    job: str
-    step: int
-    uri: str
-    last_verified_step: int | None
-    last_replay_step: int | None = None
 
 
 def rack_of(node: str, nodes_per_rack: int) -> str:
@@ -154,7 +141,7 @@ class PolicyEngine:
         self.quarantined_: set[str] = set()
         self.rolled_back_: set[str] = set()                    # "job@target_step"
         self.remaining_: dict[str, float] = {}
-        self.checkpoints_: dict[str, list[Checkpoint]] = {}
+        self.checkpoints_: dict[str, list[CheckpointRecord]] = {}  # job -> its checkpoints, by step
         self.last_pass_: dict[str, int] = {}
         self.last_replay_pass_: dict[str, int] = {}
 
@@ -171,11 +158,9 @@ class PolicyEngine:
                     rec = CheckpointRecord.from_event(ev)
                 except SchemaError:
                     continue
-                ck = Checkpoint(job=ev.job, step=rec.step, uri=rec.uri, last_verified_step=rec.last_verified_step,
-                                last_replay_step=rec.last_replay_step)
                 book = self.checkpoints_.setdefault(ev.job, [])
-                if all(c.step != ck.step for c in book):
-                    book.append(ck)
+                if all(c.step != rec.step for c in book):
+                    book.append(rec)
                     book.sort(key=lambda c: c.step)
             elif (ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None
                   and ev.data.get("culprit_rank") is None):  # a vote against a peer is no clean step
@@ -370,7 +355,7 @@ class PolicyEngine:
         for c in f.evidence.get("checkpoints", ()) or ():
             with contextlib.suppress(SchemaError):
                 rec = CheckpointRecord.from_data(c)
-                book.append(Checkpoint(job, rec.step, rec.uri, rec.last_verified_step, rec.last_replay_step))
+                book.append(rec)
         ev = f.evidence
 
         def _step(v: Any) -> int | None:
@@ -378,7 +363,7 @@ class PolicyEngine:
 
         seen = [Marks(_step(self.last_pass_.get(job)), _step(self.last_replay_pass_.get(job))),
                 Marks(_step(ev.get("last_verified_step")), _step(ev.get("last_replay_step")))]
-        seen += [Marks(c.last_verified_step, c.last_replay_step) for c in book]
+        seen += [c.marks for c in book]
         marks = merge(m.before(f.step) for m in seen)  # a mark at or after the failure vouches for nothing
         classification = ev.get("classification") if isinstance(ev.get("classification"), str) else None
         bound = bound_for(marks, classification)
@@ -573,7 +558,7 @@ class PolicyEngine:
         self.quarantined_ = set(state.get("quarantined", ()))
         self.rolled_back_ = set(state.get("rolled_back", ()))
         self.remaining_ = {k: float(v) for k, v in state.get("remaining", {}).items()}
-        self.checkpoints_ = {j: [Checkpoint(j, int(c[0]), str(c[1]), c[2], c[3] if len(c) > 3 else None) for c in cs]
+        self.checkpoints_ = {j: [CheckpointRecord(int(c[0]), str(c[1]), c[2], c[3] if len(c) > 3 else None) for c in cs]
                              for j, cs in state.get("checkpoints", {}).items()}
         self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}
         self.watch_.load_state(state.get("watch", {}))

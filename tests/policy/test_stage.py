@@ -105,11 +105,11 @@ def test_the_watch_and_recorded_outcomes_survive_a_restart_and_count_once(store)
 def test_a_job_detection_forgot_is_forgotten_by_the_engine_too():
     """Bounded state: once detection reports a job ended, the engine drops its checkpoints, marks and
     rollbacks, so the saved engine state does not grow with every job that ever ran."""
-    from fleethealth.policy.engine import Checkpoint
+    from fleethealth.payloads.checkpoint import CheckpointRecord
 
     stage = PolicyStage()
     eng = stage.engine
-    eng.checkpoints_["old"] = [Checkpoint("old", 10, "s3://c", 5)]
+    eng.checkpoints_["old"] = [CheckpointRecord(10, "s3://c", 5)]
     eng.last_pass_["old"] = 5
     eng.rolled_back_ |= {"old@10", "live@3"}
     stage.update([], [], 1000.0, ended=["old"])
