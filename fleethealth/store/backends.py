@@ -5,6 +5,10 @@
     chdb:///var/lib/fleethealth    embedded chDB (ClickHouse's engine in-process)
     http://clickhouse:8123/db      a ClickHouse server (https:// likewise)
 
+Two DSN options are the store's own, taken off the DSN before the client sees it:
+``cluster=NAME`` (a server only: migrations run in their cluster form, :mod:`fleethealth.store.cluster`)
+and ``raw_retention_days=N`` (raw ``gpu_samples`` kept N days after arrival; default 14).
+
 Each factory imports clickhouse-connect lazily, so ``import fleethealth.store`` stays light; an
 unknown scheme raises :class:`ConfigError` listing the known ones.
 
@@ -21,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from fleethealth.errors import ConfigError, StoreError, StoreLocked
 from fleethealth.store.client import Store
@@ -121,10 +125,37 @@ def known_schemes() -> str:
     return ", ".join(f"{s}://" for s in sorted(_BACKENDS))
 
 
+STORE_OPTIONS = ("cluster", "raw_retention_days")
+"""DSN query options read by the store itself (the others go to the client as settings)."""
+
+
+def split_options(dsn: str) -> tuple[str, dict[str, str]]:
+    """``dsn`` without the store's own options, and those options."""
+    parts = urlsplit(dsn)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in pairs if k in STORE_OPTIONS}
+    if not ours:
+        return dsn, {}
+    rest = urlencode([(k, v) for k, v in pairs if k not in STORE_OPTIONS])
+    return urlunsplit(parts._replace(query=rest)), ours
+
+
 def open_store(dsn: str) -> Store:
-    """Open the store a DSN names: ``chdb:///path`` or ``http(s)://host:8123[/database]``."""
+    """Open the store a DSN names: ``chdb:///path`` or ``http(s)://host:8123[/database]``, with the
+    options ``?cluster=NAME`` (server only) and ``?raw_retention_days=N``."""
     scheme = dsn.split("://", 1)[0].lower() if isinstance(dsn, str) and "://" in dsn else ""
     factory = _BACKENDS.get(scheme)
     if factory is None:
         raise ConfigError(f"unknown store DSN {dsn!r} (known schemes: {known_schemes()})")
-    return factory(dsn)
+    dsn, options = split_options(dsn)
+    cluster = options.get("cluster") or None
+    if cluster is not None and (scheme == "chdb" or not cluster.replace("_", "a").isalnum()):
+        raise ConfigError(f"store DSN option cluster={cluster!r}: a cluster is a plain name, and needs a "
+                          "ClickHouse server (http:// or https://), not chdb://")
+    days = options.get("raw_retention_days")
+    if days is not None and (not days.isdigit() or int(days) < 1):
+        raise ConfigError(f"store DSN option raw_retention_days={days!r}: a whole number of days >= 1")
+    store = factory(dsn)
+    store.cluster = cluster
+    store.raw_retention_days = None if days is None else int(days)
+    return store

@@ -39,6 +39,10 @@ class Store(NamedQueries):
         self._on_close = on_close
         self._types: dict[str, dict[str, str]] = {}
         self._closed = False
+        self.cluster: str | None = None
+        """The ClickHouse cluster the migrations target (DSN ``?cluster=``), or ``None``: one server."""
+        self.raw_retention_days: int | None = None
+        """Raw-sample retention the migrations set (DSN ``?raw_retention_days=``), or ``None``: as migrated."""
 
     # -- the small contract
     def query(self, sql: str, parameters: Mapping[str, Any] | None = None, *,

@@ -31,7 +31,22 @@ __all__ = [
     "row_object",
     "loads_lenient",
     "dumps",
+    "FLOAT32_FIELDS",
+    "decimal_floats",
 ]
+
+FLOAT32_FIELDS: frozenset[str] = frozenset({
+    "nic_util", "temp_c", "mem_temp_c", "power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
+    "mem_clock_mhz", "util_pct", "retired_sbe", "retired_dbe", "retired_pending", "remap_correctable",
+    "remap_uncorrectable", "remap_pending", "remap_failure", "nvlink_links_up", "nvlink_links_max", "pcie_gen",
+    "pcie_gen_max", "pcie_width", "pcie_width_max", "fb_used_mib", "fb_free_mib", "tensor_active",
+    "slowdown_temp_c",
+})
+"""``gpu_samples`` columns stored as Float32 (``deploy/clickhouse/007_samples_at_scale.sql``): each
+field's range (``schema.GPU_FIELD_RANGES``) and its sources' resolution (whole °C, MHz and %, W to
+the mW below 16,384 W, link widths, MiB below 2^24) fit in 24 bits of mantissa. The others are
+counters that can pass 2^24, or the clock-reason bitmask, and stay Float64. Readers give a Float32
+value back as the shortest decimal that rounds to it (:func:`decimal_floats`), so 71.3 reads 71.3."""
 
 
 # ---------------------------------------------------------------- insert builders
@@ -144,8 +159,16 @@ def prepare(ch_type: str, column: Any) -> Any:
     if isinstance(column, np.ndarray):
         if column.dtype.kind in "USO" or base.startswith(("String", "Bool")) or nullable:
             return column.tolist()
+        if base == "Float32" and column.dtype != np.float32:
+            return column.astype(np.float32)
         return column
     return column
+
+
+def decimal_floats(values: Any) -> np.ndarray:
+    """Float32 values (as read, widened to float64) as float64 of their shortest decimal: 71.3 stored
+    in a Float32 column reads 71.30000305175781 through a plain widening, and 71.3 through this."""
+    return np.asarray(values, dtype=np.float32).astype(str).astype(np.float64)
 
 
 def dumps(obj: Any) -> str:

@@ -4,6 +4,12 @@ The files are package data of ``fleethealth.migrations`` in a wheel. :func:`migr
 ``schema_migrations``, applies every file whose version it does not record (its statements one by
 one, split on ``;`` outside quotes), and records it; a failing file is not recorded, so the next
 run retries it. Running it twice changes nothing.
+
+On a store opened with ``?cluster=NAME`` every statement is rewritten for that cluster first
+(:mod:`fleethealth.store.cluster`: replicated local tables, Distributed tables under the names the
+application uses, ``ON CLUSTER``). On a store opened with ``?raw_retention_days=N`` the raw
+samples' retention (``gpu_samples`` TTL, 14 days as ``007_samples_at_scale.sql`` creates it) is
+set to N days after the files are applied, whenever it differs.
 """
 
 from __future__ import annotations
@@ -17,12 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleethealth.errors import StoreError
+from fleethealth.store.cluster import LOCAL_SUFFIX, ClusterDDL, migrations_ddl
 from fleethealth.store.translate import first_line
 
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["Migration", "migration_files", "split_statements", "migrate"]
+__all__ = ["Migration", "migration_files", "split_statements", "migrate", "statements", "raw_retention_days",
+           "DEFAULT_RAW_RETENTION_DAYS"]
+
+DEFAULT_RAW_RETENTION_DAYS = 14
+"""How long raw ``gpu_samples`` rows are kept after they were received (``007_samples_at_scale.sql``)."""
+_RETENTION = re.compile(r"TTL received \+ toIntervalDay\((\d+)\)")
 
 _MIGRATION_NAME = re.compile(r"^(\d{3})_[A-Za-z0-9_]+\.sql$")
 _MIGRATIONS_DDL = """
@@ -98,16 +110,29 @@ def split_statements(sql: str) -> list[str]:
     return [s.strip() for s in statements if s.strip()]
 
 
+def statements(migrations: list[Migration], cluster: str | None = None) -> list[tuple[Migration, list[str]]]:
+    """Each migration with the statements that apply it: its own, or on ``cluster`` their cluster
+    form (every migration is read, applied or not: a table's shard key is learned where it is created)."""
+    ddl = ClusterDDL(cluster) if cluster else None
+    out = []
+    for migration in migrations:
+        own = split_statements(migration.sql)
+        out.append((migration, own if ddl is None else [t for s in own for t in ddl.translate(s)]))
+    return out
+
+
 def migrate(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> list[str]:
     """Apply every migration in ``directory`` not yet recorded in ``schema_migrations`` through
-    ``store.command``; return the names applied."""
-    store.command(_MIGRATIONS_DDL)
+    ``store.command``; return the names applied. ``store.cluster`` and ``store.raw_retention_days``
+    (from the DSN; absent = a single server and the migrations' retention) are read when set."""
+    cluster = getattr(store, "cluster", None)
+    store.command(_MIGRATIONS_DDL if not cluster else migrations_ddl(cluster))
     applied = set(store.query("SELECT version FROM schema_migrations FINAL").column("version"))
     done: list[str] = []
-    for migration in migration_files(directory):
+    for migration, todo in statements(migration_files(directory), cluster):
         if migration.version in applied:
             continue
-        for statement in split_statements(migration.sql):
+        for statement in todo:
             try:
                 store.command(statement)
             except StoreError as exc:  # say which file failed, with the server's own first line
@@ -117,4 +142,27 @@ def migrate(store: StoreLike, directory: str | os.PathLike[str] | None = None) -
         store.insert("schema_migrations", {"version": [migration.version], "name": [migration.name],
                                            "checksum": [migration.checksum]})
         done.append(migration.name)
+    days = getattr(store, "raw_retention_days", None)
+    if days is not None and directory is None:
+        set_raw_retention(store, int(days))
     return done
+
+
+def raw_retention_days(store: StoreLike) -> int | None:
+    """The raw samples' retention in days as the store holds it (``None``: no TTL)."""
+    local = "gpu_samples" + (LOCAL_SUFFIX if getattr(store, "cluster", None) else "")
+    rows = store.query("SELECT create_table_query FROM system.tables WHERE database = currentDatabase() "
+                       "AND name = {t:String}", {"t": local}).rows
+    found = _RETENTION.search(rows[0][0]) if rows else None
+    return int(found.group(1)) if found else None
+
+
+def set_raw_retention(store: StoreLike, days: int) -> None:
+    """Keep raw ``gpu_samples`` rows ``days`` days after they were received (a no-op when already so)."""
+    if isinstance(days, bool) or not isinstance(days, int) or days < 1:
+        raise StoreError(f"raw retention must be a whole number of days >= 1, got {days!r}")
+    if raw_retention_days(store) == days:
+        return
+    cluster = getattr(store, "cluster", None)
+    target = f"gpu_samples{LOCAL_SUFFIX} ON CLUSTER {cluster}" if cluster else "gpu_samples"
+    store.command(f"ALTER TABLE {target} MODIFY TTL received + INTERVAL {days} DAY")

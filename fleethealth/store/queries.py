@@ -32,6 +32,8 @@ from fleethealth import schema
 from fleethealth.errors import ConfigError
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, Finding, Recommendation, StepBatch, Telemetry
 from fleethealth.store.columns import (
+    FLOAT32_FIELDS,
+    decimal_floats,
     event_columns,
     finding_columns,
     loads_lenient,
@@ -45,10 +47,17 @@ from fleethealth.store.columns import (
 if TYPE_CHECKING:
     from fleethealth.store.protocol import QueryResult
 
-__all__ = ["NamedQueries", "QUARANTINE_COLUMNS"]
+__all__ = ["NamedQueries", "QUARANTINE_COLUMNS", "ROLLUP_AFTER_S"]
 
 _TS = "toFloat64(toUnixTimestamp64Milli(ts)) / 1000"
 """A DateTime64 ``ts`` as exact epoch seconds."""
+
+
+
+def _dec(expr: str) -> str:
+    """A Float32 expression as the float64 of its shortest decimal (71.3 reads 71.3, not 71.30000305)."""
+    return f"toFloat64(toString({expr}))"
+
 
 _REC_COLUMNS = ("id", "action", "node", "job", "reason", "guard", "ts_s", "finding_id", "dry_run", "evidence",
                 "acked_at", "acked_by")
@@ -171,7 +180,8 @@ class NamedQueries:
             return []
         cols = [np.asarray(c) for c in zip(*res.rows, strict=True)]
         node_col, ms, rack, model, nic, gpu, uuid = cols[:7]
-        values = cols[7:]
+        nic = decimal_floats(nic)
+        values = [decimal_floats(v) if f in FLOAT32_FIELDS else v for f, v in zip(fields, cols[7:], strict=True)]
         out = []
         for lo, hi in segments(node_col, ms):
             uuids = tuple(str(u) for u in uuid[lo:hi])
@@ -251,7 +261,8 @@ class NamedQueries:
         """Per node with telemetry: ``rack``, ``gpus``, ``last_seen`` (s) and ``max_temp_c`` of the
         latest sample of each GPU."""
         return self.query(
-            f"SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, max(temp_c) AS max_temp_c "
+            "SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, "
+            f"{_dec('max(temp_c)')} AS max_temp_c "
             f"FROM (SELECT node, gpu, any(rack) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
             "FROM gpu_samples GROUP BY node, gpu) GROUP BY node").dicts()
 
@@ -288,10 +299,11 @@ class NamedQueries:
         """The latest sample of each GPU of ``node`` (``gpu``, ``rack``, ``last_ts`` and the health
         fields the API shows), GPUs ascending."""
         return self.query(
-            f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c, "
-            "argMax(power_w, ts) AS power_w, argMax(sm_clock_mhz, ts) AS sm_clock_mhz, "
-            "argMax(util_pct, ts) AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
-            "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, argMax(nvlink_links_up, ts) AS nvlink_links_up "
+            f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, {_dec('argMax(temp_c, ts)')} AS temp_c, "
+            f"{_dec('argMax(power_w, ts)')} AS power_w, {_dec('argMax(sm_clock_mhz, ts)')} AS sm_clock_mhz, "
+            f"{_dec('argMax(util_pct, ts)')} AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
+            "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, "
+            f"{_dec('argMax(nvlink_links_up, ts)')} AS nvlink_links_up "
             "FROM gpu_samples WHERE node = {node:String} GROUP BY gpu ORDER BY gpu", {"node": node}).dicts()
 
     def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]:
@@ -470,9 +482,17 @@ class NamedQueries:
                                 bin_s: float) -> list[tuple[str, int, float, float, int]]:
         """``(rack, time bin, mean temp_c, max temp_c, OR of clock_reasons)`` over the GPUs of ``nodes``
         with ``since <= ts <= until``; the bin is ``(ts - since) // bin_s``."""
+        if until - since > ROLLUP_AFTER_S and bin_s >= 60.0:  # the 1-minute rollup, bins of whole minutes
+            res = self.query(
+                "SELECT rack, greatest(toInt64(0), toInt64(floor((toUnixTimestamp(minute) - {since:Float64}) "
+                f"/ {{bin:Float64}}))) AS b, avgMerge(temp_c_avg), {_dec('max(temp_c_max)')}, "
+                "groupBitOr(clock_reasons_or) FROM gpu_samples_1m WHERE node IN {nodes:Array(String)} "
+                f"AND {_MINUTES} GROUP BY rack, b ORDER BY rack, b",
+                {"nodes": list(nodes), "since": float(since), "bin": float(bin_s), **_span(since, until + 60.0)})
+            return [(str(r), int(b), float(m), float(x), int(c)) for r, b, m, x, c in res.rows]
         res = self.query(
             f"SELECT rack, toInt64(floor(({_TS} - {{since:Float64}}) / {{bin:Float64}})) AS b, avg(temp_c), "
-            "max(temp_c), groupBitOr(toUInt64(if(isNaN(clock_reasons), 0, clock_reasons))) FROM gpu_samples "
+            f"{_dec('max(temp_c)')}, groupBitOr(toUInt64(if(isNaN(clock_reasons), 0, clock_reasons))) FROM gpu_samples "
             f"WHERE node IN {{nodes:Array(String)}} AND {_TS} >= {{since:Float64}} AND {_TS} <= {{until:Float64}} "
             "GROUP BY rack, b ORDER BY rack, b",
             {"nodes": list(nodes), "since": float(since), "until": float(until), "bin": float(bin_s)})
@@ -484,6 +504,116 @@ class NamedQueries:
         return self.query("SELECT open, toFloat64(tripped_ts) AS tripped_ts, toFloat64(reset_ts) AS reset_ts, "
                           "reason, version FROM breaker WHERE name = {n:String} ORDER BY version",
                           {"n": name}).dicts()
+
+    # ================================================================ long ranges: the 1-minute rollup
+    # ``gpu_samples_1m`` (007_samples_at_scale.sql) per GPU per minute; ranges longer than
+    # ROLLUP_AFTER_S read it, shorter ones the raw samples (``source`` "raw" / "rollup" forces one).
+    # Both compute the same aggregates the same way (bfloat16 quantiles, NaN = not reported skipped),
+    # so a range answers the same from either, to the minute: the rollup counts whole minutes.
+    def rack_temperature(self, *, since: float, until: float,
+                         source: str = "auto") -> list[tuple[str, float, float, float]]:
+        """``(rack, minute start s, mean temp_c, max temp_c)`` per rack per minute, ``since <= ts < until``."""
+        if self._rollup(since, until, source):
+            sql = (f"SELECT rack, toUnixTimestamp(minute) AS m, avgMerge(temp_c_avg) AS mean, "
+                   f"{_dec('max(temp_c_max)')} AS hi FROM gpu_samples_1m WHERE {_MINUTES} "
+                   "GROUP BY rack, m ORDER BY rack, m")
+        else:
+            sql = (f"SELECT rack, toUnixTimestamp(toStartOfMinute(ts)) AS m, avg({_nn('temp_c')}) AS mean, "
+                   f"{_dec('max(' + _nn('temp_c') + ')')} AS hi FROM gpu_samples WHERE {_SPAN} "
+                   "GROUP BY rack, m ORDER BY rack, m")
+        res = self.query(sql, _span(since, until))
+        return [(str(r), float(m), _float(mean), _float(hi)) for r, m, mean, hi in res.rows]
+
+    def hot_gpus(self, *, since: float, until: float, limit: int = 20,
+                 source: str = "auto") -> list[dict[str, Any]]:
+        """The ``limit`` GPUs with the highest p99 temperature over ``since <= ts < until``: ``node``,
+        ``gpu``, ``p50_temp_c``, ``p99_temp_c``, ``max_temp_c``, ``samples``; hottest first."""
+        if self._rollup(since, until, source):
+            sql = ("SELECT node, gpu, quantilesBFloat16Merge(0.5, 0.9, 0.99)(temp_c_q) AS q, "
+                   f"{_dec('max(temp_c_max)')} AS max_temp_c, sum(samples) AS samples FROM gpu_samples_1m "
+                   f"WHERE {_MINUTES} GROUP BY node, gpu")
+        else:
+            sql = (f"SELECT node, gpu, quantilesBFloat16(0.5, 0.9, 0.99)({_nn('temp_c')}) AS q, "
+                   f"{_dec('max(' + _nn('temp_c') + ')')} AS max_temp_c, count() AS samples FROM gpu_samples "
+                   f"WHERE {_SPAN} GROUP BY node, gpu")
+        res = self.query(f"SELECT node, gpu, {_dec('q[1]')} AS p50_temp_c, {_dec('q[3]')} AS p99_temp_c, "
+                         f"max_temp_c, samples FROM ({sql}) ORDER BY p99_temp_c DESC, max_temp_c DESC, node, gpu "
+                         "LIMIT {limit:UInt32}", {**_span(since, until), "limit": int(limit)})
+        return res.dicts()
+
+    def gpu_minutes(self, node: str, gpu: int, *, since: float, until: float,
+                    source: str = "auto") -> list[dict[str, Any]]:
+        """One GPU per minute over ``since <= ts < until``, oldest first: ``minute`` (s), ``samples``,
+        ``<f>_min`` / ``<f>_max`` / ``<f>_avg`` / ``<f>_p99`` of temp_c, power_w, sm_clock_mhz and
+        util_pct, and ``clock_reasons`` (the OR of the minute's reasons)."""
+        gauges = ("temp_c", "power_w", "sm_clock_mhz", "util_pct")
+        if self._rollup(since, until, source):
+            parts = [f"{_dec(f'min({g}_min)')} AS {g}_min, {_dec(f'max({g}_max)')} AS {g}_max, "
+                     f"avgMerge({g}_avg) AS {g}_avg, "
+                     f"{_dec(f'quantilesBFloat16Merge(0.5, 0.9, 0.99)({g}_q)[3]')} AS {g}_p99" for g in gauges]
+            sql = (f"SELECT toUnixTimestamp(minute) AS minute, sum(samples) AS samples, {', '.join(parts)}, "
+                   "groupBitOr(clock_reasons_or) AS clock_reasons FROM gpu_samples_1m "
+                   f"WHERE node = {{node:String}} AND gpu = {{gpu:UInt16}} AND {_MINUTES} "
+                   "GROUP BY minute ORDER BY minute")
+        else:
+            parts = [f"{_dec(f'min({_nn(g)})')} AS {g}_min, {_dec(f'max({_nn(g)})')} AS {g}_max, "
+                     f"avg({_nn(g)}) AS {g}_avg, "
+                     f"{_dec(f'quantilesBFloat16(0.5, 0.9, 0.99)({_nn(g)})[3]')} AS {g}_p99" for g in gauges]
+            sql = (f"SELECT toUnixTimestamp(toStartOfMinute(ts)) AS minute, count() AS samples, {', '.join(parts)}, "
+                   "groupBitOr(toUInt64(if(isNaN(clock_reasons), 0, clock_reasons))) AS clock_reasons FROM gpu_samples "
+                   f"WHERE node = {{node:String}} AND gpu = {{gpu:UInt16}} AND {_SPAN} GROUP BY minute ORDER BY minute")
+        return self.query(sql, {**_span(since, until), "node": node, "gpu": int(gpu)}).dicts()
+
+    @staticmethod
+    def _rollup(since: float, until: float, source: str) -> bool:
+        if source not in ("auto", "raw", "rollup"):
+            raise ConfigError(f"source must be 'auto', 'raw' or 'rollup', got {source!r}")
+        return source == "rollup" or (source == "auto" and until - since > ROLLUP_AFTER_S)
+
+    # ================================================================ storage accounting (bench/store_scale.py)
+    def optimize_final(self, table: str) -> None:
+        """Merge every part of ``table`` (``OPTIMIZE TABLE ... FINAL``): what compression gives at rest."""
+        self.command(f"OPTIMIZE TABLE {_table_name(table)} FINAL")
+
+    def column_bytes(self, table: str) -> dict[str, tuple[int, int]]:
+        """``column -> (compressed, uncompressed bytes)`` of ``table``'s active parts."""
+        res = self.query("SELECT name, data_compressed_bytes, data_uncompressed_bytes FROM system.columns "
+                         "WHERE database = currentDatabase() AND table = {t:String}", {"t": table})
+        return {str(n): (int(c), int(u)) for n, c, u in res.rows}
+
+    def table_rows(self, table: str) -> int:
+        """Rows in ``table``'s active parts."""
+        res = self.query("SELECT sum(rows) FROM system.parts WHERE database = currentDatabase() "
+                         "AND table = {t:String} AND active", {"t": table})
+        return int(res.rows[0][0] or 0) if res.rows else 0
+
+
+ROLLUP_AFTER_S = 3600.0
+"""Ranges of samples longer than this (seconds) are read from the 1-minute rollup ``gpu_samples_1m``."""
+_SPAN = ("ts >= fromUnixTimestamp64Milli(toInt64({since_ms:Int64})) "
+         "AND ts < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
+_MINUTES = ("minute >= toStartOfMinute(fromUnixTimestamp64Milli(toInt64({since_ms:Int64}))) "
+            "AND minute < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
+
+
+def _span(since: float, until: float) -> dict[str, Any]:
+    return {"since_ms": int(round(float(since) * 1000)), "until_ms": int(round(float(until) * 1000))}
+
+
+def _nn(column: str) -> str:
+    """A gauge with NaN (not reported) as NULL, so aggregates skip it as the rollup does."""
+    return f"if(isNaN({column}), NULL, {column})"
+
+
+def _float(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def _table_name(table: str) -> str:
+    if not table.replace("_", "a").isalnum() or not table[:1].isalpha():
+        raise ConfigError(f"not a table name: {table!r}")
+    return table
+
 
 def _filters(**conds: Any) -> tuple[str, dict[str, Any]]:
     clauses: list[str] = []

@@ -10,6 +10,7 @@ import pytest
 from fleethealth.errors import StoreError
 from fleethealth.schema import GPU_FIELDS
 from fleethealth.store import Store, migration_files, split_statements
+from fleethealth.store.columns import FLOAT32_FIELDS
 
 CORE_TABLES = {"gpu_samples", "rank_steps", "events", "findings", "recommendations", "deadletter"}
 
@@ -80,7 +81,8 @@ def test_core_schema_keys(store: Store) -> None:
     assert keys["outbox"] == ("ReplacingMergeTree", "topic, id")
     columns = {r[0]: r[1] for r in store.query(
         "SELECT name, type FROM system.columns WHERE database = currentDatabase() AND table = 'gpu_samples'").rows}
-    assert all(columns[f] == "Float64" for f in GPU_FIELDS)
+    assert {f: columns[f] for f in GPU_FIELDS} == {f: "Float32" if f in FLOAT32_FIELDS else "Float64"
+                                                   for f in GPU_FIELDS}  # 007_samples_at_scale.sql
     assert columns["ts"].startswith("DateTime64(3")
     rec_cols = {r[0]: r[1] for r in store.query(
         "SELECT name, type FROM system.columns WHERE database = currentDatabase() "
