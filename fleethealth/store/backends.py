@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fleethealth.errors import ConfigError, StoreError, StoreLocked
 from fleethealth.store.client import Store
@@ -137,7 +137,7 @@ def split_options(dsn: str) -> tuple[str, dict[str, str]]:
     if not ours:
         return dsn, {}
     rest = urlencode([(k, v) for k, v in pairs if k not in STORE_OPTIONS])
-    return urlunsplit(parts._replace(query=rest)), ours
+    return dsn.split("?", 1)[0] + (f"?{rest}" if rest else ""), ours
 
 
 def open_store(dsn: str) -> Store:

@@ -132,6 +132,8 @@ class ClusterDDL:
 
     def _drop(self, m: re.Match[str]) -> list[str]:
         name, ie = m["name"], m["ie"] or ""
+        if not ie:
+            self._key(name)
         self.shard_keys.pop(name, None)
         return [f"DROP TABLE {ie}{name} ON CLUSTER {self.cluster}",
                 f"DROP TABLE {ie}{name}{LOCAL_SUFFIX} ON CLUSTER {self.cluster}"]
