@@ -1,0 +1,276 @@
+"""gpu_samples at fleet scale on chDB: bytes per sample, insert rate, and analyst queries through the
+1-minute rollup and on raw samples (deploy/clickhouse/007_samples_at_scale.sql).
+
+Every field is populated, at the resolution real sources report (NVML / DCGM): whole °C
+temperatures on a slow random walk, power to the mW around a per-GPU level with 25 W noise per
+sample, whole-% utilisation, SM clocks that drop on 1 % of samples (with the power-cap reason),
+ECC / NVLink / PCIe counters with rare increments, energy in mJ accumulated from the power,
+tensor activity and NIC utilisation to 1e-3 / 1e-4 with noise, a 36-character UUID per GPU, and
+per-node timestamps with 0-20 ms of jitter. Nodes hold 8 GPUs, racks 16 nodes. The data is made
+columnar with NumPy and inserted through ``Store.insert`` in blocks (the production path).
+
+Three stores, one after the other in this process (chDB opens one data path at a time):
+
+1. **baseline** — the schema of migrations 001-006 (every field Float64, no codec): one hour of
+   the fleet at 1 Hz, ``OPTIMIZE ... FINAL``, bytes per sample from ``system.columns``;
+2. **scaled** — all migrations: the same hour at 1 Hz (bytes per sample, same rows as the
+   baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollup's day);
+   after ``OPTIMIZE ... FINAL`` the bytes of both tables and the rollup's bytes per GPU-minute;
+3. the three analyst queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes``: named queries
+   of ``fleethealth/store/queries.py``) over the day through the rollup, over the 1 Hz hour on raw
+   samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each.
+
+The default samples the day every 10 s (1,024 GPUs: 8.8 M rows; the 1 Hz day is 88 M rows, too
+heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollup's per-minute
+rows are the same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
+
+``--coarse`` stores power to 0.1 W, energy to the J and the two ratios to 1 %: what a coarser
+resolution would save (not what the probes send).
+
+Prints one JSON object; targets: <= 8 bytes per sample with every field populated, < 1 s per
+analyst query.
+
+    nice -n 10 python bench/store_scale.py [--gpus 1024] [--hours 24] [--interval 10] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleethealth.schema import GPU_FIELDS
+from fleethealth.store import Store, migration_files, open_store
+
+T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC
+GPUS_PER_NODE = 8
+NODES_PER_RACK = 16
+BLOCK_ROWS = 1_000_000
+TARGET_BYTES_PER_SAMPLE = 8.0
+TARGET_QUERY_S = 1.0
+_COUNTERS = {"ecc_sbe_volatile": 0.001, "nvlink_crc_flit": 0.01, "nvlink_crc_data": 0.001, "nvlink_replay": 0.002,
+             "nvlink_recovery": 0.0001, "pcie_replay": 0.0005}
+
+
+class Fleet:
+    """Synthetic telemetry of ``gpus`` GPUs, columnar, one block of time steps after another (the
+    random walks and counters carry on from block to block)."""
+
+    def __init__(self, gpus: int, seed: int = 1, coarse: bool = False) -> None:
+        self.rng = rng = np.random.default_rng(seed)
+        self.coarse = coarse
+        self.gpus = gpus
+        g = np.arange(gpus)
+        self.node_of = g // GPUS_PER_NODE
+        n_nodes = int(self.node_of.max()) + 1
+        self.nodes = np.array([f"n{i:05d}" for i in range(n_nodes)], dtype=object)
+        self.racks = np.array([f"r{i // NODES_PER_RACK:03d}" for i in range(n_nodes)], dtype=object)
+        self.uuids = np.array([f"GPU-{rng.integers(2**32):08x}-{rng.integers(2**16):04x}-{rng.integers(2**16):04x}-"
+                               f"{rng.integers(2**16):04x}-{rng.integers(2**48):012x}" for _ in g], dtype=object)
+        self.local = (g % GPUS_PER_NODE).astype(np.uint16)
+        self.base_temp = rng.uniform(55.0, 75.0, gpus)
+        self.base_power = rng.uniform(550.0, 680.0, gpus)
+        self.walk = np.zeros(gpus)
+        self.fb = np.full(gpus, 70_000.0)
+        self.energy = rng.integers(10**9, 10**11, gpus).astype(np.float64)
+        self.counters = {name: rng.integers(0, 100, gpus).astype(np.float64) for name in _COUNTERS}
+        self.sbe_lifetime = rng.integers(0, 1000, gpus).astype(np.float64)
+        self.remapped = rng.integers(0, 5, gpus).astype(np.float64)
+
+    def blocks(self, start: float, seconds: float, interval: float) -> Iterator[dict[str, Any]]:
+        """Blocks of ``gpu_samples`` columns over ``[start, start + seconds)``, about BLOCK_ROWS rows each."""
+        steps = int(round(seconds / interval))
+        per_block = max(1, BLOCK_ROWS // self.gpus)
+        for first in range(0, steps, per_block):
+            yield self._block(start + first * interval, min(per_block, steps - first), interval)
+
+    def _block(self, start: float, n_t: int, dt: float) -> dict[str, Any]:
+        rng, gpus = self.rng, self.gpus
+        shape = (gpus, n_t)
+        node_jitter = rng.integers(0, 20, size=(len(self.nodes), n_t)) / 1000.0
+        ts = start + np.arange(n_t) * dt + node_jitter[self.node_of]
+        steps = rng.normal(0.0, 0.05 * np.sqrt(dt), shape)
+        walk = np.clip(self.walk[:, None] + np.cumsum(steps, axis=1), -8.0, 8.0)
+        self.walk = walk[:, -1]
+        temp = np.round(self.base_temp[:, None] + walk + rng.normal(0.0, 0.3, shape))
+        power = np.round(self.base_power[:, None] + rng.normal(0.0, 25.0, shape), 3)
+        capped = rng.random(shape) < 0.01
+        cols: dict[str, Any] = {
+            "node": np.repeat(self.nodes[self.node_of], n_t), "rack": np.repeat(self.racks[self.node_of], n_t),
+            "gpu": np.repeat(self.local, n_t), "ts": ts.reshape(-1),
+            "model": np.full(gpus * n_t, "NVIDIA H100 80GB HBM3", dtype=object),
+            "uuid": np.repeat(self.uuids, n_t),
+            "nic_util": np.round(np.clip(0.7 + rng.normal(0.0, 0.1, (len(self.nodes), n_t)), 0.0, 1.0),
+                                 4)[self.node_of].reshape(-1),
+        }
+        fields: dict[str, np.ndarray] = {
+            "temp_c": temp, "mem_temp_c": np.round(temp + 8.0 + rng.normal(0.0, 0.3, shape)), "power_w": power,
+            "power_limit_w": np.full(shape, 700.0), "sm_clock_mhz": np.where(capped, 1755.0, 1980.0),
+            "sm_clock_max_mhz": np.full(shape, 1980.0), "mem_clock_mhz": np.full(shape, 2619.0),
+            "clock_reasons": np.where(capped, 4.0, 0.0),
+            "util_pct": np.clip(95.0 + rng.normal(0.0, 3.0, shape), 0.0, 100.0).round(),
+            "ecc_dbe_volatile": np.zeros(shape), "ecc_dbe_aggregate": np.zeros(shape),
+            "retired_sbe": np.zeros(shape), "retired_dbe": np.zeros(shape), "retired_pending": np.zeros(shape),
+            "remap_correctable": np.repeat(self.remapped[:, None], n_t, axis=1),
+            "remap_uncorrectable": np.zeros(shape), "remap_pending": np.zeros(shape), "remap_failure": np.zeros(shape),
+            "nvlink_links_up": np.full(shape, 18.0), "nvlink_links_max": np.full(shape, 18.0),
+            "pcie_gen": np.full(shape, 5.0), "pcie_gen_max": np.full(shape, 5.0),
+            "pcie_width": np.full(shape, 16.0), "pcie_width_max": np.full(shape, 16.0),
+            "tensor_active": np.round(np.clip(0.6 + rng.normal(0.0, 0.05, shape), 0.0, 1.0), 3),
+            "slowdown_temp_c": np.full(shape, 87.0),
+        }
+        for name, rate in _COUNTERS.items():
+            series = self.counters[name][:, None] + np.cumsum(rng.poisson(rate * dt, shape), axis=1)
+            self.counters[name] = series[:, -1]
+            fields[name] = series
+        fields["ecc_sbe_aggregate"] = fields["ecc_sbe_volatile"] + self.sbe_lifetime[:, None]
+        fb = self.fb[:, None] + np.cumsum(rng.normal(0.0, 2.0, shape) * (rng.random(shape) < 0.05), axis=1).round()
+        self.fb = fb[:, -1]
+        fields["fb_used_mib"], fields["fb_free_mib"] = fb, 81_559.0 - fb
+        energy = self.energy[:, None] + np.cumsum(np.round(power * 1000.0 * dt), axis=1)
+        self.energy = energy[:, -1]
+        fields["energy_mj"] = energy
+        if self.coarse:  # what storing coarser values would save: power to 0.1 W, energy to J, ratios to 1 %
+            fields["power_w"] = np.round(fields["power_w"], 1)
+            fields["energy_mj"] = np.round(fields["energy_mj"], -3)
+            fields["tensor_active"] = np.round(fields["tensor_active"], 2)
+            cols["nic_util"] = np.round(cols["nic_util"], 2)
+        assert set(fields) == set(GPU_FIELDS)
+        cols.update({name: fields[name].reshape(-1) for name in GPU_FIELDS})
+        return cols
+
+
+def _insert(store: Store, blocks: Iterator[dict[str, Any]]) -> tuple[int, float, float]:
+    """Insert every block; ``(rows, insert seconds, generation seconds)``."""
+    rows, spent, made = 0, 0.0, 0.0
+    t = time.perf_counter()
+    for block in blocks:
+        t1 = time.perf_counter()
+        made += t1 - t
+        rows += store.insert("gpu_samples", block)
+        t = time.perf_counter()
+        spent += t - t1
+    return rows, spent, made
+
+
+def _bytes(store: Store, table: str) -> dict[str, int]:
+    return {name: compressed for name, (compressed, _) in store.column_bytes(table).items()}
+
+
+def _timed(fn: Any, repeat: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def _queries(store: Store, since: float, until: float, source: str, repeat: int) -> dict[str, Any]:
+    node, gpu = "n00003", 5
+    rack_s, racks = _timed(lambda: store.rack_temperature(since=since, until=until, source=source), repeat)
+    hot_s, hot = _timed(lambda: store.hot_gpus(since=since, until=until, limit=20, source=source), repeat)
+    one_s, one = _timed(lambda: store.gpu_minutes(node, gpu, since=since, until=until, source=source), repeat)
+    return {"source": source, "span_s": until - since,
+            "rack_temperature_per_minute_s": round(rack_s, 4), "rack_minutes": len(racks),
+            "top_hot_gpus_by_p99_s": round(hot_s, 4), "hottest": {k: hot[0][k] for k in ("node", "gpu", "p99_temp_c")},
+            "one_gpu_per_minute_s": round(one_s, 4), "one_gpu_minutes": len(one)}
+
+
+def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
+        coarse: bool = False) -> dict[str, Any]:
+    hour = (T0 + hours * 3600.0, T0 + hours * 3600.0 + 3600.0)  # the 1 Hz hour, after the day
+    # 1. baseline: migrations 001-006 only
+    old = workdir / "migrations_006"
+    old.mkdir()
+    for migration in migration_files():
+        if migration.version < 7:
+            (old / migration.name).write_text(migration.sql)
+    with open_store(f"chdb://{workdir}/baseline") as store:
+        store.migrate(old)
+        rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0))
+        store.optimize_final("gpu_samples")
+        base = _bytes(store, "gpu_samples")
+    baseline = {"rows": rows, "insert_rows_per_s": round(rows / spent), "bytes_per_sample": sum(base.values()) / rows}
+
+    # 2. every migration: the same hour at 1 Hz, then the day at the interval
+    with open_store(f"chdb://{workdir}/scaled") as store:
+        store.migrate()
+        rows_hour, spent_hour, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0))
+        store.optimize_final("gpu_samples")
+        hour_bytes = _bytes(store, "gpu_samples")
+        rollup_hour_rows = store.table_rows("gpu_samples_1m")
+        day = Fleet(gpus, seed=2, coarse=coarse).blocks(T0, hours * 3600.0, interval)
+        rows_day, spent_day, made_day = _insert(store, day)
+        t = time.perf_counter()
+        store.optimize_final("gpu_samples")
+        store.optimize_final("gpu_samples_1m")
+        optimize_s = time.perf_counter() - t
+        day_bytes = sum(_bytes(store, "gpu_samples").values()) - sum(hour_bytes.values())
+        rollup_bytes = sum(_bytes(store, "gpu_samples_1m").values())
+        rollup_rows = store.table_rows("gpu_samples_1m")
+        per_sample = sum(hour_bytes.values()) / rows_hour
+        scaled = {
+            "rows_1hz_hour": rows_hour, "bytes_per_sample": round(per_sample, 3),
+            "bytes_per_sample_by_column": {k: round(v / rows_hour, 3) for k, v in
+                                           sorted(hour_bytes.items(), key=lambda kv: -kv[1]) if v / rows_hour >= 0.05},
+            "insert_rows_per_s_1hz": round(rows_hour / spent_hour),
+            "rows_day": rows_day, "insert_rows_per_s_day": round(rows_day / spent_day),
+            "generate_s_day": round(made_day, 1), "optimize_final_s": round(optimize_s, 1),
+            "bytes_per_sample_day_interval": round(day_bytes / rows_day, 3),
+            "rollup_rows": rollup_rows, "rollup_bytes_per_gpu_minute": round(rollup_bytes / rollup_rows, 1),
+            "rollup_rows_per_gpu_minute_before_merge_hour": round(rollup_hour_rows / (gpus * 60), 2),
+        }
+        queries = {
+            "rollup_day": _queries(store, T0, T0 + hours * 3600.0, "rollup", repeat),
+            "raw_1hz_hour": _queries(store, hour[0], hour[1], "raw", repeat),
+            "raw_day": _queries(store, T0, T0 + hours * 3600.0, "raw", 1),
+        }
+    slowest = max(v for q in ("rollup_day", "raw_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
+                  and k != "span_s")
+    return {
+        "bench": "store_scale",
+        "conditions": {"gpus": gpus, "hours": hours, "interval_s": interval, "raw_hour_interval_s": 1.0,
+                       "repeat": repeat, "gpus_per_node": GPUS_PER_NODE, "nodes_per_rack": NODES_PER_RACK,
+                       "block_rows": BLOCK_ROWS, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                       "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)",
+                       "fields_populated": len(GPU_FIELDS) + 1,
+                       "resolution": "coarse (power 0.1 W, energy J, ratios 1 %)" if coarse else
+                       "sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4)"},
+        "baseline_006": {k: round(v, 3) if isinstance(v, float) else v for k, v in baseline.items()},
+        "scaled_007": scaled,
+        "queries": queries,
+        "ratios": {"bytes_per_sample_vs_baseline": round(per_sample / baseline["bytes_per_sample"], 3),
+                   "insert_rate_vs_baseline": round(scaled["insert_rows_per_s_1hz"] / baseline["insert_rows_per_s"], 3),
+                   "rollup_day_vs_raw_day_rack_query": round(queries["rollup_day"]["rack_temperature_per_minute_s"]
+                                                             / max(queries["raw_day"]["rack_temperature_per_minute_s"],
+                                                                   1e-9), 4)},
+        "targets": {"bytes_per_sample_max": TARGET_BYTES_PER_SAMPLE,
+                    "bytes_per_sample_met": per_sample <= TARGET_BYTES_PER_SAMPLE,
+                    "query_s_max": TARGET_QUERY_S, "slowest_query_s": slowest, "queries_met": slowest < TARGET_QUERY_S},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=1024)
+    parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples over the day")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--coarse", action="store_true",
+                        help="what-if: power to 0.1 W, energy to J, tensor activity and NIC utilisation to 1 %%")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
+        print(json.dumps(run(args.gpus, args.hours, args.interval, args.repeat, Path(tmp), args.coarse), indent=2))
+
+
+if __name__ == "__main__":
+    main()
