@@ -16,9 +16,12 @@ from fleethealth.sim import FleetSim, Scenario
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fleethealth.json"
 
 
-def _expand(sql: str) -> str:
+def _expand(sql: str, *, hours: float = 24.0 * 3650) -> str:
+    """The panel's SQL as Grafana sends it for a range of ``hours`` ending now (the simulator's times
+    are older: ``$__timeFilter`` lets every row through, the range length picks raw or rollup)."""
     sql = re.sub(r"\$__timeFilter\((\w+)\)", r"\1 >= toDateTime64(0, 3) AND \1 <= now64(3) + INTERVAL 3650 DAY", sql)
     sql = re.sub(r"\$__timeInterval\((\w+)\)", r"toStartOfInterval(\1, INTERVAL 1 MINUTE)", sql)
+    sql = sql.replace("$__fromTime", f"(now() - INTERVAL {int(hours * 3600)} SECOND)").replace("$__toTime", "now()")
     return sql.replace("${job}", "train-1")
 
 
@@ -38,6 +41,10 @@ def test_every_clickhouse_panel_runs_on_the_schema(store) -> None:
     rows = {title: store.query(_expand(sql)).rows for title, sql in queries}
     assert rows["job"] == [("train-1",)]
     assert rows["SDC check failures"][0][1:4] == ("n0001", 1, 3)
+    hottest = next(sql for title, sql in queries if title.startswith("Hottest GPUs"))
+    long_range, short_range = rows[next(t for t, _ in queries if t.startswith("Hottest GPUs"))], \
+        store.query(_expand(hottest, hours=1.0)).rows
+    assert long_range and [r[:2] for r in long_range] == [r[:2] for r in short_range]  # rollup and raw: same cells
     ratio = rows["Step time: slowest rank over median (the straggler ratio, seed 000 §6)"]
     assert ratio and all(1.0 <= r[1] < 1.2 for r in ratio)
 
