@@ -4,6 +4,7 @@
 
     open_store("chdb:///var/lib/fleethealth")   embedded chDB (ClickHouse's engine in-process)
     open_store("http://clickhouse:8123/db")     a ClickHouse server (https:// likewise)
+    open_store("http://ch:8123/db?cluster=fleet&raw_retention_days=30")   a cluster; raw samples kept 30 days
 
 One concern a module:
 
@@ -17,7 +18,9 @@ One concern a module:
 * :mod:`~fleethealth.store.migrations` — ``deploy/clickhouse/NNN_name.sql`` (package data of
   ``fleethealth.migrations`` in a wheel) applied in order, each recorded in ``schema_migrations``
   and skipped once applied, so running ``migrate()`` twice changes nothing;
-* :mod:`~fleethealth.store.columns` — schema dataclasses to columns and back;
+* :mod:`~fleethealth.store.cluster` — the cluster form of the migrations (DSN ``?cluster=NAME``):
+  replicated local tables under Distributed ones, ``ON CLUSTER``, generated from the same text;
+* :mod:`~fleethealth.store.columns` — schema dataclasses to columns and back (``FLOAT32_FIELDS``);
 * :mod:`~fleethealth.store.queries` — every named application query (the only SQL outside it is
   the analyst's own, through the API's SQL gate, and the migrations).
 
