@@ -234,6 +234,8 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "raw_1hz_hour": _queries(store, hour[0], hour[1], "raw", repeat),
             "raw_day": _queries(store, T0, T0 + hours * 3600.0, "raw", 1),
         }
+        # the API's fleet view: the latest sample of every GPU, read from every raw row retained
+        queries["api_node_summaries_s"] = round(_timed(store.node_summaries, 1)[0], 4)
     slowest = max(v for q in ("rollup_day", "raw_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
                   and k != "span_s")
     return {

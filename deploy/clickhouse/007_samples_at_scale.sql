@@ -24,7 +24,7 @@
 --   and the OR fold with min / max / groupBitOr. The named range queries of store/queries.py read
 --   it for ranges longer than an hour. A replayed sample with a new deduplication token counts
 --   twice in samples, avg and the quantiles (min, max and the counters are unaffected). Rollups
---   are kept 400 days after the minute was last written.
+--   are kept 90 days after the minute was last written.
 --
 -- Run migrations with the writers stopped: rows written to the old table between the copy and the
 -- rename would not be carried over.
@@ -128,7 +128,7 @@ CREATE TABLE IF NOT EXISTS gpu_samples_1m
 ENGINE = AggregatingMergeTree
 PARTITION BY toYYYYMM(minute)
 ORDER BY (node, gpu, minute)
-TTL received + INTERVAL 400 DAY;
+TTL received + INTERVAL 90 DAY;
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS gpu_samples_1m_mv TO gpu_samples_1m AS
 SELECT

@@ -58,7 +58,7 @@ def test_fresh_store_has_typed_compressed_columns_and_a_retention(store: Store) 
     ddl = _create(store, "gpu_samples")
     assert "TTL received + toIntervalDay(14)" in ddl and "ttl_only_drop_parts = 1" in ddl
     assert "PARTITION BY toDate(ts)" in ddl and raw_retention_days(store) == 14
-    assert "TTL received + toIntervalDay(400)" in _create(store, "gpu_samples_1m")
+    assert "TTL received + toIntervalDay(90)" in _create(store, "gpu_samples_1m")
     engines = dict(store.query("SELECT name, engine FROM system.tables WHERE database = currentDatabase() "
                                "AND name LIKE 'gpu_samples%'").rows)
     assert engines == {"gpu_samples": "ReplacingMergeTree", "gpu_samples_1m": "AggregatingMergeTree",
