@@ -106,8 +106,9 @@ def isolate(retry: Retry, what: str, rows: Sequence[T], write: Callable[[Sequenc
     """Write ``rows`` through ``write(rows, path)``; on a deterministic failure (after the retry's
     attempts), split them in halves and write each, down to single rows, which go to ``on_bad`` with
     their error. The halves are tried once each (the failure is known to be deterministic by then;
-    transient failures are still waited out). ``path`` names the part written (``""`` the whole, then ``"0"``, ``"1"``, ``"01"`` …),
-    so a caller can derive a deduplication token per part. Returns how many rows went to ``on_bad``."""
+    transient failures are still waited out). ``path`` names the part written (``""`` the whole,
+    then ``"0"``, ``"1"``, ``"01"`` …), so a caller can derive a deduplication token per part.
+    Returns how many rows went to ``on_bad``."""
     if not rows:
         return 0
     try:

@@ -22,8 +22,9 @@ that (the reason names ``ts``): the record timestamp is the producer's clock whe
 (``CreateTime``, kafka-python's default) or the broker's (a topic with ``LogAppendTime``), so a
 forged or corrupt time cannot carry a record hours into the future. A producer replaying a
 recorded or simulated timeline stamps its records with their event time instead
-(``Producer(event_time_stamps=True)``), or its consumer leaves the bounds off. Commits are manual: ``commit()`` commits everything ``poll()`` has
-returned (and dead-lettered) so far, after the dead letters are flushed, so nothing accepted is lost.
+(``Producer(event_time_stamps=True)``), or its consumer leaves the bounds off. Commits are
+manual: ``commit()`` commits everything ``poll()`` has returned (and dead-lettered) so far,
+after the dead letters are flushed, so nothing accepted is lost.
 
 Against the embedded Tansu broker a consumer-group join waits for the group's timeouts (measured
 on Tansu 0.6: about half the session timeout), so consumers default to short ones: a 3 s
