@@ -484,7 +484,8 @@ def test_malformed_input_is_dead_lettered_with_reasons_while_valid_input_keeps_f
     seen_malformed: list[int] = []
     with Runner(own_broker.dsn, store, group=_uid("fuzz-runner"), registry=CollectorRegistry()) as runner, \
             Consumer(own_broker.dsn, [Topic.DEADLETTER], _uid("fuzz-dl"), session_timeout_s=2.0,
-                     max_poll_interval_s=2.0) as letters, Producer(own_broker.dsn, client_id="fuzz", event_time_stamps=True) as producer:
+                     max_poll_interval_s=2.0) as letters, \
+            Producer(own_broker.dsn, client_id="fuzz", event_time_stamps=True) as producer:
         taken = 0
 
         @settings(max_examples=_EXAMPLES, deadline=None, database=None, derandomize=True,

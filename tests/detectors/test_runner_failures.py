@@ -225,3 +225,112 @@ def test_event_time_far_from_the_broker_timestamp_is_dead_lettered_naming_ts(own
                 registry=CollectorRegistry()) as runner:
         _run_until(runner, 4)
         assert runner.consumer.dead_lettered_total == 0
+
+
+# ---------------------------------------------------------------- a restart re-detects a fault
+class Killed(BaseException):
+    """The process dying (SIGKILL) at a chosen write: no handler in the runner sees it."""
+
+
+class KillBeforePolicyStateFaultInjector:
+    """The real store, except that once ``armed`` the first save of the policy state kills the
+    runner: findings, recommendations and the outbox of that batch are written, the policy state that
+    remembers the decisions and the offsets are not. Keeps a copy of every finding written."""
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+        self.armed = False
+        self.findings: list = []
+
+    def insert_findings(self, findings, *, dedup_token=None):
+        self.findings += list(findings)
+        return self._real.insert_findings(findings, dedup_token=dedup_token)
+
+    def write_policy_state(self, *args, **kwargs):
+        if self.armed:
+            raise Killed("killed before the policy state was saved")
+        return self._real.write_policy_state(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def _step_ts(s: int) -> float:
+    """Slow steps first (40 s), then 20 s: a detector that saw the start estimates a longer step timeout."""
+    return T0 + (40.0 * s if s < 10 else 400.0 + 20.0 * (s - 10))
+
+
+def _hang_stream(tag: str, first: int, last: int, *, stuck_from: int | None, until: float | None = None) -> list:
+    from fleethealth.schema import Telemetry
+
+    job, out = f"{tag}-job", []
+    for s in range(first, last + 1):
+        for n in range(3):
+            if stuck_from is not None and s >= stuck_from and n == 1:
+                continue
+            out.append(StepBatch(job=job, step=s, node=f"{tag}-n{n}", ts=_step_ts(s),
+                                 ranks=np.arange(4, dtype=np.int32) + 4 * n, gpus=np.arange(4, dtype=np.int16),
+                                 compute_s=np.full(4, 1.0)))
+            out.append(Telemetry.from_columns(f"{tag}-n{n}", "r00", _step_ts(s), [0, 1, 2, 3], temp_c=[60.0] * 4))
+    t = _step_ts(last) + 10.0
+    while until is not None and t <= until:
+        out += [Telemetry.from_columns(f"{tag}-n{n}", "r00", t, [0, 1, 2, 3], temp_c=[60.0] * 4) for n in range(3)]
+        t += 10.0
+    return out
+
+
+def test_a_restart_that_re_detects_a_hang_makes_no_second_drain(own_broker, store):
+    """The runner is killed after it stored the hang finding, its drain and the outbox, before the
+    policy state and the offsets. The restarted one starts with empty detectors and replays from the
+    last commit: it has not seen the job's slow early steps, so it estimates a shorter step timeout
+    and concludes the same stall at another time — with the same finding id (the episode began at
+    the job's last progress), hence the same drain id: one finding row, one drain recommendation, and
+    on ``fh.recommendations`` only copies of that one id (which ``fleethealth act`` drops)."""
+    from fleethealth.schema import Recommendation
+
+    tag = uuid.uuid4().hex[:8]
+    stall = 30
+    history = _hang_stream(tag, 0, stall - 2, stuck_from=None)
+    tail = _hang_stream(tag, stall - 1, stall, stuck_from=stall, until=_step_ts(stall) + 400.0)
+    group = f"restart-{tag}"
+    injector = KillBeforePolicyStateFaultInjector(store)
+    with Producer(own_broker.dsn, event_time_stamps=True) as producer:
+        for m in history:
+            producer.publish(m)
+        producer.flush()
+        with Runner(own_broker.dsn, injector, group=group, registry=CollectorRegistry()) as first:  # type: ignore[arg-type]
+            deadline = time.monotonic() + 60
+            while not first.caught_up(first.process_once(0.3)):
+                assert time.monotonic() < deadline
+            injector.armed = True
+            for m in tail:
+                producer.publish(m)
+            producer.flush()
+            with pytest.raises(Killed):
+                while time.monotonic() < deadline + 60:
+                    first.process_once(0.3)
+    [before] = [f for f in injector.findings if f.kind is FindingKind.HANG]
+
+    with Runner(own_broker.dsn, store, group=group, registry=CollectorRegistry()) as second:
+        deadline = time.monotonic() + 60
+        while not second.caught_up(second.process_once(0.3)):
+            assert time.monotonic() < deadline
+        second.drain()
+        replayed = second.consumer.consumed_total
+    assert replayed < len(history) + len(tail)  # it replayed from the last commit, not from the start
+
+    [after] = store.findings(kind=FindingKind.HANG.value, job=f"{tag}-job")
+    assert after.node == before.node == f"{tag}-n1"
+    assert after.ts != before.ts  # concluded again, at another time
+    assert after.id == before.id and after.episode_ts == before.episode_ts == _step_ts(stall)
+    drains = [r for r in store.recommendations(action="drain") if r.node == f"{tag}-n1"]
+    assert len(drains) == 1 and drains[0].finding_id == before.id
+
+    published: list[Recommendation] = []
+    with Consumer(own_broker.dsn, [Topic.RECOMMENDATIONS], f"recs-{tag}", session_timeout_s=2.0,
+                  max_poll_interval_s=2.0) as recs:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (not published or recs.lag() and any(recs.lag().values())):
+            published += [r.msg for r in recs.poll(0.3) if isinstance(r.msg, Recommendation)]
+    mine = [r for r in published if r.node == f"{tag}-n1" and r.action.value == "drain"]
+    assert mine and {r.id for r in mine} == {drains[0].id}
