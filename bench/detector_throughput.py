@@ -87,7 +87,7 @@ def _publish_columnar(dsn: str, job: str, times: np.ndarray, first_step: int = 0
     steps, ranks = times.shape
     gpus = np.arange(RANKS_PER_NODE, dtype=np.int16)
     sent = 0
-    with Producer(dsn, client_id="bench-columnar") as producer:
+    with Producer(dsn, client_id="bench-columnar", event_time_stamps=True) as producer:
         for k in range(steps):
             for lo in range(0, ranks, RANKS_PER_NODE):
                 producer.publish(StepBatch(job=job, step=first_step + k, node=f"n{lo // RANKS_PER_NODE:05d}",
@@ -101,7 +101,7 @@ def _publish_columnar(dsn: str, job: str, times: np.ndarray, first_step: int = 0
 def _publish_per_rank(dsn: str, job: str, times: np.ndarray) -> int:
     steps, ranks = times.shape
     sent = 0
-    with Producer(dsn, client_id="bench-naive") as producer:
+    with Producer(dsn, client_id="bench-naive", event_time_stamps=True) as producer:
         for step in range(steps):
             for rank in range(ranks):
                 producer.publish(StepBatch(job=job, step=step, node=f"n{rank // RANKS_PER_NODE:05d}",

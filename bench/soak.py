@@ -65,7 +65,7 @@ def publish(dsn: str, rate: float, nodes: int, job_steps: int, step_s: float, st
     rng = np.random.default_rng(1)
     per_step = 2 * nodes
     step_wall = per_step / rate
-    with Producer(dsn, client_id="soak") as producer:
+    with Producer(dsn, client_id="soak", event_time_stamps=True) as producer:
         step, started = 0, time.monotonic()
         while not stop.is_set():
             gen, k = divmod(step, job_steps)

@@ -16,7 +16,9 @@ Timeline of one hang::
 The finding is emitted at the deadline if every behind rank's stack is already in, else as soon
 as they are, or at ``deadline + stack_grace_s`` with what arrived, or earlier when the job
 resumes or is reported interrupted. Its ``ts`` is that moment in event time (not the caller's
-clock), so a replay yields the same finding.
+clock), so a replay yields the same finding; its ``episode_ts`` (and so its id) is the job's last
+progress, which does not depend on the timeout a detector estimated from the history it saw — a
+restarted detector that knows fewer step durations concludes at another time with the same id.
 
 A whole-job hang (a network or storage hang: every rank stops at the same step, none behind, no
 watchdog report) is told from a finished or idle job by the job's nodes: while most of them still
@@ -234,7 +236,8 @@ class HangDetector:
         one = len(culprits) == 1 and first is not None
         return [Finding(kind=FindingKind.HANG, node=node, ts=float(ts), job=name,
                         gpu=int(job.gpu_of[first]) if one and job.gpu_of[first] >= 0 else None,
-                        rank=first if one else None, step=stuck_step, detector=self.name, evidence=evidence)]
+                        rank=first if one else None, step=stuck_step, detector=self.name, evidence=evidence,
+                        episode_ts=None if math.isnan(job.progress_ts) else float(job.progress_ts))]
 
     def _check(self, name: str, job: _Job, now: float) -> list[Finding]:
         if job.reported or job.interrupted or math.isnan(job.progress_ts):

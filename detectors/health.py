@@ -146,8 +146,9 @@ class HealthRules:
                 evidence["escalated_from"] = escalated
         else:
             evidence = dataclasses.replace(facts, severity=severity.value, escalated_from=escalated).to_evidence()
+        # the episode (at this severity) begins with this sample or event: an escalation is its own
         return [Finding(kind=kind, node=node, ts=float(ts), job=job, gpu=gpu, step=step,
-                        detector=f"{self.name}.{kind.value}", evidence=evidence)]
+                        detector=f"{self.name}.{kind.value}", evidence=evidence, episode_ts=float(ts))]
 
     # ------------------------------------------------------------ rules
     def _telemetry(self, s: Telemetry) -> list[Finding]:

@@ -404,5 +404,6 @@ class FailurePredictor:
                                else {"rule": [FEATURES[j] for j in _RULE if r.X[i, j] > 0]}),
                             "features": {n: _num(v) for n, v in zip(FEATURES, r.X[i], strict=True)}}
                 out.append(Finding(kind=FindingKind.FAILURE_RISK, node=r.node, ts=r.ts, gpu=gpu,
-                                   probability=round(float(p[i]), 4), detector=self.name, evidence=evidence))
+                                   probability=round(float(p[i]), 4), detector=self.name, evidence=evidence,
+                                   episode_ts=float(r.ts)))
         return out

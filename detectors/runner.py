@@ -20,6 +20,17 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
    the step batches of a step the pipeline has not concluded (still assembling, or stragglers
    waiting for telemetry to diagnose them), so a restart sees them again.
 
+A write that fails is handled by :mod:`fleethealth.detectors.retry`: the store or broker out of
+reach (a connection error, a timeout) is waited out with backoff, committing nothing meanwhile;
+any other failure is retried ``retry.attempts`` times and then isolated — the rows are written in
+halves down to the one that fails, which is dead-lettered with the error, and the rest is stored
+and committed past it. A detector that raises on a batch has it fed again one record at a time, and
+the records it raises on are dead-lettered likewise: no record can stop the runner or make every
+restart replay it. Records whose event time is further than ``max_ahead_s`` ahead of the broker's
+timestamp, or ``max_behind_s`` behind it, are dead-lettered by the consumer naming ``ts``
+(:class:`fleethealth.bus.Consumer`; ``None`` turns a bound off — replays of a recorded or simulated
+timeline stamp the broker timestamp with the event time, :class:`fleethealth.bus.Producer`).
+
 A crash anywhere replays from the last commit: rows already written are rewritten with the same
 keys, so after merges (or with ``FINAL``) each (job, step, rank) is in the store exactly once.
 Detector state lives in memory and restarts empty; findings keep stable ids.
@@ -46,7 +57,7 @@ import gc
 import logging
 import threading
 from collections import Counter as Tally
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -55,6 +66,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from fleethealth.bus import Consumer, DeadLetter, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.detectors.retry import Retry, isolate
 from fleethealth.errors import BusError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
@@ -84,6 +96,15 @@ class Conclusions:
     policy_changed: bool = False
     refused: list[StepBatch] = field(default_factory=list)
     rejected: list[tuple[Message, str]] = field(default_factory=list)
+
+    def extend(self, other: Conclusions) -> None:
+        """Add what ``other`` (a later part of the same batch) concluded."""
+        self.findings += other.findings
+        self.recommendations += other.recommendations
+        self.outcomes += other.outcomes
+        self.policy_changed = self.policy_changed or other.policy_changed
+        self.refused += other.refused
+        self.rejected += other.rejected
 
 
 def publishable(msg: Finding | Recommendation) -> bool:
@@ -135,6 +156,9 @@ class _Metrics:
         self.publish_errors = Counter("fleethealth_detect_publish_errors_total",
                                       "Publishes of the outbox that failed (retried on the next batch)",
                                       registry=registry)
+        self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
+                                "Records and conclusions dead-lettered because a detector or a store write "
+                                "failed on them deterministically", ["stage"], registry=registry)
 
 
 class Runner:
@@ -147,13 +171,17 @@ class Runner:
     long a killed runner's partitions stay assigned to it (Tansu's group join also waits about half
     of it); ``max_poll_interval_s`` bounds the time one batch may take. ``registry`` receives the
     runner's metrics (``fleethealth_detect_*``); pass a fresh one when several runners share a process.
+    ``max_ahead_s`` / ``max_behind_s`` bound a record's event time against its broker timestamp
+    (beyond: dead-lettered naming ``ts``; None: unbounded). ``retry`` is the failure policy of the
+    writes (:class:`~fleethealth.detectors.retry.Retry`; its ``stopping`` is this runner's stop).
     """
 
     def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
                  policy: PolicyStage | None = None, publish: bool = True, max_records: int = 2000,
                  lateness_s: float = 5.0, max_held: int = 200_000,
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
-                 registry: CollectorRegistry | None = None) -> None:
+                 max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
+                 retry: Retry | None = None, registry: CollectorRegistry | None = None) -> None:
         self.store = store
         self.pipeline = pipeline if pipeline is not None else Pipeline()
         self.policy = policy if policy is not None else PolicyStage(load_engine(store))
@@ -165,7 +193,12 @@ class Runner:
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
         self.consumer = Consumer(bus_dsn, INPUT_TOPICS, group, producer=self.producer,
-                                 session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s)
+                                 session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s,
+                                 max_ahead_s=max_ahead_s, max_behind_s=max_behind_s)
+        self._stop = threading.Event()
+        self.retry = retry if retry is not None else Retry()
+        if retry is None:
+            self.retry.stopping = self._stop.is_set
         self.buffer: EventTimeBuffer[Record] = EventTimeBuffer()
         self.metrics = _Metrics(registry if registry is not None else REGISTRY)
         self.findings_total = 0
@@ -223,7 +256,9 @@ class Runner:
         self._handle(self.buffer.release(float("inf")), final=True)
 
     def run(self, stop: threading.Event, *, poll_s: float = 0.5) -> None:
-        """Process until ``stop`` is set."""
+        """Process until ``stop`` is set (which also ends a wait for an unreachable store or broker)."""
+        self._stop = stop
+        self.retry.stopping = stop.is_set
         while not stop.is_set():
             self.process_once(poll_s)
 
@@ -247,9 +282,49 @@ class Runner:
                 self.buffer.push(rec.msg.ts, partition, rec)
             raise
 
+    def _conclude(self, ready: list[Record], final: bool) -> tuple[Conclusions, list[Record]]:
+        """:func:`conclude` on the batch; if a detector raises, the batch again one record at a time
+        (the detectors take what they had folded in before as duplicates), dead-lettering each record
+        it raises on. Returns the conclusions and the records that were concluded."""
+        try:
+            return conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final), ready
+        except Exception as exc:
+            log.warning("a detector raised on a batch of %d record(s), isolating: %s: %s", len(ready),
+                        type(exc).__name__, exc)
+        out, kept = Conclusions(), []
+        for rec in ready:
+            try:
+                out.extend(conclude(self.pipeline, self.policy, [rec.msg]))
+            except Exception as exc:
+                self.metrics.poisoned.labels("detect").inc()
+                self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(rec.msg),
+                             f"detector: {type(exc).__name__}: {exc}")
+                continue
+            kept.append(rec)
+        if final:
+            out.extend(conclude(self.pipeline, self.policy, [], final=True))
+        return out, kept
+
+    def _insert(self, what: str, rows: Sequence[Message], insert: Callable[..., object], token: str,
+                on_bad: Callable[[Message, BaseException], None]) -> list[Message]:
+        """Write ``rows`` with ``insert(rows, dedup_token=…)`` under the retry policy, isolating the
+        rows that fail deterministically (each goes to ``on_bad(row, error)``); returns the rows stored."""
+        bad: set[int] = set()
+
+        def write(part: Sequence[Message], path: str) -> None:
+            insert(part, dedup_token=derived(what + path, token))
+
+        def refuse(row: Message, exc: BaseException) -> None:
+            bad.add(id(row))
+            on_bad(row, exc)
+
+        if isolate(self.retry, f"insert {what}", rows, write, refuse):
+            return [r for r in rows if id(r) not in bad]
+        return list(rows)
+
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         ready = [rec for _, rec in released]
-        out = conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final)
+        out, ready = self._conclude(ready, final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
         if out.rejected:
@@ -259,28 +334,37 @@ class Runner:
         refused = {id(b) for b in out.refused}
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
         events = [r.msg for r in ready if isinstance(r.msg, Event)]
-        if telemetry:
-            self.store.insert_telemetry(telemetry, dedup_token=derived("t", token))
-        if batches:
-            self.store.insert_steps(batches, dedup_token=derived("s", token))
-        if events:
-            self.store.insert_events(events, dedup_token=derived("e", token))
-        if out.findings:
-            self.store.insert_findings(out.findings, dedup_token=derived("f", token))
-        if out.recommendations:
-            self.store.insert_recommendations(out.recommendations, dedup_token=derived("r", token))
-        outgoing = [_outbox_row(m) for m in (*out.findings, *out.recommendations) if publishable(m)] \
-            if self.publish else []
+        where = {id(r.msg): r for r in ready}
+
+        def bad_input(msg: Message, exc: BaseException) -> None:
+            rec = where[id(msg)]
+            self.metrics.poisoned.labels("store").inc()
+            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
+
+        def bad_output(msg: Message, exc: BaseException) -> None:
+            self.metrics.poisoned.labels("store").inc()
+            self._letter(msg.TOPIC.value, -1, -1, msg.key.encode(), encode(msg), f"store: {exc}")
+
+        store = self.store
+        self._insert("t", telemetry, store.insert_telemetry, token, bad_input)
+        self._insert("s", batches, store.insert_steps, token, bad_input)
+        self._insert("e", events, store.insert_events, token, bad_input)
+        findings = self._insert("f", out.findings, store.insert_findings, token, bad_output)
+        recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
+        outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
         if outgoing:  # before the engine state that remembers these decisions: none is lost
-            self.store.write_outbox(outgoing, published=False, dedup_token=derived("o", token))
+            self.retry.call("write the outbox", lambda: store.write_outbox(
+                outgoing, published=False, dedup_token=derived("o", token)))
         for outcome in out.outcomes:  # before the engine state that no longer watches them
-            record_outcome(self.store, outcome)
+            self.retry.call("record an eviction outcome", lambda o=outcome: record_outcome(store, o))
         if out.policy_changed:
-            save_engine(self.store, self.policy.engine, self.pipeline.now_)
+            self.retry.call("save the policy state",
+                            lambda: save_engine(store, self.policy.engine, self.pipeline.now_))
         self.pending_ += outgoing
         if self.pending_:
             self._publish_pending()
-        self.consumer.commit(self._safe_offsets(ready))
+        offsets = self._safe_offsets(ready)
+        self.retry.call("commit offsets", lambda: self.consumer.commit(offsets))
         for topic, count in Tally(rec.topic for rec in ready).items():
             self.metrics.records.labels(topic).inc(count)
         for f in out.findings:
@@ -306,9 +390,18 @@ class Runner:
             rec = where.get(id(msg))
             if rec is None:
                 continue
-            letter = DeadLetter.of(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), why, None)
-            self.producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), rec.key)
-        self.producer.flush()
+            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), why, flush=False)
+        self.retry.call("flush dead letters", self.producer.flush)
+
+    def _letter(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes, why: str, *,
+                flush: bool = True) -> None:
+        """Dead-letter one value (an input record, or a conclusion the store refused: partition and
+        offset -1) with the reason; with ``flush``, wait until the broker has it."""
+        letter = DeadLetter.of(topic, partition, offset, key, value, why, None)
+        self.retry.call("dead-letter a record", lambda: self.producer.publish_raw(
+            Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), key))
+        if flush:
+            self.retry.call("flush dead letters", self.producer.flush)
 
     def _publish_pending(self) -> bool:
         """Publish every pending outbox row and, once the broker acknowledged them all, mark them
@@ -325,8 +418,9 @@ class Runner:
             log.warning("publishing %d finding(s)/recommendation(s) failed, kept in the outbox for the next "
                         "batch: %s", len(rows), exc)
             return False
-        self.store.write_outbox(rows, published=True,
-                                dedup_token=derived("p", _digest_token(f"{r[0]}/{r[1]};" for r in rows)))
+        token = derived("p", _digest_token(f"{r[0]}/{r[1]};" for r in rows))
+        self.retry.call("mark the outbox published",
+                        lambda: self.store.write_outbox(rows, published=True, dedup_token=token))
         self.pending_ = []
         self.metrics.outbox.set(0)
         return True

@@ -96,7 +96,7 @@ class SdcDetector:
                                checkpoints=tuple(self.checkpoints_.get(e.job or "", ())))
         return [Finding(kind=FindingKind.SDC, node=e.node, ts=e.ts, job=e.job, gpu=e.gpu,
                         rank=rec.culprit_rank if rec.culprit_rank is not None else e.rank, step=e.step,
-                        detector=f"{self.name}.{rec.check.value}", evidence=evidence.to_evidence())]
+                        detector=f"{self.name}.{rec.check.value}", evidence=evidence.to_evidence(), episode_ts=e.ts)]
 
     def _checkpoint(self, e: Event) -> None:
         try:

@@ -191,14 +191,16 @@ class _StepDetector:
         check_int("max_rank", self.max_rank, at_least=0, owner=self)
 
     def _finding(self, rank: int, step: int, z: float, slowdown: float, evidence: dict[str, Any],
-                 placement: Placement | None) -> Finding:
+                 placement: Placement | None, since: float = math.nan) -> Finding:
+        """One finding; ``since`` is the event time of the step the rank's episode began (NaN unknown)."""
         node, gpu, job, ts = "", None, None, 0.0
         if placement is not None:
             i = int(np.flatnonzero(placement.ranks == rank)[0])
             node, gpu, job, ts = str(placement.nodes[i]), int(placement.gpus[i]), placement.job, float(placement.ts)
         return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job=job, gpu=gpu, rank=int(rank),
                        step=int(step), z=round(float(z), 4), slowdown=round(float(slowdown), 5),
-                       detector=self.name, evidence=evidence)
+                       detector=self.name, evidence=evidence,
+                       episode_ts=float(since) if placement is not None and math.isfinite(since) else None)
 
     def flagged(self) -> np.ndarray:
         """Ranks currently inside a straggler episode (sorted)."""
@@ -236,9 +238,11 @@ class SeedRule(_StepDetector):
         check_number("min_rel_scale", self.min_rel_scale, at_least=0, owner=self)
 
     def _state_arrays(self) -> dict[str, Any]:
-        return {**super()._state_arrays(), "run_": 0, "run_ratio_": 0.0, "run_z_": 0.0, "flagged_": False}
+        return {**super()._state_arrays(), "run_": 0, "run_ratio_": 0.0, "run_z_": 0.0, "flagged_": False,
+                "run_ts_": math.nan}
 
     def _reset(self) -> None:
+        self.run_ts_ = np.empty(0)
         self.run_ = np.empty(0, dtype=np.int64)
         self.run_ratio_ = np.empty(0)
         self.run_z_ = np.empty(0)
@@ -257,6 +261,8 @@ class SeedRule(_StepDetector):
         r, zf, ratio = r[scored], zf[scored], (t / med)[scored]
         over = zf > self.z
         self.run_[r] = np.where(over, self.run_[r] + 1, 0)
+        now = float(placement.ts) if placement is not None else math.nan
+        self.run_ts_[r] = np.where(over, np.where(self.run_[r] == 1, now, self.run_ts_[r]), math.nan)
         self.run_ratio_[r] = np.where(over, self.run_ratio_[r] + ratio, 0.0)
         self.run_z_[r] = np.where(over, self.run_z_[r] + zf, 0.0)
         self.flagged_[r[~over]] = False
@@ -267,7 +273,8 @@ class SeedRule(_StepDetector):
             n = int(self.run_[rank])
             out.append(self._finding(rank, step, self.run_z_[rank] / n, self.run_ratio_[rank] / n - 1.0,
                                      {"run_steps": n, "z_threshold": float(self.z),
-                                      "consecutive": int(self.consecutive)}, placement))
+                                      "consecutive": int(self.consecutive)}, placement,
+                                     float(self.run_ts_[rank])))
         return out
 
 
@@ -406,7 +413,7 @@ class StragglerDetector(_StepDetector):
     def _state_arrays(self) -> dict[str, Any]:
         return {**super()._state_arrays(), "stat_": 0.0, "win_n_": 0, "win_d_": 0.0, "win_z_": 0.0,
                 "flagged_": False, "base_": 0.0, "base_var_": _YOUNG_VAR, "base_n_": 0, "init_": 0.0,
-                "pstat_": 0.0, "persistent_": False}
+                "pstat_": 0.0, "persistent_": False, "start_": math.nan, "pstart_": math.nan}
 
     def _reset(self) -> None:
         arms = self.k_.shape[0]
@@ -421,6 +428,8 @@ class StragglerDetector(_StepDetector):
         self.init_ = np.empty((self.init_steps, 0))
         self.pstat_ = np.empty(0)
         self.persistent_ = np.empty(0, dtype=bool)
+        self.start_ = np.empty((arms, 0))   # event time each arm's current excursion began (NaN: none)
+        self.pstart_ = np.empty(0)          # the same for the persistent test
         super()._reset()
 
     def flagged(self) -> np.ndarray:
@@ -464,6 +473,9 @@ class StragglerDetector(_StepDetector):
         if capped.any():  # inside an episode the evidence is capped, so recovery takes bounded time
             s[:, capped] = np.minimum(s[:, capped], self.h_)
         self.stat_[:, idx], self.win_n_[:, idx], self.win_d_[:, idx], self.win_z_[:, idx] = s, n, wd, wz
+        now = float(placement.ts) if placement is not None else math.nan
+        start = np.where(live, np.where(n == 1, now, self.start_[:, idx]), math.nan)
+        self.start_[:, idx] = start
         self.flagged_[r[flagged & ~live.any(axis=0)]] = False
         self.flagged_[r[alarm]] = True
         # baseline: young ranks collect their first steps, then a winsorised running mean / EWMA,
@@ -486,8 +498,11 @@ class StragglerDetector(_StepDetector):
                 b_now[np.flatnonzero(young)[done]] = self.base_[rd] = np.median(self.init_[:, rd], axis=0)
                 self.base_var_[rd] = 0.5 * math.pi / self.init_steps
         # persistent test: sustained slowness beyond persistent_min, and a baseline that agrees
-        p = self.pstat_[idx] + np.clip((lr - self.log_persistent_) / scale, -self.clip, self.clip)
+        p_before = self.pstat_[idx]
+        p = p_before + np.clip((lr - self.log_persistent_) / scale, -self.clip, self.clip)
         p = np.maximum(p, 0.0)
+        pstart = np.where(p > 0.0, np.where(p_before > 0.0, self.pstart_[idx], now), math.nan)
+        self.pstart_[idx] = pstart
         pers = self.persistent_[idx].copy()
         p_alarm = ((p > self.persistent_threshold) & ~pers & ~self.flagged_[idx]
                    & (self.base_n_[idx] >= self.init_steps) & (b_now >= self.log_persistent_))
@@ -508,7 +523,7 @@ class StragglerDetector(_StepDetector):
                  "threshold": float(self.h_[arm, 0]), "window_steps": m,
                  "change": round(math.expm1(mean_d), 5), "baseline": round(math.expm1(float(b[j])), 5),
                  "baseline_steps": int(nb[j]), "median_s": round(float(math.exp(med[j])), 6),
-                 "scale_log": round(float(scale[j]), 6)}, placement))
+                 "scale_log": round(float(scale[j]), 6)}, placement, float(start[arm, j])))
         for j in np.flatnonzero(p_alarm).tolist():
             bj = float(b_now[j])
             out.append(self._finding(
@@ -516,7 +531,7 @@ class StragglerDetector(_StepDetector):
                 {"persistent": True, "threshold": float(self.persistent_threshold),
                  "persistent_min": float(self.persistent_min), "baseline": round(math.expm1(bj), 5),
                  "baseline_steps": int(self.base_n_[r[j]]), "median_s": round(float(math.exp(med[j])), 6),
-                 "scale_log": round(float(scale[j]), 6)}, placement))
+                 "scale_log": round(float(scale[j]), 6)}, placement, float(pstart[j])))
         return out
 
 

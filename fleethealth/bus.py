@@ -16,8 +16,15 @@ listing the known ones. kafka-python exceptions are translated at this boundary:
 
 Every value a consumer cannot decode or validate goes to ``fh.deadletter`` as a JSON object
 (:class:`DeadLetter`) with the reason, is counted in ``Consumer.dead_lettered_total`` and skipped;
-the consumer keeps going. Commits are manual: ``commit()`` commits everything ``poll()`` has
-returned (and dead-lettered) so far, after the dead letters are flushed, so nothing accepted is lost.
+the consumer keeps going. A consumer given ``max_ahead_s`` / ``max_behind_s`` also dead-letters a
+value whose event time (``ts``) is further ahead of, or behind, the Kafka record timestamp than
+that (the reason names ``ts``): the record timestamp is the producer's clock when it sent
+(``CreateTime``, kafka-python's default) or the broker's (a topic with ``LogAppendTime``), so a
+forged or corrupt time cannot carry a record hours into the future. A producer replaying a
+recorded or simulated timeline stamps its records with their event time instead
+(``Producer(event_time_stamps=True)``), or its consumer leaves the bounds off. Commits are
+manual: ``commit()`` commits everything ``poll()`` has returned (and dead-lettered) so far,
+after the dead letters are flushed, so nothing accepted is lost.
 
 Against the embedded Tansu broker a consumer-group join waits for the group's timeouts (measured
 on Tansu 0.6: about half the session timeout), so consumers default to short ones: a 3 s
@@ -320,11 +327,15 @@ class Producer:
 
     Idempotent, ``acks=all``, compressed (zstd, else lz4, else gzip), small linger. Delivery is
     asynchronous: ``flush()`` waits for it and raises :class:`BusError` if any message failed.
+    Records carry the sender's clock as their timestamp, unless ``event_time_stamps``: then
+    :meth:`publish` stamps each with the message's event time (simulators, replays, tests that
+    publish a timeline other than now — what a consumer's event-time bound then accepts).
     """
 
     def __init__(self, dsn: str, *, client_id: str = "fleethealth", compression: str | None = None,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, event_time_stamps: bool = False) -> None:
         self.dsn = dsn
+        self.event_time_stamps = bool(event_time_stamps)
         backend = _backend(dsn)
         if compression is not None and compression not in {c for c, _ in _COMPRESSION_PREFERENCE}:
             raise ConfigError(f"unknown compression {compression!r} (known: zstd, lz4, gzip)")
@@ -342,12 +353,15 @@ class Producer:
 
     def publish(self, msg: Message) -> None:
         """Queue one schema message for delivery."""
-        self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode())
+        stamp = _timestamp_ms(msg.ts) if self.event_time_stamps else None
+        self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode(), timestamp_ms=stamp)
 
-    def publish_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue raw bytes for delivery (tests and the dead-letter path use it)."""
+    def publish_raw(self, topic: str, value: bytes, key: bytes | None = None, *,
+                    timestamp_ms: int | None = None) -> None:
+        """Queue raw bytes for delivery (tests and the dead-letter path use it); ``timestamp_ms`` is
+        the record timestamp (default: now, by the sender's clock)."""
         try:
-            future = self._kp.send(str(topic), value=value, key=key)
+            future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms)
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, f"publishing to {topic}", self.dsn) from exc
@@ -398,6 +412,13 @@ class Producer:
         self.close()
 
 
+def _timestamp_ms(ts: float) -> int | None:
+    """An event time as a Kafka record timestamp (None, i.e. now, for one Kafka cannot carry)."""
+    if not math.isfinite(ts) or ts < 0 or ts >= 2**62 / 1000:
+        return None
+    return int(round(ts * 1000.0))
+
+
 # ---------------------------------------------------------------- consumer
 class Consumer:
     """Consumes schema messages from ``topics`` as member of consumer group ``group``.
@@ -405,13 +426,15 @@ class Consumer:
     Offsets are committed only by :meth:`commit`. A value that fails to decode or validate is
     published to ``fh.deadletter`` (through ``producer`` if given, else one the consumer opens
     and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
-    at the earliest record, else at the latest.
+    at the earliest record, else at the latest. ``max_ahead_s`` / ``max_behind_s`` bound a
+    message's event time against its record timestamp (None: no bound; see the module docstring).
     """
 
     def __init__(self, dsn: str, topics: Sequence[str], group: str, *, producer: Producer | None = None,
                  from_beginning: bool = True, client_id: str = "fleethealth",
                  max_poll_interval_s: float = 3.0, session_timeout_s: float = 6.0,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, max_ahead_s: float | None = None,
+                 max_behind_s: float | None = None) -> None:
         if isinstance(topics, str):
             topics = [topics]
         if not topics:
@@ -420,6 +443,12 @@ class Consumer:
         unknown = [str(t) for t in topics if str(t) not in known]
         if unknown:
             raise ConfigError(f"topic {unknown[0]!r} carries no known message type (known: {sorted(known)})")
+        for name, bound in (("max_ahead_s", max_ahead_s), ("max_behind_s", max_behind_s)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float)
+                                      or not bound >= 0):
+                raise ConfigError(f"{name} must be a non-negative number of seconds or None, got {bound!r}")
+        self.max_ahead_s = None if max_ahead_s is None else float(max_ahead_s)
+        self.max_behind_s = None if max_behind_s is None else float(max_behind_s)
         self.dsn = dsn
         self.topics = tuple(str(t) for t in topics)
         self.group = group
@@ -513,8 +542,30 @@ class Consumer:
                     self._dead_letter(rec, f"<message>: {type(exc).__name__}: {exc}")
                     out.append((None, tp, rec.offset + 1))
                 else:
+                    skew = self._skew(msg, rec)
+                    if skew is not None:
+                        self._dead_letter(rec, skew)
+                        out.append((None, tp, rec.offset + 1))
+                        continue
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
+
+    def _skew(self, msg: Message | DeadLetter, rec: Any) -> str | None:
+        """Why ``msg``'s event time is out of bounds against the record timestamp, or None."""
+        if (self.max_ahead_s is None and self.max_behind_s is None) or isinstance(msg, DeadLetter):
+            return None
+        stamp = getattr(rec, "timestamp", None)
+        if not isinstance(stamp, int) or stamp < 0:
+            return None  # no record timestamp to bound against
+        broker = stamp / 1000.0
+        ahead = msg.ts - broker
+        if self.max_ahead_s is not None and ahead > self.max_ahead_s:
+            return (f"ts: event time {msg.ts:.3f} is {ahead:.0f} s ahead of the record timestamp {broker:.3f} "
+                    f"(max_ahead_s={self.max_ahead_s:g})")
+        if self.max_behind_s is not None and -ahead > self.max_behind_s:
+            return (f"ts: event time {msg.ts:.3f} is {-ahead:.0f} s behind the record timestamp {broker:.3f} "
+                    f"(max_behind_s={self.max_behind_s:g})")
+        return None
 
     @staticmethod
     def _decode(cls: Any, value: bytes | None) -> Message | DeadLetter:

@@ -8,6 +8,7 @@
     ├── BusError                     Kafka
     │   └── BusUnavailable           the broker cannot be reached or will not start
     ├── StoreError                   ClickHouse / chDB
+    │   ├── StoreUnavailable         the store cannot be reached (a connection error, a timeout): retry
     │   └── StoreLocked              a chDB path already owned by another process
     └── DeviceError                  a GPU, NVML or DCGM that is missing or not answering
 
@@ -23,6 +24,7 @@ __all__ = [
     "BusError",
     "BusUnavailable",
     "StoreError",
+    "StoreUnavailable",
     "StoreLocked",
     "DeviceError",
 ]
@@ -55,6 +57,11 @@ class BusUnavailable(BusError):
 
 class StoreError(FleetHealthError):
     """The store failed to run a statement."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (connection refused or reset, a timeout): the statement itself
+    may be fine, so a caller retries it."""
 
 
 class StoreLocked(StoreError):

@@ -7,6 +7,9 @@ one record, not two (docs/architecture.md "Findings and recommendations": ids ar
 =======================  ==========================================================================
 :func:`digest`           the id of a message from its identifying fields: 24 hex digits of BLAKE2b
                          over the fields' ``str`` joined by U+001F (events, findings, recommendations)
+:func:`episode`          a finding's episode start as an id part: event time quantised to the
+                         millisecond (the store's resolution), so a restart that re-detects the
+                         episode, concluding at another step or time, derives the same finding id
 :func:`token`            a deduplication token over a sequence of strings, in order (a store write
                          naming the input offsets and output ids it covers)
 :func:`derived`          the subject id of a record that another one caused: ``"tag:subject"``
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["digest", "token", "derived", "DIGEST_BYTES"]
+__all__ = ["digest", "token", "derived", "episode", "DIGEST_BYTES"]
 
 DIGEST_BYTES = 12
 """Bytes of BLAKE2b output (hex ids are twice as long)."""
@@ -31,6 +34,11 @@ _SEP = "\x1f"
 def digest(*parts: object) -> str:
     """The id of a record whose identity is ``parts`` (each rendered with ``str``; ``None`` is ``"None"``)."""
     return hashlib.blake2b(_SEP.join(map(str, parts)).encode(), digest_size=DIGEST_BYTES).hexdigest()
+
+
+def episode(ts: float) -> str:
+    """The id part naming an episode that began at event time ``ts`` (seconds, to the millisecond)."""
+    return f"episode@{ts:.3f}"
 
 
 def token(chunks: Iterable[str]) -> str:

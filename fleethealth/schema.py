@@ -22,6 +22,7 @@ import orjson
 
 from fleethealth.errors import SchemaError
 from fleethealth.ids import digest as _digest
+from fleethealth.ids import episode as _episode
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -635,7 +636,12 @@ class Finding:
     ``z`` is the detector's score for the rank (robust z or sequential statistic: higher is more
     abnormal); ``slowdown`` is the estimated compute-time ratio to peers minus one (0.2 = 20 %
     slower). ``probability`` is a failure probability for ``failure_risk``. ``step`` is the first
-    step at which the detector concluded. ``id`` is stable across replays of the same input.
+    step at which the detector concluded, ``ts`` its event time. ``episode_ts`` is the event time
+    the episode began (a straggler's first slow step, a hang's last progress, the sample or event
+    that opened a health episode): ``id`` names the kind, detector, job, node, GPU, rank and the
+    episode start — not when the detector concluded — so a restart or a replay that detects the same
+    episode again, at another step or time, derives the same id (:func:`fleethealth.ids.episode`).
+    Without ``episode_ts`` (a message from before it existed) the id names ``step`` and ``ts`` instead.
     """
 
     kind: FindingKind
@@ -651,6 +657,7 @@ class Finding:
     probability: float | None = None
     detector: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
+    episode_ts: float | None = None
     TOPIC: ClassVar[Topic] = Topic.FINDINGS
 
     @property
@@ -659,14 +666,16 @@ class Finding:
 
     @property
     def id(self) -> str:
-        return _digest(self.kind, self.detector, self.job, self.node, self.gpu, self.rank, self.step, self.ts)
+        if self.episode_ts is None:
+            return _digest(self.kind, self.detector, self.job, self.node, self.gpu, self.rank, self.step, self.ts)
+        return _digest(self.kind, self.detector, self.job, self.node, self.gpu, self.rank, _episode(self.episode_ts))
 
     def to_obj(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "id": self.id, "kind": self.kind.value, "job": self.job, "node": self.node,
                 "gpu": self.gpu, "rank": self.rank, "step": self.step, "ts": self.ts,
                 "diagnosis": None if self.diagnosis is None else self.diagnosis.value,
                 "z": self.z, "slowdown": self.slowdown, "probability": self.probability,
-                "detector": self.detector, "evidence": self.evidence}
+                "detector": self.detector, "evidence": self.evidence, "episode_ts": self.episode_ts}
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
@@ -680,7 +689,8 @@ class Finding:
                    z=_float(obj, "z", optional=True, minimum=None),
                    slowdown=_float(obj, "slowdown", optional=True, minimum=None),
                    probability=_float(obj, "probability", optional=True),
-                   detector=detector, evidence=_obj(obj, "evidence"))
+                   detector=detector, evidence=_obj(obj, "evidence"),
+                   episode_ts=_float(obj, "episode_ts", optional=True, maximum=MAX_TS))
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,18 @@ coincident independent failures at a small baseline cannot page on their own.
 A pattern's key names the rule and what it is about (the node, the job and step), never the time:
 an anomaly or a goodput collapse that lasts all day pages once a day, not once an hour. Keys older
 than ``repage_after_s`` are dropped, so ``paged_`` stays small.
+
+A page's id is deterministic in event time: it names the pattern's key, the event time its
+episode began (the interruption that made the pattern hold: the second on the node or at the
+step, the newest in the window for the rate and goodput rules) and how many ``repage_after_s``
+have passed since (0 for the first page, 1 for the first reminder …) — never the decision time,
+so a restart that evaluates the same interruptions again makes the same page, which consumers
+drop by id, while a reminder a day later is a page of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -51,6 +59,8 @@ class Page:
     job: str | None = None
     node: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    episode: str = ""
+    """The page's place in event time: ``"<episode start, s>+<repage number>"`` (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +76,11 @@ class PageReport:
     baseline_rate_per_h: float | None
 
     def to_recommendations(self, now: float) -> list[Recommendation]:
-        """One ``page`` recommendation per page; the id includes ``now``, so the same pattern paged
-        again after ``repage_after_s`` is a new recommendation, not a replay of the first."""
+        """One ``page`` recommendation per page, decided at ``now``; the id comes from the page's
+        ``episode``, so the same pattern paged again after ``repage_after_s`` is a new recommendation
+        and the same page decided again (a restart, another batching of the input) is not."""
         return [Recommendation(action=Action.PAGE, node=p.node or "fleet", ts=now, reason=p.reason,
-                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=derived("page", f"{p.key}@{now:.0f}"),
+                               guard=Guard.NEEDS_HUMAN, job=p.job, finding_id=derived("page", f"{p.key}@{p.episode}"),
                                evidence={"rule": p.rule.value, **p.evidence})
                 for p in self.pages]
 
@@ -110,7 +121,7 @@ class Pager:
         """Pages for the interruptions known at event time ``now`` (any order; future ones ignored)."""
         history = sorted((i for i in interruptions if i.ts <= now), key=lambda i: (i.ts, i.node or ""))
         recent = [i for i in history if i.ts > now - self.recent_s]
-        found: list[tuple[Page, set[int]]] = []
+        found: list[tuple[Page, set[int], float]] = []  # (page, the interruptions it explains, episode start)
 
         by_node: dict[str, list[int]] = {}
         for k, i in enumerate(recent):
@@ -123,7 +134,7 @@ class Pager:
                                    f"in {self.recent_s / 3600:.0f} h (jobs {', '.join(jobs)}): quarantine "
                                    "ineffective", key=f"{PageRule.QUARANTINE_INEFFECTIVE}:{node}", node=node,
                                    evidence={"count": len(idx), "jobs": jobs,
-                                             "ts": [recent[k].ts for k in idx]}), set(idx)))
+                                             "ts": [recent[k].ts for k in idx]}), set(idx), recent[idx[1]].ts))
 
         by_step: dict[tuple[str, int], list[int]] = {}
         for k, i in enumerate(recent):
@@ -135,7 +146,8 @@ class Pager:
                 found.append((Page(PageRule.DETERMINISTIC_FAILURE, f"job {job} failed {len(idx)} times at step "
                                    f"{step} (nodes {', '.join(nodes)}): deterministic failure, data or code, "
                                    "not hardware", key=f"{PageRule.DETERMINISTIC_FAILURE}:{job}:{step}", job=job,
-                                   evidence={"step": step, "count": len(idx), "nodes": nodes}), set(idx)))
+                                   evidence={"step": step, "count": len(idx), "nodes": nodes}), set(idx),
+                          recent[idx[1]].ts))
 
         window = [k for k, i in enumerate(recent) if i.ts > now - self.rate_window_s]
         observed = len(window) / (self.rate_window_s / 3600.0)
@@ -146,26 +158,29 @@ class Pager:
                                f"{baseline:.2f}/h (> {self.rate_factor:g}x): failure rate anomaly",
                                key=str(PageRule.FAILURE_RATE_ANOMALY),
                                evidence={"observed_per_h": observed, "baseline_per_h": baseline,
-                                         "factor": self.rate_factor, "count": len(window)}), set(window)))
+                                         "factor": self.rate_factor, "count": len(window)}), set(window),
+                          recent[window[-1]].ts))
 
         if goodput_1h is not None and goodput_1h < self.goodput_floor:
             found.append((Page(PageRule.GOODPUT_COLLAPSE, f"goodput over the last hour {goodput_1h:.2f} is below "
                                f"{self.goodput_floor:g}: restarts consume more time than steps",
                                key=str(PageRule.GOODPUT_COLLAPSE),
-                               evidence={"goodput_1h": goodput_1h, "floor": self.goodput_floor}), set(window)))
+                               evidence={"goodput_1h": goodput_1h, "floor": self.goodput_floor}), set(window),
+                          recent[window[-1]].ts if window else now))
 
         self.paged_ = {k: t for k, t in self.paged_.items() if now - t < self.repage_after_s}
         explained: set[int] = set()
         pages: list[Page] = []
         suppressed = 0
-        for page, idx in found:
+        for page, idx, since in found:
             explained |= idx
             last = self.paged_.get(page.key)
             if last is not None and now - last < self.repage_after_s:
                 suppressed += 1
                 continue
             self.paged_[page.key] = now
-            pages.append(page)
+            repage = max(0, int((now - since) // self.repage_after_s))
+            pages.append(dataclasses.replace(page, episode=f"{since:.0f}+{repage}"))
         return PageReport(pages=tuple(pages), interruptions=len(recent), independent=len(recent) - len(explained),
                           suppressed=suppressed, observed_rate_per_h=observed, baseline_rate_per_h=baseline)
 

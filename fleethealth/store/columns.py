@@ -114,6 +114,7 @@ def finding_columns(findings: Sequence[Finding]) -> dict[str, Any]:
         "diagnosis": [None if f.diagnosis is None else f.diagnosis.value for f in findings],
         "z": [f.z for f in findings], "slowdown": [f.slowdown for f in findings],
         "probability": [f.probability for f in findings], "evidence": [dumps(f.evidence) for f in findings],
+        "episode_ts_s": [f.episode_ts for f in findings],
     }
 
 

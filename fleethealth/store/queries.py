@@ -110,7 +110,8 @@ class NamedQueries:
         where, params = _filters(kind=kind, node=node, job=job, since=since, until=until)
         res = self.query(
             "SELECT kind, node, ts_s AS ts, nullIf(job, '') AS job, gpu, rank, step, diagnosis, z, slowdown, "
-            f"probability, detector, evidence FROM findings FINAL {where} ORDER BY ts_s, id{_limit(limit)}", params)
+            "probability, detector, evidence, episode_ts_s AS episode_ts "
+            f"FROM findings FINAL {where} ORDER BY ts_s, id{_limit(limit)}", params)
         return [schema.decode(Finding, row_object(res.columns, row, "evidence")) for row in res.rows]
 
     def recommendations(self, *, node: str | None = None, job: str | None = None, action: str | None = None,

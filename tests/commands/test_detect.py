@@ -61,7 +61,7 @@ def test_until_caught_up_logs_the_join_and_start_offsets_then_exits_once_read_to
 
     with EmbeddedBroker() as running:
         ensure_topics(running.dsn, partitions=4)
-        with Producer(running.dsn) as producer:
+        with Producer(running.dsn, event_time_stamps=True) as producer:
             for k in range(20):
                 for i, node in enumerate(("n0000", "n0001")):
                     producer.publish(Telemetry.from_columns(node, "r00", 1000.0 + 2 * k, [0, 1], temp_c=[50.0, 50.0]))

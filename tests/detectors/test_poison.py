@@ -102,17 +102,20 @@ def test_poison_pills_are_dead_lettered_and_the_traffic_around_them_is_stored(ow
     valid_events = [Event(node="n0002", ts=T0 + k, kind=EventKind.XID, gpu=1, code=31, message=f"{tag}-{k}")
                     for k in range(5)]
     raw = _raw_producer(own_broker.dsn)
+    at = int(T0 * 1000)  # a timeline of its own: stamped with its event time, as a replay would be
     keys = []
     for k, (topic, obj, _) in enumerate(POISON):
         key = f"{tag}:{k}"
         keys.append(key)
-        raw.send(topic.value, value=obj if isinstance(obj, bytes) else orjson.dumps(obj), key=key.encode())
+        raw.send(topic.value, value=obj if isinstance(obj, bytes) else orjson.dumps(obj), key=key.encode(),
+                 timestamp_ms=at)
         if k < len(valid_steps):
-            raw.send(Topic.STEPS.value, value=schema.encode(valid_steps[2 * k]), key=valid_steps[2 * k].key.encode())
+            raw.send(Topic.STEPS.value, value=schema.encode(valid_steps[2 * k]), key=valid_steps[2 * k].key.encode(),
+                     timestamp_ms=at)
             raw.send(Topic.STEPS.value, value=schema.encode(valid_steps[2 * k + 1]),
-                     key=valid_steps[2 * k + 1].key.encode())
+                     key=valid_steps[2 * k + 1].key.encode(), timestamp_ms=at)
     for event in valid_events:
-        raw.send(Topic.EVENTS.value, value=schema.encode(event), key=event.key.encode())
+        raw.send(Topic.EVENTS.value, value=schema.encode(event), key=event.key.encode(), timestamp_ms=at)
     raw.flush()
     raw.close()
 

@@ -95,7 +95,7 @@ def _published_scenario(dsn: str, job: str, steps: int) -> tuple[dict[tuple[int,
     })
     expected: dict[tuple[int, int], float] = {}
     gpu_rows = events = 0
-    with Producer(dsn, client_id="crash-fleet") as producer:
+    with Producer(dsn, client_id="crash-fleet", event_time_stamps=True) as producer:
         for tick in FleetSim(scenario).run():
             for msg in (*tick.telemetry, *tick.batches, *tick.events):
                 producer.publish(msg)
@@ -192,7 +192,7 @@ def test_killed_between_every_write_and_publish_no_recommendation_is_lost(own_br
                    {"kind": "xid", "node": "n0002", "gpu": 1, "step": 60, "code": 79},
                    {"kind": "sdc_transient", "node": "n0003", "gpu": 0, "start_step": 90}],
     })
-    with Producer(own_broker.dsn, client_id="outbox-fleet") as producer:
+    with Producer(own_broker.dsn, client_id="outbox-fleet", event_time_stamps=True) as producer:
         for tick in FleetSim(scenario).run():
             for msg in (*tick.telemetry, *tick.batches, *tick.events):
                 producer.publish(msg)
@@ -279,7 +279,7 @@ def test_refused_step_batches_are_not_stored(own_broker: EmbeddedBroker, tmp_pat
                          ranks=np.array(ranks, dtype=np.int32), gpus=np.arange(len(ranks), dtype=np.int16),
                          compute_s=np.full(len(ranks), value))
 
-    with Producer(own_broker.dsn) as producer:
+    with Producer(own_broker.dsn, event_time_stamps=True) as producer:
         for step in range(20):
             producer.publish(batch("n0001", step, [0, 1], 1.0))
             producer.publish(batch("n0002", step, [2, 3], 1.0))
@@ -484,7 +484,8 @@ def test_malformed_input_is_dead_lettered_with_reasons_while_valid_input_keeps_f
     seen_malformed: list[int] = []
     with Runner(own_broker.dsn, store, group=_uid("fuzz-runner"), registry=CollectorRegistry()) as runner, \
             Consumer(own_broker.dsn, [Topic.DEADLETTER], _uid("fuzz-dl"), session_timeout_s=2.0,
-                     max_poll_interval_s=2.0) as letters, Producer(own_broker.dsn, client_id="fuzz") as producer:
+                     max_poll_interval_s=2.0) as letters, \
+            Producer(own_broker.dsn, client_id="fuzz", event_time_stamps=True) as producer:
         taken = 0
 
         @settings(max_examples=_EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -607,7 +608,7 @@ def test_the_reorder_buffer_stays_bounded_and_nothing_is_lost(own_broker, tmp_pa
     records a poll: whichever runs ahead waits in the reorder buffer, but never more than
     ``max_held`` records (the oldest go early and are counted), and everything reaches the store."""
     n = 120
-    with Producer(own_broker.dsn) as producer:
+    with Producer(own_broker.dsn, event_time_stamps=True) as producer:
         for k in range(n):
             producer.publish(Telemetry.from_columns("n0001", "r00", 1000.0 + k, [0], temp_c=[60.0]))
         for k in range(n):
@@ -664,7 +665,7 @@ def test_an_executed_eviction_reported_on_the_bus_is_judged_and_recorded(own_bro
             done = ActionRecord(recommendation_id=rec.id, scheduler="slurm", node=rec.node, action=Action.EVICT,
                                 outcome=Outcome.DONE, ts=rec.ts + 5.0, rec_ts=rec.ts, job=rec.job)
             seen = runner.consumer.consumed_total
-            with Producer(own_broker.dsn) as producer:
+            with Producer(own_broker.dsn, event_time_stamps=True) as producer:
                 producer.publish(done.to_event())
                 for i in range(4):  # the fleet's clock moves on past settle_s
                     producer.publish(Telemetry.from_columns(f"n{i:04d}", f"r{i // 2:02d}", rec.ts + 2000.0,

@@ -71,7 +71,7 @@ def _steps(first: int, last: int, *, missing: dict[int, str] | None = None) -> l
 
 def _publish(dsn: str, messages: Iterable[Message]) -> int:
     n = 0
-    with Producer(dsn, client_id="traffic") as producer:
+    with Producer(dsn, client_id="traffic", event_time_stamps=True) as producer:
         for msg in messages:
             producer.publish(msg)
             n += 1

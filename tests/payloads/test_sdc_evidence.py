@@ -26,12 +26,12 @@ def _finding_from_the_detector():
 
 def test_the_detector_writes_the_evidence_on_the_wire() -> None:
     assert encode(_finding_from_the_detector()) == (
-        b'{"v":1,"id":"4fa5b3dfac393da44c3319bf","kind":"sdc","job":"train-1","node":"n0000","gpu":1,"rank":1,'
+        b'{"v":1,"id":"03d5d8a98fc83922c6cbfbfb","kind":"sdc","job":"train-1","node":"n0000","gpu":1,"rank":1,'
         b'"step":500,"ts":7.0,"diagnosis":null,"z":null,"slowdown":null,"probability":null,"detector":"sdc.replay",'
         b'"evidence":{"check":"replay","classification":"persistent","digests":["0a1b","ffee"],"duration_s":0.4,'
         b'"peer_ranks":[3,5],"culprit_rank":1,"tolerance":1e-6,"reporting_rank":1,"hardware":true,'
         b'"last_verified_step":350,"last_replay_step":null,"checkpoints":[{"step":400,"uri":"ckpt://train-1/400",'
-        b'"last_verified_step":350,"last_replay_step":null}]}}')
+        b'"last_verified_step":350,"last_replay_step":null}]},"episode_ts":7.0}')
 
 
 def test_evidence_reads_back_typed() -> None:

@@ -140,3 +140,13 @@ def test_paged_entries_older_than_the_repage_interval_are_pruned():
     assert list(pager.paged_) == ["quarantine_ineffective:n0417"]
     pager.evaluate([], now=4 * H)
     assert pager.paged_ == {}
+
+
+def test_a_page_decided_again_after_a_restart_has_the_same_id():
+    """A restarted runner's pager starts empty and sees the same interruptions at another decision
+    time (its batches end elsewhere): the page is the same recommendation, not a second one."""
+    history = [_i(0, "n0417", 100), _i(H, "n0417", 200)]
+    first = Pager(baseline_per_h=BASE).evaluate(history, now=H).to_recommendations(H)
+    again = Pager(baseline_per_h=BASE).evaluate(history, now=H + 17.3).to_recommendations(H + 17.3)
+    assert len(first) == len(again) == 1
+    assert first[0].id == again[0].id and first[0].ts != again[0].ts

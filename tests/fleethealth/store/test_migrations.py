@@ -74,8 +74,9 @@ def test_core_schema_keys(store: Store) -> None:
     keys = {name: (engine, key) for name, engine, key in res.rows}
     assert keys["gpu_samples"] == ("ReplacingMergeTree", "node, gpu, ts")
     assert keys["rank_steps"] == ("ReplacingMergeTree", "job, step, rank")
-    for table in ("events", "findings"):
-        assert keys[table] == ("ReplacingMergeTree", "node, ts, id")
+    assert keys["events"] == ("ReplacingMergeTree", "node, ts, id")
+    # keyed on what a finding is about and its episode start, not on when it was concluded (007)
+    assert keys["findings"] == ("ReplacingMergeTree", "node, id")
     # keyed on what a recommendation is about, not on when it was decided (006_outbox.sql)
     assert keys["recommendations"] == ("ReplacingMergeTree", "node, id")
     assert keys["outbox"] == ("ReplacingMergeTree", "topic, id")
