@@ -75,7 +75,7 @@ def test_core_schema_keys(store: Store) -> None:
     assert keys["gpu_samples"] == ("ReplacingMergeTree", "node, gpu, ts")
     assert keys["rank_steps"] == ("ReplacingMergeTree", "job, step, rank")
     assert keys["events"] == ("ReplacingMergeTree", "node, ts, id")
-    # keyed on what a finding is about and its episode start, not on when it was concluded (007)
+    # keyed on what a finding is about and its episode start, not on when it was concluded (008)
     assert keys["findings"] == ("ReplacingMergeTree", "node, id")
     # keyed on what a recommendation is about, not on when it was decided (006_outbox.sql)
     assert keys["recommendations"] == ("ReplacingMergeTree", "node, id")

@@ -77,7 +77,7 @@ def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_pat
         assert "gpu_samples_1m" not in _tables(store)
         assert _codecs(store, "gpu_samples")["temp_c"] == ""  # 001: plain Float64, no codec
         store.insert_telemetry(samples)
-        assert store.migrate() == ["007_samples_at_scale.sql"]
+        assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql"]
         assert _codecs(store, "gpu_samples")["temp_c"] == "CODEC(Gorilla(4), ZSTD(1))"
         assert "gpu_samples_006" not in _tables(store)
         back = store.telemetry()
@@ -200,5 +200,6 @@ def test_a_cluster_store_sends_the_cluster_form_and_unknown_statements_are_refus
         ClusterDDL("fleet").translate("DROP TABLE nowhere")
     with pytest.raises(StoreError, match="plain identifier"):
         ClusterDDL("fleet; DROP")
-    assert split_statements(migration_files()[-1].sql)[0].startswith("RENAME TABLE gpu_samples")
+    at_scale = next(m for m in migration_files() if m.name == "007_samples_at_scale.sql")
+    assert split_statements(at_scale.sql)[0].startswith("RENAME TABLE gpu_samples")
     assert FLOAT32_FIELDS <= set(GPU_FIELDS) | {"nic_util"}  # the Float32 set names real fields
