@@ -56,13 +56,14 @@ def _read_all(dsn: str, topic: str, expected: int, timeout_s: float = 60.0) -> l
     return values
 
 
-def trial(freeze_s: float, rate_hz: float, before_s: float, after_s: float, work: Path) -> dict[str, object]:
+def trial(freeze_s: float, rate_hz: float, before_s: float, after_s: float, work: Path, *,
+          ensure: bool = False) -> dict[str, object]:
     broker = EmbeddedBroker().start()
     stop = threading.Event()
     submitted = 0
     try:
         ensure_topics(broker.dsn, partitions=1, topics=[Topic.EVENTS.value])
-        delivery = Delivery(broker.dsn, Spool(work / "spool"))
+        delivery = Delivery(broker.dsn, Spool(work / "spool"), on_connect=ensure_topics if ensure else None)
         delivery.start()
 
         def produce() -> None:
@@ -120,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-hz", type=float, default=10.0, help="records submitted per second")
     parser.add_argument("--before-s", type=float, default=3.0, help="steady delivery before the freeze")
     parser.add_argument("--after-s", type=float, default=120.0, help="how long to wait for recovery")
+    parser.add_argument("--ensure-topics", action="store_true",
+                        help="create the topics after every (re)connect, as `fleethealth probe --ensure-topics`")
     args = parser.parse_args(argv)
     trials = []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="fh-freeze-") as work:
-            trials.append(trial(args.freeze_s, args.rate_hz, args.before_s, args.after_s, Path(work)))
+            trials.append(trial(args.freeze_s, args.rate_hz, args.before_s, args.after_s, Path(work),
+                                ensure=args.ensure_topics))
         print(json.dumps({"trial": i, **trials[-1]}), file=sys.stderr, flush=True)
     firsts = [t["first_after_thaw_s"] for t in trials]
     print(json.dumps({"freeze_s": args.freeze_s, "trials": trials,

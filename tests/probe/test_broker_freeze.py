@@ -150,3 +150,65 @@ def test_what_a_full_spool_dropped_is_reported_on_the_bus_when_it_returns(tmp_pa
     lost = samples[:dropped]  # the oldest went; their event times are the range reported
     assert report.data["first_ts"] == lost[0].ts and report.data["last_ts"] == lost[-1].ts
     assert [t.ts for t in telemetry] == [t.ts for t in samples[dropped:]]
+
+
+_FAULTY = {"seed": 5, "fleet": {"racks": 2, "nodes_per_rack": 4, "gpus_per_node": 4},
+           "job": {"id": "dup-job", "steps": 160, "step_time_s": 2.0, "jitter": 0.02},
+           "checks": {"selfcheck_every": 40, "replay_every": 80, "checkpoint_every": 20},
+           "faults": [{"kind": "thermal_straggler", "node": "n0005", "gpu": 1, "start_step": 40, "slowdown": 0.25},
+                      {"kind": "xid", "node": "n0002", "gpu": 3, "step": 90, "code": 79}]}
+
+
+def _node_streams() -> list[list[object]]:
+    """What each sim step puts on the bus, node by node (a probe's delivery order)."""
+    out: list[list[object]] = []
+    for step in FleetSim(Scenario.from_obj(_FAULTY)).run():
+        out.append([*step.telemetry, *step.batches, *step.events])
+    return out
+
+
+def _detect(chunks: list[list[object]]) -> tuple[set[str], set[str]]:
+    from fleethealth.detectors.pipeline import Pipeline
+    from fleethealth.detectors.runner import conclude
+    from fleethealth.policy.stage import PolicyStage
+
+    pipe, stage = Pipeline(), PolicyStage()
+    findings: set[str] = set()
+    recs: set[str] = set()
+    for chunk in chunks:
+        out = conclude(pipe, stage, chunk)
+        findings |= {f.id for f in out.findings}
+        recs |= {r.id for r in out.recommendations}
+    out = conclude(pipe, stage, [], final=True)
+    findings |= {f.id for f in out.findings}
+    recs |= {r.id for r in out.recommendations}
+    return findings, recs
+
+
+def test_a_batch_published_twice_by_a_new_producer_changes_no_finding_and_no_stored_row(store) -> None:
+    """The repeat the idempotent producer cannot prevent (a producer that failed, a probe killed with a
+    batch in flight) is absorbed by the consumers' natural keys: same findings, same rows."""
+    chunks = _node_streams()
+    once = [m for chunk in chunks for m in chunk]
+    # one node's in-flight batch — its sample, step batch and events of a few steps — arrives twice
+    node = "n0005"
+    repeated: list[list[object]] = []
+    for k, chunk in enumerate(chunks):
+        repeated.append(chunk)
+        if k % 25 == 10:
+            repeated.append([m for m in chunk if getattr(m, "node", None) == node or isinstance(m, Event)])
+    assert sum(map(len, repeated)) > len(once)
+    clean = _detect(chunks)
+    assert clean[0], "the scenario's faults must be found for the comparison to mean anything"
+    assert _detect(repeated) == clean
+
+    for chunk in repeated:  # separate inserts, as the runner's batches would be
+        store.insert_telemetry([m for m in chunk if isinstance(m, Telemetry)])
+        store.insert_steps([m for m in chunk if type(m).__name__ == "StepBatch"])
+        store.insert_events([m for m in chunk if isinstance(m, Event)])
+    counts = {t: store.query(f"SELECT count() FROM {t} FINAL").rows[0][0]
+              for t in ("gpu_samples", "rank_steps", "events")}
+    tel = [m for m in once if isinstance(m, Telemetry)]
+    assert counts["gpu_samples"] == sum(len(t.gpu) for t in tel)
+    assert counts["rank_steps"] == sum(len(m.ranks) for m in once if type(m).__name__ == "StepBatch")
+    assert counts["events"] == len({m.id for m in once if isinstance(m, Event)})
