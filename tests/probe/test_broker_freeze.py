@@ -212,3 +212,14 @@ def test_a_batch_published_twice_by_a_new_producer_changes_no_finding_and_no_sto
     assert counts["gpu_samples"] == sum(len(t.gpu) for t in tel)
     assert counts["rank_steps"] == sum(len(m.ranks) for m in once if type(m).__name__ == "StepBatch")
     assert counts["events"] == len({m.id for m in once if isinstance(m, Event)})
+
+
+@pytest.mark.parametrize("name", ["request_timeout_s", "reconnect_backoff_max_s", "delivery_timeout_s"])
+def test_a_timeout_that_is_not_positive_is_a_config_error(tmp_path, name) -> None:
+    from fleethealth.bus import Producer
+    from fleethealth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=name):
+        Delivery("kafka://127.0.0.1:9", Spool(tmp_path / "spool"), node="n0000", **{name: 0.0})
+    with pytest.raises(ConfigError, match=name):  # refused before any connection is tried
+        Producer("kafka://127.0.0.1:9", **{name: float("nan")})
