@@ -155,7 +155,8 @@ def process_trial(freeze_s: float, rate_hz: float, before_s: float, after_s: flo
             [sys.executable, "-m", "fleethealth", "probe", "--source", "sim", "--kafka", broker.dsn,
              "--node", "n0000", "--interval", str(1.0 / rate_hz), "--no-socket", "--no-nic", "--metrics-port", "0",
              "--spool-dir", str(work / "spool"), "--ensure-topics", "--log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(work / "probe.log", "wb"))  # noqa: SIM115
+            env=env, cwd=work, stdout=subprocess.DEVNULL,  # cwd: the checkout named by PYTHONPATH must win
+            stderr=open(work / "probe.log", "wb"))  # noqa: SIM115
         deadline = time.monotonic() + 60
         while not arrivals and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -168,8 +168,8 @@ class Delivery:
                 self._publish(start, batch, drops)
             self._producer.flush(self.flush_timeout_s)
         except BusUnavailable as exc:  # not acknowledged (or not accepted) yet: same producer, flush again
-            waited = time.monotonic() - waited_from >= self.flush_timeout_s / 2
-            self._fail(exc, drop_producer=False, pause=not (waited and self._inflight is not None))
+            waited = time.monotonic() - waited_from >= min(self.flush_timeout_s, self.request_timeout_s) / 2
+            self._fail(exc, drop_producer=False, pause=not waited)
             return 0
         except Exception as exc:  # the records failed (or the client broke): publish them again later
             self._inflight = None
@@ -225,8 +225,9 @@ class Delivery:
 
     def _fail(self, exc: BaseException, *, drop_producer: bool, pause: bool = True) -> None:
         """Count a failure; ``drop_producer`` closes the producer (a fresh one is built next time);
-        ``pause`` backs off (exponentially) before the next attempt — not when a flush has just
-        waited its full time for a batch in flight, which is the wait already."""
+        ``pause`` backs off (exponentially) before the next attempt — not when the call has just
+        waited its full time (a flush for the batch in flight, a publish for metadata), which is the
+        wait already."""
         self._failures += 1
         self._healthy = False
         self._last_error = f"{type(exc).__name__}: {exc}"
