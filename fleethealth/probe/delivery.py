@@ -20,7 +20,8 @@ unanswered) — is waited out by **one** producer:
 - While a batch is in flight the delivery thread waits in ``flush`` — no back-off sleep on top —
   and the producer reconnects at most ``reconnect_backoff_max_s`` apart, so delivery resumes within
   about ``reconnect_backoff_max_s`` + ``request_timeout_s`` of the broker answering again.
-  Only connecting (building the producer) backs off, from ``backoff_s`` to ``max_backoff_s``.
+  Only connecting (building the producer), or a call that failed at once, backs off, from
+  ``backoff_s`` to ``max_backoff_s``.
 
 Records the spool dropped beyond its bound are reported on the bus as a ``spool_dropped`` event
 (counts, bytes, per topic, time range) ahead of the first batch delivered after the outage.
