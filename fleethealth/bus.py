@@ -248,13 +248,16 @@ class _KafkaBackend:
             raise ConfigError("the kafka:// bus needs kafka-python (pip install kafka-python)") from exc
         return kafka
 
-    def producer(self, client_id: str, compression: str, connect_timeout_ms: int) -> Any:
+    def producer(self, client_id: str, compression: str, connect_timeout_ms: int, **timeouts: int) -> Any:
+        """``timeouts`` override ``max_block_ms``, ``request_timeout_ms``, ``delivery_timeout_ms`` and
+        ``reconnect_backoff_max_ms`` (see :class:`Producer`)."""
         kafka = self._kafka()
+        settings: dict[str, Any] = {"max_block_ms": 10_000, "request_timeout_ms": 10_000,
+                                    "delivery_timeout_ms": 30_000, **timeouts}
         return kafka.KafkaProducer(
             bootstrap_servers=self.hosts, client_id=client_id, acks="all", enable_idempotence=True,
             compression_type=compression, linger_ms=5, batch_size=256 * 1024,
-            max_block_ms=10_000, request_timeout_ms=10_000, delivery_timeout_ms=30_000,
-            bootstrap_timeout_ms=connect_timeout_ms, **self.options)
+            bootstrap_timeout_ms=connect_timeout_ms, **settings, **self.options)
 
     def consumer(self, topics: Sequence[str], group: str, client_id: str, from_beginning: bool,
                  max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
@@ -322,6 +325,24 @@ def _is_kafka_error(exc: BaseException) -> bool:
 
 
 # ---------------------------------------------------------------- producer
+_NEVER_MS = 2**31 - 1
+"""A delivery timeout of ``math.inf``: about 24.8 days, the largest a Kafka client takes."""
+
+
+def _producer_timeouts(**seconds: float | None) -> dict[str, int]:
+    """kafka-python's ``*_ms`` settings for the timeouts given (``None`` left out), checked."""
+    out: dict[str, int] = {}
+    for name, value in seconds.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+            raise ConfigError(f"producer {name} must be a positive number of seconds, got {value!r}")
+        out[name.removesuffix("_s") + "_ms"] = _NEVER_MS if math.isinf(value) else max(1, int(value * 1000))
+    if "delivery_timeout_ms" in out:  # kafka-python requires delivery >= linger + request timeout
+        out["delivery_timeout_ms"] = max(out["delivery_timeout_ms"], out.get("request_timeout_ms", 10_000) + 5)
+    return out
+
+
 class Producer:
     """Publishes schema messages: topic ``msg.TOPIC``, key ``msg.key``, value ``schema.encode(msg)``.
 
@@ -330,18 +351,33 @@ class Producer:
     Records carry the sender's clock as their timestamp, unless ``event_time_stamps``: then
     :meth:`publish` stamps each with the message's event time (simulators, replays, tests that
     publish a timeline other than now — what a consumer's event-time bound then accepts).
+
+    The idempotent producer retries a request that timed out with the same producer id and
+    sequence numbers, so the broker drops a second copy of a batch whose first copy arrived after
+    all; that holds only within one producer's life and while its batches have not expired.
+    Timeouts (``None`` keeps the default): ``max_block_s`` (10 s) bounds a ``publish`` waiting for
+    metadata or buffer space; ``request_timeout_s`` (10 s) closes a connection whose request got no
+    answer, the batch then retried on a new one; ``delivery_timeout_s`` (30 s) fails a batch not
+    acknowledged in that time (``math.inf``: never — retried until the broker answers);
+    ``reconnect_backoff_max_s`` (kafka-python's 30 s) caps the wait between reconnect attempts.
     """
 
     def __init__(self, dsn: str, *, client_id: str = "fleethealth", compression: str | None = None,
-                 connect_timeout_s: float = 10.0, event_time_stamps: bool = False) -> None:
+                 connect_timeout_s: float = 10.0, max_block_s: float | None = None,
+                 request_timeout_s: float | None = None, delivery_timeout_s: float | None = None,
+                 reconnect_backoff_max_s: float | None = None,
+                 event_time_stamps: bool = False) -> None:
         self.dsn = dsn
         self.event_time_stamps = bool(event_time_stamps)
         backend = _backend(dsn)
         if compression is not None and compression not in {c for c, _ in _COMPRESSION_PREFERENCE}:
             raise ConfigError(f"unknown compression {compression!r} (known: zstd, lz4, gzip)")
         self.compression = compression or _compression()
+        timeouts = _producer_timeouts(max_block_s=max_block_s, request_timeout_s=request_timeout_s,
+                                      delivery_timeout_s=delivery_timeout_s,
+                                      reconnect_backoff_max_s=reconnect_backoff_max_s)
         try:
-            self._kp = backend.producer(client_id, self.compression, int(connect_timeout_s * 1000))
+            self._kp = backend.producer(client_id, self.compression, int(connect_timeout_s * 1000), **timeouts)
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, "connecting a producer", dsn) from exc

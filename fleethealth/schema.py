@@ -131,6 +131,7 @@ class EventKind(StrEnum):
     TELEMETRY_STALLED = "telemetry_stalled"
     GPU_LOST = "gpu_lost"
     PROBE_ERROR = "probe_error"
+    SPOOL_DROPPED = "spool_dropped"  # a probe's spool overflowed in an outage: counts, bytes, topics, time range
     INTERRUPTION = "interruption"
     CHECKPOINT = "checkpoint"
     SCHEDULER_ACTION = "scheduler_action"

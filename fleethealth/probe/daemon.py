@@ -110,7 +110,8 @@ class Probe:
             if dsn is None:
                 raise ConfigError("probe: --kafka DSN is required")
             spool = Spool(Path(config.spool_dir), max_bytes=config.spool_max_bytes)
-            delivery = Delivery(dsn, spool, client_id=f"fleethealth-probe-{config.node}", on_connect=on_connect)
+            delivery = Delivery(dsn, spool, client_id=f"fleethealth-probe-{config.node}", on_connect=on_connect,
+                                node=config.node)
         self.source = source
         self.config = config
         self.delivery = delivery

@@ -6,6 +6,13 @@ the bound; on reconnect the records replay in the order they were accepted. Beyo
 ``max_bytes`` (default 512 MiB) the *oldest* records are dropped, a segment at a time, and
 counted in ``dropped_total`` — the newest telemetry is the most useful after a long outage.
 
+What was dropped is also kept for a report on the bus (:meth:`Spool.drops_to_report`): how many
+records and bytes, per topic, and the range of their times (the ``ts`` given to :meth:`append`,
+the event time of a schema message). It survives a restart in ``DIR/dropped.json`` until the
+delivery says the report was acknowledged (:meth:`Spool.drops_reported`). For segments left by an
+earlier run the times are not known: the range is then bounded by the segment file's modification
+time (the last append to it).
+
 Layout: ``DIR/seg-<12 digits>.log`` segment files of records ``<u32 value_len><u16 topic_len>
 <u16 key_len or 0xFFFF for none> topic key value``, and ``DIR/cursor`` holding the read position
 (``<segment> <offset>``), replaced atomically on every acknowledgement. A record cut short by a
@@ -15,15 +22,20 @@ one never discards more than an eighth of the bound.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
 import struct
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fleethealth.errors import ConfigError
 
-__all__ = ["Spool", "SpoolRecord", "SpoolStats", "DEFAULT_MAX_BYTES"]
+__all__ = ["Spool", "SpoolDrops", "SpoolRecord", "SpoolStats", "DEFAULT_MAX_BYTES"]
 
 DEFAULT_MAX_BYTES = 512 << 20
 _HEADER = struct.Struct("<IHH")
@@ -51,6 +63,51 @@ class SpoolStats:
     dropped_bytes_total: int
 
 
+@dataclass(frozen=True, slots=True)
+class SpoolDrops:
+    """Records the spool dropped (beyond its bound) and has not yet reported on the bus.
+
+    ``first_ts`` / ``last_ts`` bound the times of the dropped records (seconds since the epoch,
+    NaN when unknown); ``topics`` counts the dropped records per topic.
+    """
+
+    records: int
+    bytes: int
+    first_ts: float
+    last_ts: float
+    topics: dict[str, int] = field(default_factory=dict)
+
+    def merged(self, other: SpoolDrops | None) -> SpoolDrops:
+        if other is None:
+            return self
+        topics = Counter(self.topics)
+        topics.update(other.topics)
+        return SpoolDrops(self.records + other.records, self.bytes + other.bytes,
+                          _nanmin(self.first_ts, other.first_ts), _nanmax(self.last_ts, other.last_ts),
+                          dict(sorted(topics.items())))
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"records": self.records, "bytes": self.bytes,
+                "first_ts": None if math.isnan(self.first_ts) else self.first_ts,
+                "last_ts": None if math.isnan(self.last_ts) else self.last_ts, "topics": dict(self.topics)}
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> SpoolDrops:
+        def ts(value: Any) -> float:
+            return math.nan if value is None else float(value)
+
+        return cls(int(obj["records"]), int(obj["bytes"]), ts(obj.get("first_ts")), ts(obj.get("last_ts")),
+                   {str(k): int(v) for k, v in dict(obj.get("topics") or {}).items()})
+
+
+def _nanmin(a: float, b: float) -> float:
+    return b if math.isnan(a) else a if math.isnan(b) else min(a, b)
+
+
+def _nanmax(a: float, b: float) -> float:
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
+
+
 @dataclass
 class _Segment:
     seq: int
@@ -58,6 +115,9 @@ class _Segment:
     size: int       # bytes in the file
     records: int    # unread records in the file
     offset: int = 0  # read position (only the head segment is ever partly read)
+    first_ts: float = math.nan  # times of the records appended to it (NaN: not known, see _load)
+    last_ts: float = math.nan
+    topics: Counter[str] = field(default_factory=Counter)  # unread records per topic
 
 
 class Spool:
@@ -77,20 +137,27 @@ class Spool:
         self._segments: deque[_Segment] = deque()
         self._appended = self._acked = self._dropped = self._dropped_bytes = 0
         self._head_seq = 0  # number of records removed (acked or dropped) since open: the head's index
+        self._unreported: SpoolDrops | None = None  # dropped, not yet handed out for a report
+        self._reporting: SpoolDrops | None = None   # handed out by drops_to_report, not yet acknowledged
+        self._load_drops()
         self._load()
         self._writer = open(self._segments[-1].path, "ab")  # noqa: SIM115 - held open for appends
 
     # ------------------------------------------------------------ writing
-    def append(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue one record; drop the oldest records first if the bound would be exceeded."""
+    def append(self, topic: str, value: bytes, key: bytes | None = None, *, ts: float | None = None) -> None:
+        """Queue one record; drop the oldest records first if the bound would be exceeded.
+
+        ``ts`` is the record's time for a drop report (default: now)."""
         t = topic.encode()
         k = b"" if key is None else key
         if len(t) >= _NO_KEY or len(k) >= _NO_KEY:
             raise ConfigError("spool: topic and key must be shorter than 65535 bytes")
+        ts = time.time() if ts is None or not math.isfinite(ts) else float(ts)
         size = _HEADER.size + len(t) + len(k) + len(value)
         if size > self.max_bytes:
             self._dropped += 1
             self._dropped_bytes += size
+            self._note_drop(SpoolDrops(1, size, ts, ts, {topic: 1}))
             return
         tail = self._segments[-1]
         if tail.size >= self.segment_bytes:
@@ -106,6 +173,9 @@ class Spool:
         self._writer.flush()
         tail.size += size
         tail.records += 1
+        tail.first_ts = _nanmin(tail.first_ts, ts)
+        tail.last_ts = _nanmax(tail.last_ts, ts)
+        tail.topics[topic] += 1
         self._appended += 1
 
     # ------------------------------------------------------------ reading
@@ -146,8 +216,9 @@ class Spool:
                 with open(seg.path, "rb") as fh:
                     fh.seek(seg.offset)
                     for _ in range(take):
-                        _read_record(fh)
+                        seg.topics[_read_record(fh).topic] -= 1
                     seg.offset = fh.tell()
+                seg.topics = +seg.topics
                 seg.records -= take
                 left -= take
                 self._acked += take
@@ -173,6 +244,21 @@ class Spool:
     def stats(self) -> SpoolStats:
         return SpoolStats(len(self), self.pending_bytes, self._appended, self._acked, self._dropped,
                           self._dropped_bytes)
+
+    # ------------------------------------------------------------ drop reports
+    def drops_to_report(self) -> SpoolDrops | None:
+        """What was dropped and not yet reported, or ``None``. The same report is returned until
+        :meth:`drops_reported` (drops after it are kept for the next report)."""
+        if self._reporting is None and self._unreported is not None:
+            self._reporting, self._unreported = self._unreported, None
+            self._write_drops()
+        return self._reporting
+
+    def drops_reported(self) -> None:
+        """The report :meth:`drops_to_report` returned is on the bus: forget it."""
+        if self._reporting is not None:
+            self._reporting = None
+            self._write_drops()
 
     def close(self) -> None:
         self._writer.close()
@@ -200,8 +286,37 @@ class Spool:
         self._head_seq += seg.records
         self._dropped += seg.records
         self._dropped_bytes += seg.size - seg.offset
+        if seg.records:
+            self._note_drop(SpoolDrops(seg.records, seg.size - seg.offset, seg.first_ts, seg.last_ts,
+                                       dict(sorted((+seg.topics).items()))))
         seg.path.unlink(missing_ok=True)
         self._write_cursor()
+
+    def _note_drop(self, drop: SpoolDrops) -> None:
+        self._unreported = drop.merged(self._unreported)
+        self._write_drops()
+
+    def _write_drops(self) -> None:
+        path = self.directory / "dropped.json"
+        if self._unreported is None and self._reporting is None:
+            path.unlink(missing_ok=True)
+            return
+        obj = {"pending": None if self._unreported is None else self._unreported.to_obj(),
+               "reporting": None if self._reporting is None else self._reporting.to_obj()}
+        tmp = self.directory / "dropped.json.tmp"
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+
+    def _load_drops(self) -> None:
+        try:
+            obj = json.loads((self.directory / "dropped.json").read_text())
+            self._unreported = None if obj.get("pending") is None else SpoolDrops.from_obj(obj["pending"])
+            self._reporting = None if obj.get("reporting") is None else SpoolDrops.from_obj(obj["reporting"])
+        except FileNotFoundError:
+            return
+        except (ValueError, TypeError, KeyError, AttributeError):  # a torn or foreign file: counts only in metrics
+            with contextlib.suppress(OSError):
+                (self.directory / "dropped.json").unlink()
 
     def _write_cursor(self) -> None:
         if not self._segments:
@@ -223,8 +338,13 @@ class Spool:
                 path.unlink(missing_ok=True)
                 continue
             start = cursor_offset if seq == cursor_seq else 0
-            size, records = _scan(path, start)
-            self._segments.append(_Segment(seq, path, size, records, start if start <= size else size))
+            size, records, topics = _scan(path, start)
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                mtime = math.nan
+            self._segments.append(_Segment(seq, path, size, records, start if start <= size else size,
+                                           last_ts=mtime, topics=topics))
         if not self._segments:
             self._roll()
 
@@ -237,9 +357,11 @@ def _read_cursor(path: Path) -> tuple[int, int]:
         return 0, 0
 
 
-def _scan(path: Path, start: int) -> tuple[int, int]:
-    """Count whole records from ``start``; truncate a torn record at the end. Returns (size, records)."""
+def _scan(path: Path, start: int) -> tuple[int, int, Counter[str]]:
+    """Count whole records from ``start``; truncate a torn record at the end.
+    Returns (size, records, records per topic)."""
     records = 0
+    topics: Counter[str] = Counter()
     with open(path, "r+b") as fh:
         end = fh.seek(0, os.SEEK_END)
         pos = min(start, end)
@@ -249,12 +371,14 @@ def _scan(path: Path, start: int) -> tuple[int, int]:
             nxt = pos + _HEADER.size + tlen + (0 if klen == _NO_KEY else klen) + vlen
             if nxt > end:
                 break
+            topic = fh.read(tlen).decode(errors="replace")
             pos = nxt
             records += 1
+            topics[topic] += 1
         if pos < end and pos >= start:
             fh.truncate(pos)
             end = pos
-    return end, records
+    return end, records, topics
 
 
 def _read_record(fh) -> SpoolRecord:  # noqa: ANN001 - a binary file object

@@ -80,3 +80,40 @@ def test_ack_until_ignores_records_dropped_meanwhile(tmp_path) -> None:
 def test_bad_bound_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="at least 1024"):
         Spool(tmp_path, max_bytes=10)
+
+
+def test_drops_are_kept_for_a_report_with_counts_topics_and_time_range_until_reported(tmp_path) -> None:
+    spool = Spool(tmp_path, max_bytes=2048, segment_bytes=256)
+    for i in range(200):
+        spool.append("fh.telemetry" if i % 4 else "fh.steps", b"x" * 40, b"n1", ts=1000.0 + i)
+    stats = spool.stats
+    assert stats.dropped_total > 0
+    spool.close()
+
+    spool = Spool(tmp_path, max_bytes=2048, segment_bytes=256)  # the report survives a restart
+    report = spool.drops_to_report()
+    assert report is not None and report.records == stats.dropped_total and report.bytes == stats.dropped_bytes_total
+    assert report.first_ts == 1000.0 and report.last_ts == 1000.0 + stats.dropped_total - 1
+    assert report.topics == {"fh.steps": sum(1 for i in range(stats.dropped_total) if i % 4 == 0),
+                             "fh.telemetry": sum(1 for i in range(stats.dropped_total) if i % 4)}
+    assert spool.peek(1)[0].value == b"x" * 40  # the rest is still queued, oldest first
+    for i in range(60):  # more drops while the report is on its way go to the next report
+        spool.append("fh.events", b"y" * 40, b"n1", ts=5000.0 + i)
+    assert spool.drops_to_report() == report
+    spool.drops_reported()
+    later = spool.drops_to_report()
+    assert later is not None and later.records == spool.stats.dropped_total and later.topics.keys() <= {
+        "fh.steps", "fh.telemetry", "fh.events"}
+    assert later.last_ts >= report.last_ts
+    spool.drops_reported()
+    assert spool.drops_to_report() is None
+    spool.close()
+    assert Spool(tmp_path, max_bytes=2048, segment_bytes=256).drops_to_report() is None
+
+
+def test_a_record_larger_than_the_bound_is_reported_as_dropped(tmp_path) -> None:
+    with Spool(tmp_path, max_bytes=1024) as spool:
+        spool.append("fh.events", b"z" * 2000, b"n1", ts=42.0)
+        report = spool.drops_to_report()
+        assert len(spool) == 0 and report is not None
+        assert (report.records, report.first_ts, report.last_ts, report.topics) == (1, 42.0, 42.0, {"fh.events": 1})
