@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -38,7 +39,7 @@ from fleethealth.bus import Producer, ensure_topics
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.runner import Runner, tune_gc
 from fleethealth.schema import StepBatch, Telemetry
-from fleethealth.store import open_store
+from fleethealth.store import Store, open_store
 
 T0 = 1_767_225_600.0
 GPUS = 4
@@ -50,6 +51,30 @@ def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+_ENGINE_METRICS = {"MemoryTracking": "tracked", "MarkCacheBytes": "mark_cache", "PrimaryIndexCacheBytes": "pk_cache",
+                   "QueryConditionCacheBytes": "condition_cache", "UncompressedCacheBytes": "uncompressed_cache",
+                   "CompiledExpressionCacheBytes": "compiled_cache", "QueryCacheBytes": "query_cache",
+                   "MergesMutationsMemoryTracking": "merges"}
+_JEMALLOC = re.compile(r"Allocated: (\d+), active: (\d+), metadata: (\d+).*?resident: (\d+), mapped: (\d+), "
+                       r"retained: (\d+)")
+
+
+def engine_memory(store: Store) -> dict[str, float]:
+    """What the embedded engine holds, MiB: its own memory tracker, each cache, jemalloc's view, active parts."""
+    names = ", ".join(f"'{m}'" for m in _ENGINE_METRICS)
+    out = {_ENGINE_METRICS[m]: round(v / 2**20, 1)
+           for m, v in store.query(f"SELECT metric, value FROM system.metrics WHERE metric IN ({names})").rows}
+    stats = store.query("SELECT stats FROM system.jemalloc_stats").rows
+    match = _JEMALLOC.search(stats[0][0]) if stats else None
+    if match:
+        allocated, _active, metadata, resident, _mapped, retained = (int(g) / 2**20 for g in match.groups())
+        out.update(jemalloc_allocated=round(allocated, 1), jemalloc_metadata=round(metadata, 1),
+                   jemalloc_resident=round(resident, 1), jemalloc_retained=round(retained, 1))
+    parts = store.query("SELECT count(), sum(primary_key_bytes_in_memory_allocated) FROM system.parts WHERE active")
+    out.update(active_parts=int(parts.rows[0][0]), pk_in_memory=round(float(parts.rows[0][1] or 0) / 2**20, 1))
+    return out
 
 
 def slope(minutes: list[float], values: list[float]) -> float:
@@ -123,7 +148,7 @@ def main() -> None:
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
                                  "open_steps": len(pipeline.open_steps()),
-                                 "py_objects": len(gc.get_objects())}
+                                 "py_objects": len(gc.get_objects()), "engine": engine_memory(store)}
                         series.append(point)
                         print(json.dumps(point), flush=True)
                         next_sample += args.sample_s
