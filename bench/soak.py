@@ -10,11 +10,13 @@ that is never dropped shows as growth; the runner's pipeline forgets idle jobs a
 ``--idle-s`` of event time.
 
 Each minute it prints one JSON line: minute, resident set size (``/proc/self/statm``, MiB), records
-processed, the distinct job and node names the pipeline holds, and the Python objects alive (to tell
-growth of this process's own state from the embedded store's memory). At the end one JSON object:
-the RSS series, the slope after ``--warmup-min`` minutes (least squares, MiB per minute, and the
-change over the measured span as a share of the mean RSS — target: within 5 %), and whether the
-runner kept up (records published vs processed).
+processed, the distinct job and node names the pipeline holds, the Python objects alive and the full
+(generation 2) collections so far, and the embedded engine's memory (``engine``: its own tracker,
+each cache, jemalloc's allocated and resident bytes, active parts), to tell growth of this process's
+own state from the store's. At the end one JSON object: the RSS series, the slope after
+``--warmup-min`` minutes (least squares, MiB per minute, and the change over the measured span as a
+share of the mean RSS — target: within 5 %), the plateau (median RSS after the warm-up) with the
+lowest and highest sample after it, and whether the runner kept up (records published vs processed).
 
     python bench/soak.py [--minutes 10] [--rate 300] [--nodes 16] [--job-steps 400] [--idle-s 300]
 """
@@ -121,7 +123,9 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=2.0, help="event time per step, seconds (default 2)")
     ap.add_argument("--idle-s", type=float, default=300.0,
                     help="the pipeline's job_idle_s and node_idle_s, event seconds (default 300)")
-    ap.add_argument("--warmup-min", type=float, default=2.0, help="minutes left out of the slope (default 2)")
+    ap.add_argument("--warmup-min", type=float, default=4.0,
+                    help="minutes left out of the slope and the plateau (default 4: the engine's caches, "
+                         "the allocators' pools and the garbage collector's first full cycles settle)")
     ap.add_argument("--sample-s", type=float, default=60.0, help="seconds between RSS samples (default 60)")
     args = ap.parse_args()
     tune_gc()
@@ -148,7 +152,8 @@ def main() -> None:
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
                                  "open_steps": len(pipeline.open_steps()),
-                                 "py_objects": len(gc.get_objects()), "engine": engine_memory(store)}
+                                 "py_objects": len(gc.get_objects()),
+                                 "gc_full": gc.get_stats()[2]["collections"], "engine": engine_memory(store)}
                         series.append(point)
                         print(json.dumps(point), flush=True)
                         next_sample += args.sample_s
@@ -165,10 +170,12 @@ def main() -> None:
     share = per_min * span / (sum(rss) / len(rss)) if rss else 0.0
     last = series[-1]
     print(json.dumps({
-        "minutes": args.minutes, "rate": args.rate, "series": series,
+        "minutes": args.minutes, "rate": args.rate, "warmup_min": args.warmup_min, "series": series,
+        "rss_start_mib": series[0]["rss_mib"], "plateau_mib": round(float(np.median(rss)), 1) if rss else None,
+        "min_after_warmup_mib": min(rss, default=None), "max_after_warmup_mib": max(rss, default=None),
         "slope_mib_per_min": round(per_min, 3), "change_over_span_share": round(share, 4),
         "target_share": TARGET_SHARE, "flat": abs(share) <= TARGET_SHARE,
-        "kept_up": last["processed"] >= 0.9 * last["published"],
+        "kept_up": last["processed"] >= 0.9 * last["published"], "engine_last": last["engine"],
     }), flush=True)
 
 
