@@ -24,10 +24,12 @@ lowest and highest sample after it, and whether the runner kept up (records publ
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -61,6 +63,25 @@ _ENGINE_METRICS = {"MemoryTracking": "tracked", "MarkCacheBytes": "mark_cache", 
                    "MergesMutationsMemoryTracking": "merges"}
 _JEMALLOC = re.compile(r"Allocated: (\d+), active: (\d+), metadata: (\d+).*?resident: (\d+), mapped: (\d+), "
                        r"retained: (\d+)")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_memory() -> dict[str, float]:
+    """The C heap (glibc malloc: NumPy, the Kafka client's buffers, Python's large objects), MiB: in use
+    and free but kept; and the small-object blocks Python's own allocator holds."""
+    out = {"py_blocks": sys.getallocatedblocks()}
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return out
+    out.update(c_in_use=round((info.uordblks + info.hblkhd) / 2**20, 1), c_free=round(info.fordblks / 2**20, 1))
+    return out
 
 
 def engine_memory(store: Store) -> dict[str, float]:
@@ -153,7 +174,8 @@ def main() -> None:
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
                                  "open_steps": len(pipeline.open_steps()),
                                  "py_objects": len(gc.get_objects()),
-                                 "gc_full": gc.get_stats()[2]["collections"], "engine": engine_memory(store)}
+                                 "gc_full": gc.get_stats()[2]["collections"], "heap": heap_memory(),
+                                 "engine": engine_memory(store)}
                         series.append(point)
                         print(json.dumps(point), flush=True)
                         next_sample += args.sample_s
