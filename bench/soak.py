@@ -28,7 +28,6 @@ import ctypes
 import gc
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -57,14 +56,6 @@ def rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-_ENGINE_METRICS = {"MemoryTracking": "tracked", "MarkCacheBytes": "mark_cache", "PrimaryIndexCacheBytes": "pk_cache",
-                   "QueryConditionCacheBytes": "condition_cache", "UncompressedCacheBytes": "uncompressed_cache",
-                   "CompiledExpressionCacheBytes": "compiled_cache", "QueryCacheBytes": "query_cache",
-                   "MergesMutationsMemoryTracking": "merges"}
-_JEMALLOC = re.compile(r"Allocated: (\d+), active: (\d+), metadata: (\d+).*?resident: (\d+), mapped: (\d+), "
-                       r"retained: (\d+)")
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -85,19 +76,8 @@ def heap_memory() -> dict[str, float]:
 
 
 def engine_memory(store: Store) -> dict[str, float]:
-    """What the embedded engine holds, MiB: its own memory tracker, each cache, jemalloc's view, active parts."""
-    names = ", ".join(f"'{m}'" for m in _ENGINE_METRICS)
-    out = {_ENGINE_METRICS[m]: round(v / 2**20, 1)
-           for m, v in store.query(f"SELECT metric, value FROM system.metrics WHERE metric IN ({names})").rows}
-    stats = store.query("SELECT stats FROM system.jemalloc_stats").rows
-    match = _JEMALLOC.search(stats[0][0]) if stats else None
-    if match:
-        allocated, _active, metadata, resident, _mapped, retained = (int(g) / 2**20 for g in match.groups())
-        out.update(jemalloc_allocated=round(allocated, 1), jemalloc_metadata=round(metadata, 1),
-                   jemalloc_resident=round(resident, 1), jemalloc_retained=round(retained, 1))
-    parts = store.query("SELECT count(), sum(primary_key_bytes_in_memory_allocated) FROM system.parts WHERE active")
-    out.update(active_parts=int(parts.rows[0][0]), pk_in_memory=round(float(parts.rows[0][1] or 0) / 2**20, 1))
-    return out
+    """What the embedded engine holds (MiB; active parts a count): ``store.engine_memory()``."""
+    return {k: (int(v) if k == "active_parts" else round(v / 2**20, 1)) for k, v in store.engine_memory().items()}
 
 
 def slope(minutes: list[float], values: list[float]) -> float:
