@@ -152,7 +152,7 @@ def main() -> None:
                         point = {"minute": round((now - start) / 60.0, 2), "rss_mib": round(rss_mib(), 1),
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
-                                 "open_steps": len(pipeline.open_steps()),
+                                 "open_steps": len(pipeline.open_steps()), "held": len(runner.buffer),
                                  "py_objects": len(gc.get_objects()),
                                  "gc_full": gc.get_stats()[2]["collections"], "heap": heap_memory(),
                                  "engine": engine_memory(store)}
