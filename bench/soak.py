@@ -10,11 +10,13 @@ that is never dropped shows as growth; the runner's pipeline forgets idle jobs a
 ``--idle-s`` of event time.
 
 Each minute it prints one JSON line: minute, resident set size (``/proc/self/statm``, MiB), records
-processed, the distinct job and node names the pipeline holds, and the Python objects alive (to tell
-growth of this process's own state from the embedded store's memory). At the end one JSON object:
-the RSS series, the slope after ``--warmup-min`` minutes (least squares, MiB per minute, and the
-change over the measured span as a share of the mean RSS — target: within 5 %), and whether the
-runner kept up (records published vs processed).
+processed, the distinct job and node names the pipeline holds, the Python objects alive and the full
+(generation 2) collections so far, and the embedded engine's memory (``engine``: its own tracker,
+each cache, jemalloc's allocated and resident bytes, active parts), to tell growth of this process's
+own state from the store's. At the end one JSON object: the RSS series, the slope after
+``--warmup-min`` minutes (least squares, MiB per minute, and the change over the measured span as a
+share of the mean RSS — target: within 5 %), the plateau (median RSS after the warm-up) with the
+lowest and highest sample after it, and whether the runner kept up (records published vs processed).
 
     python bench/soak.py [--minutes 10] [--rate 300] [--nodes 16] [--job-steps 400] [--idle-s 300]
 """
@@ -22,9 +24,11 @@ runner kept up (records published vs processed).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -38,7 +42,7 @@ from fleethealth.bus import Producer, ensure_topics
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.runner import Runner, tune_gc
 from fleethealth.schema import StepBatch, Telemetry
-from fleethealth.store import open_store
+from fleethealth.store import Store, open_store
 
 T0 = 1_767_225_600.0
 GPUS = 4
@@ -50,6 +54,30 @@ def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_memory() -> dict[str, float]:
+    """The C heap (glibc malloc: NumPy, the Kafka client's buffers, Python's large objects), MiB: in use
+    and free but kept; and the small-object blocks Python's own allocator holds."""
+    out = {"py_blocks": sys.getallocatedblocks()}
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return out
+    out.update(c_in_use=round((info.uordblks + info.hblkhd) / 2**20, 1), c_free=round(info.fordblks / 2**20, 1))
+    return out
+
+
+def engine_memory(store: Store) -> dict[str, float]:
+    """What the embedded engine holds (MiB; active parts a count): ``store.engine_memory()``."""
+    return {k: (int(v) if k == "active_parts" else round(v / 2**20, 1)) for k, v in store.engine_memory().items()}
 
 
 def slope(minutes: list[float], values: list[float]) -> float:
@@ -96,7 +124,9 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=2.0, help="event time per step, seconds (default 2)")
     ap.add_argument("--idle-s", type=float, default=300.0,
                     help="the pipeline's job_idle_s and node_idle_s, event seconds (default 300)")
-    ap.add_argument("--warmup-min", type=float, default=2.0, help="minutes left out of the slope (default 2)")
+    ap.add_argument("--warmup-min", type=float, default=4.0,
+                    help="minutes left out of the slope and the plateau (default 4: the engine's caches, "
+                         "the allocators' pools and the garbage collector's first full cycles settle)")
     ap.add_argument("--sample-s", type=float, default=60.0, help="seconds between RSS samples (default 60)")
     args = ap.parse_args()
     tune_gc()
@@ -122,8 +152,10 @@ def main() -> None:
                         point = {"minute": round((now - start) / 60.0, 2), "rss_mib": round(rss_mib(), 1),
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
                                  "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
-                                 "open_steps": len(pipeline.open_steps()),
-                                 "py_objects": len(gc.get_objects())}
+                                 "open_steps": len(pipeline.open_steps()), "held": len(runner.buffer),
+                                 "py_objects": len(gc.get_objects()),
+                                 "gc_full": gc.get_stats()[2]["collections"], "heap": heap_memory(),
+                                 "engine": engine_memory(store)}
                         series.append(point)
                         print(json.dumps(point), flush=True)
                         next_sample += args.sample_s
@@ -140,10 +172,12 @@ def main() -> None:
     share = per_min * span / (sum(rss) / len(rss)) if rss else 0.0
     last = series[-1]
     print(json.dumps({
-        "minutes": args.minutes, "rate": args.rate, "series": series,
+        "minutes": args.minutes, "rate": args.rate, "warmup_min": args.warmup_min, "series": series,
+        "rss_start_mib": series[0]["rss_mib"], "plateau_mib": round(float(np.median(rss)), 1) if rss else None,
+        "min_after_warmup_mib": min(rss, default=None), "max_after_warmup_mib": max(rss, default=None),
         "slope_mib_per_min": round(per_min, 3), "change_over_span_share": round(share, 4),
         "target_share": TARGET_SHARE, "flat": abs(share) <= TARGET_SHARE,
-        "kept_up": last["processed"] >= 0.9 * last["published"],
+        "kept_up": last["processed"] >= 0.9 * last["published"], "engine_last": last["engine"],
     }), flush=True)
 
 

@@ -9,7 +9,10 @@ unless it was started with ``open_reads=True`` (``fleethealth serve --open-reads
 warning: anyone who reaches the port then reads the store. Tokens are compared in constant time.
 Errors are ``{"detail": ...}`` objects: 404 for unknown nodes, jobs and
 recommendations, 422 for malformed parameters or bodies, 400 for refused SQL (with ``reason``),
-409 for a release without a passing full self-test, 503 when the store fails.
+409 for a release without a passing full self-test, 503 when the store fails; analyst SQL that
+runs into a limit is 400 (with ``reason``: timeout, memory, read_limit), 429 with ``Retry-After``
+when the analyst queries are at their concurrency cap, 504 when the wall-clock guard answered first
+(:mod:`fleethealth.api.analyst`).
 
 ``/metrics`` serves the app's own Prometheus registry (``fleethealth_api_*``); a registry can be
 passed in, so two apps in one process (or one test) never share counters.
@@ -21,16 +24,16 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleethealth import __version__
 from fleethealth.api import routes
+from fleethealth.api.analyst import AnalystQueries, QueryLimits
 from fleethealth.api.sqlgate import SqlGate
 from fleethealth.api.views import NotFound
 from fleethealth.errors import StoreError
@@ -44,22 +47,6 @@ log = logging.getLogger("fleethealth.api")
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_MAX_EXECUTION_S = 10.0
-
-
-@dataclass(frozen=True)
-class QueryLimits:
-    """Store-side bounds on one analyst query beyond rows and time (ClickHouse settings)."""
-
-    max_memory_bytes: int = 2 * 1024**3
-    """``max_memory_usage``: the query fails rather than grow past this."""
-    max_read_bytes: int = 20 * 1024**3
-    """``max_bytes_to_read``: the query fails rather than scan more."""
-    max_result_bytes: int = 32 * 1024**2
-    """``max_result_bytes``: the result is cut (``result_overflow_mode='break'``) past this."""
-
-    def __post_init__(self) -> None:
-        if min(self.max_memory_bytes, self.max_read_bytes, self.max_result_bytes) < 1:
-            raise ValueError(f"query limits must be positive, got {self}")
 
 
 class ApiMetrics:
@@ -78,6 +65,11 @@ class ApiMetrics:
                                      ["reason"], registry=registry)
         self.query_rows = Counter("fleethealth_api_query_rows_total", "rows returned by analyst SQL",
                                   registry=registry)
+        self.query_limited = Counter("fleethealth_api_query_limited_total",
+                                     "analyst SQL stopped by a limit, the concurrency cap or the wall-clock guard",
+                                     ["reason"], registry=registry)
+        self.query_running = Gauge("fleethealth_api_query_running", "analyst SQL statements the engine is running",
+                                   registry=registry)
         self.writes = Counter("fleethealth_api_writes_total", "accepted write requests by kind", ["kind"],
                               registry=registry)
 
@@ -110,13 +102,17 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
                max_rows: int = DEFAULT_MAX_ROWS,
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
-               clock: Callable[[], float] = time.time, limits: QueryLimits | None = None) -> FastAPI:
+               clock: Callable[[], float] = time.time, limits: QueryLimits | None = None,
+               query_store: StoreLike | None = None) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
     ``token`` guards the write endpoints (``None``: writes refused); ``read_token`` (or ``token``)
     the reads, unless ``open_reads`` opens them to anyone (a warning is logged). ``max_rows`` and
     ``max_execution_s`` bound ``POST /v1/query``, with ``limits`` (memory, bytes read, result
-    bytes; :class:`QueryLimits`). ``on_breaker_reset`` is called after a reset is stored, so a
+    bytes, rows read, threads, concurrency, the wall-clock guard; :class:`QueryLimits`), run on
+    ``query_store`` when given: a handle of its own on the same store, so an analyst query neither
+    queues the detector's writes behind it nor waits behind them, and a cancel (on ``store``) does
+    not queue behind the query it cancels. ``on_breaker_reset`` is called after a reset is stored, so a
     policy engine in the same process closes its breaker at once (others pick the reset up from
     the ``breaker`` table). ``clock`` stamps acknowledgements and resets.
     """
@@ -131,6 +127,9 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     app.state.max_rows = max_rows
     app.state.max_execution_s = max_execution_s
     app.state.limits = limits if limits is not None else QueryLimits()
+    app.state.analyst = AnalystQueries((query_store or store).query, store.command, limits=app.state.limits,
+                                       max_execution_s=max_execution_s)
+    metrics.query_running.set_function(lambda: app.state.analyst.running)
     app.state.on_breaker_reset = on_breaker_reset
     app.state.clock = clock
     require = _bearer((token,), metrics, scope="write")

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from fleethealth.api import models, views
+from fleethealth.api.analyst import QueryFailed
 from fleethealth.api.sqlgate import QueryRefused
 from fleethealth.errors import StoreError
 from fleethealth.policy import persist
@@ -107,9 +108,13 @@ def read_router(dependencies: Sequence[Any] = ()) -> APIRouter:
         return _breaker_obj(rec, engine=False)
 
     @router.post("/v1/query", response_model=models.QueryOut, tags=["query"],
-                 responses={400: {"model": models.Problem, "description": "refused or failed SQL"}})
+                 responses={400: {"model": models.Problem, "description": "refused SQL, or a limit it ran into"},
+                            429: {"model": models.Problem, "description": "analyst queries at their concurrency "
+                                                                         "cap (see Retry-After)"},
+                            504: {"model": models.Problem, "description": "not finished in time; cancelled"}})
     def query(request: Request, body: models.QueryIn) -> Response:
-        """Analyst SQL: one SELECT (or WITH) statement, read-only, bounded in rows and time."""
+        """Analyst SQL: one SELECT (or WITH) statement, read-only, bounded in time, memory, rows read and
+        returned, and concurrency (:mod:`fleethealth.api.analyst`)."""
         state = request.app.state
         try:
             statement = state.gate.check(body.sql)
@@ -117,16 +122,13 @@ def read_router(dependencies: Sequence[Any] = ()) -> APIRouter:
             state.metrics.query_refused.labels(exc.reason.value).inc()
             raise HTTPException(400, detail=exc.problem) from None
         limit = min(body.max_rows or state.max_rows, state.max_rows)
-        bounds = state.limits
-        settings = (f"SETTINGS max_result_rows={limit}, result_overflow_mode='break', "
-                    f"max_result_bytes={bounds.max_result_bytes}, max_execution_time={state.max_execution_s:g}, "
-                    f"max_memory_usage={bounds.max_memory_bytes}, max_bytes_to_read={bounds.max_read_bytes}, "
-                    "read_overflow_mode='throw', readonly=1")
         start = time.perf_counter()
         try:
-            result = _store(request).query(f"{statement}{settings}")
-        except StoreError as exc:
-            raise HTTPException(400, detail=f"query failed: {exc}") from None
+            result = state.analyst.run(statement, max_rows=limit)
+        except QueryFailed as exc:
+            state.metrics.query_limited.labels(exc.reason.value).inc()
+            return JSONResponse({"detail": exc.detail, "reason": exc.reason.value}, status_code=exc.status,
+                                headers=exc.headers())
         rows = result.rows[:limit]
         state.metrics.query_rows.inc(len(rows))
         out = {"columns": list(result.columns), "rows": [list(r) for r in rows], "row_count": len(rows),

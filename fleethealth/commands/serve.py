@@ -113,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
             thread.start()
             stack.callback(thread.join, 10.0)
             stack.callback(stop.set)
+        # analyst SQL on a handle of its own: it neither queues the detector's writes nor waits behind them
+        query_store = stack.enter_context(open_store_at(store_dsn, migrate=False))
         app = create_app(store, token=token, read_token=read_token, open_reads=open_reads,
-                         registry=registry, on_breaker_reset=hook)
+                         registry=registry, on_breaker_reset=hook, query_store=query_store)
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order

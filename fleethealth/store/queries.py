@@ -22,6 +22,7 @@ epoch seconds.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ import numpy as np
 import orjson
 
 from fleethealth import schema
-from fleethealth.errors import ConfigError
+from fleethealth.errors import ConfigError, StoreError
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, Finding, Recommendation, StepBatch, Telemetry
 from fleethealth.store.columns import (
     FLOAT32_FIELDS,
@@ -53,11 +54,17 @@ _TS = "toFloat64(toUnixTimestamp64Milli(ts)) / 1000"
 """A DateTime64 ``ts`` as exact epoch seconds."""
 
 
-
 def _dec(expr: str) -> str:
     """A Float32 expression as the float64 of its shortest decimal (71.3 reads 71.3, not 71.30000305)."""
     return f"toFloat64(toString({expr}))"
 
+
+_ENGINE_METRICS = {"MemoryTracking": "tracked", "MarkCacheBytes": "mark_cache", "PrimaryIndexCacheBytes": "pk_cache",
+                   "QueryConditionCacheBytes": "condition_cache", "UncompressedCacheBytes": "uncompressed_cache",
+                   "CompiledExpressionCacheBytes": "compiled_cache", "QueryCacheBytes": "query_cache",
+                   "MergesMutationsMemoryTracking": "merges"}
+_JEMALLOC = re.compile(r"Allocated: (\d+), active: (\d+), metadata: (\d+).*?resident: (\d+), mapped: (\d+), "
+                       r"retained: (\d+)")
 
 _REC_COLUMNS = ("id", "action", "node", "job", "reason", "guard", "ts_s", "finding_id", "dry_run", "evidence",
                 "acked_at", "acked_by")
@@ -202,6 +209,25 @@ class NamedQueries:
         """ClickHouse's parse of ``statement`` (``EXPLAIN AST``), one node a line: parsing runs no
         function and opens no table, so the analyst-SQL gate can walk what the engine would run."""
         return "\n".join(str(row[0]) for row in self.query(f"EXPLAIN AST {statement}").rows)
+
+    def engine_memory(self) -> dict[str, float]:
+        """What the engine holds, bytes: its memory tracker and each cache (``system.metrics``),
+        jemalloc's allocated, metadata, resident and retained bytes (where the engine reports them)
+        and the active parts (a count) — to tell the engine's memory from its host process's."""
+        names = ", ".join(f"'{m}'" for m in _ENGINE_METRICS)
+        out = {_ENGINE_METRICS[m]: float(v) for m, v in
+               self.query(f"SELECT metric, value FROM system.metrics WHERE metric IN ({names})").rows}
+        try:
+            stats = self.query("SELECT stats FROM system.jemalloc_stats").rows
+        except StoreError:  # a server without the table
+            stats = []
+        match = _JEMALLOC.search(stats[0][0]) if stats else None
+        if match:
+            allocated, metadata, resident, retained = (float(match.group(i)) for i in (1, 3, 4, 6))
+            out.update(jemalloc_allocated=allocated, jemalloc_metadata=metadata, jemalloc_resident=resident,
+                       jemalloc_retained=retained)
+        out["active_parts"] = float(self.query("SELECT count() FROM system.parts WHERE active").rows[0][0])
+        return out
 
     def node_exists(self, node: str) -> bool:
         """Whether any table holds a row about ``node``."""

@@ -46,8 +46,18 @@ def test_shipped_readonly_user_grants_select_on_fleethealth_only():
     profile = root.find("profiles/fleethealth_api")
     assert profile.findtext("readonly") == "2" and profile.findtext("allow_introspection_functions") == "0"
     constraints = profile.find("constraints")
-    for limit in ("max_execution_time", "max_memory_usage", "max_bytes_to_read", "max_result_rows"):
+    for limit in ("max_execution_time", "max_memory_usage", "max_rows_to_read", "max_bytes_to_read",
+                  "max_result_rows", "max_threads"):
         assert constraints.find(f"{limit}/max") is not None, limit
+    assert constraints.find("max_concurrent_queries_for_user/const") is not None
+    assert profile.findtext("timeout_overflow_mode") == "throw" and profile.findtext("read_overflow_mode") == "throw"
+    from fleethealth.api.analyst import QueryLimits
+
+    api = QueryLimits()  # what the API sends stays within what the server allows
+    assert int(constraints.findtext("max_memory_usage/max")) == api.max_memory_bytes
+    assert int(constraints.findtext("max_rows_to_read/max")) == api.max_read_rows
+    assert int(constraints.findtext("max_bytes_to_read/max")) == api.max_read_bytes
+    assert int(constraints.findtext("max_threads/max")) == api.max_threads
     user = root.find("users/fleethealth_api")
     assert user.findtext("profile") == "fleethealth_api" and user.findtext("access_management") == "0"
     grants = [q.text.strip() for q in user.findall("grants/query")]

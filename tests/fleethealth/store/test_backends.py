@@ -94,3 +94,18 @@ def test_a_path_held_by_another_process_is_store_locked(tmp_path: Path, capsys: 
                                          ).column("name")
 
 
+
+
+def test_the_embedded_engine_runs_with_bounded_caches_and_reports_its_memory(store: Store) -> None:
+    """ClickHouse sizes its caches for a server of its own (5 GiB each for marks and primary
+    indexes); in the detector's process they are bounded, and the engine says what it holds."""
+    from fleethealth.store.backends import CHDB_SERVER_SETTINGS
+
+    names = ", ".join(f"'{n}'" for n in CHDB_SERVER_SETTINGS)
+    got = dict(store.query(f"SELECT name, value FROM system.server_settings WHERE name IN ({names})").rows)
+    assert {n: int(v) for n, v in got.items()} == CHDB_SERVER_SETTINGS
+    memory = store.engine_memory()
+    assert {"tracked", "mark_cache", "pk_cache", "jemalloc_allocated", "jemalloc_resident",
+            "active_parts"} <= set(memory)
+    assert 0 < memory["jemalloc_allocated"] <= memory["jemalloc_resident"] + memory["jemalloc_metadata"]
+    assert memory["active_parts"] >= 1  # the migrated tables' parts (schema_migrations at least)

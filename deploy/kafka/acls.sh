@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Topic ACLs for fleethealth on a Kafka cluster without Strimzi: the same principals and operations
+# as deploy/k8s/components/kafka-auth/users.yaml (tests/deploy/test_kafka_auth.py checks they agree).
+#
+#   BOOTSTRAP=kafka-0:9093 COMMAND_CONFIG=/etc/kafka/admin.properties deploy/kafka/acls.sh
+#   deploy/kafka/acls.sh --dry-run        # print the kafka-acls.sh commands, run nothing
+#
+# The cluster needs an authorizer (KRaft: authorizer.class.name=org.apache.kafka.metadata.authorizer.
+# StandardAuthorizer) and allow.everyone.if.no.acl.found=false, so a principal with no ACL here can do
+# nothing. Create each user's SCRAM credential first, e.g.
+#   kafka-configs.sh --bootstrap-server "$BOOTSTRAP" --command-config "$COMMAND_CONFIG" --alter \
+#     --entity-type users --entity-name fh-probe-gpu --add-config "SCRAM-SHA-512=[password=$(cat pw)]"
+# PROBE_USERS names the probes' principals (one per node pool, or one per node), default fh-probe-gpu.
+set -euo pipefail
+
+KAFKA_ACLS=${KAFKA_ACLS:-kafka-acls.sh}
+BOOTSTRAP=${BOOTSTRAP:-localhost:9093}
+PROBE_USERS=${PROBE_USERS:-fh-probe-gpu}
+DRY_RUN=0
+[[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+
+# acl PRINCIPAL RESOURCE-TYPE NAME OPERATION...
+acl() {
+  local principal=$1 type=$2 name=$3
+  shift 3
+  local cmd=("$KAFKA_ACLS" --bootstrap-server "$BOOTSTRAP")
+  [[ -n "${COMMAND_CONFIG:-}" ]] && cmd+=(--command-config "$COMMAND_CONFIG")
+  cmd+=(--add --allow-principal "User:$principal" --resource-pattern-type literal "--$type" "$name")
+  for op in "$@"; do cmd+=(--operation "$op"); done
+  if (( DRY_RUN )); then printf '%s\n' "${cmd[*]}"; else "${cmd[@]}"; fi
+}
+
+for probe in $PROBE_USERS; do   # a node only produces
+  acl "$probe" topic fh.telemetry Write Describe
+  acl "$probe" topic fh.steps Write Describe
+  acl "$probe" topic fh.events Write Describe
+done
+
+# the detectors: read the inputs in group fh-detect, write findings, recommendations, dead letters;
+# Create because `fleethealth detect` makes any topic that is missing
+acl fh-detect topic fh.telemetry Read Describe Create
+acl fh-detect topic fh.steps Read Describe Create
+acl fh-detect topic fh.events Read Describe Create
+acl fh-detect topic fh.findings Write Describe Create
+acl fh-detect topic fh.recommendations Write Describe Create
+acl fh-detect topic fh.deadletter Write Describe Create
+acl fh-detect group fh-detect Read Describe
+
+# the adapter: reads recommendations, reports outcomes on fh.events (group fh-act-SCHEDULER)
+acl fh-act topic fh.recommendations Read Describe
+acl fh-act topic fh.events Write Describe
+acl fh-act topic fh.deadletter Write Describe
+acl fh-act group fh-act-kubernetes Read Describe
+
+# the sweep: self-test results
+acl fh-sweep topic fh.events Write Describe

@@ -1,0 +1,189 @@
+"""Per-workload Kafka identities and topic ACLs: the production overlay renders, every object it
+renders is valid for its Kubernetes model, each principal may do exactly what it needs, the
+workloads authenticate as their own principal, and the plain ``kafka-acls.sh`` script grants the
+same as the Strimzi KafkaUsers.
+
+``kubectl kustomize`` renders the overlay; Kubernetes' own kinds are read into the ``kubernetes``
+client's models and written back (a field the model does not know is dropped and fails the
+comparison). KafkaUser is a CRD (kafka.strimzi.io/v1beta2) with no client model, so its structure
+is checked here against the schema of Strimzi's AclRule.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fleethealth.bus import parse_dsn
+from fleethealth.commands import build_parser
+from fleethealth.schema import Topic
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "production"
+SCRIPT = ROOT / "deploy" / "kafka" / "acls.sh"
+
+INPUTS = {Topic.TELEMETRY.value, Topic.STEPS.value, Topic.EVENTS.value}
+OUTPUTS = {Topic.FINDINGS.value, Topic.RECOMMENDATIONS.value, Topic.DEADLETTER.value}
+EXPECTED = {
+    # principal: {(resource type, name): operations}
+    "fh-probe-gpu": {("topic", t): {"Write", "Describe"} for t in INPUTS},
+    "fh-detect": {**{("topic", t): {"Read", "Describe", "Create"} for t in INPUTS},
+                  **{("topic", t): {"Write", "Describe", "Create"} for t in OUTPUTS},
+                  ("group", "fh-detect"): {"Read", "Describe"}},
+    "fh-act": {("topic", Topic.RECOMMENDATIONS.value): {"Read", "Describe"},
+               ("topic", Topic.EVENTS.value): {"Write", "Describe"},
+               ("topic", Topic.DEADLETTER.value): {"Write", "Describe"},
+               ("group", "fh-act-kubernetes"): {"Read", "Describe"}},
+    "fh-sweep": {("topic", Topic.EVENTS.value): {"Write", "Describe"}},
+}
+_OPERATIONS = {"Read", "Write", "Create", "Delete", "Alter", "Describe", "ClusterAction", "AlterConfigs",
+               "DescribeConfigs", "IdempotentWrite", "All"}
+WORKLOADS = {"fleethealth-probe": "fh-probe-gpu", "fleethealth-detect": "fh-detect", "fleethealth-act": "fh-act",
+             "fleethealth-sweep": "fh-sweep"}
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict[str, Any]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: cannot render the kustomization (install kubectl >= 1.27)")
+    out = subprocess.run(["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {OVERLAY} failed: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _users(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "KafkaUser"}
+
+
+def _grants(user: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    grants: dict[tuple[str, str], set[str]] = {}
+    for rule in user["spec"]["authorization"]["acls"]:
+        res = rule["resource"]
+        grants.setdefault((res["type"], res["name"]), set()).update(rule["operations"])
+    return grants
+
+
+def _without_nulls(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_without_nulls(v) for v in obj]
+    return obj
+
+
+def test_kubernetes_objects_are_valid_for_their_models(docs):
+    kubernetes = pytest.importorskip("kubernetes")
+    api = kubernetes.client.ApiClient()
+    checked = set()
+    for doc in docs:
+        if doc["apiVersion"].startswith("kafka.strimzi.io/"):
+            continue
+        version = doc["apiVersion"].split("/")[-1].capitalize()
+        name = next(n for n in (version + doc["kind"], "Core" + version + doc["kind"]) if hasattr(kubernetes.client, n))
+        model = api.deserialize(json.dumps(doc), name, "application/json")
+        assert _without_nulls(api.sanitize_for_serialization(model)) == _without_nulls(doc), \
+            f"{doc['kind']}/{doc['metadata']['name']}: fields the {name} model does not know"
+        checked.add(doc["kind"])
+    assert {"DaemonSet", "Deployment", "CronJob"} <= checked
+
+
+def test_kafka_users_have_strimzis_structure(docs):
+    users = _users(docs)
+    assert set(users) == set(EXPECTED)
+    for name, user in users.items():
+        assert user["apiVersion"] == "kafka.strimzi.io/v1beta2"
+        assert user["metadata"]["namespace"] == "fleethealth"
+        assert user["metadata"]["labels"]["strimzi.io/cluster"]
+        assert set(user["spec"]) == {"authentication", "authorization"}
+        assert user["spec"]["authentication"] == {"type": "scram-sha-512"}
+        assert user["spec"]["authorization"]["type"] == "simple"
+        for rule in user["spec"]["authorization"]["acls"]:
+            assert set(rule) == {"resource", "operations"}, f"{name}: {rule}"
+            assert set(rule["resource"]) == {"type", "name", "patternType"}
+            assert rule["resource"]["type"] in {"topic", "group"} and rule["resource"]["patternType"] == "literal"
+            assert set(rule["operations"]) <= _OPERATIONS and len(rule["operations"]) == len(set(rule["operations"]))
+
+
+def test_each_principal_may_do_exactly_what_it_needs(docs):
+    users = _users(docs)
+    for name, want in EXPECTED.items():
+        assert _grants(users[name]) == want, name
+    probe = _grants(users["fh-probe-gpu"])
+    assert not any("Read" in ops for ops in probe.values()), "a node may not read any topic"
+    assert not any(("topic", t) in probe for t in OUTPUTS), "a node may not write findings or recommendations"
+    assert not any("Write" in ops for key, ops in _grants(users["fh-act"]).items()
+                   if key == ("topic", Topic.RECOMMENDATIONS.value)), "the adapter may not write recommendations"
+    every_topic = {t.value for t in Topic}
+    for name, user in users.items():
+        assert {n for (kind, n) in _grants(user) if kind == "topic"} <= every_topic, name
+
+
+def _containers(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    out = {}
+    for d in docs:
+        spec = (d["spec"]["jobTemplate"]["spec"]["template"]["spec"] if d["kind"] == "CronJob"
+                else d["spec"]["template"]["spec"] if d["kind"] in {"Deployment", "DaemonSet"} else None)
+        if spec is not None:
+            out[d["metadata"]["name"]] = (spec, spec["containers"][0])
+    return out
+
+
+def test_each_workload_authenticates_as_its_own_principal(docs):
+    from urllib.parse import parse_qs
+
+    parser = build_parser()
+    for workload, (spec, container) in _containers(docs).items():
+        env = {e["name"]: e for e in container.get("env", [])}
+        if workload not in WORKLOADS:
+            assert "KAFKA_DSN" not in env, f"{workload} has Kafka credentials it does not use"
+            continue
+        var = "FLEETHEALTH_KAFKA" if workload == "fleethealth-sweep" else "KAFKA_DSN"
+        assert set(env[var]) == {"name", "value"}, f"{workload}: {env[var]}"
+        dsn = env[var]["value"]
+        scheme, hosts = parse_dsn(dsn)
+        assert scheme == "kafka" and hosts and all(h.endswith(":9093") for h in hosts)
+        options = {k: v[0] for k, v in parse_qs(dsn.split("?", 1)[1]).items()}
+        assert options["username"] == WORKLOADS[workload], workload
+        assert options["security_protocol"] == "SASL_SSL" and options["sasl_mechanism"] == "SCRAM-SHA-512"
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        password = volumes[mounts[str(Path(options["password_file"]).parent)]]["secret"]
+        assert password["secretName"] == WORKLOADS[workload], f"{workload} mounts another principal's password"
+        assert password["items"] == [{"key": "password", "path": Path(options["password_file"]).name}]
+        ca = volumes[mounts[str(Path(options["ssl_cafile"]).parent)]]["secret"]
+        assert ca["secretName"] == "fleethealth-kafka-ca"
+        if var == "KAFKA_DSN":  # the arguments still take the DSN from the variable, and parse
+            argv = container.get("args") or container["command"][1:]
+            assert "$(KAFKA_DSN)" in argv
+            assert parser.parse_args([a.replace("$(NODE_NAME)", "n0001") for a in argv]).run is not None
+
+
+def _script_grants(env: dict[str, str] | None = None) -> dict[str, dict[tuple[str, str], set[str]]]:
+    out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", **(env or {})})
+    assert out.returncode == 0, out.stderr
+    grants: dict[str, dict[tuple[str, str], set[str]]] = {}
+    for line in out.stdout.splitlines():
+        words = line.split()
+        assert words[0] == "kafka-acls.sh" and "--add" in words
+        principal = words[words.index("--allow-principal") + 1].removeprefix("User:")
+        assert words[words.index("--resource-pattern-type") + 1] == "literal"
+        kind = next(k for k in ("topic", "group") if f"--{k}" in words)
+        name = words[words.index(f"--{kind}") + 1]
+        ops = {words[i + 1] for i, w in enumerate(words) if w == "--operation"}
+        grants.setdefault(principal, {}).setdefault((kind, name), set()).update(ops)
+    return grants
+
+
+def test_the_plain_kafka_script_grants_what_the_kafka_users_grant(docs):
+    users = _users(docs)
+    assert _script_grants() == {name: _grants(user) for name, user in users.items()}
+    per_node = _script_grants({"PROBE_USERS": "node-n0001 node-n0002"})
+    assert per_node["node-n0001"] == per_node["node-n0002"] == EXPECTED["fh-probe-gpu"]
+    assert "fh-probe-gpu" not in per_node
