@@ -80,6 +80,8 @@ class Conclusions:
 
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    """Events detection derived (``interruption``), stored with the input events."""
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
     refused: list[StepBatch] = field(default_factory=list)
@@ -98,14 +100,15 @@ def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message
     input), the pipeline's drain is decided too. The one place the two stages are composed."""
     out = pipeline.feed(messages)
     events = [m for m in messages if isinstance(m, Event)]
-    decided = policy.update(out.findings, events, out.now, steps=out.steps, ended=out.ended)
-    findings = list(out.findings)
+    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
+    findings, derived_events = list(out.findings), list(out.events)
     if final:
         tail = pipeline.drain()
-        decided.extend(policy.update(tail.findings, (), tail.now, steps=tail.steps, ended=tail.ended))
+        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
         findings += tail.findings
-    return Conclusions(findings=findings, recommendations=decided.recommendations, outcomes=decided.outcomes,
-                       policy_changed=decided.changed, refused=list(out.refused),
+        derived_events += tail.events
+    return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
+                       outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
                        rejected=list(out.rejected))
 
 
@@ -258,7 +261,7 @@ class Runner:
             ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
-        events = [r.msg for r in ready if isinstance(r.msg, Event)]
+        events = [*(r.msg for r in ready if isinstance(r.msg, Event)), *out.events]
         if telemetry:
             self.store.insert_telemetry(telemetry, dedup_token=derived("t", token))
         if batches:
@@ -365,4 +368,4 @@ def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
     offsets = (f"{r.topic}/{r.partition}/{r.offset};"
                for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
-    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations))])
+    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])
