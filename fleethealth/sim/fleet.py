@@ -332,7 +332,7 @@ class FleetSim:
                 if within(stopped):
                     events.append(job_exit_event(
                         ts=stopped, status=ExitStatus.FAILED, last_step=step, node=self.node_names[0], job=job.id,
-                        rank=0, reason=f"DistNetworkError: watchdog: all_reduce timed out after {fault['duration_s']:g} s"))
+                        rank=0, reason=f"DistNetworkError: all_reduce timed out after {fault['duration_s']:g} s"))
                 restarted = stopped + (1.0 - RELOAD_SHARE) * fault["restart_s"]
                 if within(restarted):
                     events.append(self._restart(step, restarted))
