@@ -22,7 +22,8 @@ Signals, per job:
   deadline and diagnosed at the finding (cause ``hang``, the culprit rank's node when it names
   one); an ``xid`` finding of a code the Xid rulebook drains for (:data:`fleethealth.xid.DRAIN_CODES`:
   a GPU lost, an uncontained error) on the job or one of its nodes, from ``cause_window_s`` before
-  the last good step until the restart, diagnoses ``gpu_failure`` on that node and GPU.
+  the last good step until the restart, diagnoses ``gpu_failure`` on that node and GPU; an ``sdc``
+  finding of the job in that window diagnoses ``sdc`` (a run halted by its own failed check).
 
 A stop's timeline and the phases (``data`` keys of the event, the contract of
 :class:`fleethealth.policy.goodput.Interruption`)::
@@ -31,8 +32,9 @@ A stop's timeline and the phases (``data`` keys of the event, the contract of
 
 * ``detection_s``: last good step → the stop was known: the first of the step timeout running out
   (last good step + the job's step timeout, the hang detector's), the exit record, the restart;
-* ``isolation_s``: known → diagnosed: the hang finding, the draining Xid finding or the exit's
-  reason (the one that names the cause best, in that order; 0 when the cause was known first);
+* ``isolation_s``: known → diagnosed: the hang finding, the draining Xid finding, the SDC finding
+  or the exit's reason (the one that names the cause best, in that order; 0 when the cause was
+  known first);
 * ``reconfiguration_s``: diagnosed → the restart (the ``job_start``; without one, the first batch
   of the new run less one step time);
 * ``reload_s``: restart → the new run's first step, less that step's own time;
@@ -47,7 +49,8 @@ resumed run passes ``H`` (all phases known), or when the job stops again before 
 measured so far, ``passed`` false), or without a restart after ``restart_wait_s`` of event time, when
 the job is forgotten, or at :meth:`LifecycleTracker.drain` (``restarted`` false: no restart
 phases, no lost steps). Its ``ts`` is when the stop was known, ``step`` the high-water step ``H``,
-``node`` / ``gpu`` / ``rank`` the culprit when one is named (else the node is empty), and
+``node`` / ``gpu`` / ``rank`` the culprit when one is named (``data.culprit`` true; else the node of
+the job's lifecycle records, rank 0's, with ``culprit`` false and no GPU or rank), and
 ``data.interruption_id`` (:func:`fleethealth.ids.interruption`, from the job, ``H`` and the last
 good step's time) names the stop itself: several signals of one stop (a hang finding, the failed
 exit, the restart) make one event, a redelivered record makes none, and a replay of the same input
@@ -89,7 +92,7 @@ from fleethealth.xid import DRAIN_CODES
 
 __all__ = ["LifecycleTracker"]
 
-_PRIORITY = {"hang": 0, "gpu_failure": 1}
+_PRIORITY = {"hang": 0, "gpu_failure": 1, "sdc": 2}
 """Which diagnosis names a stop's cause best (lower first); an exit's reason comes after these."""
 _KNOWN_BY = {"hang": 0, "job_exit": 1, "step_rewind": 2, "job_start": 3, "batch_after_exit": 3, "step_timeout": 4}
 """Which signal is named as the one that made a stop known when two have the same time (lower first)."""
@@ -165,6 +168,7 @@ class _Job:
     recent: deque[_Cause] = field(default_factory=lambda: deque(maxlen=16))
     emitted: deque[str] = field(default_factory=lambda: deque(maxlen=8))
     seen_ts: float = -math.inf
+    home: str = ""  # the node its lifecycle records come from (rank 0's)
 
 
 class LifecycleTracker:
@@ -315,6 +319,7 @@ class LifecycleTracker:
         if job is None:
             return False
         job.seen_ts = max(job.seen_ts, e.ts)
+        job.home = e.node or job.home
         if e.id == job.start_id or (job.started and not job.progressed and job.exit is None and job.stop is None):
             self.duplicate_starts_total_ += 1  # redelivered, or a second start with nothing in between
             return False
@@ -355,6 +360,7 @@ class LifecycleTracker:
         if job is None:
             return
         job.seen_ts = max(job.seen_ts, e.ts)
+        job.home = e.node or job.home
         if e.ts < job.run_ts:
             self.stale_total_ += 1
             return
@@ -434,13 +440,17 @@ class LifecycleTracker:
                                   good, [(deadline, "hang")])
                 stop.causes.append(cause)
             return
-        if f.kind is not FindingKind.XID:
+        if f.kind is FindingKind.SDC:
+            cause = _Cause(ts=f.ts, cause="sdc", by="sdc", node=f.node, gpu=f.gpu, rank=f.rank,
+                           reason=f"failed {f.detector.removeprefix('sdc.')} check at step {f.step}")
+        elif f.kind is FindingKind.XID:
+            code = f.evidence.get("code")
+            if not isinstance(code, int) or code not in DRAIN_CODES:
+                return
+            cause = _Cause(ts=f.ts, cause="gpu_failure", by="xid", node=f.node, gpu=f.gpu, rank=f.rank,
+                           reason=f"xid {code}")
+        else:
             return
-        code = f.evidence.get("code")
-        if not isinstance(code, int) or code not in DRAIN_CODES:
-            return
-        cause = _Cause(ts=f.ts, cause="gpu_failure", by="xid", node=f.node, gpu=f.gpu, rank=f.rank,
-                       reason=f"xid {code}")
         names = [f.job] if f.job is not None and f.job in self.jobs_ else sorted(self.node_jobs_.get(f.node, ()))
         for name in names:
             job = self.jobs_[name]
@@ -479,7 +489,8 @@ class LifecycleTracker:
                 else:
                     recompute = lost * step_s
         data = {
-            "interruption_id": sid, "cause": best.cause, "detected_by": stop.how, "diagnosed_by": best.by,
+            "interruption_id": sid, "culprit": culprit is not None, "cause": best.cause, "detected_by": stop.how,
+            "diagnosed_by": best.by,
             "lost_steps": int(lost), "restart_s": _r(isolation + reconf + reload),
             "detection_s": _r(detection), "isolation_s": _r(isolation), "reconfiguration_s": _r(reconf),
             "reload_s": _r(reload), "recompute_s": _r(recompute), "recompute_measured": measured,
@@ -491,10 +502,11 @@ class LifecycleTracker:
             "exit_status": stop.exit_status, "reason": exit_reason or best.reason,
         }
         where = f" on {culprit.node}" if culprit is not None else ""
+        node = culprit.node if culprit is not None else job.home or min(job.nodes, default="") or "unknown"
         again = (f", resumed at step {stop.first_step} ({int(lost)} steps lost)" if stop.restarted
                  else ", not restarted")
         self.ready_.append(Event(
-            node=culprit.node if culprit is not None else "", ts=float(stop.known_ts), kind=EventKind.INTERRUPTION,
+            node=node, ts=float(stop.known_ts), kind=EventKind.INTERRUPTION,
             job=name, gpu=culprit.gpu if culprit is not None else None,
             rank=culprit.rank if culprit is not None else None, step=max(stop.high, 0),
             message=f"job {name} stopped after step {stop.high}{where}: {best.cause}{again}", data=data))

@@ -267,3 +267,24 @@ def test_the_simulated_fleet_hang_and_lost_gpu_are_derived_with_their_causes() -
     assert lost["resumed_from"] == "ckpt://train-1/step-00000075" and lost["recompute_measured"] is False
     assert lost["recompute_s"] == pytest.approx(15 * lost["step_s"])
     assert lost["detection_s"] + lost["restart_s"] == pytest.approx(600.0, abs=0.5)  # the 600 s gap after the step
+
+
+def test_a_run_halted_by_its_own_failed_check_is_an_sdc_interruption() -> None:
+    """The in-job library halts on a failed self-check (``job_exit`` ``halted``); the launcher rolls back to
+    the checkpoint at 20 and restarts on a spare: cause ``sdc``, on the node of the SDC finding."""
+    from fleethealth.schema import Finding, FindingKind
+
+    det = LifecycleTracker()
+    det.update([], [_start(T0 - 5.0)])
+    det.update([b for k in range(31) for b in _batches(k, T0 + STEP_S * k)], [])
+    sdc = Finding(kind=FindingKind.SDC, node="n0001", ts=T0 + 60.5, job="j", gpu=0, rank=2, step=30,
+                  detector="sdc.selfcheck")
+    det.update([], [_exit(T0 + 61.0, status="halted", last_step=30, reason="SDC check failed at step 30")],
+               findings=[sdc])
+    det.update([], [_start(T0 + 70.0, first_step=21, resumed_from="ckpt://j/step-00000020")])
+    (ev,) = det.update([b for k in range(21, 32) for b in _batches(k, T0 + 75.0 + STEP_S * (k - 20))], [])
+    d = ev.data
+    assert (d["cause"], ev.node, ev.rank, d["exit_status"], d["culprit"], d["lost_steps"]) == (
+        "sdc", "n0001", 2, "halted", True, 10)
+    assert d["detection_s"] == pytest.approx(1.0) and d["isolation_s"] == 0.0 and d["reload_s"] == pytest.approx(5.0)
+    assert Interruption.from_event(ev).node == "n0001"
