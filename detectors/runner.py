@@ -10,8 +10,9 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
 3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
    detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
    recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs (the step batches the assembler accepted), findings and recommendations to the
-   store — idempotently: every table is a ReplacingMergeTree on its natural key and every insert
+4. writes inputs (the step batches the assembler accepted, the events, and with them the
+   ``interruption`` events detection derived), findings and recommendations to the store —
+   idempotently: every table is a ReplacingMergeTree on its natural key and every insert
    carries a deduplication token derived from the offsets it covers — then what is to be
    published to the **outbox** (pending), then eviction outcomes and the policy engine's state;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
