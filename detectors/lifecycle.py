@@ -31,7 +31,8 @@ A stop's timeline and the phases (``data`` keys of the event, the contract of
     last good step ─detect─▶ known ─diagnose─▶ diagnosed ─restart─▶ job_start ─reload─▶ first step ─recompute─▶ past H
 
 * ``detection_s``: last good step → the stop was known: the first of the step timeout running out
-  (last good step + the job's step timeout, the hang detector's), the exit record, the restart;
+  (last good step + the job's step timeout, by the hang detector's rule), the hang finding's
+  deadline, the exit record, the restart;
 * ``isolation_s``: known → diagnosed: the hang finding, the draining Xid finding, the SDC finding
   or the exit's reason (the one that names the cause best, in that order; 0 when the cause was
   known first);
@@ -78,7 +79,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,9 +175,10 @@ class _Job:
 class LifecycleTracker:
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
-    Parameters (keyword-only, checked on first use, :class:`~fleethealth.errors.ConfigError`):
-    ``timeout_s`` the step timeout of a job when ``timeout_of`` (job -> seconds; the pipeline passes
-    its hang detector's) does not say; ``rewind_gap_s`` how far after the last good step an earlier
+    Parameters (keyword-only, checked on first use, :class:`~fleethealth.errors.ConfigError`): a
+    job's step timeout is ``timeout_factor`` × the p99 of its last 64 step times, at least
+    ``timeout_s`` (the hang detector's rule and defaults, on the tracker's own step times, so it
+    does not depend on how the input was batched); ``rewind_gap_s`` how far after the last good step an earlier
     step must arrive to be a restart (clock skew between nodes stays below it); ``cause_window_s``
     how long before the last good step a draining Xid still diagnoses the stop; ``restart_wait_s``
     how long after the stop was known to wait for a restart; ``max_jobs`` jobs tracked at once.
@@ -184,18 +186,18 @@ class LifecycleTracker:
 
     name = "lifecycle"
 
-    def __init__(self, *, timeout_s: float = 30.0, rewind_gap_s: float = 1.0, cause_window_s: float = 60.0,
-                 restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000,
-                 timeout_of: Callable[[str], float] | None = None) -> None:
+    def __init__(self, *, timeout_factor: float = 3.0, timeout_s: float = 30.0, rewind_gap_s: float = 1.0,
+                 cause_window_s: float = 60.0, restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000) -> None:
+        self.timeout_factor = timeout_factor
         self.timeout_s = timeout_s
         self.rewind_gap_s = rewind_gap_s
         self.cause_window_s = cause_window_s
         self.restart_wait_s = restart_wait_s
         self.max_jobs = max_jobs
-        self.timeout_of = timeout_of
 
     # ------------------------------------------------------------------ state
     def _start(self) -> None:
+        check_number("timeout_factor", self.timeout_factor, above=0, owner=self)
         check_number("timeout_s", self.timeout_s, above=0, owner=self)
         check_number("rewind_gap_s", self.rewind_gap_s, at_least=0, owner=self)
         check_number("cause_window_s", self.cause_window_s, at_least=0, owner=self)
@@ -227,14 +229,11 @@ class LifecycleTracker:
         return job
 
     def _timeout(self, name: str) -> float:
-        if self.timeout_of is not None:
-            try:
-                value = float(self.timeout_of(name))
-            except (KeyError, TypeError, ValueError):
-                value = math.nan
-            if math.isfinite(value) and value > 0:
-                return value
-        return float(self.timeout_s)
+        job = self.jobs_.get(name)
+        if job is None or not job.durations:
+            return float(self.timeout_s)
+        p99 = float(np.quantile(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations)), 0.99))
+        return max(float(self.timeout_s), self.timeout_factor * p99)
 
     @staticmethod
     def _step_s(job: _Job) -> float:

@@ -113,8 +113,6 @@ class Pipeline:
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
         self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker()
-        if self.lifecycle.timeout_of is None:  # a stop is known once the hang detector's step timeout ran out
-            self.lifecycle.timeout_of = self.hang.timeout_s
         self.diagnosis_wait_s = diagnosis_wait_s
         self.job_idle_s = check_number("job_idle_s", job_idle_s, above=0)
         self.node_idle_s = check_number("node_idle_s", node_idle_s, above=0)
