@@ -25,6 +25,9 @@ What the runner calls, per input:
   ``power_brake`` / ``link``); ``predictor.update(samples, events)`` (:class:`FailurePredictor`:
   ``failure_risk``; loads the shipped model on first use, needs scikit-learn).
 * **events** — ``sdc.update(events)`` (:class:`SdcDetector`: ``sdc`` from ``sdc_check`` records).
+* **step batches, events and the findings above** — ``lifecycle.update(batches, events, now,
+  findings=...)`` (:class:`LifecycleTracker`: one ``interruption`` *event* per stop of a job, with
+  its MTTR phases, from ``job_start`` / ``job_exit``, step progress and the hang and Xid findings).
 
 Bad values inside otherwise valid input have a defined behaviour (dropped and counted in a
 ``*_total_`` attribute); malformed calls raise :class:`~fleethealth.errors.SchemaError`.
@@ -39,6 +42,7 @@ from fleethealth.detectors.diagnosis import (
 )
 from fleethealth.detectors.hang import HangDetector
 from fleethealth.detectors.health import HealthRules
+from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.predict import FailurePredictor, GpuFeatures, load_model
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector, robust_z
@@ -54,6 +58,7 @@ __all__ = [
     "RackEpisodes",
     "diagnose_straggler",
     "HealthRules",
+    "LifecycleTracker",
     "SdcDetector",
     "FailurePredictor",
     "GpuFeatures",

@@ -26,9 +26,10 @@ report telemetry at ``deadline + stack_grace_s``, the job is hung and yields a f
 culprit (``rank`` null, ``evidence["culprit"]`` false, ``evidence["level"]`` true, the last step
 and the stacks if any); the policy pages a human instead of draining a node. Without that
 telemetry, ranks all level with no watchdog report is a job that finished or is idle (counted in
-``idle_total_``). Not a hang either: a job interrupted for a known cause (an ``interruption``
-event before the deadline — a lost GPU, a planned restart). After an interruption the job's rank
-state starts afresh, since a restarted job may resume from an earlier step.
+``idle_total_``). Not a hang either: a job that stopped for a known cause before the deadline (its
+``job_exit`` record — a lost GPU, a planned restart — or an ``interruption`` record). After a
+``job_exit``, a ``job_start`` or an ``interruption`` the job's rank state starts afresh with its next
+batch, since a restarted job may resume from an earlier step.
 
 The clock never outruns the step input: ``now`` comes from all inputs, so a stalled steps
 partition lets it pass a job's deadline while the job is in fact progressing. A batch that
@@ -57,6 +58,9 @@ from fleethealth.payloads.hang_report import HangReport, RankStacks
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
 
 __all__ = ["HangDetector"]
+
+_STOPS = (EventKind.INTERRUPTION, EventKind.JOB_EXIT, EventKind.JOB_START)
+"""Events that end a job's current run: after one its rank state starts afresh with the next batch."""
 
 
 @dataclass
@@ -172,7 +176,7 @@ class HangDetector:
             job.max_step, job.max_step_ts = b.step, b.ts
 
     def _event(self, e: Event) -> list[Finding]:
-        if e.kind not in (EventKind.HANG_REPORT, EventKind.INTERRUPTION):
+        if e.kind not in _STOPS and e.kind is not EventKind.HANG_REPORT:
             return []
         job = self.jobs_.get(e.job) if e.job is not None else None
         if job is None:

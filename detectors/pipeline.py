@@ -15,7 +15,13 @@ nodes of their newest message's event time. What it calls, in order, for each ``
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
-5. interruption records restart the job's step assembly (a restarted run repeats step numbers).
+5. interruption records restart the job's step assembly (a restarted run repeats step numbers);
+6. the job lifecycle (:class:`~fleethealth.detectors.lifecycle.LifecycleTracker`) follows each
+   job's runs from its step batches, ``job_start`` / ``job_exit`` records and the hang and Xid
+   findings, and derives one ``interruption`` event per stop with its MTTR phases
+   (``Output.events``). A restart it sees — a ``job_start`` after progress or an exit, the step
+   counter going back, a batch after a failed exit — restarts the job's step assembly before the
+   new run's first batch is assembled, and the hang detector's rank state with it.
 
 State is bounded: a job without a batch for ``job_idle_s`` and a node without telemetry or a batch
 for ``node_idle_s`` of event time are forgotten by every detector (checked once per ``prune_every_s``
@@ -40,6 +46,7 @@ from fleethealth.detectors.assembly import AssembledStep, StepAssembler
 from fleethealth.detectors.diagnosis import Diagnoser, RackEpisodes
 from fleethealth.detectors.hang import HangDetector
 from fleethealth.detectors.health import HealthRules
+from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
@@ -56,10 +63,12 @@ class Output:
     """What one ``feed`` (or ``drain``) concluded, at event time ``now``.
 
     ``steps`` lists (job, event time) of each step assembled, in order; ``ended`` the jobs forgotten
-    after ``job_idle_s`` without a batch — the policy stage's goodput reads both.
+    after ``job_idle_s`` without a batch — the policy stage's goodput reads both. ``events`` are the
+    ``interruption`` events the job lifecycle derived (stored and read by the policy like input events).
     """
 
     findings: list[Finding] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     steps: list[tuple[str, float]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     now: float = 0.0
@@ -67,6 +76,16 @@ class Output:
     """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
+
+
+_LIFECYCLE = (EventKind.JOB_START, EventKind.JOB_EXIT)
+
+
+def _restart_marker(b: StepBatch) -> Event:
+    """A ``job_start`` for the hang detector alone (never stored or published), just before the batch
+    that showed a run restarted without its own start record, so the rank state starts afresh."""
+    return Event(node=b.node, ts=float(np.nextafter(b.ts, -np.inf)), kind=EventKind.JOB_START, job=b.job,
+                 step=b.step, message="restart seen from the step counter", data={"world": 1, "first_step": b.step})
 
 
 class Pipeline:
@@ -81,7 +100,8 @@ class Pipeline:
                  hang: HangDetector | None = None, diagnoser: Diagnoser | None = None,
                  rack_episodes: RackEpisodes | None = None, health: HealthRules | None = None,
                  sdc: SdcDetector | None = None, predictor: FailurePredictor | None = None,
-                 assembler: StepAssembler | None = None, diagnosis_wait_s: float = 10.0,
+                 assembler: StepAssembler | None = None, lifecycle: LifecycleTracker | None = None,
+                 diagnosis_wait_s: float = 10.0,
                  job_idle_s: float = 6 * 3600.0, node_idle_s: float = 6 * 3600.0, prune_every_s: float = 60.0,
                  max_jobs: int = 20_000, max_nodes: int = 100_000) -> None:
         self.straggler = straggler
@@ -92,6 +112,7 @@ class Pipeline:
         self.sdc = sdc if sdc is not None else SdcDetector()
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
+        self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker()
         self.diagnosis_wait_s = diagnosis_wait_s
         self.job_idle_s = check_number("job_idle_s", job_idle_s, above=0)
         self.node_idle_s = check_number("node_idle_s", node_idle_s, above=0)
@@ -122,6 +143,7 @@ class Pipeline:
         ready: list[Finding] = []
         refused: list[StepBatch] = []
         rejected: list[tuple[Message, str]] = []
+        markers: list[Event] = []
         for m in messages:
             why = self._over_limit(m)
             if why is not None:
@@ -138,16 +160,21 @@ class Pipeline:
                 batches.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
+                if self.lifecycle.observe(m):  # the step counter went back, or a run came after an exit
+                    self.assembler.restart(m.job)
+                    markers.append(_restart_marker(m))
                 for step in self.assembler.add(m):
                     self._wait(self._stragglers(step))
                 if self.assembler.refused_:
                     refused.append(m)
             else:
                 events.append(m)
+                if m.kind in _LIFECYCLE and self.lifecycle.observe(m):
+                    self.assembler.restart(m.job or "")
         self._advance_clock(events)
         for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
             self._wait(self._stragglers(step))
-        out = self._conclude(ready, telemetry, batches, events, final=False)
+        out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers)
         out.refused = refused
         out.rejected = rejected
         return out
@@ -192,6 +219,8 @@ class Pipeline:
             self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
+            self.lifecycle.forget(job)
+        self.lifecycle.forget_idle(self.now_ - self.job_idle_s)  # jobs known from their records alone
         if idle:
             gone = set(idle)
             sdc = self.sdc
@@ -238,10 +267,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],
-                  events: list[Event], *, final: bool) -> Output:
+                  events: list[Event], *, final: bool, markers: Sequence[Event] = ()) -> Output:
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
-        out.findings += self.hang.update(batches, events, now, alive=self.telemetry_ts_)
+        out.findings += self.hang.update(batches, [*events, *markers], now, alive=self.telemetry_ts_)
         out.findings += self.sdc.update(events)
         out.findings += self.health.update(telemetry, events)
         out.findings += self.predictor.update(telemetry, events)
@@ -251,6 +280,9 @@ class Pipeline:
             if ev.kind is EventKind.INTERRUPTION and ev.job is not None and ev.id not in self.restarted_:
                 self.restarted_[ev.id] = ev.ts
                 self.assembler.restart(ev.job)
+        out.events = self.lifecycle.update((), (), now, findings=out.findings)
+        if final:
+            out.events += self.lifecycle.drain()
         out.steps, self.steps_ = self.steps_, []
         out.ended, self.ended_ = self.ended_, []
         return out

@@ -10,8 +10,9 @@ by node), so replicas split the partitions between them. Each :meth:`Runner.proc
 3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
    detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
    recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs (the step batches the assembler accepted), findings and recommendations to the
-   store — idempotently: every table is a ReplacingMergeTree on its natural key and every insert
+4. writes inputs (the step batches the assembler accepted, the events, and with them the
+   ``interruption`` events detection derived), findings and recommendations to the store —
+   idempotently: every table is a ReplacingMergeTree on its natural key and every insert
    carries a deduplication token derived from the offsets it covers — then what is to be
    published to the **outbox** (pending), then eviction outcomes and the policy engine's state;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
@@ -92,6 +93,8 @@ class Conclusions:
 
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    """Events detection derived (``interruption``), stored with the input events."""
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
     refused: list[StepBatch] = field(default_factory=list)
@@ -119,14 +122,15 @@ def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message
     input), the pipeline's drain is decided too. The one place the two stages are composed."""
     out = pipeline.feed(messages)
     events = [m for m in messages if isinstance(m, Event)]
-    decided = policy.update(out.findings, events, out.now, steps=out.steps, ended=out.ended)
-    findings = list(out.findings)
+    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
+    findings, derived_events = list(out.findings), list(out.events)
     if final:
         tail = pipeline.drain()
-        decided.extend(policy.update(tail.findings, (), tail.now, steps=tail.steps, ended=tail.ended))
+        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
         findings += tail.findings
-    return Conclusions(findings=findings, recommendations=decided.recommendations, outcomes=decided.outcomes,
-                       policy_changed=decided.changed, refused=list(out.refused),
+        derived_events += tail.events
+    return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
+                       outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
                        rejected=list(out.rejected))
 
 
@@ -333,17 +337,20 @@ class Runner:
             ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
-        events = [r.msg for r in ready if isinstance(r.msg, Event)]
+        events = [*(r.msg for r in ready if isinstance(r.msg, Event)), *out.events]
         where = {id(r.msg): r for r in ready}
-
-        def bad_input(msg: Message, exc: BaseException) -> None:
-            rec = where[id(msg)]
-            self.metrics.poisoned.labels("store").inc()
-            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
 
         def bad_output(msg: Message, exc: BaseException) -> None:
             self.metrics.poisoned.labels("store").inc()
             self._letter(msg.TOPIC.value, -1, -1, msg.key.encode(), encode(msg), f"store: {exc}")
+
+        def bad_input(msg: Message, exc: BaseException) -> None:
+            rec = where.get(id(msg))
+            if rec is None:  # a derived event (an interruption): output, not input
+                bad_output(msg, exc)
+                return
+            self.metrics.poisoned.labels("store").inc()
+            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
 
         store = self.store
         self._insert("t", telemetry, store.insert_telemetry, token, bad_input)
@@ -459,4 +466,4 @@ def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
     offsets = (f"{r.topic}/{r.partition}/{r.offset};"
                for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
-    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations))])
+    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])

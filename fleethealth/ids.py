@@ -14,6 +14,7 @@ one record, not two (docs/architecture.md "Findings and recommendations": ids ar
                          naming the input offsets and output ids it covers)
 :func:`derived`          the subject id of a record that another one caused: ``"tag:subject"``
                          (the breaker's page for the finding that tripped it, a pager pattern)
+:func:`interruption`     one stop of a run: its job, the high-water step and that step's event time
 =======================  ==========================================================================
 
 Pure standard library; the formats are part of the stored data, so changing one re-keys history.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["digest", "token", "derived", "episode", "DIGEST_BYTES"]
+__all__ = ["digest", "token", "derived", "episode", "interruption", "DIGEST_BYTES"]
 
 DIGEST_BYTES = 12
 """Bytes of BLAKE2b output (hex ids are twice as long)."""
@@ -52,3 +53,9 @@ def token(chunks: Iterable[str]) -> str:
 def derived(tag: str, subject: str) -> str:
     """The subject id of a record caused by ``subject`` in the role ``tag`` (``derived("breaker", fid)``)."""
     return f"{tag}:{subject}"
+
+
+def interruption(job: str, step: int, ts: float) -> str:
+    """The id of one stop of run ``job``: the high-water step it stopped after and the event time that
+    step was reached (milliseconds), whatever signal made it known (:mod:`fleethealth.detectors.lifecycle`)."""
+    return digest("interruption", job, step, f"{ts:.3f}")

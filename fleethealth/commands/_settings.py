@@ -25,6 +25,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("detect.rack_episodes", "fleethealth.detectors.diagnosis", "RackEpisodes", ()),
     ("detect.health", "fleethealth.detectors.health", "HealthRules", ()),
     ("detect.sdc", "fleethealth.detectors.sdc", "SdcDetector", ()),
+    ("detect.lifecycle", "fleethealth.detectors.lifecycle", "LifecycleTracker", ()),
     ("detect.predict", "fleethealth.detectors.predict", "FailurePredictor", ("features",)),
     ("detect.features", "fleethealth.detectors.predict", "GpuFeatures", ()),
     ("detect.assembly", "fleethealth.detectors.assembly", "StepAssembler", ()),

@@ -54,6 +54,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     from fleethealth.detectors.diagnosis import Diagnoser, DiagnosisThresholds, RackEpisodes
     from fleethealth.detectors.hang import HangDetector
     from fleethealth.detectors.health import HealthRules
+    from fleethealth.detectors.lifecycle import LifecycleTracker
     from fleethealth.detectors.pipeline import Pipeline
     from fleethealth.detectors.predict import FailurePredictor, GpuFeatures
     from fleethealth.detectors.runner import Runner
@@ -73,7 +74,8 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
                         health=HealthRules(**of("detect.health")), sdc=SdcDetector(**of("detect.sdc")),
                         predictor=FailurePredictor(features=GpuFeatures(**of("detect.features")),
                                                    **of("detect.predict")),
-                        assembler=StepAssembler(**of("detect.assembly")), **of("detect.pipeline"))
+                        assembler=StepAssembler(**of("detect.assembly")),
+                        lifecycle=LifecycleTracker(**of("detect.lifecycle")), **of("detect.pipeline"))
     policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging")))
     return Runner(bus_dsn, store, group=settings["detect.group"], pipeline=pipeline, policy=policy,
                   **{**of("detect.runner"), **kwargs})

@@ -64,7 +64,10 @@ class Interruption:
     """One stop of a run (seed 000 §4 ``interruption``), with the four MTTR phases in seconds.
 
     ``restart_s`` is the measured restart cost; when the record lacks it, the sum of the phases.
-    ``step`` is the step at which the run failed (None when unknown).
+    ``step`` is the step at which the run failed (None when unknown). ``node`` is the node that
+    caused it, None when the record names none (``data.culprit`` false). ``recompute_s`` is the
+    replay's time when the record carries it (the goodput figures count the replay as
+    ``lost_steps`` × the ideal step time, so it is not part of :attr:`mttr_s` or ``restart_s``).
     """
 
     job: str
@@ -79,6 +82,7 @@ class Interruption:
     isolation_s: float = 0.0
     reconfiguration_s: float = 0.0
     reload_s: float = 0.0
+    recompute_s: float = 0.0
 
     @property
     def mttr_s(self) -> float:
@@ -96,15 +100,19 @@ class Interruption:
         phases = {p: _field(d, p, float, 0.0) for p in PHASES}
         restart = _field(d, "restart_s", float, None)
         step = _field(d, "step", int, ev.step)
-        return cls(job=ev.job, ts=ev.ts, node=ev.node or None, cause=_field(d, "cause", str, "unknown"),
+        culprit = d.get("culprit", True) is not False  # a derived record names its node only for a culprit
+        return cls(job=ev.job, ts=ev.ts, node=(ev.node or None) if culprit else None,
+                   cause=_field(d, "cause", str, "unknown"),
                    detected_by=_field(d, "detected_by", str, "unknown"), step=step,
                    lost_steps=_field(d, "lost_steps", int, 0),
-                   restart_s=sum(phases.values()) if restart is None else restart, **phases)
+                   restart_s=sum(phases.values()) if restart is None else restart,
+                   recompute_s=_field(d, "recompute_s", float, 0.0), **phases)
 
     def to_obj(self) -> dict[str, Any]:
         return {"job": self.job, "ts": self.ts, "node": self.node, "cause": self.cause,
                 "detected_by": self.detected_by, "step": self.step, "lost_steps": self.lost_steps,
-                "restart_s": self.restart_s, **{p: getattr(self, p) for p in PHASES}, "mttr_s": self.mttr_s}
+                "restart_s": self.restart_s, **{p: getattr(self, p) for p in PHASES}, "recompute_s": self.recompute_s,
+                "mttr_s": self.mttr_s}
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ class PolicyStage:
     """The policy engine, the pager and the goodput they read, behind one ``update``.
 
     ``engine`` defaults to a :class:`PolicyEngine` with its defaults (a runner passes one loaded
-    from the store); ``pager`` to a :class:`Pager`. State: ``interruptions_`` (id → record, within
+    from the store); ``pager`` to a :class:`Pager`. State: ``interruptions_`` (the stop's
+    ``data.interruption_id`` when the detectors derived it, else the event id → record, within
     the pager's windows), ``step_ends_`` (job → event times of its steps in the last hour) and
     ``job_first_`` (job → its first step's time).
     """
@@ -89,9 +90,12 @@ class PolicyStage:
         fresh: set[str] = set()
         at = now  # an interruption record is itself evidence that its job's time has reached it
         for ev in events:
-            if ev.kind is EventKind.INTERRUPTION and ev.id not in self.interruptions_:
+            if ev.kind is not EventKind.INTERRUPTION:
+                continue
+            key = _stop_id(ev)
+            if key not in self.interruptions_:
                 try:
-                    self.interruptions_[ev.id] = Interruption.from_event(ev)
+                    self.interruptions_[key] = Interruption.from_event(ev)
                 except SchemaError:
                     continue  # an interruption record without a job cannot be attributed; it is stored anyway
                 fresh.add(ev.job or "")
@@ -133,3 +137,10 @@ class PolicyStage:
                 mine = [i for i in self.interruptions_.values() if i.job == job]
                 values.append(window_goodput(ts, ideal_step_time(gaps), mine, now, window))
         return min(values, default=None)
+
+
+def _stop_id(ev: Event) -> str:
+    """What names one stop: the derived record's ``interruption_id`` (the same stop derived twice, with more
+    or less known, is one interruption), else the event's own id."""
+    sid = ev.data.get("interruption_id")
+    return sid if isinstance(sid, str) and sid else ev.id

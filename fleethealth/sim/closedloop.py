@@ -56,8 +56,9 @@ class Act:
 class LoopParams:
     """Restart costs (seconds; seed 002's phases after detection) and the facilities' delay.
 
-    Defaults follow the simulator's own interruptions: a 600 s restart split 0.4 isolation &
-    scheduling ("diagnosis"), 0.3 reconfiguration, 0.3 reload."""
+    Defaults: the simulator's 600 s restart, split 0.4 isolation & scheduling ("diagnosis"), 0.3
+    reconfiguration, 0.3 reload (:data:`fleethealth.sim.fleet.RELOAD_SHARE`, the share after the
+    restarted run's ``job_start``)."""
 
     diagnosis_s: float = 240.0
     restart_s: float = 360.0

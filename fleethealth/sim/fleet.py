@@ -15,6 +15,16 @@ Each node has one InfiniBand port (:data:`NIC_PORT`, :data:`NIC_LINK_GBPS`) whos
 what sysfs would show — bytes sent and received, ``port_xmit_wait`` ticks — as monotonic totals
 integrated over event time from the node's base utilisation and any ``nic_contention`` window, so
 the detectors judge contention from counter deltas exactly as they do on a real node.
+
+The job's life is reported as the in-job library reports it (:mod:`fleethealth.payloads.job`,
+from rank 0's node): ``job_start`` before step 0, ``job_exit`` ``completed`` after the last step,
+and around each stop a ``failed`` exit — a hang when its ``duration_s`` is up, a lost GPU at the
+first tick after its Xid 79 — then the restarted run's ``job_start``, resumed from the newest
+checkpoint at or before the stop, :data:`RELOAD_SHARE` of the restart before the next step (the
+checkpoint load). The simulator writes no ``interruption``: the detectors derive it
+(:mod:`fleethealth.detectors.lifecycle`). Its step numbers are its timeline, so a run resumed from
+a checkpoint before the stop does not repeat the steps in between; the ``job_start`` still names
+that checkpoint, so the lost steps are counted as for a real job.
 """
 
 from __future__ import annotations
@@ -27,13 +37,14 @@ import numpy as np
 
 from fleethealth.payloads.checkpoint import checkpoint_event
 from fleethealth.payloads.hang_report import hang_report_event
+from fleethealth.payloads.job import ExitStatus, job_exit_event, job_start_event
 from fleethealth.payloads.sdc_check import sdc_check_event
-from fleethealth.schema import GPU_FIELDS, Event, EventKind, NicPorts, StepBatch, Telemetry
+from fleethealth.schema import GPU_FIELDS, Event, NicPorts, StepBatch, Telemetry
 from fleethealth.sim.faults import CONTENDED_UTIL, CONTENDED_WAIT_SHARE, EFFECTS, Frame, sdc_failures
 from fleethealth.sim.scenario import Scenario
 
 __all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C", "NIC_PORT", "NIC_LINK_GBPS",
-           "NIC_BYTES_PER_TICK"]
+           "NIC_BYTES_PER_TICK", "RELOAD_SHARE", "GPU_LOSS_RESTART_S"]
 
 COMPUTE_SHARE = 0.8
 """Share of a nominal step spent in pre-collective compute; the rest is the collective."""
@@ -46,6 +57,13 @@ NIC_PORT = "mlx5_0/1"
 NIC_LINK_GBPS = 400.0
 NIC_BYTES_PER_TICK = 8.0
 """Bytes a ``port_xmit_wait`` tick stands for (the diagnosis default, Quantum-class hardware)."""
+RELOAD_SHARE = 0.3
+"""Share of a simulated restart spent loading the checkpoint, after the new run's ``job_start``
+(the rest is finding a replacement and relaunching: before it)."""
+GPU_LOSS_RESTART_S = 600.0
+"""Restart after a lost GPU (``ecc_precursor``'s ``fail_step``), seconds."""
+_PLACEMENT_MAX_RANKS = 4096
+"""A ``job_start`` lists each rank's node up to this many ranks (a larger job's list would crowd the event)."""
 _BASE_WAIT_SHARE = 0.004
 _FB_TOTAL_MIB = 81559.0
 
@@ -122,7 +140,7 @@ class FleetSim:
             if fault.kind == "hang":
                 gaps[p["step"]] += p["duration_s"] + p["restart_s"]
             if fault.kind == "ecc_precursor":
-                gaps[p["fail_step"]] += 600.0
+                gaps[p["fail_step"]] += GPU_LOSS_RESTART_S
         nominal = job.step_time_s * (COMPUTE_SHARE * (1.0 + worst) + (1.0 - COMPUTE_SHARE))
         return nominal, gaps
 
@@ -164,7 +182,7 @@ class FleetSim:
             batches.append(StepBatch(job=job.id, step=step, node=self.node_names[n], ts=ts,
                                      ranks=(n * self.gpus + gpu_ids[keep]).astype(np.int32), gpus=gpu_ids[keep],
                                      compute_s=compute[n, keep]))
-        events = frame.events + self._check_events(step, ts)
+        events = frame.events + self._check_events(step, ts) + self._life_events(step, ts)
         return SimStep(step=step, ts=ts, telemetry=frame.telemetry(self), batches=batches, events=events)
 
     def _frame(self, step: int, ts: float) -> _SimFrame:
@@ -267,29 +285,66 @@ class FleetSim:
         verified = max((limit // checks.selfcheck_every) * checks.selfcheck_every, replayed)
         return (verified if verified > 0 else None), (replayed if replayed > 0 else None)
 
+    def _life_events(self, step: int, ts: float) -> list[Event]:
+        """The run's ``job_start`` before step 0 and its ``completed`` exit after the last step."""
+        job, world = self.scenario.job, self.n_nodes * self.gpus
+        events = []
+        if step == 0:
+            placement = ([self.node_names[n] for n in self.rank_node.tolist()] if world <= _PLACEMENT_MAX_RANKS
+                         else [])
+            events.append(job_start_event(ts=self.scenario.start_ts, world=world, placement=placement,
+                                          node=self.node_names[0], job=job.id, rank=0))
+        if step == job.steps - 1:
+            events.append(job_exit_event(ts=ts, status=ExitStatus.COMPLETED, last_step=step, node=self.node_names[0],
+                                         job=job.id, rank=0))
+        return events
+
+    def _restart(self, step: int, ts: float) -> Event:
+        """The restarted run's ``job_start``: resumed from the newest checkpoint at or before ``step``."""
+        job, every = self.scenario.job, self.scenario.checks.checkpoint_every
+        ckpt = (step // every) * every
+        return job_start_event(ts=ts, world=self.n_nodes * self.gpus, first_step=ckpt + 1 if ckpt > 0 else 0,
+                               resumed_from=f"ckpt://{job.id}/step-{ckpt:08d}" if ckpt > 0 else None,
+                               node=self.node_names[0], job=job.id, rank=0)
+
     def _stall_events(self, step: int, ts: float) -> list[Event]:
-        """Hang reports once the watchdogs time out, and the interruption when the job restarts."""
+        """Hang reports once the watchdogs time out; the failed exit and the restarted run's start
+        around each stop (a hang, a lost GPU), at their own event times inside the tick that holds them."""
         interval = self.scenario.job.step_time_s
         job, events = self.scenario.job, []
+        start = self.step_ts(step)
+
+        def within(at: float) -> bool:
+            return at <= ts < at + interval
+
         for fault in self.scenario.faults:
             if fault.kind == "hang" and fault["step"] == step:
-                start = self.step_ts(step)
                 watchdog = min(90.0, 0.75 * fault["duration_s"])
                 hung_node = self.node_index[fault["node"]]
-                if start + watchdog <= ts < start + watchdog + interval:
+                if within(start + watchdog):
                     gpus = range(self.gpus) if fault.params.get("gpu") is None else [fault["gpu"]]
                     for g in gpus:
                         events.append(_hang_event(fault["node"], ts, job.id, hung_node * self.gpus + g, g, step,
                                                   watchdog, stuck_in="compute"))
                     events.append(_hang_event(self.node_names[0], ts, job.id, 0, 0, step, watchdog,
                                               stuck_in="all_reduce"))
-                if start + fault["duration_s"] <= ts < start + fault["duration_s"] + interval:
-                    events.append(_interruption(fault["node"], ts, job.id, step, "hang", "hang watchdog",
-                                                fault["duration_s"], fault["restart_s"], self.scenario))
-            first_tick = ts < self.step_ts(step) + interval * 1.5
-            if fault.kind == "ecc_precursor" and fault["fail_step"] == step and first_tick:
-                events.append(_interruption(fault["node"], ts, job.id, step, "gpu_failure", "xid", 0.0, 600.0,
-                                            self.scenario, gpu=fault["gpu"]))
+                stopped = start + fault["duration_s"]
+                if within(stopped):
+                    events.append(job_exit_event(
+                        ts=stopped, status=ExitStatus.FAILED, last_step=step, node=self.node_names[0], job=job.id,
+                        rank=0, reason=f"DistNetworkError: all_reduce timed out after {fault['duration_s']:g} s"))
+                restarted = stopped + (1.0 - RELOAD_SHARE) * fault["restart_s"]
+                if within(restarted):
+                    events.append(self._restart(step, restarted))
+            if fault.kind == "ecc_precursor" and fault["fail_step"] == step:
+                if within(start + interval):
+                    events.append(job_exit_event(
+                        ts=start + interval, status=ExitStatus.FAILED, last_step=step, node=self.node_names[0],
+                        job=job.id, rank=0, reason="RuntimeError: NCCL error: unhandled cuda error (CUDA error: "
+                                                   "GPU is lost)"))
+                restarted = start + interval + (1.0 - RELOAD_SHARE) * GPU_LOSS_RESTART_S
+                if within(restarted):
+                    events.append(self._restart(step, restarted))
         return events
 
 
@@ -323,12 +378,3 @@ def _hang_event(node: str, ts: float, job: str, rank: int, gpu: int, step: int, 
     return hang_report_event(ts=ts, stacks=f"Thread 0x7f00 (most recent call first):\n  {_STACKS[stuck_in]}",
                              timeout_s=timeout, last_collective="all_reduce" if stuck_in == "all_reduce" else None,
                              node=node, job=job, rank=rank, gpu=gpu, step=step)
-
-
-def _interruption(node: str, ts: float, job: str, step: int, cause: str, detected_by: str, detection_s: float,
-                  restart_s: float, scenario: Scenario, gpu: int | None = None) -> Event:
-    lost = step % scenario.checks.checkpoint_every
-    return Event(node=node, ts=ts, kind=EventKind.INTERRUPTION, job=job, gpu=gpu, step=step,
-                 data={"cause": cause, "detected_by": detected_by, "lost_steps": lost, "restart_s": restart_s,
-                       "detection_s": detection_s, "isolation_s": 0.4 * restart_s,
-                       "reconfiguration_s": 0.3 * restart_s, "reload_s": 0.3 * restart_s})

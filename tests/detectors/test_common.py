@@ -21,12 +21,14 @@ from fleethealth.detectors import (
     GpuFeatures,
     HangDetector,
     HealthRules,
+    LifecycleTracker,
     RackEpisodes,
     SdcDetector,
     SeedRule,
     StragglerDetector,
 )
 from fleethealth.errors import SchemaError
+from fleethealth.payloads.job import job_exit_event, job_start_event
 from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import (
     ClockReason,
@@ -134,6 +136,16 @@ def _env(node: str, ts: float, slowdown: float = 0.1) -> Finding:
 
 _RACK = {"n0001": "r00", "n0002": "r00"}.get
 
+
+def _life_calls(ranks: list[int]) -> list[Call]:
+    """A run started, 10 steps, a failed exit, restarted from step 5, on past its old step 9."""
+    calls: list[Call] = [([], [job_start_event(ts=99.0, world=len(ranks), node="n0000", job="j")], 99.0)]
+    calls += [([_batch(s, 100.0 + 2 * s, ranks)], [], 100.0 + 2 * s) for s in range(10)]
+    calls.append(([], [job_exit_event(ts=125.0, status="failed", last_step=9, node="n0000", job="j")], 125.0))
+    calls.append(([], [job_start_event(ts=200.0, world=len(ranks), first_step=5, node="n0000", job="j")], 200.0))
+    calls += [([_batch(s, 200.0 + 2 * s, ranks)], [], 200.0 + 2 * s) for s in range(5, 12)]
+    return calls
+
 CASES = [
     Case("SeedRule", SeedRule, lambda d, c: d.update(*c), lambda: _steps(120), lambda: _steps(120, nan=True),
          lambda: _steps(5, n=1), (0, np.array([], dtype=int), np.array([]), None)),
@@ -155,6 +167,8 @@ CASES = [
     Case("RackEpisodes", RackEpisodes, lambda d, c: d.update(c[0], _RACK),
          lambda: [([_env("n0001", 10.0), _env("n0002", 11.0)],)], lambda: [([_env("n0001", math.nan)],)],
          lambda: [([_env("n0001", 10.0)],)], ([],), nan_raises=True, expect_one=True),
+    Case("LifecycleTracker", LifecycleTracker, lambda d, c: d.update(*c), lambda: _life_calls(list(range(16))),
+         lambda: [([], [], math.nan)], lambda: _life_calls([0]), ([], [], 0.0), nan_raises=True, expect_one=True),
 ]
 IDS = [c.name for c in CASES]
 

@@ -179,3 +179,18 @@ def test_steps_delivered_late_with_times_before_the_deadline_withdraw_it():
     assert det.jobs_["train-1"].deadline == 1048.0
     late = [b for s in range(10, 40) for b in _batches(s, 1000.0 + 2.0 * s)]
     assert det.update(late, [], 1080.0) == [] and det.clock_ahead_total_ == 1
+
+
+def test_a_failed_exit_before_the_deadline_is_not_a_hang_and_the_restart_starts_afresh():
+    """The in-job library's ``job_exit`` (a lost GPU) ends the run before its deadline; the restarted run's
+    ``job_start`` and batches from an earlier step are progress, not a stall."""
+    from fleethealth.payloads.job import job_exit_event, job_start_event
+
+    det = HangDetector()
+    _feed(det, steps=10)
+    det.update(_batches(10, 1020.0, skip={3}), [], 1020.0)
+    failed = job_exit_event(ts=1022.0, status="failed", last_step=10, node="n0000", job="train-1", rank=0)
+    assert det.update([], [failed], 1500.0) == []
+    restart = job_start_event(ts=1990.0, world=32, first_step=6, node="n0000", job="train-1", rank=0)
+    assert det.update([], [restart], 1995.0) == []
+    assert _feed(det, steps=12, t0=2000.0) == [] and det.update([], [], 2030.0) == []

@@ -121,8 +121,9 @@ def test_every_detector_and_policy_parameter_is_a_key() -> None:
     engine = PolicyEngine()
     assert keys["policy.fleet_nodes"].default == engine.breaker_.fleet_nodes == 0
     assert keys["policy.breaker_share"].default == engine.breaker_.share
-    for table in ("detect.straggler", "detect.diagnosis", "detect.health", "detect.sdc", "detect.predict",
-                  "detect.features", "detect.assembly", "detect.pipeline", "detect.runner", "policy.paging"):
+    for table in ("detect.straggler", "detect.diagnosis", "detect.health", "detect.sdc", "detect.lifecycle",
+                  "detect.predict", "detect.features", "detect.assembly", "detect.pipeline", "detect.runner",
+                  "policy.paging"):
         assert any(k.section == table for k in keys.values()), table
 
 

@@ -94,8 +94,31 @@ def test_hang_silences_the_node_and_reports_stacks() -> None:
     ticks = [s for s in sim.run() if s.step is None]
     assert ticks and all(t.telemetry for t in ticks)
     kinds = [e.kind for t in ticks for e in t.events]
-    assert EventKind.HANG_REPORT in kinds and EventKind.INTERRUPTION in kinds
+    assert EventKind.HANG_REPORT in kinds
     assert sim.step(101).ts - sim.step(100).ts > 90
+
+
+def test_the_job_reports_its_life_and_the_simulator_writes_no_interruption() -> None:
+    """A hang at step 110 (checkpoints every 25): the run fails when the hang's 60 s are up and restarts
+    from the checkpoint at 100 after 70 % of its 30 s restart; a lost GPU at 300 fails at the next tick
+    and restarts 420 s later from 300. The interruption itself is derived by the detectors."""
+    sim = _sim({"kind": "hang", "node": "n0002", "step": 110, "duration_s": 60, "restart_s": 30},
+               {"kind": "ecc_precursor", "node": "n0004", "gpu": 2, "start_step": 50, "fail_step": 300})
+    events = [e for s in sim.run() for e in s.events]
+    assert EventKind.INTERRUPTION not in {e.kind for e in events}
+    life = [(e.kind.value, e.step, e.data.get("status"), e.data.get("resumed_from"), round(e.ts - sim.step_ts(0), 3))
+            for e in events if e.kind in (EventKind.JOB_START, EventKind.JOB_EXIT)]
+    t0, hang, lost = sim.step_ts(0), sim.step_ts(110) - sim.step_ts(0), sim.step_ts(300) - sim.step_ts(0)
+    assert life == [
+        ("job_start", 0, None, None, round(sim.scenario.start_ts - t0, 3)),
+        ("job_exit", 110, "failed", None, round(hang + 60.0, 3)),
+        ("job_start", 101, None, "ckpt://train-1/step-00000100", round(hang + 60.0 + 21.0, 3)),
+        ("job_exit", 300, "failed", None, round(lost + 2.0, 3)),
+        ("job_start", 301, None, "ckpt://train-1/step-00000300", round(lost + 2.0 + 420.0, 3)),
+        ("job_exit", 399, "completed", None, round(sim.step_ts(399) - t0, 3)),
+    ]
+    assert all(e.node == "n0000" and e.rank == 0 for e in events if e.kind is EventKind.JOB_START)
+    assert events[0].data["placement"][13] == "n0003" and events[0].data["world"] == 32
 
 
 def test_sdc_records_transient_in_selfcheck_deterministic_in_replay() -> None:
