@@ -114,7 +114,7 @@ def test_through_the_broker_and_the_runner_into_the_store(tmp_path) -> None:
     msgs = _lost_gpu_run()
     with EmbeddedBroker() as broker:
         ensure_topics(broker.dsn, partitions=1)
-        with Producer(broker.dsn) as producer:
+        with Producer(broker.dsn, event_time_stamps=True) as producer:
             for m in msgs:
                 producer.publish(m)
             producer.flush()
