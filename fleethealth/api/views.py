@@ -20,7 +20,7 @@ import numpy as np
 
 from fleethealth.errors import FleetHealthError
 from fleethealth.policy import quarantine as qb
-from fleethealth.policy.goodput import Interruption, Timeline, goodput, ideal_step_time, timeline
+from fleethealth.policy.goodput import Interruption, Timeline, distinct_stops, goodput, ideal_step_time, timeline
 from fleethealth.schema import Event, EventKind
 from fleethealth.store.columns import loads_lenient
 
@@ -194,7 +194,7 @@ def run_events(store: StoreLike, job: str, kind: EventKind, limit: int = 10_000)
 
 
 def _timeline(store: StoreLike, job: str, step_s: np.ndarray, end_ts: np.ndarray) -> Timeline:
-    events = run_events(store, job, EventKind.INTERRUPTION)
+    events = distinct_stops(run_events(store, job, EventKind.INTERRUPTION))
     times = [*end_ts.tolist(), *(e.ts for e in events)]
     start = min(times)
     end = max(max(times), start + 1e-3)
@@ -238,7 +238,7 @@ def run_health(store: StoreLike, job: str, *, slow_window: int = 100) -> dict[st
                    slowest_rank=_slowest_rank(store, job, int(steps[-1]), slow_window),
                    goodput=goodput(step_s, overhead=tl.overhead).to_obj(), ettr=tl.ettr)
     interruptions = [Interruption.from_event(e).to_obj()
-                     for e in sorted(run_events(store, job, EventKind.INTERRUPTION), key=lambda e: e.ts)]
+                     for e in distinct_stops(run_events(store, job, EventKind.INTERRUPTION))]
     placed = store.job_nodes(job)
     out["interruptions"] = interruptions
     out["quarantined_nodes"] = [q.to_obj() for q in qb.quarantined(store)

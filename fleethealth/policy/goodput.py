@@ -35,6 +35,7 @@ __all__ = [
     "goodput",
     "ettr",
     "timeline",
+    "distinct_stops",
     "window_goodput",
 ]
 
@@ -143,6 +144,24 @@ def _steps(step_s: Sequence[float] | np.ndarray) -> np.ndarray:
 def _ideal_mask(arr: np.ndarray) -> np.ndarray:
     med = float(np.median(arr))
     return arr <= med + 3.0 * float(np.median(np.abs(arr - med)))
+
+
+def distinct_stops(events: Iterable[Event]) -> list[Event]:
+    """The ``interruption`` events of ``events``, oldest first, one per stop.
+
+    A stop derived twice (the detector restarted while the run was down, so the second record's
+    content, and with it its event id, differs) carries the same ``data.interruption_id``; the
+    first record of each is kept. A record without one (an outside producer's) is its own stop.
+    """
+    seen: set[str] = set()
+    out = []
+    for ev in sorted((e for e in events if e.kind is EventKind.INTERRUPTION), key=lambda e: (e.ts, e.id)):
+        key = ev.data.get("interruption_id") if isinstance(ev.data, dict) else None
+        key = key if isinstance(key, str) and key else ev.id
+        if key not in seen:
+            seen.add(key)
+            out.append(ev)
+    return out
 
 
 def ideal_step_time(step_s: Sequence[float] | np.ndarray) -> float:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleethealth.errors import ConfigError, SchemaError
-from fleethealth.policy.goodput import Interruption, ideal_step_time
+from fleethealth.policy.goodput import Interruption, distinct_stops, ideal_step_time
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Recommendation
 
 if TYPE_CHECKING:
@@ -171,12 +171,11 @@ def load(store: StoreLike, job: str | None = None) -> ReportData:
     checks = [e for e in events if e.kind is EventKind.SDC_CHECK]
     checkpoints = [e for e in events if e.kind is EventKind.CHECKPOINT]
     interruptions = []
-    for e in events:
-        if e.kind is EventKind.INTERRUPTION:
-            try:
-                interruptions.append(Interruption.from_event(e))
-            except SchemaError:  # a malformed record is left out of the sums, not fatal
-                continue
+    for e in distinct_stops(events):
+        try:
+            interruptions.append(Interruption.from_event(e))
+        except SchemaError:  # a malformed record is left out of the sums, not fatal
+            continue
     return ReportData(
         job=job, dsn=store.dsn, first_step=first, last_step=last, t0=t0, t1=t1, step_bin=step_bin,
         ranks=np.array(order, dtype=np.int64), rank_nodes=[rank_node[r] for r in order], node_racks=node_racks,

@@ -8,6 +8,7 @@ import pytest
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.policy.goodput import (
     Interruption,
+    distinct_stops,
     ettr,
     goodput,
     ideal_step_time,
@@ -106,3 +107,16 @@ def test_window_goodput_collapses_when_restarts_eat_the_hour():
     g = window_goodput(broken, 2.0, lost, now=3600.0)
     assert g == pytest.approx((300 - 100) * 2.0 / 3600)
     assert g < 0.3
+
+
+def test_a_stop_derived_twice_is_counted_once_and_outside_records_each_count():
+    first = _event(100.0, "n1", interruption_id="stop-a", detection_s=30.0)
+    again = _event(140.0, "n1", interruption_id="stop-a", detection_s=70.0)  # re-derived after a restart
+    other = _event(900.0, "n2", interruption_id="stop-b")
+    outside = [_event(500.0, "n3"), _event(600.0, "n3")]  # no interruption id: each its own stop
+    xid = Event(node="n1", ts=120.0, kind=EventKind.XID, job="train-1", code=79)
+    kept = distinct_stops([other, again, xid, *outside, first])
+    assert [e.ts for e in kept] == [100.0, 500.0, 600.0, 900.0]
+    assert kept[0].data["detection_s"] == 30.0  # the first record of a stop is the one kept
+    tl = timeline("train-1", kept, 0.0, 1000.0)
+    assert len(tl.interruptions) == 4 and tl.lost_steps == 400
