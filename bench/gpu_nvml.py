@@ -2,7 +2,9 @@
 
 Takes a few samples through :class:`fleethealth.probe.nvml.NvmlSource` (the same code the probe
 runs, with the Xid event-set thread on), reports every column per GPU with the clock-event bits
-decoded, PCIe downtraining, pending remaps, how long a sample took, and the events seen. With
+decoded, PCIe downtraining, pending remaps, how long a sample took, how many NVML calls a sample
+made per GPU (the target is 10: one field batch and the calls no field covers), which columns the
+GPU does not report and why, and the events seen. With
 ``--record FILE`` it also writes the NVML answers as a recording that
 :class:`fleethealth.probe.recorded.NvmlReplay` replays (the format of ``tests/probe/recordings``).
 
@@ -23,6 +25,25 @@ import time
 from fleethealth.errors import DeviceError
 from fleethealth.probe.nvml import NvmlSource, load_pynvml
 from fleethealth.schema import ClockReason
+
+
+class _Counting:
+    """Count the device calls made through an NVML module (or replay, or recorder)."""
+
+    def __init__(self, lib) -> None:
+        self._lib = lib
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        target = getattr(self._lib, name)
+        if not name.startswith("nvmlDevice") or not callable(target):
+            return target
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            return target(*args, **kwargs)
+
+        return call
 
 
 def _clean(value: float) -> float | None:
@@ -49,17 +70,20 @@ def main(argv: list[str] | None = None) -> int:
             from fleethealth.probe.recorded import NvmlRecorder
 
             recorder = nvml = NvmlRecorder(nvml, note="recorded by bench/gpu_nvml.py")
+        counting = nvml = _Counting(nvml)
         source = NvmlSource("gpu-check", "r00", nvml=nvml)
         source.open()
     except DeviceError as exc:
         print(f"gpu_nvml: skipped: {exc}", file=sys.stderr)
         return 2
-    durations, events, sample = [], [], None
+    durations, events, sample, calls = [], [], None, []
     try:
         for _ in range(args.samples):
             t0 = time.perf_counter()
+            before = counting.calls
             sample = source.sample(time.time())
             durations.append(time.perf_counter() - t0)
+            calls.append((counting.calls - before) / max(source.gpu_count, 1))
             events += [{"kind": e.kind.value, "gpu": e.gpu, "code": e.code, "message": e.message}
                        for e in sample.events]
             time.sleep(args.interval)
@@ -87,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "gpu_nvml", "model": tel.model, "gpus": len(gpus),
         "sample_ms_median": round(1000 * statistics.median(durations), 2),
         "sample_ms_max": round(1000 * max(durations), 2), "samples": len(durations),
+        "nvml_calls_per_gpu_first_sample": calls[0], "nvml_calls_per_gpu_per_sample": max(calls[1:] or calls),
+        "nvml_calls_target": 10,
+        "missing": {f"{gpu}:{column}": why for (gpu, column), why in sorted(source.missing.items())},
         "xid_thread_error": source.xid_thread_error, "events": events, "per_gpu": gpus,
         "recording": args.record,
     }, indent=2))

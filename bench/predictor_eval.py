@@ -10,8 +10,8 @@ Two data sets, each held out from training (see ``fleethealth.detectors.predict_
 
 Each run is streamed once through the shipped :class:`FailurePredictor` (the detector path the
 runner uses) and, in the same pass, the ECC health rule (:class:`HealthRules`: uncorrectable
-errors, a remap failure, a pending remap or retirement, retired-page growth — the threshold rule an
-operator would write). Both are scored alike: precision (findings on GPUs that fail within 24 h /
+errors, a remap failure, a pending remap or retirement, retired-page or remapped-row growth — the
+threshold rule an operator would write). Both are scored alike: precision (findings on GPUs that fail within 24 h /
 all findings), recall (failing GPUs flagged before they fail), median lead time in hours and false
 findings per 1,000 GPU-days. ``verdict`` says whether the model beats the rule on the harder
 generator on at least two of the four without losing on any (then the model ships; otherwise the

@@ -8,6 +8,12 @@ the whole-run figure is reported too) and their peak RSS is ``VmHWM``.
 
 Targets: <= 1 % of one core and <= 150 MB peak RSS for the probe.
 
+``nvml`` in the output is what the NVML source costs the driver: NVML calls per GPU per sample,
+counted on the recorded 4-GPU H100 node (``tests/probe/recordings/nvml_h100_faults.json``,
+replayed by :class:`fleethealth.probe.recorded.NvmlReplay`), against the target of 10 and the
+count before the field batch (114, measured at commit 003a864 on the same recording: one call per
+field and five per NVLink link).
+
     python bench/probe_overhead.py              # 60 s, as the issue asks
     python bench/probe_overhead.py --seconds 15 # a quick run
 """
@@ -26,6 +32,8 @@ from pathlib import Path
 
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import ensure_topics
+from fleethealth.probe.nvml import NvmlSource
+from fleethealth.probe.recorded import NvmlReplay
 
 _SCENARIO = """seed: 1
 fleet: {racks: 1, nodes_per_rack: 1, gpus_per_node: 8}
@@ -34,6 +42,30 @@ job: {id: bench-job, steps: 100000, step_time_s: 1.0, jitter: 0.02}
 _TICK = os.sysconf("SC_CLK_TCK")
 CPU_TARGET_PCT = 1.0
 RSS_TARGET_MB = 150.0
+NVML_RECORDING = Path(__file__).resolve().parent.parent / "tests" / "probe" / "recordings" / "nvml_h100_faults.json"
+NVML_CALLS_TARGET = 10
+NVML_CALLS_BEFORE = 114
+"""NVML calls per GPU per sample on NVML_RECORDING at commit 003a864, before the field batch."""
+
+
+def nvml_calls(recording: Path = NVML_RECORDING, samples: int = 5) -> dict[str, object]:
+    """NVML calls per GPU per sample of the NVML source on a recorded node (first and later samples)."""
+    replay = NvmlReplay(recording)
+    source = NvmlSource("bench", "r00", nvml=replay, xid_events=False)
+    source.open()
+    at_open = replay.calls / max(source.gpu_count, 1)
+    per_sample = []
+    try:
+        for k in range(samples):
+            before = replay.calls
+            source.sample(float(k))
+            per_sample.append((replay.calls - before) / source.gpu_count)
+    finally:
+        source.close()
+    return {"recording": recording.name, "gpus": source.gpu_count, "calls_per_gpu_at_open": at_open,
+            "calls_per_gpu_first_sample": per_sample[0], "calls_per_gpu_per_sample": max(per_sample[1:]),
+            "calls_per_gpu_per_sample_before": NVML_CALLS_BEFORE, "target": NVML_CALLS_TARGET,
+            "meets_target": max(per_sample) <= NVML_CALLS_TARGET}
 
 
 def _cpu_s(pid: int) -> float:
@@ -96,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_ratio_to_baseline": round(p["peak_rss_mb"] / b["peak_rss_mb"], 2) if b["peak_rss_mb"] else None,
         "targets": {"cpu_pct_one_core": CPU_TARGET_PCT, "peak_rss_mb": RSS_TARGET_MB},
         "meets_targets": p["cpu_pct_one_core"] <= CPU_TARGET_PCT and p["peak_rss_mb"] <= RSS_TARGET_MB,
+        "nvml": nvml_calls(),
     }
     print(json.dumps(report, indent=2))
     return 0

@@ -5,7 +5,10 @@ Rules (per GPU, on each node's telemetry and the node's events):
 =========  ==================================================================================
 ``ecc``    uncorrectable errors since driver load (``critical``), a row-remap failure
            (``critical``), a row remap or page retirement pending (``warning``), retired pages
-           growing since the node's previous sample (``warning``)
+           or remapped rows growing since the node's previous sample (``warning``). A GPU
+           reports one repair mechanism (Volta retires pages; Ampere, Hopper and later remap
+           rows and answer NOT_SUPPORTED, NaN, for retired pages): each rule reads the fields
+           that are there, and a NaN field never holds
 ``xid``    each Xid event, read through the Xid rulebook :mod:`fleethealth.xid` (severity,
            action, remedy); codes below ``min_xid_severity`` are counted, not reported
 ``power_brake`` the hardware power brake clock-event bit (``HW_POWER_BRAKE``): an external
@@ -162,17 +165,20 @@ class HealthRules:
         failure = _col(s, "remap_failure") > 0
         pending = (_col(s, "remap_pending") > 0) | (_col(s, "retired_pending") > 0)
         retired = _col(s, "retired_sbe") + _col(s, "retired_dbe")
-        grown = np.zeros(s.gpu.shape, dtype=bool)
+        remapped = _col(s, "remap_correctable") + _col(s, "remap_uncorrectable")
+        grown = remapped_grown = np.zeros(s.gpu.shape, dtype=bool)
         if prev is not None and prev.gpu.shape == s.gpu.shape and np.array_equal(prev.gpu, s.gpu):
             grown = retired - (_col(prev, "retired_sbe") + _col(prev, "retired_dbe")) > 0
+            remapped_grown = remapped - (_col(prev, "remap_correctable") + _col(prev, "remap_uncorrectable")) > 0
         critical = (dbe > 0) | failure
-        ecc = critical | pending | grown
+        ecc = critical | pending | grown | remapped_grown
         for i in np.flatnonzero(ecc).tolist():
             reasons = [name for name, hit in (("uncorrectable", dbe[i] > 0), ("remap_failure", failure[i]),
-                                              ("pending", pending[i]), ("retired_growth", grown[i])) if hit]
+                                              ("pending", pending[i]), ("retired_growth", grown[i]),
+                                              ("remap_growth", remapped_grown[i])) if hit]
             ev = EccEvidence(reasons=tuple(reasons), uncorrectable=_f(dbe[i]), remap_failure=bool(failure[i]),
                              remap_pending=_f(_col(s, "remap_pending")[i]), retired_pages=_f(retired[i]),
-                             corrected_volatile=_f(_col(s, "ecc_sbe_volatile")[i]))
+                             corrected_volatile=_f(_col(s, "ecc_sbe_volatile")[i]), remapped_rows=_f(remapped[i]))
             out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
                               rule="ecc")
         bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)

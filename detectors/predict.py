@@ -12,7 +12,10 @@ margin to the slowdown limit, NVLink and PCIe error rates, and NVLink links down
 falls off the bus (Xid 79) or is reported lost starts a fresh history: its replacement is judged
 on its own counters. Retired-page and row-remap fields a GPU model does not report (Hopper and
 Ampere retire no pages, Volta remaps no rows) stay NaN through their features, which the
-classifier routes as "not reported"; other missing fields count as zero.
+classifier routes as "not reported" (the shipped model was trained on generated Volta, Ampere
+and Hopper runs with those NaNs, and on simulator runs from before the simulated H100 stopped
+reporting retired pages; ``bench/predictor_eval.py`` scores it on today's, NaN included); other
+missing fields count as zero.
 
 :class:`FailurePredictor` feeds those rows to a scikit-learn ``HistGradientBoostingClassifier``
 (the versioned artifact in ``detectors/models/``, trained on simulator and generated runs by
@@ -58,7 +61,11 @@ FEATURES: tuple[str, ...] = (
 """Feature names, in column order."""
 
 _GATE_COUNT = FEATURES.index("sbe_count_short")
-_RULE = [FEATURES.index(n) for n in ("retired_pages_delta", "remap_pending", "retired_pending", "dbe_volatile")]
+_RULE = [FEATURES.index(n) for n in ("retired_pages_delta", "row_remap_delta", "remap_pending", "retired_pending",
+                                    "dbe_volatile")]
+"""The ECC rule's features: a memory repair (page retired or row remapped) within the long window,
+one pending, or an uncorrected error. Each GPU model reports one repair mechanism and NaN for the
+other (Hopper retires no pages), and NaN never holds, so the rule reads whichever is there."""
 _GATE_ANY = [FEATURES.index(n) for n in ("retired_pages_delta", "row_remap_delta", "remap_pending", "retired_pending",
                                          "dbe_volatile", "xid_ecc")]
 
@@ -307,9 +314,10 @@ class FailurePredictor:
     corrected errors is noisy, not failing, however the model scores it.
 
     ``use_model`` (default False): the classifier is optional. Without it the detector applies the
-    ECC rule — a page retired within the long window, a remap or retirement pending, or an
-    uncorrected error — and a finding's ``probability`` is 1.0 (the rule holds; no estimate), its
-    ``evidence["rule"]`` the reasons. The rule is the default because on held-out runs of the
+    ECC rule — a page retired or a row remapped within the long window (on Hopper, which retires
+    no pages, the row remaps), a remap or retirement pending, or an uncorrected error — and a
+    finding's ``probability`` is 1.0 (the rule holds; no estimate), its ``evidence["rule"]`` the
+    reasons. The rule is the default because on held-out runs of the
     harder generator (:mod:`fleethealth.detectors.failure_synth`, ``bench/predictor_eval.py``) the
     model beats it on precision, lead time and false alarms but catches fewer failing GPUs.
     """

@@ -86,9 +86,10 @@ class XidEvidence:
 @dataclass(frozen=True)
 class EccEvidence:
     """The facts of one ECC finding. ``reasons`` names the rules that held: ``uncorrectable``,
-    ``remap_failure``, ``pending`` (a row remap or page retirement waits for a reset) and
-    ``retired_growth`` (retired pages grew since the node's previous sample). Counts are None
-    where the telemetry did not say."""
+    ``remap_failure``, ``pending`` (a row remap or page retirement waits for a reset),
+    ``retired_growth`` (retired pages grew since the node's previous sample) and ``remap_growth``
+    (remapped rows grew: the same on GPUs that remap rows instead of retiring pages). Counts are
+    None where the telemetry did not say (``retired_pages`` on Hopper, ``remapped_rows`` on Volta)."""
 
     severity: str = ""
     reasons: tuple[str, ...] = ()
@@ -98,12 +99,13 @@ class EccEvidence:
     retired_pages: float | None = None
     corrected_volatile: float | None = None
     escalated_from: str | None = None
+    remapped_rows: float | None = None
 
     def to_evidence(self) -> dict[str, Any]:
         out: dict[str, Any] = {"severity": self.severity, "reasons": list(self.reasons),
                                "uncorrectable": self.uncorrectable, "remap_failure": self.remap_failure,
                                "remap_pending": self.remap_pending, "retired_pages": self.retired_pages,
-                               "corrected_volatile": self.corrected_volatile}
+                               "remapped_rows": self.remapped_rows, "corrected_volatile": self.corrected_volatile}
         if self.escalated_from is not None:
             out["escalated_from"] = self.escalated_from
         return out
@@ -115,7 +117,7 @@ class EccEvidence:
                    reasons=tuple(str(r) for r in reasons) if isinstance(reasons, list | tuple) else (),
                    uncorrectable=_number(m.get("uncorrectable", m.get("dbe"))),
                    remap_failure=bool(m.get("remap_failure")), remap_pending=_number(m.get("remap_pending")),
-                   retired_pages=_number(m.get("retired_pages")),
+                   retired_pages=_number(m.get("retired_pages")), remapped_rows=_number(m.get("remapped_rows")),
                    corrected_volatile=_number(m.get("corrected_volatile")), escalated_from=_escalated(m))
 
     @property

@@ -1,30 +1,48 @@
 """NVML telemetry source (``nvidia-ml-py``, module ``pynvml``).
 
-Reads, for every GPU, the columns of :data:`fleethealth.schema.GPU_FIELDS` with the current,
-non-deprecated calls: ``nvmlDeviceGetTemperatureV`` (falling back to ``nvmlDeviceGetTemperature``
-on drivers without it) and the HBM temperature field, power and enforced limit, SM / memory
-clocks, ``nvmlDeviceGetCurrentClocksEventReasons`` (the raw bitmask; :class:`schema.ClockReason`
-decodes it, including the HW power brake ``0x80``), ``nvmlDeviceGetTotalEccErrors`` (corrected /
-uncorrected, volatile / aggregate), retired pages and their pending status, remapped rows
-(correctable, uncorrectable, pending, failure), NVLink link state and the per-link CRC flit /
-CRC data / replay / recovery counters (summed over links), the PCIe replay counter and current vs
-maximum link generation and width (a downtrained link shows ``pcie_gen < pcie_gen_max``), and
-utilisation. A field the GPU does not support is NaN, never an error.
+Reads, for every GPU, the columns of :data:`fleethealth.schema.GPU_FIELDS` in at most ten NVML
+calls a sample (``bench/probe_overhead.py`` prints the count; it was 114 on the recorded H100
+node before the batch):
+
+- one ``nvmlDeviceGetFieldValues`` batch (:data:`SCALAR_FIELDS`): ECC totals (corrected /
+  uncorrected, volatile / aggregate), retired pages and their pending status, remapped rows
+  (correctable, uncorrectable, pending, failure), the HBM temperature, energy since driver load,
+  the enforced power limit, the PCIe replay counter, the NVLink CRC flit / CRC data / replay /
+  recovery totals over all links, and each link's state (``NVML_FI_DEV_NVLINK_GET_STATE`` with
+  the link in ``scopeId``; a link that is not there ends the list);
+- the values no field carries: ``nvmlDeviceGetTemperatureV`` (``nvmlDeviceGetTemperature`` on
+  drivers without it), power, SM and memory clocks, ``nvmlDeviceGetCurrentClocksEventReasons``
+  (the raw bitmask; :class:`schema.ClockReason` decodes it, including the HW power brake
+  ``0x80``), utilisation, and the current PCIe link generation and width (a downtrained link
+  shows ``pcie_gen < pcie_gen_max``);
+- static values once at open: maximum SM clock, maximum PCIe generation and width, the slowdown
+  temperature threshold.
+
+A field the GPU does not support (each value of a batch carries its own return code: Hopper
+answers ``NOT_SUPPORTED`` for retired pages, Volta for remapped rows) is NaN and logged once per
+GPU and column, never an error; the rest of the sample is published. Fallbacks for older
+drivers, each taken once a GPU shows it needs it: a driver that does not know the power-limit
+field gets ``nvmlDeviceGetEnforcedPowerLimit``, one that does not know the NVLink state field the
+per-link ``nvmlDeviceGetNvLinkState`` calls (more than ten calls a sample there).
 
 Xid errors arrive through an NVML event set (``nvmlEventTypeXidCriticalError``) waited on by a
 background thread and are returned as ``xid`` events with the next sample. A GPU that falls off
-the bus (``NVML_ERROR_GPU_IS_LOST``) yields one ``gpu_lost`` event and NaN columns, not a crash,
-including a GPU already lost when the probe starts (its index is enumerated on its own and the
-event goes out with the first sample). The Xid thread skips GPUs it cannot register (reporting
-each failure, lost GPUs aside, as a ``probe_error`` event) and keeps waiting after an event-set
-error, backing off and reporting the error once as a ``probe_error`` event until a wait succeeds.
+the bus (``NVML_ERROR_GPU_IS_LOST``, for the whole batch or any value of it) yields one
+``gpu_lost`` event and NaN columns, not a crash, including a GPU already lost when the probe
+starts (its index is enumerated on its own and the event goes out with the first sample). The Xid
+thread skips GPUs it cannot register (reporting each failure, lost GPUs aside, as a
+``probe_error`` event) and keeps waiting after an event-set error, backing off and reporting the
+error once as a ``probe_error`` event until a wait succeeds.
 
 The library handle is injected (``nvml=``): production passes nothing and gets ``pynvml``; the
-tests pass a recorded-values object with the same call surface, since these machines have no GPU.
+tests pass a recorded-values fixture with the same call surface
+(:class:`fleethealth.probe.recorded.NvmlReplay`, which also counts the calls), since these
+machines have no GPU.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import Any
@@ -35,7 +53,50 @@ from fleethealth.errors import DeviceError
 from fleethealth.probe.sources import Sample
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, Telemetry
 
-__all__ = ["NvmlSource", "load_pynvml"]
+__all__ = ["NvmlSource", "load_pynvml", "SCALAR_FIELDS"]
+
+_log = logging.getLogger("fleethealth.probe.nvml")
+
+SCALAR_FIELDS: tuple[tuple[str, str, float], ...] = (
+    ("mem_temp_c", "NVML_FI_DEV_MEMORY_TEMP", 1.0),
+    ("power_limit_w", "NVML_FI_DEV_POWER_CURRENT_LIMIT", 1e-3),        # mW
+    ("energy_mj", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 1.0),
+    ("ecc_sbe_volatile", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 1.0),
+    ("ecc_dbe_volatile", "NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 1.0),
+    ("ecc_sbe_aggregate", "NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 1.0),
+    ("ecc_dbe_aggregate", "NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 1.0),
+    ("retired_sbe", "NVML_FI_DEV_RETIRED_SBE", 1.0),
+    ("retired_dbe", "NVML_FI_DEV_RETIRED_DBE", 1.0),
+    ("retired_pending", "NVML_FI_DEV_RETIRED_PENDING", 1.0),
+    ("remap_correctable", "NVML_FI_DEV_REMAPPED_COR", 1.0),
+    ("remap_uncorrectable", "NVML_FI_DEV_REMAPPED_UNC", 1.0),
+    ("remap_pending", "NVML_FI_DEV_REMAPPED_PENDING", 1.0),
+    ("remap_failure", "NVML_FI_DEV_REMAPPED_FAILURE", 1.0),
+    ("pcie_replay", "NVML_FI_DEV_PCIE_REPLAY_COUNTER", 1.0),
+    ("nvlink_crc_flit", "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 1.0),
+    ("nvlink_crc_data", "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 1.0),
+    ("nvlink_replay", "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 1.0),
+    ("nvlink_recovery", "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 1.0),
+)
+"""(column, NVML field id name, scale) read in each GPU's batch, scope 0."""
+
+_FLAGS = frozenset({"retired_pending", "remap_pending", "remap_failure"})
+_NVLINK_TOTALS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+_CALL_FALLBACK = {"power_limit_w": ("nvmlDeviceGetEnforcedPowerLimit", 1e-3)}
+"""Columns read by a call on drivers that do not know their field (the field is newer than the call)."""
+_STATIC: tuple[tuple[str, str, str | None], ...] = (
+    ("sm_clock_max_mhz", "nvmlDeviceGetMaxClockInfo", "NVML_CLOCK_SM"),
+    ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", None),
+    ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth", None),
+    # the GPU's own throttle point (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1 in nvml.h)
+    ("slowdown_temp_c", "nvmlDeviceGetTemperatureThreshold", "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"),
+)
+"""Values that do not change while the driver runs, read once at open."""
+_TEMP_CALLS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+_REASON_CALLS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+_BATCH_MAX = 64
+"""Most values asked in one nvmlDeviceGetFieldValues call."""
+_UNION = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 _MISSING_HINT = "use --source dcgm where a DCGM host engine runs, or --source sim without GPUs"
 
@@ -79,6 +140,14 @@ class NvmlSource:
         self._xid_thread: threading.Thread | None = None
         self.xid_thread_error: str | None = None
         self._xid_backoff_max_s = xid_backoff_max_s
+        self._static: dict[int, dict[str, float]] = {}     # per GPU: the values read once at open
+        self._static_retry: dict[int, set[str]] = {}        # static columns whose read failed transiently
+        self._by_call: dict[int, set[str]] = {}             # columns a GPU's driver serves by call, not field
+        self._nvlink_calls: dict[int, bool] = {}            # per GPU: NVLink state by legacy calls
+        self._prefer: dict[tuple[str, ...], str] = {}       # the call of a fallback chain this driver answers
+        self._scalar_ids: list[tuple[str, int, float]] | None = None
+        self.missing: dict[tuple[int, str], str] = {}
+        """(GPU, column) -> the NVML error that left the column NaN, each logged once."""
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -101,6 +170,7 @@ class NvmlSource:
         self._handles, self._uuids = handles, tuple(uuids)
         self._model = self._read_model()
         self._bus_ids, self.driver_version = self._read_labels()
+        self._read_statics()
         if self._xid_events and any(i not in self._lost for i in range(count)):
             self._xid_thread = threading.Thread(target=self._watch_xid, name="fh-nvml-xid", daemon=True)
             self._xid_thread.start()
@@ -151,6 +221,40 @@ class NvmlSource:
             driver = ""
         return (tuple(bus) if any(bus) else ()), driver
 
+    def _read_statics(self) -> None:
+        nv = self._nvml
+        for i, handle in enumerate(self._handles):
+            if i in self._lost:
+                continue
+            read = _Reader(nv)
+            try:
+                self._static[i] = {column: self._read_static(i, read, handle, column) for column, _, _ in _STATIC}
+            except _GpuLost as exc:
+                self._mark_lost_at_open(i, str(exc))
+
+    def _read_static(self, i: int, read: _Reader, h: Any, column: str) -> float:
+        nv = self._nvml
+        _, name, arg = next(s for s in _STATIC if s[0] == column)
+        fn = getattr(nv, name, None)
+        args = () if arg is None else (getattr(nv, arg, 1),)
+        value = math.nan if fn is None else read(fn, h, *args)
+        retry = self._static_retry.setdefault(i, set())
+        code = read.last_code if fn is not None else nv.NVML_ERROR_FUNCTION_NOT_FOUND
+        if math.isnan(value) and code not in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+            retry.add(column)   # a transient failure: read it again with the next sample
+        else:
+            retry.discard(column)
+            if math.isnan(value):
+                self._note(i, column, code)
+        return value
+
+    def _mark_lost_at_open(self, i: int, reason: str) -> None:
+        self._lost.add(i)
+        self._pending.append(Event(node=self.node, ts=0.0, kind=EventKind.GPU_LOST, gpu=i,
+                                   message=f"GPU {i} fell off the bus ({reason})",
+                                   data={"uuid": self._uuids[i] if i < len(self._uuids) else "",
+                                         "source": "nvml"}))
+
     def close(self) -> None:
         self._stop.set()
         if self._xid_thread is not None:
@@ -176,7 +280,7 @@ class NvmlSource:
             if i in self._lost:
                 continue
             try:
-                for name, value in self._read_gpu(handle).items():
+                for name, value in self._read_gpu(i, handle).items():
                     cols[name][i] = value
             except _GpuLost as exc:
                 self._lost.add(i)
@@ -192,77 +296,154 @@ class NvmlSource:
                                            uuid=self._uuids, pci_bus_id=self._bus_ids, **cols)
         return Sample(telemetry, tuple(events))
 
-    def _read_gpu(self, h: Any) -> dict[str, float]:
+    def _read_gpu(self, i: int, h: Any) -> dict[str, float]:
+        """GPU ``i``'s columns: its field batch, the calls no field covers, its static values."""
         nv = self._nvml
         read = _Reader(nv)
-        out: dict[str, float] = {}
-        # Prefer the current calls; drivers older than the call answer FUNCTION_NOT_FOUND.
-        out["temp_c"] = read.first(("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
-                                   h, nv.NVML_TEMPERATURE_GPU)
-        out["mem_temp_c"] = read.field(h, nv.NVML_FI_DEV_MEMORY_TEMP)
-        # the GPU's own throttle point (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1 in nvml.h)
-        out["slowdown_temp_c"] = read.first(("nvmlDeviceGetTemperatureThreshold",), h,
-                                            getattr(nv, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1))
-        out["power_w"] = read(nv.nvmlDeviceGetPowerUsage, h) / 1000.0
-        out["power_limit_w"] = read(nv.nvmlDeviceGetEnforcedPowerLimit, h) / 1000.0
-        out["sm_clock_mhz"] = read(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
-        out["sm_clock_max_mhz"] = read(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
-        out["mem_clock_mhz"] = read(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
-        out["clock_reasons"] = read.first(("nvmlDeviceGetCurrentClocksEventReasons",
-                                           "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
+        out = dict(self._static.get(i, {}))
+        for column in sorted(self._static_retry.get(i, ())):
+            out[column] = self._read_static(i, read, h, column)
+        links = nv.NVML_NVLINK_MAX_LINKS if not self._nvlink_calls.get(i) else 0
+        by_call = sorted(self._by_call.get(i, ()))
+        scalars = [(column, fid, scale) for column, fid, scale in self._scalars() if column not in by_call]
+        ids: list[Any] = [fid for _, fid, _ in scalars]
+        ids += [(nv.NVML_FI_DEV_NVLINK_GET_STATE, link) for link in range(links)]
+        values = self._field_values(i, read, h, ids)
+        for (column, _, scale), (code, value) in zip(scalars, values, strict=False):
+            if code == nv.NVML_SUCCESS:
+                out[column] = float(bool(value)) if column in _FLAGS else value * scale
+            elif column in _CALL_FALLBACK and code != nv.NVML_ERROR_NOT_SUPPORTED:
+                out[column] = self._fallback(i, read, h, column)
+            else:
+                self._note(i, column, code)
+        for column in by_call:
+            name, scale = _CALL_FALLBACK[column]
+            out[column] = self._call(i, read, column, getattr(nv, name), h) * scale
+        out.update(self._nvlink(i, read, h, values[len(scalars):]))
+        out["temp_c"] = self._first(i, read, "temp_c", _TEMP_CALLS, h, nv.NVML_TEMPERATURE_GPU)
+        out["power_w"] = self._call(i, read, "power_w", nv.nvmlDeviceGetPowerUsage, h) / 1000.0
+        out["sm_clock_mhz"] = self._call(i, read, "sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+        out["mem_clock_mhz"] = self._call(i, read, "mem_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+        out["clock_reasons"] = self._first(i, read, "clock_reasons", _REASON_CALLS, h)
         util = read.raw(nv.nvmlDeviceGetUtilizationRates, h)
+        if util is None:
+            self._note(i, "util_pct", read.last_code)
         out["util_pct"] = math.nan if util is None else float(util.gpu)
-        for column, err, counter in (("ecc_sbe_volatile", "NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_VOLATILE_ECC"),
-                                     ("ecc_dbe_volatile", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC"),
-                                     ("ecc_sbe_aggregate", "NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_AGGREGATE_ECC"),
-                                     ("ecc_dbe_aggregate", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
-                                      "NVML_AGGREGATE_ECC")):
-            out[column] = read(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, err), getattr(nv, counter))
-        sbe = read.raw(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-        dbe = read.raw(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-        out["retired_sbe"] = math.nan if sbe is None else float(len(sbe))
-        out["retired_dbe"] = math.nan if dbe is None else float(len(dbe))
-        out["retired_pending"] = read(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
-        rows = read.raw(nv.nvmlDeviceGetRemappedRows, h)
-        if rows is not None:
-            corr, unc, pending, failure = rows
-            out.update(remap_correctable=float(corr), remap_uncorrectable=float(unc),
-                       remap_pending=float(bool(pending)), remap_failure=float(bool(failure)))
-        out.update(self._read_nvlink(read, h))
-        out["pcie_replay"] = read(nv.nvmlDeviceGetPcieReplayCounter, h)
-        out["pcie_gen"] = read(nv.nvmlDeviceGetCurrPcieLinkGeneration, h)
-        out["pcie_gen_max"] = read(nv.nvmlDeviceGetMaxPcieLinkGeneration, h)
-        out["pcie_width"] = read(nv.nvmlDeviceGetCurrPcieLinkWidth, h)
-        out["pcie_width_max"] = read(nv.nvmlDeviceGetMaxPcieLinkWidth, h)
+        out["pcie_gen"] = self._call(i, read, "pcie_gen", nv.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        out["pcie_width"] = self._call(i, read, "pcie_width", nv.nvmlDeviceGetCurrPcieLinkWidth, h)
         return out
 
-    def _read_nvlink(self, read: _Reader, h: Any) -> dict[str, float]:
+    def _scalars(self) -> list[tuple[str, int, float]]:
+        if self._scalar_ids is None:
+            nv = self._nvml
+            self._scalar_ids = [(column, int(getattr(nv, name)), scale) for column, name, scale in SCALAR_FIELDS]
+        return self._scalar_ids
+
+    def _field_values(self, i: int, read: _Reader, h: Any, ids: list[Any]) -> list[tuple[int, float]]:
+        """(return code, value) per asked field, in order; a failed batch answers its error for each."""
         nv = self._nvml
-        counters = {"nvlink_crc_flit": nv.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                    "nvlink_crc_data": nv.NVML_NVLINK_ERROR_DL_CRC_DATA,
-                    "nvlink_replay": nv.NVML_NVLINK_ERROR_DL_REPLAY,
-                    "nvlink_recovery": nv.NVML_NVLINK_ERROR_DL_RECOVERY}
+        out: list[tuple[int, float]] = []
+        for at in range(0, len(ids), _BATCH_MAX):
+            chunk = ids[at: at + _BATCH_MAX]
+            values = read.raw(nv.nvmlDeviceGetFieldValues, h, chunk)
+            if values is None:
+                code = read.last_code if read.last_code is not None else nv.NVML_ERROR_UNKNOWN
+                self._note(i, "nvmlDeviceGetFieldValues", code)
+                out += [(code, math.nan)] * len(chunk)
+                continue
+            for v in values:
+                code = int(v.nvmlReturn)
+                if code == nv.NVML_ERROR_GPU_IS_LOST:
+                    raise _GpuLost(_nvml_reason(nv, nv.NVMLError(code)))
+                out.append((code, _field_number(v) if code == nv.NVML_SUCCESS else math.nan))
+        return out
+
+    def _nvlink(self, i: int, read: _Reader, h: Any, states: list[tuple[int, float]]) -> dict[str, float]:
+        """Links present and up from the per-link state fields (or calls); the error totals are
+        kept only for a GPU that has NVLink."""
+        nv = self._nvml
         links = up = 0
-        totals = dict.fromkeys(counters, 0.0)
-        seen = dict.fromkeys(counters, False)
-        for link in range(nv.NVML_NVLINK_MAX_LINKS):
-            state = read.raw(nv.nvmlDeviceGetNvLinkState, h, link)
-            if state is None:  # link not present (or NVLink unsupported): stop at the first gap
-                if read.last_not_supported:
+        if self._nvlink_calls.get(i):
+            states = self._nvlink_states_by_call(read, h)
+        first = states[0][0] if states else nv.NVML_ERROR_NOT_SUPPORTED
+        for code, state in states:
+            if code != nv.NVML_SUCCESS:  # link not present (or NVLink unsupported): stop at the first gap
+                if code == nv.NVML_ERROR_NOT_SUPPORTED:
                     continue
                 break
             links += 1
             up += int(state == nv.NVML_FEATURE_ENABLED)
-            for column, counter in counters.items():
-                value = read(nv.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
-                if not math.isnan(value):
-                    totals[column] += value
-                    seen[column] = True
+        if links == 0 and i not in self._nvlink_calls:
+            # a driver older than the state field answers an error other than NOT_SUPPORTED: ask the
+            # per-link call once; if it answers, this GPU's links are read by call from now on
+            self._nvlink_calls[i] = False
+            if first not in (nv.NVML_SUCCESS, nv.NVML_ERROR_NOT_SUPPORTED):
+                probe = read.raw(nv.nvmlDeviceGetNvLinkState, h, 0)
+                if probe is not None:
+                    self._nvlink_calls[i] = True
+                    return self._nvlink(i, read, h, [])
+        elif i not in self._nvlink_calls:
+            self._nvlink_calls[i] = False
         if links == 0:
-            return {}
-        out = {"nvlink_links_up": float(up), "nvlink_links_max": float(links)}
-        out.update({c: totals[c] for c in counters if seen[c]})
+            return dict.fromkeys(_NVLINK_TOTALS, math.nan)
+        return {"nvlink_links_up": float(up), "nvlink_links_max": float(links)}
+
+    def _nvlink_states_by_call(self, read: _Reader, h: Any) -> list[tuple[int, float]]:
+        nv = self._nvml
+        out: list[tuple[int, float]] = []
+        for link in range(nv.NVML_NVLINK_MAX_LINKS):
+            state = read.raw(nv.nvmlDeviceGetNvLinkState, h, link)
+            code = nv.NVML_SUCCESS if state is not None else (read.last_code or nv.NVML_ERROR_UNKNOWN)
+            out.append((code, math.nan if state is None else float(state)))
+            if state is None and code != nv.NVML_ERROR_NOT_SUPPORTED:
+                break
         return out
+
+    def _fallback(self, i: int, read: _Reader, h: Any, column: str) -> float:
+        """The call behind a field this GPU's driver does not know; used from now on if it answers."""
+        name, scale = _CALL_FALLBACK[column]
+        fn = getattr(self._nvml, name, None)
+        value = math.nan if fn is None else read(fn, h)
+        if math.isnan(value):
+            self._note(i, column, read.last_code if fn is not None else self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            return value
+        self._by_call.setdefault(i, set()).add(column)
+        return value * scale
+
+    def _call(self, i: int, read: _Reader, column: str, fn: Any, *args: Any) -> float:
+        value = read(fn, *args)
+        if math.isnan(value):
+            self._note(i, column, read.last_code)
+        return value
+
+    def _first(self, i: int, read: _Reader, column: str, names: tuple[str, ...], *args: Any) -> float:
+        """The first of ``names`` (newest call first) that the library has and answers; the one
+        that answered is the only one asked from then on."""
+        nv = self._nvml
+        chosen = self._prefer.get(names)
+        for name in (chosen,) if chosen is not None else names:
+            fn = getattr(nv, name, None)
+            if fn is None:
+                continue
+            value = read(fn, *args)
+            if not math.isnan(value):
+                self._prefer[names] = name
+                return value
+        self._note(i, column, read.last_code)
+        return math.nan
+
+    def _note(self, i: int, column: str, code: int | None) -> None:
+        """Log once per GPU and column why it is NaN (NOT_SUPPORTED is the GPU's nature: info)."""
+        if (i, column) in self.missing:
+            return
+        nv = self._nvml
+        name = _error_name(nv, code)
+        self.missing[(i, column)] = name
+        if code == nv.NVML_ERROR_NOT_SUPPORTED:
+            _log.info("NVML source: GPU %d does not report %s (%s); it stays NaN", i, column, name)
+        else:
+            _log.warning("NVML source: reading %s of GPU %d failed (%s); NaN this sample, reported once",
+                         column, i, name)
 
     # ------------------------------------------------------------ Xid thread
     def _watch_xid(self) -> None:
@@ -335,49 +516,47 @@ class _GpuLost(Exception):
 
 
 class _Reader:
-    """Call one NVML function: NaN (or ``None`` from :meth:`raw`) when unsupported or failing;
-    ``NVML_ERROR_GPU_IS_LOST`` raises :class:`_GpuLost` so the whole GPU is marked lost."""
+    """Call one NVML function: NaN (or ``None`` from :meth:`raw`) when unsupported or failing, the
+    error code in ``last_code``; ``NVML_ERROR_GPU_IS_LOST`` raises :class:`_GpuLost` so the whole
+    GPU is marked lost."""
 
     def __init__(self, nv: Any) -> None:
         self.nv = nv
-        self.last_not_supported = False
+        self.last_code: int | None = None
 
     def raw(self, fn: Any, *args: Any) -> Any:
         nv = self.nv
-        self.last_not_supported = False
+        self.last_code = None
         try:
             return fn(*args)
         except nv.NVMLError as exc:
             code = _code(exc)
             if code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost(_nvml_reason(nv, exc)) from exc
-            self.last_not_supported = code == nv.NVML_ERROR_NOT_SUPPORTED
+            self.last_code = code if code is not None else nv.NVML_ERROR_UNKNOWN
             return None
 
     def __call__(self, fn: Any, *args: Any) -> float:
         value = self.raw(fn, *args)
         return math.nan if value is None else float(value)
 
-    def first(self, names: tuple[str, ...], *args: Any) -> float:
-        """The first of ``names`` (newest call first) that the library has and answers."""
-        for name in names:
-            fn = getattr(self.nv, name, None)
-            if fn is None:
-                continue
-            value = self(fn, *args)
-            if not math.isnan(value):
-                return value
-        return math.nan
 
-    def field(self, h: Any, field_id: int) -> float:
-        values = self.raw(self.nv.nvmlDeviceGetFieldValues, h, [field_id])
-        if not values or values[0].nvmlReturn != self.nv.NVML_SUCCESS:
-            return math.nan
-        value = values[0]
-        kind = value.valueType
-        union = value.value
-        return float({0: union.dVal, 1: union.uiVal, 2: union.ulVal, 3: union.ullVal,
-                      4: union.sllVal, 5: union.siVal, 6: union.usVal}.get(kind, math.nan))
+def _field_number(v: Any) -> float:
+    kind = int(v.valueType)
+    return float(getattr(v.value, _UNION[kind])) if 0 <= kind < len(_UNION) else math.nan
+
+
+_ERROR_NAMES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT", "NVML_ERROR_NO_PERMISSION",
+                "NVML_ERROR_NOT_FOUND", "NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_TIMEOUT", "NVML_ERROR_GPU_IS_LOST",
+                "NVML_ERROR_UNINITIALIZED", "NVML_ERROR_INSUFFICIENT_SIZE", "NVML_ERROR_ARGUMENT_VERSION_MISMATCH",
+                "NVML_ERROR_UNKNOWN")
+
+
+def _error_name(nv: Any, code: int | None) -> str:
+    for name in _ERROR_NAMES:
+        if getattr(nv, name, None) == code:
+            return name
+    return f"NVML error {code}"
 
 
 def _code(exc: BaseException) -> int | None:

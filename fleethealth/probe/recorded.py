@@ -17,11 +17,21 @@ Format (``"format": "fleethealth-nvml-recording/1"``)::
 
 Arguments after the device handle are joined with commas into the key. A call absent from the
 recording answers ``NVML_ERROR_NOT_SUPPORTED``, as a GPU without that feature does.
+
+``nvmlDeviceGetFieldValues`` is answered value by value, each with its own return code, as NVML
+does: a field recorded under its id (``"82"``, or ``"165:3"`` for field 165 with scope 3) answers
+its recorded value; otherwise the value is derived from the recorded answer of the call that
+reads the same counter (:data:`FIELD_CALLS`: ``NVML_FI_DEV_ECC_SBE_VOL_TOTAL`` from
+``nvmlDeviceGetTotalEccErrors``, the remapped-row fields from ``nvmlDeviceGetRemappedRows``, the
+NVLink totals as the sum of the recorded per-link counters, ...), so recordings made before the
+probe read fields still replay; anything else answers ``NOT_SUPPORTED`` for that value.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +40,7 @@ import orjson
 
 from fleethealth.errors import ConfigError
 
-__all__ = ["FORMAT", "DCGM_FORMAT", "NvmlReplay", "NvmlRecorder", "DcgmReplay"]
+__all__ = ["FORMAT", "DCGM_FORMAT", "FIELD_CALLS", "NvmlReplay", "NvmlRecorder", "DcgmReplay"]
 
 FORMAT = "fleethealth-nvml-recording/1"
 _UNION = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
@@ -60,7 +70,11 @@ class NvmlReplay:
     (enumerating it and registering it for events included); :meth:`block` makes one call wait
     until :meth:`release` (a wedged driver); :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
     error; :meth:`fail_register` makes registering one GPU for events raise one; :meth:`fail_wait`
-    makes the next ``times`` event-set waits raise one.
+    makes the next ``times`` event-set waits raise one; :meth:`unknown_fields` makes field ids
+    answer ``NVML_ERROR_INVALID_ARGUMENT`` per value (a driver older than those fields).
+
+    ``calls`` counts the device calls answered (``calls_by_name`` per function): the probe's
+    tests and ``bench/probe_overhead.py`` read the NVML cost of a sample from it.
     """
 
     def __init__(self, recording: dict[str, Any] | str | Path) -> None:
@@ -80,7 +94,9 @@ class NvmlReplay:
         self._register_errors: dict[int, int] = {}
         self._wait_errors: list[int] = []
         self._lock = threading.Lock()
+        self._unknown_fields: set[int] = set()
         self.calls = 0
+        self.calls_by_name: Counter[str] = Counter()
         self.waits = 0
 
     # ------------------------------------------------------------ test hooks
@@ -104,6 +120,9 @@ class NvmlReplay:
     def fail_wait(self, code: int, times: int = 1) -> None:
         with self._lock:
             self._wait_errors.extend([code] * times)
+
+    def unknown_fields(self, *field_ids: int) -> None:
+        self._unknown_fields.update(field_ids)
 
     def add_xid(self, gpu: int, code: int) -> None:
         with self._lock:
@@ -159,19 +178,126 @@ class NvmlReplay:
         raise self._lib.NVMLError(self._lib.NVML_ERROR_TIMEOUT)
 
     def _answer(self, name: str, handle: _Handle, args: tuple[Any, ...]) -> Any:
-        self.calls += 1
+        with self._lock:
+            self.calls += 1
+            self.calls_by_name[name] += 1
         gate = self._blocked.get(name)
         if gate is not None:
             gate.wait()
         if handle.index in self._lost:
             raise self._lib.NVMLError(self._lib.NVML_ERROR_GPU_IS_LOST)
+        if name == "nvmlDeviceGetFieldValues":
+            return [self._field(handle.index, f) for f in args[0]]
         answers = self.devices[handle.index].get(name)
         key = ",".join(str(a) for a in args)
-        if name == "nvmlDeviceGetFieldValues":
-            key = ",".join(str(a) for a in args[0])
         if answers is None or key not in answers:
             raise self._lib.NVMLError(self._lib.NVML_ERROR_NOT_SUPPORTED)
         return _decode(self._lib, answers[key])
+
+    def _field(self, index: int, field: int | tuple[int, int]) -> SimpleNamespace:
+        """One value of a field-values batch, with its own return code."""
+        lib = self._lib
+        fid, scope = (int(field[0]), int(field[1])) if isinstance(field, tuple) else (int(field), 0)
+        device = self.devices[index]
+        if fid in self._unknown_fields:
+            return _field_value(fid, scope, lib.NVML_ERROR_INVALID_ARGUMENT, 0)
+        recorded = device.get("nvmlDeviceGetFieldValues", {}).get(_field_key(fid, scope))
+        if recorded is not None:
+            v = recorded[0] if isinstance(recorded, list) else recorded
+            if "error" in v:
+                return _field_value(fid, scope, getattr(lib, v["error"]), 0)
+            return _field_value(fid, scope, v["nvmlReturn"], v["value"], v["valueType"])
+        derive = FIELD_CALLS.get(fid)
+        if derive is None:
+            return _field_value(fid, scope, lib.NVML_ERROR_NOT_SUPPORTED, 0)
+        code, value = derive(lib, device, scope)
+        return _field_value(fid, scope, code, value)
+
+
+def _field_key(fid: int, scope: int) -> str:
+    return str(fid) if scope == 0 else f"{fid}:{scope}"
+
+
+def _field_value(fid: int, scope: int, code: int, value: Any, kind: int = 3) -> SimpleNamespace:
+    number = 0 if value is None else value
+    return SimpleNamespace(fieldId=fid, scopeId=scope, nvmlReturn=int(code), valueType=int(kind),
+                           value=SimpleNamespace(**dict.fromkeys(_UNION, number)))
+
+
+def _recorded(lib: Any, device: dict[str, dict[str, Any]], name: str, key: str) -> tuple[int, Any]:
+    """(return code, answer) of a recorded call; absent answers NOT_SUPPORTED, as a replayed call does."""
+    answers = device.get(name)
+    if answers is None or key not in answers:
+        return lib.NVML_ERROR_NOT_SUPPORTED, None
+    answer = answers[key]
+    if isinstance(answer, dict) and "error" in answer:
+        return getattr(lib, answer["error"]), None
+    return lib.NVML_SUCCESS, answer
+
+
+def _from_call(name: str, key: Callable[[Any], str] = lambda lib: "",
+               pick: Callable[[Any], Any] = lambda a: a) -> Callable[..., tuple[int, Any]]:
+    def derive(lib: Any, device: dict[str, dict[str, Any]], scope: int) -> tuple[int, Any]:
+        code, answer = _recorded(lib, device, name, key(lib))
+        return (code, None) if code != lib.NVML_SUCCESS else (code, pick(answer))
+    return derive
+
+
+def _ecc(kind: str, counter: str) -> Callable[..., tuple[int, Any]]:
+    return _from_call("nvmlDeviceGetTotalEccErrors",
+                      lambda lib: f"{getattr(lib, kind)},{getattr(lib, counter)}")
+
+
+def _nvlink_total(counter: str) -> Callable[..., tuple[int, Any]]:
+    def derive(lib: Any, device: dict[str, dict[str, Any]], scope: int) -> tuple[int, Any]:
+        answers = device.get("nvmlDeviceGetNvLinkErrorCounter", {})
+        suffix = f",{getattr(lib, counter)}"
+        values = [v for k, v in answers.items() if k.endswith(suffix) and isinstance(v, int | float)]
+        return (lib.NVML_SUCCESS, sum(values)) if values else (lib.NVML_ERROR_NOT_SUPPORTED, None)
+    return derive
+
+
+def _nvlink_state(lib: Any, device: dict[str, dict[str, Any]], scope: int) -> tuple[int, Any]:
+    return _recorded(lib, device, "nvmlDeviceGetNvLinkState", str(scope))
+
+
+def _field_ids() -> dict[str, int]:
+    import pynvml
+
+    return {name: getattr(pynvml, name) for name in dir(pynvml) if name.startswith("NVML_FI_DEV_")}
+
+
+def _field_calls() -> dict[int, Callable[..., tuple[int, Any]]]:
+    fi = _field_ids()
+    c, u = "NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"
+    vol, agg = "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC"
+    pages = "nvmlDeviceGetRetiredPages"
+    table: dict[str, Callable[..., tuple[int, Any]]] = {
+        "NVML_FI_DEV_ECC_SBE_VOL_TOTAL": _ecc(c, vol), "NVML_FI_DEV_ECC_DBE_VOL_TOTAL": _ecc(u, vol),
+        "NVML_FI_DEV_ECC_SBE_AGG_TOTAL": _ecc(c, agg), "NVML_FI_DEV_ECC_DBE_AGG_TOTAL": _ecc(u, agg),
+        "NVML_FI_DEV_RETIRED_SBE": _from_call(
+            pages, lambda lib: str(lib.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS), len),
+        "NVML_FI_DEV_RETIRED_DBE": _from_call(
+            pages, lambda lib: str(lib.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR), len),
+        "NVML_FI_DEV_RETIRED_PENDING": _from_call("nvmlDeviceGetRetiredPagesPendingStatus"),
+        "NVML_FI_DEV_REMAPPED_COR": _from_call("nvmlDeviceGetRemappedRows", pick=lambda a: a[0]),
+        "NVML_FI_DEV_REMAPPED_UNC": _from_call("nvmlDeviceGetRemappedRows", pick=lambda a: a[1]),
+        "NVML_FI_DEV_REMAPPED_PENDING": _from_call("nvmlDeviceGetRemappedRows", pick=lambda a: int(bool(a[2]))),
+        "NVML_FI_DEV_REMAPPED_FAILURE": _from_call("nvmlDeviceGetRemappedRows", pick=lambda a: int(bool(a[3]))),
+        "NVML_FI_DEV_PCIE_REPLAY_COUNTER": _from_call("nvmlDeviceGetPcieReplayCounter"),
+        "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": _from_call("nvmlDeviceGetTotalEnergyConsumption"),
+        "NVML_FI_DEV_POWER_CURRENT_LIMIT": _from_call("nvmlDeviceGetEnforcedPowerLimit"),
+        "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": _nvlink_total("NVML_NVLINK_ERROR_DL_CRC_FLIT"),
+        "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": _nvlink_total("NVML_NVLINK_ERROR_DL_CRC_DATA"),
+        "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": _nvlink_total("NVML_NVLINK_ERROR_DL_REPLAY"),
+        "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": _nvlink_total("NVML_NVLINK_ERROR_DL_RECOVERY"),
+        "NVML_FI_DEV_NVLINK_GET_STATE": _nvlink_state,
+    }
+    return {fi[name]: derive for name, derive in table.items()}
+
+
+FIELD_CALLS: dict[int, Callable[..., tuple[int, Any]]] = _field_calls()
+"""Field id -> how a replay derives its value from the recorded answer of the equivalent call."""
 
 
 def _decode(lib: Any, value: Any) -> Any:
@@ -203,14 +329,21 @@ class NvmlRecorder:
 
         def call(handle: Any, *args: Any) -> Any:
             index = self._index.get(_addr(handle))
-            key = ",".join(str(a) for a in (args[0] if name == "nvmlDeviceGetFieldValues" else args))
+            key = ",".join(str(a) for a in args)
             try:
                 result = target(handle, *args)
             except self._lib.NVMLError as exc:
-                if index is not None:
+                if index is not None and name != "nvmlDeviceGetFieldValues":
                     self.devices[index].setdefault(name, {})[key] = {"error": _error_name(self._lib, exc)}
                 raise
-            if index is not None:
+            if index is None:
+                return result
+            if name == "nvmlDeviceGetFieldValues":  # one entry per field, so any batch replays
+                fields = self.devices[index].setdefault(name, {})
+                for asked, value in zip(args[0], result, strict=False):
+                    fid, scope = asked if isinstance(asked, tuple) else (asked, 0)
+                    fields[_field_key(int(fid), int(scope))] = _encode(name, [value])
+            else:
                 self.devices[index].setdefault(name, {})[key] = _encode(name, result)
             return result
 

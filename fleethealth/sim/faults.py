@@ -14,9 +14,11 @@ operators see on real fleets:
   (``port_xmit_wait`` climbing by :data:`CONTENDED_WAIT_SHARE` of the interval, the bytes sent by
   :data:`CONTENDED_UTIL` of the link rate; :class:`fleethealth.sim.FleetSim` integrates the
   counters), its ranks slower.
-- ``ecc_precursor``: corrected-error rate rising, retired pages and row remaps growing, a remap
-  pending, then uncorrectable errors with Xid 63 / 48 / 64, the GPU lost (Xid 79) at ``fail_step``
-  and the job interrupted; the replacement GPU starts clean.
+- ``ecc_precursor``: corrected-error rate rising, rows remapped (or, on a GPU that retires pages,
+  pages retired), a remap (retirement) pending, then uncorrectable errors with Xid 63 / 48 / 64,
+  the GPU lost (Xid 79) at ``fail_step`` and the job interrupted; the replacement GPU starts
+  clean. The fault writes both repair mechanisms; the fleet then blanks (NaN) the one its GPU
+  model does not have (:mod:`fleethealth.sim.gpus`: the default H100 retires no pages).
 - ``hang``: the node's ranks stop reporting at ``step``; every rank's watchdog reports stacks;
   after ``duration_s`` the job is interrupted and restarts (``restart_s``).
 - ``xid``: one Xid event.
@@ -132,6 +134,7 @@ def _ecc_precursor(fault: FaultSpec, frame: Frame) -> None:
     cols["retired_sbe"][node, gpu] += np.floor(8.0 * x**2)
     cols["remap_correctable"][node, gpu] += np.floor(6.0 * x**1.5)
     cols["remap_pending"][node, gpu] = 1.0 if x > 0.6 else 0.0
+    cols["retired_pending"][node, gpu] = 1.0 if x > 0.6 else 0.0
     if x > 0.85:
         dbe = np.floor(1 + 4.0 * (x - 0.85) / 0.15)
         cols["ecc_dbe_volatile"][node, gpu] += dbe

@@ -41,6 +41,7 @@ from fleethealth.payloads.job import ExitStatus, job_exit_event, job_start_event
 from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import GPU_FIELDS, Event, NicPorts, StepBatch, Telemetry
 from fleethealth.sim.faults import CONTENDED_UTIL, CONTENDED_WAIT_SHARE, EFFECTS, Frame, sdc_failures
+from fleethealth.sim.gpus import GPU_MODELS
 from fleethealth.sim.scenario import Scenario
 
 __all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C", "NIC_PORT", "NIC_LINK_GBPS",
@@ -50,7 +51,6 @@ COMPUTE_SHARE = 0.8
 """Share of a nominal step spent in pre-collective compute; the rest is the collective."""
 THERMAL_SLOWDOWN_C = 85.0
 """The simulated GPUs' thermal slowdown temperature."""
-MODEL = "NVIDIA H100 80GB HBM3"
 SLOWDOWN_TEMP_C = 85.0
 """The simulated GPUs' own slowdown temperature (each sample carries it, as NVML and DCGM report it)."""
 NIC_PORT = "mlx5_0/1"
@@ -93,6 +93,7 @@ class FleetSim:
         world = fleet.world_size
         self.rank_node = np.arange(world) // self.gpus
         self.rank_gpu = np.arange(world) % self.gpus
+        self.gpu_model = GPU_MODELS[fleet.gpu_model]
         rng = np.random.default_rng([scenario.seed, 0])
         shape = (self.n_nodes, self.gpus)
         self._base_temp = 66.0 + rng.normal(0.0, 2.0, shape)
@@ -225,6 +226,7 @@ class FleetSim:
                           silent=np.zeros(shape, dtype=bool), rng=rng)
         for fault in self.scenario.faults:
             EFFECTS[fault.kind](fault, frame)
+        self.gpu_model.mask(cols)  # what this GPU model does not report is NaN (Hopper: retired pages)
         frame.nic_counters = self._nic_counters(ts)
         return frame
 
@@ -364,7 +366,7 @@ class _SimFrame(Frame):
             out.append(Telemetry(node=node, rack=sim.rack_names[sim.node_rack[n]], ts=self.ts,
                                  gpu=np.arange(sim.gpus, dtype=np.int16),
                                  columns={k: v[n] for k, v in self.cols.items()}, nic_util=float(self.nic[n]),
-                                 model=MODEL, uuid=sim._uuid[n], nic=nic,
+                                 model=sim.gpu_model.name, uuid=sim._uuid[n], nic=nic,
                                  pci_bus_id=sim._pci_bus_id))
         return out
 

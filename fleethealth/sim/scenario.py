@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from fleethealth.errors import ConfigError
+from fleethealth.sim.gpus import DEFAULT_GPU_MODEL, GPU_MODELS
 
 __all__ = ["FleetSpec", "JobSpec", "ChecksSpec", "FaultSpec", "Scenario", "FAULT_FIELDS", "DEFAULT_START_TS"]
 
@@ -78,6 +79,8 @@ class FleetSpec:
     racks: int = 4
     nodes_per_rack: int = 8
     gpus_per_node: int = 8
+    gpu_model: str = DEFAULT_GPU_MODEL
+    """A key of :data:`fleethealth.sim.gpus.GPU_MODELS`: what the GPUs report (Hopper: no retired pages)."""
 
     @property
     def nodes(self) -> int:
@@ -167,10 +170,12 @@ class Scenario:
         if unknown:
             raise ConfigError(f"scenario: unknown field '{sorted(unknown)[0]}' (known: {', '.join(sorted(known_top))})")
         seed = _typed("seed", obj.get("seed", 7), int)
-        fleet = FleetSpec(**_section(obj, "fleet", {"racks": int, "nodes_per_rack": int, "gpus_per_node": int},
-                                     vars(FleetSpec())))
+        fleet = FleetSpec(**_section(obj, "fleet", {"racks": int, "nodes_per_rack": int, "gpus_per_node": int,
+                                                    "gpu_model": str}, vars(FleetSpec())))
         if min(fleet.racks, fleet.nodes_per_rack, fleet.gpus_per_node) < 1:
             raise ConfigError("scenario: fleet sizes must all be >= 1")
+        if fleet.gpu_model not in GPU_MODELS:
+            raise ConfigError(f"scenario: fleet.gpu_model {fleet.gpu_model!r} is not one of {', '.join(GPU_MODELS)}")
         job = JobSpec(**_section(obj, "job", {"id": str, "steps": int, "step_time_s": float, "jitter": float},
                                  vars(JobSpec())))
         if job.steps < 1 or job.step_time_s <= 0:

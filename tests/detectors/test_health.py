@@ -64,6 +64,29 @@ def test_ecc_rules_and_escalation():
     assert fail.evidence["remap_failure"] is True and fail.evidence["severity"] == "critical"
 
 
+def test_ecc_rules_on_a_gpu_that_remaps_rows_and_retires_no_pages():
+    """Hopper: the retired-page fields are NaN (NOT_SUPPORTED); remapped rows growing is the
+    warning, a pending remap keeps the episode, uncorrectable errors escalate it."""
+    rules = HealthRules()
+    nan = float("nan")
+    hopper = {"retired_sbe": np.full(4, nan), "retired_dbe": np.full(4, nan), "retired_pending": np.full(4, nan)}
+
+    def t(ts, **cols):
+        s = _t(ts, **{"remap_correctable": (0, 0.0), "remap_uncorrectable": (0, 0.0), **cols})
+        return Telemetry.from_columns(s.node, s.rack, ts, s.gpu, **{**s.columns, **hopper})
+
+    assert rules.update([t(0.0), t(10.0)]) == []  # NaN retired pages never hold
+    (grow,) = rules.update([t(20.0, remap_correctable=(2, 1.0))])
+    assert (grow.gpu, grow.evidence["reasons"], grow.evidence["severity"]) == (2, ["remap_growth"], "warning")
+    assert grow.evidence["retired_pages"] is None and grow.evidence["remapped_rows"] == 1.0
+    assert rules.update([t(30.0, remap_correctable=(2, 1.0), remap_pending=(2, 1.0))]) == []
+    (worse,) = rules.update([t(40.0, remap_correctable=(2, 1.0), remap_uncorrectable=(2, 1.0), remap_pending=(2, 1.0),
+                               ecc_dbe_volatile=(2, 1.0))])
+    assert worse.evidence["severity"] == "critical" and worse.evidence["escalated_from"] == "warning"
+    assert worse.evidence["reasons"] == ["uncorrectable", "pending", "remap_growth"]
+    assert worse.evidence["remapped_rows"] == 2.0
+
+
 def test_flapping_power_brake_is_one_power_brake_episode_per_node():
     rules = HealthRules(clear_after_s=300.0)
     brake = int(ClockReason.HW_POWER_BRAKE | ClockReason.HW_SLOWDOWN)

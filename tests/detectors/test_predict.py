@@ -169,6 +169,11 @@ def test_default_is_the_ecc_rule_and_needs_no_model():
     hopper = FailurePredictor()
     nan = np.full(2, np.nan)
     assert hopper.update([_sample(0.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan)]) == []
+    # Hopper retires no pages: a row remapped for an uncorrectable error is what the rule reads
+    [remap] = hopper.update([_sample(60.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan,
+                                     remap_uncorrectable=[0.0, 1.0])])
+    assert (remap.gpu, remap.evidence["rule"]) == (1, ["row_remap_delta"])
+    assert remap.evidence["features"]["retired_pages_delta"] is None
     with pytest.raises(ConfigError, match="use_model"):
         FailurePredictor(use_model="yes").update([], [])
 

@@ -28,7 +28,7 @@ def test_an_ecc_finding_keeps_its_wire_shape_and_escalation():
     broken = {**pending, "ecc_dbe_volatile": np.array([0.0, 2.0])}
     [crit] = rules.update([Telemetry.from_columns("n0001", "r00", 2.0, [0, 1], **broken)])
     assert list(warn.evidence) == ["severity", "reasons", "uncorrectable", "remap_failure", "remap_pending",
-                                   "retired_pages", "corrected_volatile"]
+                                   "retired_pages", "remapped_rows", "corrected_volatile"]
     facts = EccEvidence.from_evidence(crit.evidence)
     assert facts.severity == "critical" and facts.escalated_from == "warning" and facts.uncorrectable_seen
     assert facts.reasons == ("uncorrectable", "pending") and facts.to_evidence() == crit.evidence

@@ -65,7 +65,7 @@ def test_a_stalled_source_is_an_event_and_the_probe_keeps_ticking(tmp_path, repl
     probe = _probe(tmp_path, NvmlSource("n0003", "r00", nvml=replay, xid_events=False), stall_timeout_s=0.2)
     try:
         assert probe.tick(now=1.0).sampled
-        replay.block("nvmlDeviceGetRemappedRows")
+        replay.block("nvmlDeviceGetFieldValues")
         report = probe.tick(now=2.0)
         assert not report.sampled and report.events == 1
         assert not probe.tick(now=3.0).sampled

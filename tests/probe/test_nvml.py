@@ -241,3 +241,110 @@ def test_pci_bus_ids_label_the_gpus_and_their_absence_is_no_failure(recording) -
         device["nvmlDeviceGetPciInfo"] = {"": {"busId": f"00000000:{0x18 + i:02X}:00.0"}}
     source, _ = _open(data, xid_events=False)
     assert source.sample(1.0).telemetry.pci_bus_id == tuple(f"00000000:{0x18 + i:02X}:00.0" for i in range(4))
+
+
+# ------------------------------------------------------------------ the NVML cost of a sample
+MAX_CALLS_PER_GPU = 10
+
+
+def _calls_per_gpu(source: NvmlSource, replay: NvmlReplay, ts: float) -> float:
+    before = replay.calls
+    source.sample(ts)
+    return (replay.calls - before) / source.gpu_count
+
+
+@pytest.mark.parametrize("name", ["nvml_h100_faults.json", "nvml_v100_r470.json"])
+def test_a_sample_costs_at_most_ten_nvml_calls_per_gpu(recording, name) -> None:
+    """One field batch per GPU plus the calls no field covers; statics were read at open. Before
+    the batch the H100 node took 114 calls per GPU per sample (18 NVLink links x 5 calls)."""
+    source, replay = _open(recording(name), xid_events=False)
+    first = _calls_per_gpu(source, replay, 1.0)
+    replay.calls_by_name.clear()
+    steady = _calls_per_gpu(source, replay, 2.0)
+    assert first <= MAX_CALLS_PER_GPU and steady <= MAX_CALLS_PER_GPU
+    assert replay.calls_by_name["nvmlDeviceGetFieldValues"] == source.gpu_count  # one batch per GPU
+    assert not {n for n in replay.calls_by_name if "NvLink" in n or "Ecc" in n or "Retired" in n or "Remapped" in n}
+
+
+def test_an_unsupported_field_is_nan_and_logged_once_the_rest_published(recording, caplog) -> None:
+    """Hopper answers NOT_SUPPORTED for the retired-page fields; a value failing otherwise (here
+    the uncorrectable-remap field of GPU 3 answering UNKNOWN) is NaN too, with one warning."""
+    data = orjson.loads(recording("nvml_h100_faults.json").read_bytes())
+    data["devices"][3]["nvmlDeviceGetFieldValues"][str(pynvml.NVML_FI_DEV_REMAPPED_UNC)] = {
+        "error": "NVML_ERROR_UNKNOWN"}
+    source, _ = _open(data, xid_events=False)
+    with caplog.at_level("INFO", logger="fleethealth.probe.nvml"):
+        first = source.sample(1.0)
+        second = source.sample(2.0)
+    for sample in (first, second):
+        c = sample.telemetry.columns
+        assert np.isnan(c["retired_sbe"]).all() and np.isnan(c["retired_dbe"]).all()
+        assert np.isnan(c["remap_uncorrectable"][3]) and c["remap_uncorrectable"][:3].tolist() == [0.0] * 3
+        assert c["remap_pending"][3] == 1.0 and c["remap_correctable"][3] == 12.0   # the rest of the batch
+        assert c["power_w"][3] == pytest.approx(309.87) and not sample.events
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("GPU 3" in m and "remap_uncorrectable" in m for m in logged) == 1
+    assert sum("GPU 0" in m and "retired_sbe" in m and "NOT_SUPPORTED" in m for m in logged) == 1
+    assert source.missing[(3, "remap_uncorrectable")] == "NVML_ERROR_UNKNOWN"
+    assert source.missing[(0, "retired_pending")] == "NVML_ERROR_NOT_SUPPORTED"
+
+
+def test_a_driver_without_the_newer_fields_falls_back_to_their_calls(recording) -> None:
+    """A driver older than the NVLink state and power-limit fields answers INVALID_ARGUMENT for
+    them: the per-link state calls and nvmlDeviceGetEnforcedPowerLimit take over, same values."""
+    replay = NvmlReplay(recording("nvml_h100_faults.json"))
+    replay.unknown_fields(pynvml.NVML_FI_DEV_NVLINK_GET_STATE, pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT)
+    source = NvmlSource("n0003", "r00", nvml=replay, xid_events=False)
+    source.open()
+    for ts in (1.0, 2.0):
+        c = source.sample(ts).telemetry.columns
+        assert c["nvlink_links_up"].tolist() == [18.0, 18.0, 18.0, 16.0]
+        assert c["nvlink_links_max"].tolist() == [18.0] * 4 and c["nvlink_replay"][3] == 136.0
+        assert c["power_limit_w"].tolist() == [700.0] * 4
+    assert replay.calls_by_name["nvmlDeviceGetEnforcedPowerLimit"] == 8  # by call from the first sample on
+
+
+def test_a_value_answering_gpu_lost_marks_the_gpu_lost(recording) -> None:
+    data = orjson.loads(recording("nvml_h100_faults.json").read_bytes())
+    data["devices"][1]["nvmlDeviceGetFieldValues"][str(pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL)] = {
+        "error": "NVML_ERROR_GPU_IS_LOST"}
+    source, _ = _open(data, xid_events=False)
+    sample = source.sample(1.0)
+    assert [(e.kind, e.gpu) for e in sample.events] == [(EventKind.GPU_LOST, 1)]
+    c = sample.telemetry.columns
+    assert np.isnan(c["temp_c"][1]) and not np.isnan(c["temp_c"][[0, 2, 3]]).any()
+    assert not source.sample(2.0).events
+
+
+def test_a_failed_batch_leaves_its_columns_nan_and_the_calls_still_answer(recording, caplog) -> None:
+    class NoFieldValues(NvmlReplay):
+        def nvmlDeviceGetFieldValues(self, handle, fields):  # noqa: N802 - NVML's name
+            self.calls += 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    replay = NoFieldValues(recording("nvml_h100_faults.json"))
+    source = NvmlSource("n0003", "r00", nvml=replay, xid_events=False)
+    source.open()
+    with caplog.at_level("WARNING", logger="fleethealth.probe.nvml"):
+        c = source.sample(1.0).telemetry.columns
+        source.sample(2.0)
+    assert np.isnan(c["ecc_dbe_volatile"]).all() and np.isnan(c["remap_pending"]).all()
+    assert c["temp_c"][1] == 47.0 and c["power_limit_w"].tolist() == [700.0] * 4  # the call fallback
+    assert sum("nvmlDeviceGetFieldValues" in r.getMessage() and "GPU 0" in r.getMessage()
+               for r in caplog.records) == 1
+
+
+def test_the_gpu_check_script_runs_on_a_recording_and_counts_its_calls(recording) -> None:
+    """bench/gpu_nvml.py takes the same path on a GPU; --replay keeps it runnable here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_nvml.py"
+    done = subprocess.run([sys.executable, str(script), "--replay", str(recording("nvml_h100_faults.json")),
+                           "--samples", "2", "--interval", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = orjson.loads(done.stdout)
+    assert report["gpus"] == 4 and report["nvml_calls_per_gpu_per_sample"] <= MAX_CALLS_PER_GPU
+    assert report["missing"]["0:retired_sbe"] == "NVML_ERROR_NOT_SUPPORTED"
+    assert report["per_gpu"][3]["remap_pending"] == 1.0
