@@ -119,18 +119,12 @@ def _node_temp(sample: Telemetry) -> float:
     return float(np.nanmedian(temps)) if np.isfinite(temps).any() else math.nan
 
 
-def _limits(sample: Telemetry, default: float) -> np.ndarray:
-    """Each GPU's own slowdown temperature, ``default`` where the GPU does not report one."""
-    own = sample.columns["slowdown_temp_c"]
-    return np.where(np.isfinite(own), own, default)
-
-
 def _over_limit(sample: Telemetry, default: float) -> float:
     """The node's median temperature minus its GPUs' median limit (NaN without temperatures)."""
     temps = sample.columns["temp_c"]
     if not np.isfinite(temps).any():
         return math.nan
-    return float(np.nanmedian(temps) - np.median(_limits(sample, default)))
+    return float(np.nanmedian(temps) - np.median(sample.slowdown_limits(default)))
 
 
 def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
@@ -199,7 +193,7 @@ def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gp
     rows = _rows(sample, gpu)
     cols = sample.columns
     temps = cols["temp_c"][rows]
-    limits = _limits(sample, th.thermal_limit_c)[rows]
+    limits = sample.slowdown_limits(th.thermal_limit_c)[rows]
     over = temps - limits
     k = int(np.nanargmax(over)) if np.isfinite(over).any() else -1
     temp = float(temps[k]) if k >= 0 else math.nan

@@ -124,6 +124,7 @@ class _NodeHistory:
         self.ts: deque[float] = deque()
         self.values: deque[np.ndarray] = deque()
         self.reset_ts = np.full(gpus.shape, -math.inf)
+        self.limit = np.full(gpus.shape, math.nan)  # each GPU's slowdown temperature, from its latest sample
         self.xids: deque[tuple[float, int, int]] = deque()  # (ts, gpu row or -1, class)
 
 
@@ -133,7 +134,8 @@ class GpuFeatures:
     ``recent_s`` / ``short_s`` / ``long_s`` are the window lengths (the corrected-error rate over
     each; ``sbe_trend`` is short minus long, ``sbe_accel`` recent minus short: a failing GPU's
     error rate accelerates, a merely noisy one's stays flat); a row is produced per node at most every
-    ``resolution_s`` of event time; ``thermal_limit_c`` is the slowdown temperature for the margin.
+    ``resolution_s`` of event time; the margin is to each GPU's own slowdown temperature
+    (``slowdown_temp_c``), ``thermal_limit_c`` only for a GPU that does not report one.
     """
 
     def __init__(self, *, recent_s: float = 900.0, short_s: float = 3600.0, long_s: float = 6 * 3600.0,
@@ -206,7 +208,7 @@ class GpuFeatures:
         X = np.column_stack([
             rate_r, rate_s, rate_l, rate_s - rate_l, rate_r - rate_s, grow_s[:, _SBE], np.log1p(cur[:, _SBE]),
             grow_l[:, _RETIRED], grow_l[:, _REMAP], cur[:, _PENDING], cur[:, _RPENDING], cur[:, _DBE],
-            xid[:, 0], xid[:, 1], xid[:, 2], xid[:, 3], slope, self.thermal_limit_c - cur[:, _TEMP],
+            xid[:, 0], xid[:, 1], xid[:, 2], xid[:, 3], slope, hist.limit - cur[:, _TEMP],
             grow_s[:, _NVL] / h_s, grow_s[:, _PCIE] / h_s, cur[:, _DOWN],
         ])
         return FeatureRows(node=node, ts=now, gpu=hist.gpu.copy(), X=X)
@@ -232,6 +234,7 @@ class GpuFeatures:
                 continue
             hist.ts.append(ts)
             hist.values.append(_counters(s))
+            hist.limit = s.slowdown_limits(self.thermal_limit_c)
             while hist.ts and hist.ts[0] < ts - self.long_s - self.resolution_s:
                 hist.ts.popleft()
                 hist.values.popleft()

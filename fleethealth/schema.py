@@ -491,6 +491,12 @@ class Telemetry:
     def key(self) -> str:
         return self.node
 
+    def slowdown_limits(self, default: float) -> np.ndarray:
+        """Each GPU's own slowdown temperature (``slowdown_temp_c``, from NVML's threshold or
+        DCGM's field), ``default`` for a GPU that does not report one (an old driver or source)."""
+        own = self.columns["slowdown_temp_c"]
+        return np.where(np.isfinite(own), own, float(default))
+
     def to_obj(self) -> dict[str, Any]:
         obj = {
             "v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,

@@ -224,3 +224,15 @@ def test_harder_generator_reports_what_each_gpu_model_reports_and_features_keep_
         assert np.isnan(r.X[:, F["retired_pages_delta"]]).all() != pages
         assert np.isnan(r.X[:, F["row_remap_delta"]]).all() == pages
         assert not np.isnan(r.X[:, F["sbe_rate_short_per_h"]]).any()
+
+
+def test_temperature_margin_is_to_each_gpus_own_slowdown_limit():
+    """A GPU that reports its slowdown temperature is judged against it; one that does not (NaN:
+    an old driver) against ``thermal_limit_c``."""
+    feats = GpuFeatures(thermal_limit_c=85.0)
+    rows = feats.update([_sample(0.0, temp_c=[80.0, 80.0], slowdown_temp_c=[87.0, np.nan])])
+    own, fallback = rows[-1].X[:, F["temp_margin_c"]]
+    assert own == pytest.approx(7.0) and fallback == pytest.approx(5.0)
+    rows = GpuFeatures(thermal_limit_c=90.0).update([_sample(0.0, temp_c=[80.0, 80.0],
+                                                              slowdown_temp_c=[87.0, np.nan])])
+    assert rows[-1].X[:, F["temp_margin_c"]].tolist() == pytest.approx([7.0, 10.0])
