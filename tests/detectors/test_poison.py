@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from importlib import resources
 
 import numpy as np
@@ -20,20 +19,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fleethealth import schema
-from fleethealth.broker import EmbeddedBroker
-from fleethealth.bus import DEADLETTER_RAW_BYTES, Consumer, DeadLetter, Producer, ensure_topics
+from fleethealth.bus import DEADLETTER_RAW_BYTES, Consumer, DeadLetter, Producer
 from fleethealth.detectors.runner import Runner
 from fleethealth.errors import SchemaError
 from fleethealth.schema import Event, EventKind, StepBatch, Telemetry, Topic
 
 T0 = 1_795_900_000.0
 
-
-@pytest.fixture
-def own_broker() -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker() as running:
-        ensure_topics(running.dsn, partitions=2)
-        yield running
 
 
 def _event(**over) -> dict:

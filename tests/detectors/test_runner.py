@@ -19,18 +19,16 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import orjson
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from fleethealth.broker import EmbeddedBroker
-from fleethealth.bus import Consumer, DeadLetter, Producer, ensure_topics
+from fleethealth.bus import Consumer, DeadLetter, Producer
 from fleethealth.detectors.runner import Runner
 from fleethealth.schema import GPU_FIELDS, Event, EventKind, StepBatch, Telemetry, Topic
 from fleethealth.sim import FleetSim, Scenario
@@ -39,11 +37,7 @@ from fleethealth.store import open_store
 WORKER = Path(__file__).with_name("_runner_worker.py")
 
 
-@pytest.fixture
-def own_broker() -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker() as running:
-        ensure_topics(running.dsn, partitions=4)
-        yield running
+OWN_BROKER_PARTITIONS = 4  # own_broker (tests/detectors/conftest.py)
 
 
 def _uid(prefix: str) -> str:

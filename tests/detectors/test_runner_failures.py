@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import numpy as np
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fleethealth.broker import EmbeddedBroker
-from fleethealth.bus import Consumer, DeadLetter, Producer, ensure_topics
+from fleethealth.bus import Consumer, DeadLetter, Producer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry
 from fleethealth.detectors.runner import INPUT_TOPICS, Runner
@@ -28,12 +26,6 @@ from fleethealth.schema import Event, EventKind, FindingKind, StepBatch, Topic
 
 T0 = 1_795_900_000.0
 
-
-@pytest.fixture
-def own_broker() -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker() as running:
-        ensure_topics(running.dsn, partitions=2)
-        yield running
 
 
 def _no_wait() -> Retry:

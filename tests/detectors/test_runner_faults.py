@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fleethealth.broker import EmbeddedBroker
-from fleethealth.bus import Consumer, Producer, ensure_topics
+from fleethealth.bus import Consumer, Producer
 from fleethealth.detectors.runner import Runner
 from fleethealth.schema import Action, ClockReason, Guard, Message, StepBatch, Telemetry, Topic
 from fleethealth.store import open_store
@@ -30,11 +29,7 @@ T0 = 1_000.0
 JOB = "train-x"
 
 
-@pytest.fixture
-def own_broker() -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker() as running:
-        ensure_topics(running.dsn, partitions=4)
-        yield running
+OWN_BROKER_PARTITIONS = 4  # own_broker (tests/detectors/conftest.py)
 
 
 @pytest.fixture
