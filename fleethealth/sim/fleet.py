@@ -167,6 +167,16 @@ class FleetSim:
     def rack_of(self, node: str) -> str:
         return self.rack_names[self.node_rack[self.node_index[node]]]
 
+    def sim_of(self, node: str) -> FleetSim:
+        """The simulator whose ticks carry ``node``'s telemetry: its job's, the idle nodes', or (one
+        job) this one."""
+        for sim in (*self.jobs.values(), *([self._idle] if self._idle else [])):
+            if node in sim.node_index:
+                return sim
+        if node not in self.node_index:
+            raise KeyError(node)
+        return self
+
     # ------------------------------------------------------------------ timeline
     def _timeline(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-step wall duration (nominal × the slowest active slowdown) and the gap after each."""

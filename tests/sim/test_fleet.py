@@ -175,6 +175,7 @@ def test_several_jobs_each_on_its_own_nodes_keyed_by_job() -> None:
     assert float(busy_tel.columns["util_pct"].min()) > 80
     with pytest.raises(TypeError, match="sim.jobs"):
         sim.step(0)
+    assert sim.sim_of("n0005") is sim.jobs["small"] and sim.sim_of("n0007").idle and _sim().sim_of("n0001").jobs == {}
     np.testing.assert_array_equal(sim.jobs["small"].step(7).batches[1].compute_s,
                                   next(t for t in ticks if t.job == "small" and t.step == 7).batches[1].compute_s)
 
