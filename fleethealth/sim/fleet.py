@@ -106,14 +106,18 @@ class FleetSim:
         if idle:
             job = PlacedJob(id="", steps=scenario.idle_ticks, step_time_s=scenario.idle_interval_s,
                             nodes=scenario.idle_nodes)
-        if self.jobs or (scenario.jobs and job is None and not idle):  # the whole fleet, as a view
+        if self.jobs:  # this one is a view of the whole fleet: its jobs and idle nodes emit everything
             job = JobSpec(**{f.name: getattr(scenario.job, f.name) for f in dataclasses.fields(JobSpec)})
         self.job = job = job or scenario.job
         self._salt = salt
         nodes = np.array(job.node_indices(fleet), dtype=np.int64)
         mine = set(nodes.tolist())
-        self.faults = scenario.faults if not scenario.jobs else () if self.jobs else tuple(
-            f for f in scenario.faults if "node" in f.params and int(f["node"][1:]) in mine)
+        if not scenario.jobs:
+            self.faults = scenario.faults
+        elif self.jobs:
+            self.faults = ()
+        else:  # the faults on this job's (the idle) nodes; a jobs scenario has no rack-wide ones
+            self.faults = tuple(f for f in scenario.faults if int(f["node"][1:]) in mine)
         self.n_nodes, self.gpus = len(nodes), fleet.gpus_per_node
         self.node_names = [fleet.node_name(int(i)) for i in nodes]
         self.rack_names = [fleet.rack_name(i) for i in range(fleet.racks)]
