@@ -84,6 +84,11 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
     """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first.
     ``closed_loop`` also weighs acting on the recommendations (:func:`compare_policies`)."""
     started = time.perf_counter()
+    if closed_loop and scenario.jobs:
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError(f"scenario {scenario.name}: the closed loop weighs one job; this scenario has "
+                          f"{len(scenario.jobs)} ('jobs')")
     store_dir = data / "store"
     for stale in (store_dir, data / "spool"):
         if stale.exists():
@@ -98,6 +103,7 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         delivery = Delivery(broker.dsn, Spool(data / "spool"), client_id="fleethealth-demo-probes",
                             batch_records=_DELIVERY_BATCH)
         delivered = 0
+        steps_done, steps_total = 0, sum(j.steps for j in scenario.job_specs)
 
         def deliver(backlog: int) -> int:
             sent = 0
@@ -114,8 +120,10 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
                     delivery.submit(msg)
                 published += len(tick.telemetry) + len(tick.batches) + len(tick.events)
                 delivered += deliver(_DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
-                if progress is not None and tick.step is not None:
-                    progress("publish", tick.step + 1, scenario.job.steps)
+                if tick.step is not None:
+                    steps_done += 1
+                    if progress is not None:
+                        progress("publish", steps_done, steps_total)
             delivered += deliver(0)
         finally:
             delivery.close()

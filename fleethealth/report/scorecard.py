@@ -4,7 +4,8 @@ Ground truth is the scenario's fault list, read here and only after a run has fi
 detectors and the policy never see it (``tests/report/test_scorecard.py`` checks that nothing on
 their import path reaches :mod:`fleethealth.sim` or :mod:`fleethealth.scenarios`). For each fault
 the scorecard names the first finding of the kind the fault should cause on the node (for a hot
-aisle: on any node of the rack), its diagnosis, the latency in steps from the fault's start, the
+aisle: on any node of the rack; for a fault of a job, one about that job or about no job — a node
+fact such as a failure risk), its diagnosis, the latency in steps from the fault's start, the
 recommendation made about it and that recommendation's guard; then every node that was flagged
 although no fault touched it.
 """
@@ -54,6 +55,8 @@ class FaultScore:
     action: str | None = None
     """The recommendations made about the finding, ``+``-joined (``quarantine+rollback``)."""
     guard: str | None = None
+    job: str | None = None
+    """The fault's job (a ``jobs`` scenario, or one that names it); the finding's job when found."""
 
     @property
     def correct(self) -> bool:
@@ -65,7 +68,7 @@ class FaultScore:
                 "expected_kind": self.expected_kind, "expected_diagnosis": self.expected_diagnosis,
                 "found": self.found, "correct": self.correct, "kind": self.kind, "diagnosis": self.diagnosis,
                 "node": self.node, "step": self.step, "latency_steps": self.latency_steps,
-                "action": self.action, "guard": self.guard}
+                "action": self.action, "guard": self.guard, "job": self.job}
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,14 @@ _GUARD_ORDER = ("allowed", "rate_limited", "needs_human")
 """Guards from least to most restrictive: a fault's guard is the most restrictive of its recommendations'."""
 
 
-def _step_of(f: Finding, scenario: Scenario) -> int:
+def _step_of(f: Finding, scenario: Scenario, job: str | None = None) -> int:
     if f.step is not None:
         return int(f.step)
-    return int(round((f.ts - scenario.start_ts) / scenario.job.step_time_s))
+    if job is not None:  # counted in the fault's job's steps (an idle node's: its telemetry ticks)
+        step_s = scenario.job_of(job).step_time_s
+    else:
+        step_s = scenario.idle_interval_s if scenario.jobs else scenario.job.step_time_s
+    return int(round((f.ts - scenario.start_ts) / step_s))
 
 
 def score(scenario: Scenario, findings: Sequence[Finding], recommendations: Sequence[Recommendation]) -> Scorecard:
@@ -132,7 +139,8 @@ def score(scenario: Scenario, findings: Sequence[Finding], recommendations: Sequ
             nodes = {where}
         touched |= nodes
         start = int(fault.params.get("start_step", fault.params.get("step", 0)) or 0)
-        mine = [f for f in findings if f.node in nodes and f.kind.value == expected_kind]
+        mine = [f for f in findings if f.node in nodes and f.kind.value == expected_kind
+                and (fault.job is None or f.job in (fault.job, None))]
         if expected_diag is not None:  # prefer the expected diagnosis: a rack's nodes may carry others too
             right = [f for f in mine if f.diagnosis is not None and f.diagnosis.value == expected_diag]
             mine = right or mine
@@ -140,10 +148,11 @@ def score(scenario: Scenario, findings: Sequence[Finding], recommendations: Sequ
         if gpu is not None and any(f.gpu == gpu for f in mine):
             mine = [f for f in mine if f.gpu is None or f.gpu == gpu]
         if not mine:
-            scores.append(FaultScore(fault.kind, where, start, expected_kind, expected_diag, found=False))
+            scores.append(FaultScore(fault.kind, where, start, expected_kind, expected_diag, found=False,
+                                     job=fault.job))
             continue
-        first = min(mine, key=lambda f: (f.ts, _step_of(f, scenario)))
-        step = _step_of(first, scenario)
+        first = min(mine, key=lambda f: (f.ts, _step_of(f, scenario, fault.job)))
+        step = _step_of(first, scenario, fault.job)
         recs = [r for r in acted if r.finding_id == first.id]
         if not recs:
             recs = [r for r in acted if r.node in nodes and r.ts >= first.ts][:1]
@@ -152,6 +161,7 @@ def score(scenario: Scenario, findings: Sequence[Finding], recommendations: Sequ
             diagnosis=None if first.diagnosis is None else first.diagnosis.value, node=first.node, step=step,
             latency_steps=step - start,
             action="+".join(dict.fromkeys(r.action.value for r in recs)) or None,
-            guard=max((r.guard.value for r in recs), key=_GUARD_ORDER.index, default=None)))
+            guard=max((r.guard.value for r in recs), key=_GUARD_ORDER.index, default=None),
+            job=first.job if first.job is not None else fault.job))
     flagged = sorted({f.node for f in findings} - touched)
     return Scorecard(scenario=scenario.name, faults=tuple(scores), healthy_flagged=tuple(flagged))

@@ -1,4 +1,5 @@
-"""Fleet simulator: racks × nodes × GPUs and one synchronous job, with fault injection, in event time."""
+"""Fleet simulator: racks × nodes × GPUs running one synchronous job or several (``jobs``), with fault
+injection, in event time."""
 
 from fleethealth.sim.fleet import FleetSim, SimStep
 from fleethealth.sim.scenario import FaultSpec, Scenario

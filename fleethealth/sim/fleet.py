@@ -25,10 +25,18 @@ checkpoint load). The simulator writes no ``interruption``: the detectors derive
 (:mod:`fleethealth.detectors.lifecycle`). Its step numbers are its timeline, so a run resumed from
 a checkpoint before the stop does not repeat the steps in between; the ``job_start`` still names
 that checkpoint, so the lost steps are counted as for a real job.
+
+A scenario with ``jobs`` runs each job as above on its own nodes (ranks numbered from 0 within
+the job, its records from its first node, its steps keyed by its id) with a noise stream of its
+own, and its idle nodes report telemetry only, at idle levels (no utilisation, cooler, a fraction
+of the power), every :attr:`Scenario.idle_interval_s`; ``run()`` merges all of it in event time,
+and :attr:`FleetSim.jobs` holds each job's own simulator (``sim.jobs["pretrain"].step(s)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +50,7 @@ from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.schema import GPU_FIELDS, Event, NicPorts, StepBatch, Telemetry
 from fleethealth.sim.faults import CONTENDED_UTIL, CONTENDED_WAIT_SHARE, EFFECTS, Frame, sdc_failures
 from fleethealth.sim.gpus import GPU_MODELS
-from fleethealth.sim.scenario import Scenario
+from fleethealth.sim.scenario import JobSpec, PlacedJob, Scenario
 
 __all__ = ["FleetSim", "SimStep", "COMPUTE_SHARE", "THERMAL_SLOWDOWN_C", "NIC_PORT", "NIC_LINK_GBPS",
            "NIC_BYTES_PER_TICK", "RELOAD_SHARE", "GPU_LOSS_RESTART_S"]
@@ -76,45 +84,83 @@ class SimStep:
     telemetry: list[Telemetry]
     batches: list[StepBatch]
     events: list[Event]
+    job: str | None = None
+    """The job whose step (or stall tick) this is; None for the idle nodes' ticks."""
 
 
 class FleetSim:
     """Generate a scenario's telemetry, step batches and events; deterministic for its seed."""
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, *, job: JobSpec | None = None, idle: bool = False,
+                 salt: int | None = None) -> None:
         self.scenario = scenario
-        fleet, job = scenario.fleet, scenario.job
-        self.n_nodes, self.gpus = fleet.nodes, fleet.gpus_per_node
-        self.node_names = [fleet.node_name(i) for i in range(self.n_nodes)]
+        fleet = scenario.fleet
+        self.jobs: dict[str, FleetSim] = {}
+        """A ``jobs`` scenario: each job's own simulator (empty otherwise, and in those)."""
+        self._idle: FleetSim | None = None
+        if scenario.jobs and job is None and not idle:
+            self.jobs = {j.id: FleetSim(scenario, job=j, salt=i) for i, j in enumerate(scenario.jobs)}
+            if scenario.idle_nodes:
+                self._idle = FleetSim(scenario, idle=True, salt=len(scenario.jobs))
+        self.idle = idle
+        if idle:
+            job = PlacedJob(id="", steps=scenario.idle_ticks, step_time_s=scenario.idle_interval_s,
+                            nodes=scenario.idle_nodes)
+        if self.jobs:  # this one is a view of the whole fleet: its jobs and idle nodes emit everything
+            job = JobSpec(**{f.name: getattr(scenario.job, f.name) for f in dataclasses.fields(JobSpec)})
+        self.job = job = job or scenario.job
+        self._salt = salt
+        nodes = np.array(job.node_indices(fleet), dtype=np.int64)
+        mine = set(nodes.tolist())
+        if not scenario.jobs:
+            self.faults = scenario.faults
+        elif self.jobs:
+            self.faults = ()
+        else:  # the faults on this job's (the idle) nodes; a jobs scenario has no rack-wide ones
+            self.faults = tuple(f for f in scenario.faults if int(f["node"][1:]) in mine)
+        self.n_nodes, self.gpus = len(nodes), fleet.gpus_per_node
+        self.node_names = [fleet.node_name(int(i)) for i in nodes]
         self.rack_names = [fleet.rack_name(i) for i in range(fleet.racks)]
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
-        self.node_rack = np.arange(self.n_nodes) // fleet.nodes_per_rack
+        self.node_rack = nodes // fleet.nodes_per_rack
         self.rack_nodes = {r: np.flatnonzero(self.node_rack == i) for i, r in enumerate(self.rack_names)}
-        world = fleet.world_size
+        world = self.n_nodes * self.gpus
         self.rank_node = np.arange(world) // self.gpus
         self.rank_gpu = np.arange(world) % self.gpus
         self.gpu_model = GPU_MODELS[fleet.gpu_model]
         rng = np.random.default_rng([scenario.seed, 0])
-        shape = (self.n_nodes, self.gpus)
+        shape = (fleet.nodes, self.gpus)
         self._base_temp = 66.0 + rng.normal(0.0, 2.0, shape)
         self._base_power = 560.0 + rng.normal(0.0, 15.0, shape)
-        self._base_nic = np.clip(0.35 + rng.normal(0.0, 0.04, self.n_nodes), 0.05, 0.8)
+        self._base_nic = np.clip(0.35 + rng.normal(0.0, 0.04, fleet.nodes), 0.05, 0.8)
         # healthy counters rise a little: a few GPUs see a corrected error or link replay now and then
         self._sbe_rate = np.where(rng.random(shape) < 0.05, rng.uniform(0.002, 0.02, shape), 0.0)
         self._replay_rate = np.where(rng.random(shape) < 0.05, rng.uniform(0.002, 0.02, shape), 0.0)
         self._sbe_lifetime = rng.integers(0, 20, shape).astype(np.float64)
         self._retired_sbe = rng.integers(0, 3, shape).astype(np.float64)
         self._uuid = [tuple(f"GPU-{scenario.seed:04x}{n:04x}-{g:04x}" for g in range(self.gpus))
-                      for n in range(self.n_nodes)]
+                      for n in nodes.tolist()]
         self._pci_bus_id = tuple(f"00000000:{0x18 + 0x11 * g:02X}:00.0" for g in range(self.gpus))
-        self._durations, self._gaps = self._timeline(job.steps)
+        self._fb_used = rng.uniform(60_000.0, 72_000.0, shape)
+        # drawn for the whole fleet, in the same order whatever the jobs, then each simulator's own nodes
+        for name in ("_base_temp", "_base_power", "_base_nic", "_sbe_rate", "_replay_rate", "_sbe_lifetime",
+                     "_retired_sbe", "_fb_used"):
+            setattr(self, name, getattr(self, name)[nodes])
+        if idle:
+            self._base_temp = self._base_temp - 30.0
+            self._base_power = self._base_power * 0.15
+            self._base_nic = np.full(self.n_nodes, 0.01)
+            self._fb_used = np.full_like(self._fb_used, 600.0)
+            self._durations = np.full(job.steps, job.step_time_s)
+            self._gaps = np.zeros(job.steps)
+        else:
+            self._durations, self._gaps = self._timeline(job.steps)
         ends = scenario.start_ts + np.cumsum(self._durations + np.concatenate([[0.0], self._gaps[:-1]]))
         self._step_end = ends
-        self._fb_used = rng.uniform(60_000.0, 72_000.0, shape)
         self._nic_windows = [(self.node_index[f["node"]],
                               self.step_ts(f["start_step"] - 1) if f["start_step"] > 0 else scenario.start_ts,
                               self.step_ts(f["end_step"] - 1) if f.params.get("end_step") else math.inf)
-                             for f in scenario.faults if f.kind == "nic_contention"]
+                             for f in self.faults if f.kind == "nic_contention"]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -125,14 +171,24 @@ class FleetSim:
     def rack_of(self, node: str) -> str:
         return self.rack_names[self.node_rack[self.node_index[node]]]
 
+    def sim_of(self, node: str) -> FleetSim:
+        """The simulator whose ticks carry ``node``'s telemetry: its job's, the idle nodes', or (one
+        job) this one."""
+        for sim in (*self.jobs.values(), *([self._idle] if self._idle else [])):
+            if node in sim.node_index:
+                return sim
+        if node not in self.node_index:
+            raise KeyError(node)
+        return self
+
     # ------------------------------------------------------------------ timeline
     def _timeline(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-step wall duration (nominal × the slowest active slowdown) and the gap after each."""
-        job = self.scenario.job
+        job = self.job
         idx = np.arange(steps)
         worst = np.zeros(steps)
         gaps = np.zeros(steps)
-        for fault in self.scenario.faults:
+        for fault in self.faults:
             p = fault.params
             if "slowdown" in p:
                 end = p["end_step"] if p.get("end_step") is not None else steps
@@ -151,24 +207,38 @@ class FleetSim:
 
     # ------------------------------------------------------------------ generation
     def run(self) -> Iterator[SimStep]:
-        """Every step in order, with telemetry ticks (every ``step_time_s``) inside stalls."""
-        interval = self.scenario.job.step_time_s
-        for s in range(self.scenario.job.steps):
+        """Every step in order, with telemetry ticks (every ``step_time_s``) inside stalls; with
+        ``jobs``, every job's and the idle nodes' ticks merged in event time."""
+        if self.jobs:
+            parts = [sim.run() for sim in self.jobs.values()] + ([self._idle.run()] if self._idle else [])
+            yield from heapq.merge(*parts, key=lambda tick: tick.ts)
+            return
+        if self.idle:
+            for k in range(self.job.steps):
+                ts = self.step_ts(k)
+                frame = self._frame(k, ts)
+                yield SimStep(step=None, ts=ts, telemetry=frame.telemetry(self), batches=[], events=frame.events)
+            return
+        interval = self.job.step_time_s
+        job = None if not self.scenario.jobs else self.job.id
+        for s in range(self.job.steps):
             yield self.step(s)
             gap = self._gaps[s]
             t = self.step_ts(s) + interval
             while gap > 0 and t < self.step_ts(s) + gap:
                 yield SimStep(step=None, ts=t, telemetry=self._frame(s, t).telemetry(self), batches=[],
-                              events=self._stall_events(s, t))
+                              events=self._stall_events(s, t), job=job)
                 t += interval
 
     def step(self, step: int) -> SimStep:
         """The batches, telemetry and events of one job step (random access)."""
-        if not 0 <= step < self.scenario.job.steps:
-            raise IndexError(f"step {step} outside the job (0..{self.scenario.job.steps - 1})")
+        if self.jobs or self.idle:
+            raise TypeError("a scenario with several jobs has no one step: use sim.jobs[job].step(s)")
+        if not 0 <= step < self.job.steps:
+            raise IndexError(f"step {step} outside the job (0..{self.job.steps - 1})")
         ts = self.step_ts(step)
         frame = self._frame(step, ts)
-        job = self.scenario.job
+        job = self.job
         rng = frame.rng
         noise = np.exp(job.jitter * rng.standard_normal(frame.factor.shape))
         node_noise = np.exp(job.jitter / 4 * rng.standard_normal((self.n_nodes, 1)))
@@ -184,10 +254,12 @@ class FleetSim:
                                      ranks=(n * self.gpus + gpu_ids[keep]).astype(np.int32), gpus=gpu_ids[keep],
                                      compute_s=compute[n, keep]))
         events = frame.events + self._check_events(step, ts) + self._life_events(step, ts)
-        return SimStep(step=step, ts=ts, telemetry=frame.telemetry(self), batches=batches, events=events)
+        return SimStep(step=step, ts=ts, telemetry=frame.telemetry(self), batches=batches, events=events,
+                       job=None if not self.scenario.jobs else job.id)
 
     def _frame(self, step: int, ts: float) -> _SimFrame:
-        rng = np.random.default_rng([self.scenario.seed, 1, step, int(ts * 1000) % (1 << 31)])
+        seed = [self.scenario.seed, 1, step, int(ts * 1000) % (1 << 31)]
+        rng = np.random.default_rng(seed if self._salt is None else [*seed, self._salt])
         shape = (self.n_nodes, self.gpus)
         s = float(step)
         cols = {name: np.full(shape, np.nan) for name in GPU_FIELDS}
@@ -220,11 +292,17 @@ class FleetSim:
         cols["fb_free_mib"] = _FB_TOTAL_MIB - self._fb_used
         cols["energy_mj"] = self._base_power * 1000.0 * max(ts - self.scenario.start_ts, 0.0)
         cols["tensor_active"] = np.clip(0.62 + rng.normal(0.0, 0.02, shape), 0.0, 1.0)
-        frame = _SimFrame(step=step, ts=ts, job=self.scenario.job.id, node_names=self.node_names,
+        nic = self._base_nic + rng.normal(0.0, 0.01, self.n_nodes)
+        if self.idle:  # no work: no utilisation, idle clocks' power; the base arrays are already cooler
+            cols["util_pct"] = np.zeros(shape)
+            cols["tensor_active"] = np.zeros(shape)
+            cols["mem_temp_c"] = cols["temp_c"] + 3.0
+            nic = np.clip(nic, 0.0, 1.0)
+        frame = _SimFrame(step=step, ts=ts, job=None if self.idle else self.job.id, node_names=self.node_names,
                           node_index=self.node_index, rack_nodes=self.rack_nodes, factor=np.ones(shape), cols=cols,
-                          nic=self._base_nic + rng.normal(0.0, 0.01, self.n_nodes),
+                          nic=nic,
                           silent=np.zeros(shape, dtype=bool), rng=rng)
-        for fault in self.scenario.faults:
+        for fault in self.faults:
             EFFECTS[fault.kind](fault, frame)
         self.gpu_model.mask(cols)  # what this GPU model does not report is NaN (Hopper: retired pages)
         frame.nic_counters = self._nic_counters(ts)
@@ -247,13 +325,13 @@ class FleetSim:
     # ------------------------------------------------------------------ events
     def _check_events(self, step: int, ts: float) -> list[Event]:
         """In-job check records: self-checks, replays and checkpoints with their watermark."""
-        checks, job = self.scenario.checks, self.scenario.job
+        checks, job = self.scenario.checks, self.job
         events: list[Event] = []
         check = ("replay" if step % checks.replay_every == 0 else
                  "selfcheck" if step % checks.selfcheck_every == 0 else None)
         if step > 0 and check is not None:
             failing = {}
-            for fault in self.scenario.faults:
+            for fault in self.faults:
                 kind = sdc_failures(fault, step, checks.selfcheck_every, checks.replay_every)
                 if kind is not None:
                     failing[self.node_index[fault["node"]] * self.gpus + fault["gpu"]] = kind
@@ -279,7 +357,7 @@ class FleetSim:
         """The two verification marks at ``step`` (the in-job watermark's): the newest check step of
         either kind that passed, and the newest replay step that passed, both before any failing check."""
         checks = self.scenario.checks
-        failures = [s for f in self.scenario.faults if f.kind.startswith("sdc_")
+        failures = [s for f in self.faults if f.kind.startswith("sdc_")
                     for s in range(f["start_step"], step + 1)
                     if sdc_failures(f, s, checks.selfcheck_every, checks.replay_every)]
         limit = min(failures) - 1 if failures else step
@@ -289,7 +367,7 @@ class FleetSim:
 
     def _life_events(self, step: int, ts: float) -> list[Event]:
         """The run's ``job_start`` before step 0 and its ``completed`` exit after the last step."""
-        job, world = self.scenario.job, self.n_nodes * self.gpus
+        job, world = self.job, self.n_nodes * self.gpus
         events = []
         if step == 0:
             placement = ([self.node_names[n] for n in self.rank_node.tolist()] if world <= _PLACEMENT_MAX_RANKS
@@ -303,7 +381,7 @@ class FleetSim:
 
     def _restart(self, step: int, ts: float) -> Event:
         """The restarted run's ``job_start``: resumed from the newest checkpoint at or before ``step``."""
-        job, every = self.scenario.job, self.scenario.checks.checkpoint_every
+        job, every = self.job, self.scenario.checks.checkpoint_every
         ckpt = (step // every) * every
         return job_start_event(ts=ts, world=self.n_nodes * self.gpus, first_step=ckpt + 1 if ckpt > 0 else 0,
                                resumed_from=f"ckpt://{job.id}/step-{ckpt:08d}" if ckpt > 0 else None,
@@ -312,14 +390,14 @@ class FleetSim:
     def _stall_events(self, step: int, ts: float) -> list[Event]:
         """Hang reports once the watchdogs time out; the failed exit and the restarted run's start
         around each stop (a hang, a lost GPU), at their own event times inside the tick that holds them."""
-        interval = self.scenario.job.step_time_s
-        job, events = self.scenario.job, []
+        interval = self.job.step_time_s
+        job, events = self.job, []
         start = self.step_ts(step)
 
         def within(at: float) -> bool:
             return at <= ts < at + interval
 
-        for fault in self.scenario.faults:
+        for fault in self.faults:
             if fault.kind == "hang" and fault["step"] == step:
                 watchdog = min(90.0, 0.75 * fault["duration_s"])
                 hung_node = self.node_index[fault["node"]]

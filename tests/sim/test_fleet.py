@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fleethealth.schema import ClockReason, EventKind
 from fleethealth.sim.fleet import FleetSim
@@ -130,3 +131,88 @@ def test_sdc_records_transient_in_selfcheck_deterministic_in_replay() -> None:
     assert by_check == {("selfcheck", 4, 150, "transient"), ("replay", 23, 200, "persistent")}
     ckpt = [e for s in sim.run() for e in s.events if e.kind is EventKind.CHECKPOINT and e.step == 175]
     assert ckpt[0].data["last_verified_step"] == 100
+
+
+def _jobs_sim(*faults: dict) -> FleetSim:
+    return FleetSim(Scenario.from_obj({
+        "seed": 11, "fleet": {"racks": 2, "nodes_per_rack": 4, "gpus_per_node": 4},
+        "jobs": [{"id": "big", "nodes": "n0000..n0003", "steps": 60, "step_time_s": 2.0},
+                 {"id": "small", "node_count": 2, "steps": 90, "step_time_s": 1.0}],  # n0004, n0005
+        "faults": list(faults)}))  # n0006, n0007 idle
+
+
+def test_several_jobs_each_on_its_own_nodes_keyed_by_job() -> None:
+    from kafka.partitioner.default import murmur2  # what the producer's default partitioner hashes
+
+    sim = _jobs_sim()
+    ticks = list(sim.run())
+    assert all(a.ts <= b.ts for a, b in zip(ticks, ticks[1:], strict=False))  # one stream in event time
+    batches = [b for t in ticks for b in t.batches]
+    assert {b.job for b in batches} == {"big", "small"}
+    for job, nodes, steps, world in (("big", {"n0000", "n0001", "n0002", "n0003"}, 60, 16),
+                                     ("small", {"n0004", "n0005"}, 90, 8)):
+        mine = [b for b in batches if b.job == job]
+        assert {b.node for b in mine} == nodes and len({b.step for b in mine}) == steps
+        assert sorted({int(r) for b in mine for r in b.ranks}) == list(range(world))  # ranks from 0 in each job
+        # fh.steps is keyed by job: every batch of a job lands on one partition of the topic
+        assert {b.key for b in mine} == {job} and {b.TOPIC.value for b in mine} == {"fh.steps"}
+        assert len({(murmur2(b.key.encode()) & 0x7FFFFFFF) % 4 for b in mine}) == 1
+        life = [e for t in ticks for e in t.events if e.job == job and e.kind in (EventKind.JOB_START,
+                                                                                   EventKind.JOB_EXIT)]
+        first = min(nodes)
+        assert [(e.kind, e.node, e.rank) for e in life] == [(EventKind.JOB_START, first, 0),
+                                                            (EventKind.JOB_EXIT, first, 0)]
+        assert life[0].data["world"] == world and set(life[0].data["placement"]) == nodes
+        assert life[1].data["status"] == "completed" and life[1].step == steps - 1
+    # every node reports telemetry; the idle ones only telemetry, at idle levels, every shortest step
+    idle = [t for t in ticks if t.job is None]
+    assert len(idle) == sim.scenario.idle_ticks == 120 and not any(t.batches for t in idle)
+    assert {tel.node for t in ticks for tel in t.telemetry} == {f"n{i:04d}" for i in range(8)}
+    idle_tel = [tel for t in idle for tel in t.telemetry]
+    assert {tel.node for tel in idle_tel} == {"n0006", "n0007"}
+    assert max(float(tel.columns["util_pct"].max()) for tel in idle_tel) == 0.0
+    busy_tel = next(tel for t in ticks if t.job == "big" for tel in t.telemetry)
+    assert float(busy_tel.columns["util_pct"].min()) > 80
+    with pytest.raises(TypeError, match="sim.jobs"):
+        sim.step(0)
+    assert sim.sim_of("n0005") is sim.jobs["small"] and sim.sim_of("n0007").idle and _sim().sim_of("n0001").jobs == {}
+    np.testing.assert_array_equal(sim.jobs["small"].step(7).batches[1].compute_s,
+                                  next(t for t in ticks if t.job == "small" and t.step == 7).batches[1].compute_s)
+
+
+def test_a_fault_belongs_to_the_job_on_its_node() -> None:
+    """A hang stalls only its own job; a straggler slows its own job's ranks; an idle node's Xid has no job."""
+    quiet = _jobs_sim()
+    sim = _jobs_sim({"kind": "hang", "node": "n0005", "step": 30, "duration_s": 60, "restart_s": 30},
+                    {"kind": "thermal_straggler", "node": "n0002", "gpu": 1, "start_step": 20},
+                    {"kind": "xid", "node": "n0007", "gpu": 3, "step": 50, "code": 48})
+    small, big = sim.jobs["small"], sim.jobs["big"]
+    assert small.step_ts(31) - small.step_ts(30) > 90
+    assert big.step_ts(19) == quiet.jobs["big"].step_ts(19)  # the other job's hang does not stop this one
+    assert "n0005" not in {b.node for b in small.step(30).batches}
+    compute = _node(big.step(40).batches, "n0002").compute_s
+    assert compute[1] / np.median(compute) > 1.12
+    assert _node(small.step(40).batches, "n0004").compute_s.max() < 1.0  # untouched
+    ticks = list(sim.run())
+    events = [e for t in ticks for e in t.events]
+    hangs = {(e.job, e.node) for e in events if e.kind is EventKind.HANG_REPORT}
+    assert hangs == {("small", "n0005"), ("small", "n0004")}  # the hung node and the job's rank 0
+    exits = [(e.job, e.data["status"]) for e in events if e.kind is EventKind.JOB_EXIT]
+    assert sorted(exits) == [("big", "completed"), ("small", "completed"), ("small", "failed")]
+    xid = [e for e in events if e.kind is EventKind.XID]
+    assert [(e.node, e.job, e.code) for e in xid] == [("n0007", None, 48)]
+    assert xid[0].ts == pytest.approx(sim.scenario.start_ts + 51 * sim.scenario.idle_interval_s)
+
+
+def test_a_one_job_scenario_is_unchanged_by_the_jobs_form() -> None:
+    one = _sim({"kind": "thermal_straggler", "node": "n0003", "gpu": 1, "start_step": 10}, steps=40)
+    same = FleetSim(Scenario.from_obj({"seed": 11, "fleet": {"racks": 2, "nodes_per_rack": 4, "gpus_per_node": 4},
+                                       "jobs": [{"id": "train-1", "node_count": 8, "steps": 40}],
+                                       "faults": [{"kind": "thermal_straggler", "node": "n0003", "gpu": 1,
+                                                   "start_step": 10}]}))
+    assert one.jobs == {} and [t.job for t in one.run()] == [None] * 40
+    a, b = one.step(20), same.jobs["train-1"].step(20)
+    assert a.ts == b.ts and [x.node for x in a.batches] == [x.node for x in b.batches]
+    # the same GPUs (base levels drawn for the whole fleet), their own noise stream
+    assert abs(np.median(a.telemetry[2].columns["temp_c"]) - np.median(b.telemetry[2].columns["temp_c"])) < 1.0
+    assert a.telemetry[2].uuid == b.telemetry[2].uuid

@@ -1,0 +1,95 @@
+"""``fleethealth demo`` on the shipped four-job scenario: 64 nodes, four jobs of different sizes and
+step times, eight idle nodes, faults spread over them — each found with the right kind, diagnosis
+and job, no healthy node flagged, and each stop derived for its own job only.
+
+The real path, as a user runs it: the demo in a subprocess with the Tansu broker and a chDB store.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import orjson
+import pytest
+
+from fleethealth.sim import Scenario
+
+
+@pytest.mark.slow
+def test_four_jobs_on_64_nodes_every_fault_found_on_its_job(tmp_path: Path) -> None:
+    with resources.as_file(resources.files("fleethealth.scenarios") / "multi_job.yaml") as path:
+        scenario = Scenario.load(path)
+        run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--scenario", str(path),
+                              "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data")],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert orjson.loads(run.stdout)["dead_letters"] == 0
+    assert scenario.fleet.nodes == 64 and len(scenario.jobs) == 4 and len(scenario.idle_nodes) == 8
+
+    card = orjson.loads((tmp_path / "out" / "scorecard.json").read_bytes())
+    assert card["injected"] == len(scenario.faults) == card["found"] == card["correct"], card
+    assert card["healthy_flagged"] == []
+    assert [(f["fault"], f["where"], f["job"]) for f in card["faults"]] == [
+        (f.kind, f["node"], f.job) for f in scenario.faults]
+
+    findings = [orjson.loads(line) for line in (tmp_path / "out" / "findings.jsonl").read_text().splitlines()]
+
+    def found(node: str) -> set[tuple[str, str | None, str | None]]:
+        return {(f["kind"], f["diagnosis"], f["job"]) for f in findings if f["node"] == node}
+
+    assert found("n0010") == {("straggler", "NODE_THERMAL", "pretrain-a")}      # rank 41 of the 24-node job
+    assert [f["rank"] for f in findings if f["node"] == "n0010"] == [10 * 4 + 1]
+    assert found("n0030") == {("hang", None, "finetune-b")}
+    assert [f["rank"] for f in findings if f["kind"] == "hang"] == [(30 - 24) * 4]  # finetune-b starts at n0024
+    assert found("n0045") == {("xid", None, "eval-c")}
+    assert found("n0050") == {("straggler", "NETWORK_CONTENTION", "train-d")}
+    idle = found("n0062")                                                        # idle: node facts, no job
+    assert ("failure_risk", None, None) in idle and {job for _, _, job in idle} == {None}
+    faulty = {f["node"] for f in scenario.faults}
+    assert {f["node"] for f in findings} == faulty                               # no healthy node flagged
+    # the job-stage findings carry their job; the four jobs' stragglers were judged against their own peers
+    assert {f["job"] for f in findings if f["kind"] in ("straggler", "hang")} == {"pretrain-a", "finetune-b",
+                                                                                 "train-d"}
+
+    # the one stop, derived from finetune-b's own start / exit records; the other jobs ran through
+    query = subprocess.run([sys.executable, "-m", "fleethealth", "query", "--json", "--data", str(tmp_path / "data"),
+                            "SELECT job, node, step FROM events FINAL WHERE kind = 'interruption' ORDER BY ts"],
+                           capture_output=True, text=True, timeout=120)
+    assert query.returncode == 0, query.stderr
+    assert [orjson.loads(line) for line in query.stdout.splitlines()] == [
+        {"job": "finetune-b", "node": "n0030", "step": 70}]  # attributed to the hung node
+
+
+_JOBS = Scenario.from_obj({
+    "fleet": {"racks": 1, "nodes_per_rack": 4, "gpus_per_node": 2},
+    "jobs": [{"id": "a", "node_count": 2, "steps": 50, "step_time_s": 2.0},
+             {"id": "b", "node_count": 1, "steps": 50, "step_time_s": 0.5}],  # n0003 idle: ticks every 0.5 s
+    "faults": [{"kind": "hang", "node": "n0002", "step": 20},
+               {"kind": "xid", "node": "n0003", "gpu": 0, "step": 40, "code": 79}]}, name="jobs")
+
+
+def test_scorecard_wants_the_faults_own_job_and_counts_its_steps() -> None:
+    from fleethealth.report.scorecard import score
+    from fleethealth.schema import Finding, FindingKind
+
+    t0 = _JOBS.start_ts
+    other_job = Finding(kind=FindingKind.HANG, node="n0002", ts=t0 + 11.0, job="a", detector="hang")
+    card = score(_JOBS, [other_job], [])
+    assert not card.faults[0].found and card.faults[0].job == "b"      # a hang of another job is not this one
+    own = Finding(kind=FindingKind.HANG, node="n0002", ts=t0 + 0.5 * 23, job="b", detector="hang")
+    idle = Finding(kind=FindingKind.XID, node="n0003", ts=t0 + 0.5 * 41, detector="health.xid")
+    hang, xid = score(_JOBS, [other_job, own, idle], []).faults
+    assert (hang.found, hang.job, hang.step, hang.latency_steps) == (True, "b", 23, 3)   # b's 0.5 s steps
+    assert (xid.found, xid.job, xid.step, xid.latency_steps) == (True, None, 41, 1)      # the idle ticks
+
+
+def test_the_closed_loop_refuses_a_scenario_with_several_jobs(tmp_path: Path) -> None:
+    from fleethealth.demo import run_demo
+    from fleethealth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the closed loop weighs one job"):
+        run_demo(_JOBS, tmp_path / "out", tmp_path / "data", closed_loop=True)
+    assert not (tmp_path / "data").exists()  # refused before anything started
