@@ -54,7 +54,7 @@ class SimSource:
             raise ConfigError(f"sim source: node {node} sits in rack {sim_rack} of the simulated fleet, not {rack!r}")
         self.node = node
         self.rack = sim_rack
-        self.sim = sim
+        self.sim = sim.sim_of(node)  # with several jobs: the simulator of this node's job (or the idle nodes')
         self._steps: Iterator[Any] | None = None
         self._cycle = 0
         self._span = 0.0
@@ -89,5 +89,5 @@ class SimSource:
 
 def _job_span(sim: Any) -> float:
     """Event-time length of one run of the scenario's job (last step end − start + one step)."""
-    last = sim.scenario.job.steps - 1
-    return sim.step_ts(last) - sim.scenario.start_ts + sim.scenario.job.step_time_s
+    last = sim.job.steps - 1
+    return sim.step_ts(last) - sim.scenario.start_ts + sim.job.step_time_s

@@ -6,6 +6,8 @@ a detector's output: the detectors are tested on their own against the same sign
 
 from __future__ import annotations
 
+from importlib import resources
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,18 @@ def test_a_volta_fleet_retires_pages_and_remaps_no_rows() -> None:
     assert tel[0].model.startswith("Tesla V100")
     with pytest.raises(ConfigError, match="gpu_model"):
         Scenario.from_obj({**_SCENARIO, "fleet": {**_SCENARIO["fleet"], "gpu_model": "K80"}})
+
+
+def test_a_jobs_scenario_gives_each_node_its_own_jobs_steps_and_idle_nodes_telemetry_only() -> None:
+    with resources.as_file(resources.files("fleethealth.scenarios") / "multi_job.yaml") as path:
+        sim = FleetSim(Scenario.load(path))
+    jobs = {}
+    for node in ("n0000", "n0030", "n0063"):  # in pretrain-a, in finetune-b, idle
+        source = SimSource(node, sim=sim)
+        source.open()
+        samples = [source.sample(0.0) for _ in range(120)]
+        assert all(s.telemetry.node == node for s in samples)
+        ts = [s.telemetry.ts for s in samples]
+        assert all(b > a for a, b in zip(ts, ts[1:], strict=False))
+        jobs[node] = {b.job for s in samples for b in s.batches}
+    assert jobs == {"n0000": {"pretrain-a"}, "n0030": {"finetune-b"}, "n0063": set()}
