@@ -284,14 +284,16 @@ class NamedQueries:
         ``acked_at`` in epoch seconds."""
         self.insert("recommendations", {k: [v] for k, v in row.items()})
 
-    def node_summaries(self) -> list[dict[str, Any]]:
+    def node_summaries(self, *, source: str = "latest") -> list[dict[str, Any]]:
         """Per node with telemetry: ``rack``, ``gpus``, ``last_seen`` (s) and ``max_temp_c`` of the
-        latest sample of each GPU."""
+        latest sample of each GPU. ``source``: ``"latest"`` reads the latest-sample table
+        ``gpu_latest`` (009_gpu_latest.sql), ``"raw"`` scans every retained raw sample (the same
+        answer, slower by the retained rows per GPU; for comparison)."""
         return self.query(
             "SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, "
             f"{_dec('max(temp_c)')} AS max_temp_c "
-            f"FROM (SELECT node, gpu, any(rack) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
-            "FROM gpu_samples GROUP BY node, gpu) GROUP BY node").dicts()
+            f"FROM (SELECT node, gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
+            f"FROM {_latest_table(source)} GROUP BY node, gpu) GROUP BY node").dicts()
 
     def finding_counts_by_node(self) -> dict[str, int]:
         return dict(self.query("SELECT node, count() FROM findings FINAL GROUP BY node").rows)
@@ -322,16 +324,17 @@ class NamedQueries:
                              data=loads_lenient(r["data"])))
         return out
 
-    def node_gpu_latest(self, node: str) -> list[dict[str, Any]]:
+    def node_gpu_latest(self, node: str, *, source: str = "latest") -> list[dict[str, Any]]:
         """The latest sample of each GPU of ``node`` (``gpu``, ``rack``, ``last_ts`` and the health
-        fields the API shows), GPUs ascending."""
+        fields the API shows), GPUs ascending; ``source`` as :meth:`node_summaries`."""
         return self.query(
             f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, {_dec('argMax(temp_c, ts)')} AS temp_c, "
             f"{_dec('argMax(power_w, ts)')} AS power_w, {_dec('argMax(sm_clock_mhz, ts)')} AS sm_clock_mhz, "
             f"{_dec('argMax(util_pct, ts)')} AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
             "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, "
             f"{_dec('argMax(nvlink_links_up, ts)')} AS nvlink_links_up "
-            "FROM gpu_samples WHERE node = {node:String} GROUP BY gpu ORDER BY gpu", {"node": node}).dicts()
+            f"FROM {_latest_table(source)} WHERE node = {{node:String}} GROUP BY gpu ORDER BY gpu",
+            {"node": node}).dicts()
 
     def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]:
         """The ``limit`` most recent finding rows of ``node``, newest first (``evidence`` as JSON text)."""
@@ -621,6 +624,13 @@ _SPAN = ("ts >= fromUnixTimestamp64Milli(toInt64({since_ms:Int64})) "
          "AND ts < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
 _MINUTES = ("minute >= toStartOfMinute(fromUnixTimestamp64Milli(toInt64({since_ms:Int64}))) "
             "AND minute < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
+
+
+def _latest_table(source: str) -> str:
+    """Where the latest sample of each GPU is read: its own table, or every raw sample."""
+    if source not in ("latest", "raw"):
+        raise ConfigError(f"source must be 'latest' or 'raw', got {source!r}")
+    return "gpu_latest" if source == "latest" else "gpu_samples"
 
 
 def _span(since: float, until: float) -> dict[str, Any]:
