@@ -5,11 +5,13 @@
 -- on the sorting key's columns cannot be changed in place) and the old rows copied in:
 --
 -- * Codecs, in (job, step, rank) order: DoubleDelta for step (runs of one value, then +1) and for
---   ts (the step's end time, constant across its ranks), Delta for rank (+1 from row to row),
+--   ts (the step's end on each node, shared by the node's ranks), Delta for rank (+1 from row to row),
 --   ZSTD for gpu and rank_group. job and node stay LowCardinality.
--- * compute_s stays Float64 (with ZSTD): Float32 keeps 24 bits of mantissa, 0.5-1 µs of rounding
---   for steps of 8-32 s and more above, and the stored value would no longer be the value sent
---   (the store gives back what the detectors scored). bench/store_scale.py measures both.
+-- * compute_s stays Float64, with ZSTD(6) (compute times to the µs are noise in their low digits:
+--   Gorilla, FPC and Delta do no better). Float32 would halve it but keeps 24 bits of mantissa:
+--   0.12 µs of rounding at 1-2 s, 0.5-1 µs at 8-32 s, more above, and the stored value would no
+--   longer be the value sent (the store gives back what the detectors scored).
+--   bench/store_scale.py measures both.
 -- * Retention: rows are dropped RAW_RETENTION days after they were received (a new column, the
 --   arrival time; rows copied here count as received now), as gpu_samples is: 14 days, or the
 --   store DSN's ?raw_retention_days=N (fleethealth/store/migrations.py). Partitions are days of
@@ -28,7 +30,7 @@ CREATE TABLE rank_steps
     node LowCardinality(String),
     gpu UInt16 CODEC(ZSTD(1)),
     ts DateTime64(3, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
-    compute_s Float64 CODEC(ZSTD(3)) COMMENT 'pre-collective compute time of the step, seconds',
+    compute_s Float64 CODEC(ZSTD(6)) COMMENT 'pre-collective compute time of the step, seconds',
     rank_group Int32 CODEC(ZSTD(1)) COMMENT 'comparable-rank group (e.g. pipeline stage); -1 = none',
     received DateTime('UTC') DEFAULT now() CODEC(Delta, ZSTD(1)) COMMENT 'when the row was stored (retention)',
     INDEX node_idx node TYPE set(0) GRANULARITY 4

@@ -605,6 +605,26 @@ class NamedQueries:
         """Merge every part of ``table`` (``OPTIMIZE TABLE ... FINAL``): what compression gives at rest."""
         self.command(f"OPTIMIZE TABLE {_table_name(table)} FINAL")
 
+    def wide_parts(self, table: str) -> None:
+        """Store ``table``'s new parts column by column however small (``min_bytes_for_wide_part = 0``),
+        so :meth:`column_bytes` sizes every column: a small part is compact and has no per-column sizes."""
+        self.command(f"ALTER TABLE {_table_name(table)} MODIFY SETTING min_bytes_for_wide_part = 0")
+
+    def column_bytes_as(self, column_type: str, values: Any) -> int:
+        """Compressed bytes of ``values`` stored, in the order given, as one column of ``column_type``
+        (a type with its codec, e.g. ``Float32 CODEC(ZSTD(6))``): what another type would cost."""
+        if not _COLUMN_TYPE.fullmatch(column_type):
+            raise ConfigError(f"not a column type: {column_type!r}")
+        self.command("DROP TABLE IF EXISTS what_if_column")
+        self.command(f"CREATE TABLE what_if_column (v {column_type}) ENGINE = MergeTree ORDER BY tuple() "
+                     "SETTINGS min_bytes_for_wide_part = 0")
+        try:
+            self.insert("what_if_column", {"v": values})
+            self.optimize_final("what_if_column")
+            return sum(compressed for compressed, _ in self.column_bytes("what_if_column").values())
+        finally:
+            self.command("DROP TABLE IF EXISTS what_if_column")
+
     def column_bytes(self, table: str) -> dict[str, tuple[int, int]]:
         """``column -> (compressed, uncompressed bytes)`` of ``table``'s active parts."""
         res = self.query("SELECT name, data_compressed_bytes, data_uncompressed_bytes FROM system.columns "
@@ -617,6 +637,8 @@ class NamedQueries:
                          "AND table = {t:String} AND active", {"t": table})
         return int(res.rows[0][0] or 0) if res.rows else 0
 
+
+_COLUMN_TYPE = re.compile(r"[A-Za-z0-9_]+(\(\d+\))?( CODEC\([A-Za-z0-9_(), ]+\))?")
 
 ROLLUP_AFTER_S = 3600.0
 """Ranges of samples longer than this (seconds) are read from the 1-minute rollup ``gpu_samples_1m``."""

@@ -270,9 +270,20 @@ def test_an_old_store_backfills_gpu_latest_and_rank_steps_keep_their_rows(tmp_pa
 def test_rank_steps_have_codecs_and_a_retention(store: Store) -> None:
     codecs = _codecs(store, "rank_steps")
     assert codecs["step"] == "CODEC(DoubleDelta, ZSTD(1))" and codecs["rank"] == "CODEC(Delta(4), ZSTD(1))"
-    assert codecs["compute_s"] == "CODEC(ZSTD(3))" and codecs["ts"] == "CODEC(DoubleDelta, ZSTD(1))"
+    assert codecs["compute_s"] == "CODEC(ZSTD(6))" and codecs["ts"] == "CODEC(DoubleDelta, ZSTD(1))"
     ddl = _create(store, "rank_steps")
     assert "TTL received + toIntervalDay(14)" in ddl and "ttl_only_drop_parts = 1" in ddl
     assert "PARTITION BY toDate(ts)" in ddl and "`compute_s` Float64" in ddl
     assert "TTL received + toIntervalDay(14)" in _create(store, "gpu_latest")
     assert "ReplacingMergeTree(ts)" in _create(store, "gpu_latest")
+
+
+def test_storage_accounting_sizes_another_column_type_and_small_parts_by_column(store: Store, make_batches) -> None:
+    values = [1.0 + k / 1024 for k in range(4096)]
+    as64, as32 = (store.column_bytes_as(t, values) for t in ("Float64", "Float32 CODEC(ZSTD(6))"))
+    assert 0 < as32 < as64 and "what_if_column" not in _tables(store)
+    with pytest.raises(ConfigError, match="column type"):
+        store.column_bytes_as("Float32) ENGINE = Log; DROP TABLE rank_steps; --", values)
+    store.wide_parts("rank_steps")
+    store.insert_steps(make_batches())
+    assert all(compressed > 0 for compressed, _ in store.column_bytes("rank_steps").values())
