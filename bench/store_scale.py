@@ -18,7 +18,14 @@ Three stores, one after the other in this process (chDB opens one data path at a
    after ``OPTIMIZE ... FINAL`` the bytes of both tables and the rollup's bytes per GPU-minute;
 3. the three analyst queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes``: named queries
    of ``fleethealth/store/queries.py``) over the day through the rollup, over the 1 Hz hour on raw
-   samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each.
+   samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each;
+4. the API's latest readers (``node_summaries``, ``node_gpu_latest``) through the latest-sample
+   table ``gpu_latest`` (009) and, as the baseline, scanning every raw sample (``source="raw"``),
+   with the answers compared;
+5. ``rank_steps``: one job over every GPU (8 ranks a node), a step every ``--step-interval`` s for
+   the hour, compute times to the µs around a per-rank level with 2 % noise, into the 001 table
+   (baseline store) and the 010 table (codecs): bytes per rank-step after ``OPTIMIZE ... FINAL``,
+   and what compute_s would take as Float32 (a what-if column, not the schema).
 
 The default samples the day every 10 s (1,024 GPUs: 8.8 M rows; the 1 Hz day is 88 M rows, too
 heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollup's per-minute
@@ -185,8 +192,54 @@ def _queries(store: Store, since: float, until: float, source: str, repeat: int)
             "one_gpu_per_minute_s": round(one_s, 4), "one_gpu_minutes": len(one)}
 
 
+def rank_steps(gpus: int, seconds: float, interval: float, seed: int = 3) -> dict[str, Any]:
+    """``rank_steps`` columns of one job over ``gpus`` ranks, a step every ``interval`` s."""
+    rng = np.random.default_rng(seed)
+    steps = int(round(seconds / interval))
+    rank = np.arange(gpus)
+    node_of = rank // GPUS_PER_NODE
+    n_nodes = int(node_of.max()) + 1
+    base = rng.uniform(1.9, 2.1, gpus)
+    end = T0 + np.arange(steps) * interval
+    node_ts = end[:, None] + rng.integers(0, 20, size=(steps, n_nodes)) / 1000.0
+    compute = np.round(base[None, :] * rng.lognormal(0.0, 0.02, (steps, gpus)), 6)
+    return {"job": np.full(steps * gpus, "train-bench", dtype=object),
+            "step": np.repeat(np.arange(steps, dtype=np.uint64), gpus),
+            "rank": np.tile(rank.astype(np.uint32), steps),
+            "node": np.tile(np.array([f"n{i:05d}" for i in range(n_nodes)], dtype=object)[node_of], steps),
+            "gpu": np.tile((rank % GPUS_PER_NODE).astype(np.uint16), steps),
+            "ts": node_ts[:, node_of].reshape(-1), "compute_s": compute.reshape(-1),
+            "rank_group": np.full(steps * gpus, -1, dtype=np.int32)}
+
+
+def _rank_step_bytes(store: Store, steps: dict[str, Any]) -> dict[str, Any]:
+    # wide parts, as at fleet scale: a small part is compact and system.columns has no sizes for it
+    store.wide_parts("rank_steps")
+    rows = store.insert("rank_steps", steps)
+    store.optimize_final("rank_steps")
+    by_column = _bytes(store, "rank_steps")
+    return {"rows": rows, "bytes_per_rank_step": round(sum(by_column.values()) / rows, 3),
+            "bytes_per_rank_step_by_column": {k: round(v / rows, 3) for k, v in
+                                              sorted(by_column.items(), key=lambda kv: -kv[1])}}
+
+
+def _latest_readers(store: Store, node: str, repeat: int) -> dict[str, Any]:
+    """The latest readers through ``gpu_latest`` and scanning the raw samples, answers compared."""
+    out: dict[str, Any] = {"gpu_latest_rows": store.table_rows("gpu_latest"),
+                           "gpu_samples_rows": store.table_rows("gpu_samples")}
+    for name, fn in (("node_summaries", store.node_summaries),
+                     ("node_gpu_latest", lambda source: store.node_gpu_latest(node, source=source))):
+        latest_s, latest = _timed(lambda fn=fn: fn(source="latest"), repeat)
+        raw_s, raw = _timed(lambda fn=fn: fn(source="raw"), repeat)
+        key = (lambda r: r.get("node", r.get("gpu")))  # noqa: E731
+        out[name] = {"latest_s": round(latest_s, 4), "raw_s": round(raw_s, 4),
+                     "speedup": round(raw_s / max(latest_s, 1e-9), 1),
+                     "same_answer": repr(sorted(latest, key=key)) == repr(sorted(raw, key=key)), "rows": len(latest)}
+    return out
+
+
 def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
-        coarse: bool = False) -> dict[str, Any]:
+        coarse: bool = False, step_interval: float = 2.0) -> dict[str, Any]:
     hour = (T0 + hours * 3600.0, T0 + hours * 3600.0 + 3600.0)  # the 1 Hz hour, after the day
     # 1. baseline: migrations 001-006 only
     old = workdir / "migrations_006"
@@ -199,6 +252,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
         rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0))
         store.optimize_final("gpu_samples")
         base = _bytes(store, "gpu_samples")
+        steps_001 = _rank_step_bytes(store, rank_steps(gpus, 3600.0, step_interval))
     baseline = {"rows": rows, "insert_rows_per_s": round(rows / spent), "bytes_per_sample": sum(base.values()) / rows}
 
     # 2. every migration: the same hour at 1 Hz, then the day at the interval
@@ -234,8 +288,17 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "raw_1hz_hour": _queries(store, hour[0], hour[1], "raw", repeat),
             "raw_day": _queries(store, T0, T0 + hours * 3600.0, "raw", 1),
         }
-        # the API's fleet view: the latest sample of every GPU, read from every raw row retained
-        queries["api_node_summaries_s"] = round(_timed(store.node_summaries, 1)[0], 4)
+        # the API's latest readers: through gpu_latest (not merged by hand) and scanning every raw row
+        latest_readers = _latest_readers(store, "n00003", repeat)
+        steps = rank_steps(gpus, 3600.0, step_interval)
+        steps_010 = _rank_step_bytes(store, steps)
+        f32_bytes = store.column_bytes_as("Float32 CODEC(ZSTD(6))", steps["compute_s"].astype(np.float32)) \
+            / len(steps["compute_s"])  # in the table's (job, step, rank) order, as generated
+        f32_err = np.abs(steps["compute_s"].astype(np.float32).astype(np.float64) - steps["compute_s"])
+        steps_010["what_if_compute_s_float32"] = {
+            "bytes_per_rank_step": round(f32_bytes, 3),
+            "max_abs_error_us": round(float(f32_err.max()) * 1e6, 3),
+            "note": "Float32 keeps 24 bits: half an ulp is 0.12 us at 1-2 s, 0.48 us at 8-16 s, 0.95 us at 16-32 s"}
     slowest = max(v for q in ("rollup_day", "raw_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
                   and k != "span_s")
     return {
@@ -250,6 +313,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
         "baseline_006": {k: round(v, 3) if isinstance(v, float) else v for k, v in baseline.items()},
         "scaled_007": scaled,
         "queries": queries,
+        "latest_readers": latest_readers,
+        "rank_steps": {"conditions": {"ranks": gpus, "seconds": 3600.0, "step_interval_s": step_interval,
+                                      "compute_s_resolution_s": 1e-6},
+                       "baseline_001": steps_001, "scaled_010": steps_010,
+                       "bytes_ratio": round(steps_010["bytes_per_rank_step"] / steps_001["bytes_per_rank_step"], 3)},
         "ratios": {"bytes_per_sample_vs_baseline": round(per_sample / baseline["bytes_per_sample"], 3),
                    "insert_rate_vs_baseline": round(scaled["insert_rows_per_s_1hz"] / baseline["insert_rows_per_s"], 3),
                    "rollup_day_vs_raw_day_rack_query": round(queries["rollup_day"]["rack_temperature_per_minute_s"]
@@ -267,11 +335,13 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples over the day")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--step-interval", type=float, default=2.0, help="seconds between the rank-steps' steps")
     parser.add_argument("--coarse", action="store_true",
                         help="what-if: power to 0.1 W, energy to J, tensor activity and NIC utilisation to 1 %%")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
-        print(json.dumps(run(args.gpus, args.hours, args.interval, args.repeat, Path(tmp), args.coarse), indent=2))
+        print(json.dumps(run(args.gpus, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
+                                    args.step_interval), indent=2))
 
 
 if __name__ == "__main__":

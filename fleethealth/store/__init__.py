@@ -4,7 +4,7 @@
 
     open_store("chdb:///var/lib/fleethealth")   embedded chDB (ClickHouse's engine in-process)
     open_store("http://clickhouse:8123/db")     a ClickHouse server (https:// likewise)
-    open_store("http://ch:8123/db?cluster=fleet&raw_retention_days=30")   a cluster; raw samples kept 30 days
+    open_store("http://ch:8123/db?cluster=fleet&raw_retention_days=30")   a cluster; raw rows kept 30 days
 
 One concern a module:
 

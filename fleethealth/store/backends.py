@@ -7,7 +7,8 @@
 
 Two DSN options are the store's own, taken off the DSN before the client sees it:
 ``cluster=NAME`` (a server only: migrations run in their cluster form, :mod:`fleethealth.store.cluster`)
-and ``raw_retention_days=N`` (raw ``gpu_samples`` kept N days after arrival; default 14).
+and ``raw_retention_days=N`` (raw samples, the latest-sample table and rank-steps kept N days after
+arrival; default 14).
 
 Each factory imports clickhouse-connect lazily, so ``import fleethealth.store`` stays light; an
 unknown scheme raises :class:`ConfigError` listing the known ones.

@@ -8,8 +8,9 @@ run retries it. Running it twice changes nothing.
 On a store opened with ``?cluster=NAME`` every statement is rewritten for that cluster first
 (:mod:`fleethealth.store.cluster`: replicated local tables, Distributed tables under the names the
 application uses, ``ON CLUSTER``). On a store opened with ``?raw_retention_days=N`` the raw
-samples' retention (``gpu_samples`` TTL, 14 days as ``007_samples_at_scale.sql`` creates it) is
-set to N days after the files are applied, whenever it differs.
+rows' retention is set to N days after the files are applied, on each of :data:`RETAINED_TABLES`
+whose TTL differs (``gpu_samples``, its latest-sample table ``gpu_latest`` and ``rank_steps``:
+14 days as ``007``, ``009`` and ``010`` create them).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
 __all__ = ["Migration", "migration_files", "split_statements", "migrate", "statements", "raw_retention_days",
-           "DEFAULT_RAW_RETENTION_DAYS"]
+           "DEFAULT_RAW_RETENTION_DAYS", "RETAINED_TABLES"]
 
 DEFAULT_RAW_RETENTION_DAYS = 14
-"""How long raw ``gpu_samples`` rows are kept after they were received (``007_samples_at_scale.sql``)."""
+"""How long raw rows are kept after they were received (``007``, ``009``, ``010``)."""
+RETAINED_TABLES = ("gpu_samples", "gpu_latest", "rank_steps")
+"""The tables whose rows expire ``raw_retention_days`` after they were received."""
 _RETENTION = re.compile(r"TTL received \+ toIntervalDay\((\d+)\)")
 
 _MIGRATION_NAME = re.compile(r"^(\d{3})_[A-Za-z0-9_]+\.sql$")
@@ -148,9 +151,10 @@ def migrate(store: StoreLike, directory: str | os.PathLike[str] | None = None) -
     return done
 
 
-def raw_retention_days(store: StoreLike) -> int | None:
-    """The raw samples' retention in days as the store holds it (``None``: no TTL)."""
-    local = "gpu_samples" + (LOCAL_SUFFIX if getattr(store, "cluster", None) else "")
+def raw_retention_days(store: StoreLike, table: str = "gpu_samples") -> int | None:
+    """The retention in days of ``table`` (one of :data:`RETAINED_TABLES`) as the store holds it
+    (``None``: no TTL, or no such table)."""
+    local = table + (LOCAL_SUFFIX if getattr(store, "cluster", None) else "")
     rows = store.query("SELECT create_table_query FROM system.tables WHERE database = currentDatabase() "
                        "AND name = {t:String}", {"t": local}).rows
     found = _RETENTION.search(rows[0][0]) if rows else None
@@ -158,11 +162,14 @@ def raw_retention_days(store: StoreLike) -> int | None:
 
 
 def set_raw_retention(store: StoreLike, days: int) -> None:
-    """Keep raw ``gpu_samples`` rows ``days`` days after they were received (a no-op when already so)."""
+    """Keep the rows of every table of :data:`RETAINED_TABLES` the store has ``days`` days after
+    they were received (a no-op on a table already so)."""
     if isinstance(days, bool) or not isinstance(days, int) or days < 1:
         raise StoreError(f"raw retention must be a whole number of days >= 1, got {days!r}")
-    if raw_retention_days(store) == days:
-        return
     cluster = getattr(store, "cluster", None)
-    target = f"gpu_samples{LOCAL_SUFFIX} ON CLUSTER {cluster}" if cluster else "gpu_samples"
-    store.command(f"ALTER TABLE {target} MODIFY TTL received + INTERVAL {days} DAY")
+    for table in RETAINED_TABLES:
+        held = raw_retention_days(store, table)
+        if held is None or held == days:
+            continue  # no such table (an older schema), or already so
+        target = f"{table}{LOCAL_SUFFIX} ON CLUSTER {cluster}" if cluster else table
+        store.command(f"ALTER TABLE {target} MODIFY TTL received + INTERVAL {days} DAY")

@@ -284,14 +284,16 @@ class NamedQueries:
         ``acked_at`` in epoch seconds."""
         self.insert("recommendations", {k: [v] for k, v in row.items()})
 
-    def node_summaries(self) -> list[dict[str, Any]]:
+    def node_summaries(self, *, source: str = "latest") -> list[dict[str, Any]]:
         """Per node with telemetry: ``rack``, ``gpus``, ``last_seen`` (s) and ``max_temp_c`` of the
-        latest sample of each GPU."""
+        latest sample of each GPU. ``source``: ``"latest"`` reads the latest-sample table
+        ``gpu_latest`` (009_gpu_latest.sql), ``"raw"`` scans every retained raw sample (the same
+        answer, slower by the retained rows per GPU; for comparison)."""
         return self.query(
             "SELECT node, any(rack) AS rack, count() AS gpus, max(last_ts) AS last_seen, "
             f"{_dec('max(temp_c)')} AS max_temp_c "
-            f"FROM (SELECT node, gpu, any(rack) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
-            "FROM gpu_samples GROUP BY node, gpu) GROUP BY node").dicts()
+            f"FROM (SELECT node, gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, argMax(temp_c, ts) AS temp_c "
+            f"FROM {_latest_table(source)} GROUP BY node, gpu) GROUP BY node").dicts()
 
     def finding_counts_by_node(self) -> dict[str, int]:
         return dict(self.query("SELECT node, count() FROM findings FINAL GROUP BY node").rows)
@@ -322,16 +324,17 @@ class NamedQueries:
                              data=loads_lenient(r["data"])))
         return out
 
-    def node_gpu_latest(self, node: str) -> list[dict[str, Any]]:
+    def node_gpu_latest(self, node: str, *, source: str = "latest") -> list[dict[str, Any]]:
         """The latest sample of each GPU of ``node`` (``gpu``, ``rack``, ``last_ts`` and the health
-        fields the API shows), GPUs ascending."""
+        fields the API shows), GPUs ascending; ``source`` as :meth:`node_summaries`."""
         return self.query(
             f"SELECT gpu, argMax(rack, ts) AS rack, max({_TS}) AS last_ts, {_dec('argMax(temp_c, ts)')} AS temp_c, "
             f"{_dec('argMax(power_w, ts)')} AS power_w, {_dec('argMax(sm_clock_mhz, ts)')} AS sm_clock_mhz, "
             f"{_dec('argMax(util_pct, ts)')} AS util_pct, argMax(clock_reasons, ts) AS clock_reasons, "
             "argMax(ecc_dbe_volatile, ts) AS ecc_dbe_volatile, "
             f"{_dec('argMax(nvlink_links_up, ts)')} AS nvlink_links_up "
-            "FROM gpu_samples WHERE node = {node:String} GROUP BY gpu ORDER BY gpu", {"node": node}).dicts()
+            f"FROM {_latest_table(source)} WHERE node = {{node:String}} GROUP BY gpu ORDER BY gpu",
+            {"node": node}).dicts()
 
     def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]:
         """The ``limit`` most recent finding rows of ``node``, newest first (``evidence`` as JSON text)."""
@@ -602,6 +605,26 @@ class NamedQueries:
         """Merge every part of ``table`` (``OPTIMIZE TABLE ... FINAL``): what compression gives at rest."""
         self.command(f"OPTIMIZE TABLE {_table_name(table)} FINAL")
 
+    def wide_parts(self, table: str) -> None:
+        """Store ``table``'s new parts column by column however small (``min_bytes_for_wide_part = 0``),
+        so :meth:`column_bytes` sizes every column: a small part is compact and has no per-column sizes."""
+        self.command(f"ALTER TABLE {_table_name(table)} MODIFY SETTING min_bytes_for_wide_part = 0")
+
+    def column_bytes_as(self, column_type: str, values: Any) -> int:
+        """Compressed bytes of ``values`` stored, in the order given, as one column of ``column_type``
+        (a type with its codec, e.g. ``Float32 CODEC(ZSTD(6))``): what another type would cost."""
+        if not _COLUMN_TYPE.fullmatch(column_type):
+            raise ConfigError(f"not a column type: {column_type!r}")
+        self.command("DROP TABLE IF EXISTS what_if_column")
+        self.command(f"CREATE TABLE what_if_column (v {column_type}) ENGINE = MergeTree ORDER BY tuple() "
+                     "SETTINGS min_bytes_for_wide_part = 0")
+        try:
+            self.insert("what_if_column", {"v": values})
+            self.optimize_final("what_if_column")
+            return sum(compressed for compressed, _ in self.column_bytes("what_if_column").values())
+        finally:
+            self.command("DROP TABLE IF EXISTS what_if_column")
+
     def column_bytes(self, table: str) -> dict[str, tuple[int, int]]:
         """``column -> (compressed, uncompressed bytes)`` of ``table``'s active parts."""
         res = self.query("SELECT name, data_compressed_bytes, data_uncompressed_bytes FROM system.columns "
@@ -615,12 +638,21 @@ class NamedQueries:
         return int(res.rows[0][0] or 0) if res.rows else 0
 
 
+_COLUMN_TYPE = re.compile(r"[A-Za-z0-9_]+(\(\d+\))?( CODEC\([A-Za-z0-9_(), ]+\))?")
+
 ROLLUP_AFTER_S = 3600.0
 """Ranges of samples longer than this (seconds) are read from the 1-minute rollup ``gpu_samples_1m``."""
 _SPAN = ("ts >= fromUnixTimestamp64Milli(toInt64({since_ms:Int64})) "
          "AND ts < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
 _MINUTES = ("minute >= toStartOfMinute(fromUnixTimestamp64Milli(toInt64({since_ms:Int64}))) "
             "AND minute < fromUnixTimestamp64Milli(toInt64({until_ms:Int64}))")
+
+
+def _latest_table(source: str) -> str:
+    """Where the latest sample of each GPU is read: its own table, or every raw sample."""
+    if source not in ("latest", "raw"):
+        raise ConfigError(f"source must be 'latest' or 'raw', got {source!r}")
+    return "gpu_latest" if source == "latest" else "gpu_samples"
 
 
 def _span(since: float, until: float) -> dict[str, Any]:

@@ -77,7 +77,8 @@ def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_pat
         assert "gpu_samples_1m" not in _tables(store)
         assert _codecs(store, "gpu_samples")["temp_c"] == ""  # 001: plain Float64, no codec
         store.insert_telemetry(samples)
-        assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql"]
+        assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql", "009_gpu_latest.sql",
+                                  "010_rank_steps_at_scale.sql"]
         assert _codecs(store, "gpu_samples")["temp_c"] == "CODEC(Gorilla(4), ZSTD(1))"
         assert "gpu_samples_006" not in _tables(store)
         back = store.telemetry()
@@ -181,6 +182,10 @@ def test_every_migration_has_a_cluster_form_that_clickhouse_parses(store: Store)
     assert "ReplicatedAggregatingMergeTree" in text
     view = next(s for s in generated if s.startswith("CREATE MATERIALIZED VIEW"))
     assert "TO gpu_samples_1m_local" in view and "FROM gpu_samples_local" in view
+    latest = next(s for s in generated if s.startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS gpu_latest_mv"))
+    assert "TO gpu_latest_local" in latest and "FROM gpu_samples_local" in latest  # each shard: its own GPUs
+    assert "Distributed(fleet, currentDatabase(), gpu_latest_local, cityHash64(node))" in text
+    assert "'{replica}', ts)\nORDER BY (node, gpu)" in text  # the version column follows the replica
     # 006 renames recommendations: the Distributed table is re-created over the renamed local table
     assert "Distributed(fleet, currentDatabase(), recommendations_local, cityHash64(node))" in text
     formatted = store.query("SELECT formatQuery({s:String})", {"s": generated[1]}).rows[0][0]
@@ -203,3 +208,82 @@ def test_a_cluster_store_sends_the_cluster_form_and_unknown_statements_are_refus
     at_scale = next(m for m in migration_files() if m.name == "007_samples_at_scale.sql")
     assert split_statements(at_scale.sql)[0].startswith("RENAME TABLE gpu_samples")
     assert FLOAT32_FIELDS <= set(GPU_FIELDS) | {"nic_util"}  # the Float32 set names real fields
+
+
+# ---------------------------------------------------------------- the latest-sample table (009)
+def _one(node: str, ts: float, temp: float, rack: str = "r00", gpus: tuple[int, ...] = (0, 1)) -> Telemetry:
+    return Telemetry.from_columns(node, rack, ts, list(gpus), nic_util=0.5, model="H100",
+                                  temp_c=[temp + g for g in gpus], power_w=[300.5 + temp] * len(gpus),
+                                  sm_clock_mhz=[1980.0] * len(gpus), util_pct=[90.0] * len(gpus),
+                                  clock_reasons=[0.0] * len(gpus), ecc_dbe_volatile=[float(temp > 80)] * len(gpus),
+                                  nvlink_links_up=[18.0] * len(gpus))
+
+
+def test_the_latest_readers_read_gpu_latest_and_agree_with_the_raw_scan(store: Store) -> None:
+    # n0001's newest sample (81.5 °C at +1000 s) is stored first, an older one (+990 s) after it
+    store.insert_telemetry(_samples())
+    store.insert_telemetry([_one("n0001", T0 + 1000.0, 81.5, rack="r01")])
+    store.insert_telemetry([_one("n0001", T0 + 990.0, 40.0, rack="r01"), _one("n0002", T0 + 5.0, 50.0, gpus=(3,))])
+    for _merged in (False, True):  # before the merge, then after
+        summaries = sorted(store.node_summaries(), key=lambda r: r["node"])
+        assert summaries == sorted(store.node_summaries(source="raw"), key=lambda r: r["node"])
+        assert [(r["node"], r["rack"], r["gpus"], r["last_seen"], r["max_temp_c"]) for r in summaries] == [
+            ("n0000", "r00", 2, T0 + 160.0, 73.3), ("n0001", "r01", 2, T0 + 1000.0, 82.5),
+            ("n0002", "r00", 1, T0 + 5.0, 53.0)]
+        gpus = store.node_gpu_latest("n0001")
+        assert gpus == store.node_gpu_latest("n0001", source="raw")
+        assert [(g["gpu"], g["last_ts"], g["temp_c"], g["power_w"], g["ecc_dbe_volatile"]) for g in gpus] == [
+            (0, T0 + 1000.0, 81.5, 382.0, 1.0), (1, T0 + 1000.0, 82.5, 382.0, 1.0)]
+        assert repr(store.node_gpu_latest("n0000")) == repr(store.node_gpu_latest("n0000", source="raw"))  # nan
+        store.optimize_final("gpu_latest")
+    assert store.table_rows("gpu_latest") == 5  # one row per GPU once merged
+    assert store.node_gpu_latest("nowhere") == []
+    with pytest.raises(ConfigError, match="source"):
+        store.node_summaries(source="rollup")
+
+
+def test_an_old_store_backfills_gpu_latest_and_rank_steps_keep_their_rows(tmp_path: Path, make_batches) -> None:
+    old = tmp_path / "old_migrations"
+    old.mkdir()
+    for m in migration_files():
+        if m.version < 9:
+            (old / m.name).write_text(m.sql)
+    batches = make_batches(steps=4, nodes=2)
+    with open_store(f"chdb://{tmp_path}/store?raw_retention_days=21") as store:
+        store.migrate(old)
+        store.insert_telemetry(_samples() + [_one("n0001", T0 + 990.0, 40.0, rack="r01")])
+        store.insert_steps(batches)
+        raw = store.node_summaries(source="raw")
+        assert "gpu_latest" not in _tables(store)
+        assert store.migrate() == ["009_gpu_latest.sql", "010_rank_steps_at_scale.sql"]
+        assert store.node_summaries() == raw and store.table_rows("gpu_latest") == 4
+        back = store.steps("train-1")
+        assert [(b.step, b.node) for b in back] == [(b.step, b.node) for b in batches]
+        for got, sent in zip(back, batches, strict=True):
+            assert got.compute_s.tolist() == sent.compute_s.tolist()  # Float64: exactly what was sent
+            assert got.ranks.tolist() == sent.ranks.tolist() and got.ts == sent.ts
+        assert "rank_steps_009" not in _tables(store)
+        assert {t: raw_retention_days(store, t) for t in ("gpu_samples", "gpu_latest", "rank_steps")} == \
+            {"gpu_samples": 21, "gpu_latest": 21, "rank_steps": 21}
+
+
+def test_rank_steps_have_codecs_and_a_retention(store: Store) -> None:
+    codecs = _codecs(store, "rank_steps")
+    assert codecs["step"] == "CODEC(DoubleDelta, ZSTD(1))" and codecs["rank"] == "CODEC(Delta(4), ZSTD(1))"
+    assert codecs["compute_s"] == "CODEC(ZSTD(6))" and codecs["ts"] == "CODEC(DoubleDelta, ZSTD(1))"
+    ddl = _create(store, "rank_steps")
+    assert "TTL received + toIntervalDay(14)" in ddl and "ttl_only_drop_parts = 1" in ddl
+    assert "PARTITION BY toDate(ts)" in ddl and "`compute_s` Float64" in ddl
+    assert "TTL received + toIntervalDay(14)" in _create(store, "gpu_latest")
+    assert "ReplacingMergeTree(ts)" in _create(store, "gpu_latest")
+
+
+def test_storage_accounting_sizes_another_column_type_and_small_parts_by_column(store: Store, make_batches) -> None:
+    values = [1.0 + k / 1024 for k in range(4096)]
+    as64, as32 = (store.column_bytes_as(t, values) for t in ("Float64", "Float32 CODEC(ZSTD(6))"))
+    assert 0 < as32 < as64 and "what_if_column" not in _tables(store)
+    with pytest.raises(ConfigError, match="column type"):
+        store.column_bytes_as("Float32) ENGINE = Log; DROP TABLE rank_steps; --", values)
+    store.wide_parts("rank_steps")
+    store.insert_steps(make_batches())
+    assert all(compressed > 0 for compressed, _ in store.column_bytes("rank_steps").values())
