@@ -642,6 +642,51 @@ class StepBlock:
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
+        fast = cls._fast(obj)
+        return fast if fast is not None else cls._checked(obj)
+
+    @classmethod
+    def _fast(cls, obj: dict[str, Any]) -> Self | None:
+        """The block when every check passes in a few NumPy passes; None when any may fail (then
+        :meth:`_checked` names the field)."""
+        job, node, steps, ts = obj.get("job"), obj.get("node"), obj.get("steps"), obj.get("ts")
+        ranks, gpus, rows, groups = obj.get("ranks"), obj.get("gpus"), obj.get("compute_s"), obj.get("groups")
+        if type(job) is not str or not job or type(node) is not str or not node or groups is not None:
+            return None
+        if type(steps) is not list or type(ts) is not list or type(ranks) is not list or type(gpus) is not list \
+                or type(rows) is not list:
+            return None
+        s, r = len(steps), len(ranks)
+        if not 0 < s <= MAX_BLOCK_STEPS or r == 0 or len(ts) != s or len(gpus) != r or len(rows) != s:
+            return None
+        if any(type(row) is not list or len(row) != r for row in rows):
+            return None
+        if not set(map(type, itertools.chain(steps, ranks, gpus))) <= {int}:
+            return None
+        if not set(map(type, itertools.chain(ts, *rows))) <= {int, float}:
+            return None
+        try:
+            steps_a = np.array(steps, dtype=np.int64)
+            ranks_a = np.array(ranks, dtype=np.int64)
+            gpus_a = np.array(gpus, dtype=np.int64)
+        except OverflowError:
+            return None
+        ts_a = np.array(ts, dtype=np.float64)
+        compute = np.array(rows, dtype=np.float64)
+        if steps_a.min() < 0 or ranks_a.min() < 0 or ranks_a.max() > _I32.max or gpus_a.min() < 0 \
+                or gpus_a.max() > _I16_MAX:
+            return None
+        if not (np.isfinite(ts_a).all() and ts_a.min() >= 0.0 and ts_a.max() < MAX_TS):
+            return None
+        if not (np.isfinite(compute).all() and compute.min() >= 0.0 and compute.max() <= MAX_COMPUTE_S):
+            return None
+        if np.unique(steps_a).size != s or np.unique(ranks_a).size != r:
+            return None
+        return cls(job=job, node=node, steps=steps_a, step_ts=ts_a, ranks=ranks_a.astype(np.int32),
+                   gpus=gpus_a.astype(np.int16), compute_s=compute)
+
+    @classmethod
+    def _checked(cls, obj: dict[str, Any]) -> Self:
         steps = _array(obj, "steps", np.int64, minimum=0, maximum=_INT_MAX)
         if steps.size == 0:
             raise SchemaError("steps", "a step block needs at least one step")
@@ -919,8 +964,8 @@ def _decode_one(cls: type[_T], raw: bytes | str | dict[str, Any]) -> _T | Except
 
 def _step_shape_ok(obj: dict[str, Any]) -> bool:
     """The scalar fields of a step batch are valid and its arrays are lists of one length."""
-    if type(obj.get("v")) is not int or obj.get("v") != SCHEMA_VERSION:
-        return False
+    if type(obj.get("v")) is not int or obj.get("v") != SCHEMA_VERSION or "steps" in obj:
+        return False  # a step block (``steps``) is decoded alone
     job, node, step, ts = obj.get("job"), obj.get("node"), obj.get("step"), obj.get("ts")
     if type(job) is not str or not job or type(node) is not str or not node:
         return False
