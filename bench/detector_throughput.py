@@ -7,6 +7,9 @@ temporary directory, on the same generated step times (2 % lognormal jitter):
   consumed by :class:`fleethealth.detectors.runner.Runner` (event-time buffer, step assembly,
   straggler detector, hang detector, diagnosis, policy), written to ``rank_steps`` with
   deduplication tokens, offsets committed after the write;
+* **blocks** — the same runner on step blocks: ``--steps-per-message`` (10) consecutive steps of one
+  node's 8 ranks in one :class:`StepBlock` message (what a probe sends for a 10-steps/s job at
+  1 Hz), split into step batches by the consumer; on a broker and store of its own;
 * **naive** — one message per rank, processed row by row by a plain kafka-python consumer: each is
   decoded and validated on its own, scored in Python against the median and MAD of the previous
   step, and inserted in batches of ``--naive-batch`` rows; offsets committed after each poll.
@@ -18,11 +21,14 @@ not counted), and per wall second. Publishing happens before the timed part and 
 Prints one JSON object; ``targets``: one core keeps up with a 16,384-rank job at 10 steps/s
 (>= 163,840 samples per CPU second) and >= 10x the naive pipeline.
 
+``blocks_ratio_per_core`` is the block stream against the naive pipeline, ``blocks_over_runner_per_core``
+against the one-step stream; ``decode_us_per_message`` is per 8-rank node-step for each form.
+
 Each pipeline runs ``--repeat`` times, each time on a fresh broker and store, and the best run of
 each counts (the least CPU per sample: other load on the machine only ever slows a run down).
 
-    python bench/detector_throughput.py [--ranks 4096] [--steps 40] [--naive-steps 3] [--repeat 2]
-                                        [--profile FILE]
+    python bench/detector_throughput.py [--ranks 4096] [--steps 40] [--steps-per-message 10]
+                                        [--naive-steps 3] [--repeat 2] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--naive-steps", type=int, default=3, help="steps through the naive pipeline")
     parser.add_argument("--naive-batch", type=int, default=200, help="rows per insert in the naive pipeline")
     parser.add_argument("--repeat", type=int, default=2, help="runs of both pipelines; the best of each counts")
-    parser.add_argument("--profile", type=Path, help="write a cProfile of the runner's timed part here")
+    parser.add_argument("--profile", type=Path, help="write a cProfile of the block stream's timed part here")
     args = parser.parse_args(argv)
     if args.ranks < RANKS_PER_NODE or args.ranks % RANKS_PER_NODE:
         parser.error(f"--ranks must be a positive multiple of {RANKS_PER_NODE}")
