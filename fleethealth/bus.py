@@ -579,27 +579,38 @@ class Consumer:
                     out.append((None, tp, rec.offset + 1))
                 else:
                     skew = self._skew(msg, rec)
+                    if skew is None and isinstance(msg, schema.StepBlock):  # its earliest step, too
+                        skew = self._skew(msg, rec, float(msg.step_ts.min()))
                     if skew is not None:
                         self._dead_letter(rec, skew)
                         out.append((None, tp, rec.offset + 1))
                         continue
+                    if isinstance(msg, schema.StepBlock):
+                        # one record per step, all at the block's offset; only the last one moves
+                        # the position past it, so a poll that stops inside a block commits none of it
+                        parts = msg.split()
+                        out.extend((Record(rec.topic, rec.partition, rec.offset, rec.key, part), tp,
+                                    rec.offset + 1 if k == len(parts) - 1 else rec.offset)
+                                   for k, part in enumerate(parts))
+                        continue
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
 
-    def _skew(self, msg: Message | DeadLetter, rec: Any) -> str | None:
-        """Why ``msg``'s event time is out of bounds against the record timestamp, or None."""
+    def _skew(self, msg: Message | DeadLetter, rec: Any, ts: float | None = None) -> str | None:
+        """Why ``msg``'s event time (or ``ts``) is out of bounds against the record timestamp, or None."""
         if (self.max_ahead_s is None and self.max_behind_s is None) or isinstance(msg, DeadLetter):
             return None
         stamp = getattr(rec, "timestamp", None)
         if not isinstance(stamp, int) or stamp < 0:
             return None  # no record timestamp to bound against
         broker = stamp / 1000.0
-        ahead = msg.ts - broker
+        event = msg.ts if ts is None else ts
+        ahead = event - broker
         if self.max_ahead_s is not None and ahead > self.max_ahead_s:
-            return (f"ts: event time {msg.ts:.3f} is {ahead:.0f} s ahead of the record timestamp {broker:.3f} "
+            return (f"ts: event time {event:.3f} is {ahead:.0f} s ahead of the record timestamp {broker:.3f} "
                     f"(max_ahead_s={self.max_ahead_s:g})")
         if self.max_behind_s is not None and -ahead > self.max_behind_s:
-            return (f"ts: event time {msg.ts:.3f} is {-ahead:.0f} s behind the record timestamp {broker:.3f} "
+            return (f"ts: event time {event:.3f} is {-ahead:.0f} s behind the record timestamp {broker:.3f} "
                     f"(max_behind_s={self.max_behind_s:g})")
         return None
 

@@ -370,6 +370,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
         env="FLEETHEALTH_LOG_FORMAT"),
     Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
     Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
+    Key("probe.steps_per_message", "int", 100, "most steps of one job completed in an interval that one fh.steps "
+        "message carries (1: one message per step)"),
     Key("probe.ensure_topics", "bool", False, "create the fh.* topics on every (re)connect"),
     Key("probe.duration_s", "float", None, "stop after this many seconds", optional=True),
 )

@@ -53,6 +53,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="a source call slower than this is reported as telemetry_stalled")
     add_setting(p, "--step-timeout", "probe.step_timeout_s", type=float, metavar="S",
                 help="how long a step batch waits for the node's slower ranks")
+    add_setting(p, "--steps-per-message", "probe.steps_per_message", type=int, metavar="N",
+                help="most steps of a job completed in one interval that one fh.steps message carries "
+                     "(1: one message per step)")
     add_setting(p, "--ensure-topics", "probe.ensure_topics", store_true=True,
                 help="create the fh.* topics on every (re)connect (a broker that forgets them on restart)")
     add_setting(p, "--duration", "probe.duration_s", type=float, metavar="S", help="stop after S seconds")
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                          socket_path=None if s["probe.no_socket"] else s["probe.socket"],
                          spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),
                          metrics_port=s["probe.metrics_port"] or None, stall_timeout_s=s["probe.stall_timeout_s"],
-                         step_timeout_s=s["probe.step_timeout_s"],
+                         step_timeout_s=s["probe.step_timeout_s"], steps_per_message=s["probe.steps_per_message"],
                          nic_root=None if s["probe.no_nic"] else s["probe.sysfs_root"],
                          dcgm_exporter_compat=s["probe.dcgm_exporter_compat"])
     on_connect = None

@@ -22,20 +22,69 @@ Garbage (not JSON, wrong fields, out-of-range ranks, GPUs or steps, a schema-inv
 counted and dropped; nothing here raises on input: a datagram whose handling fails for any other
 reason is counted as garbage too. Datagrams for a step already emitted are counted as ``late`` and dropped.
 Memory is bounded: at most ``max_open`` steps wait at once (the oldest is emitted early).
+
+:func:`pack` turns the batches of one drain (one probe interval) into as few messages as it can: one
+:class:`fleethealth.schema.StepBlock` per job and rank set, at most ``max_steps`` steps and
+``MAX_MESSAGE_BYTES`` each (a block over the size is split in halves); a lone step stays a batch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fleethealth.errors import SchemaError
-from fleethealth.schema import MAX_COMPUTE_S, SCHEMA_VERSION, Event, StepBatch, decode
+from fleethealth.schema import (
+    MAX_BLOCK_STEPS,
+    MAX_COMPUTE_S,
+    MAX_MESSAGE_BYTES,
+    SCHEMA_VERSION,
+    Event,
+    StepBatch,
+    StepBlock,
+    decode,
+    encode,
+)
 from fleethealth.wire import WireMessage, parse
 
-__all__ = ["StepAggregator", "Drained", "AggregatorStats"]
+__all__ = ["StepAggregator", "Drained", "AggregatorStats", "pack"]
+
+
+def pack(batches: Sequence[StepBatch], max_steps: int = 100, *,
+         max_bytes: int = MAX_MESSAGE_BYTES) -> list[StepBatch | StepBlock]:
+    """The messages that carry ``batches``: per (job, node, ranks, GPUs, groups), in order of first
+    appearance, blocks of at most ``max_steps`` steps (``1``: the batches unchanged) whose encoding
+    fits ``max_bytes``; a block of one step is sent as its batch."""
+    if not 1 <= max_steps <= MAX_BLOCK_STEPS:
+        raise ValueError(f"max_steps must be within 1..{MAX_BLOCK_STEPS}, got {max_steps}")
+    if max_steps == 1:
+        return list(batches)
+    runs: dict[tuple, list[StepBatch]] = {}
+    for b in batches:
+        shape = (b.job, b.node, b.ranks.tobytes(), b.gpus.tobytes(), None if b.groups is None else b.groups.tobytes())
+        run = runs.setdefault(shape, [])
+        if any(x.step == b.step for x in run):  # one step twice (re-emitted late): its own run
+            runs.setdefault((*shape, len(runs)), []).append(b)
+        else:
+            run.append(b)
+    out: list[StepBatch | StepBlock] = []
+    for run in runs.values():
+        for lo in range(0, len(run), max_steps):
+            out.extend(_fit(run[lo:lo + max_steps], max_bytes))
+    return out
+
+
+def _fit(run: Sequence[StepBatch], max_bytes: int) -> list[StepBatch | StepBlock]:
+    if len(run) == 1:
+        return [run[0]]
+    block = StepBlock.of(run)
+    if len(encode(block)) <= max_bytes:
+        return [block]
+    half = len(run) // 2
+    return [*_fit(run[:half], max_bytes), *_fit(run[half:], max_bytes)]
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleethealth.errors import ConfigError
-from fleethealth.probe.aggregator import StepAggregator
+from fleethealth.probe.aggregator import StepAggregator, pack
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.logs import LOGGER, ProbeWatch
 from fleethealth.probe.metrics import DEFAULT_PORT, ProbeHealth, ProbeMetrics
 from fleethealth.probe.nic import NicReader
 from fleethealth.probe.sources import Source, StallGuard
 from fleethealth.probe.spool import DEFAULT_MAX_BYTES, Spool
-from fleethealth.schema import Event, EventKind, Message, Telemetry
+from fleethealth.schema import MAX_BLOCK_STEPS, Event, EventKind, Message, Telemetry
 from fleethealth.wire import DEFAULT_SOCKET, MAX_DATAGRAM
 
 __all__ = ["Probe", "ProbeConfig", "TickReport", "DatagramListener", "make_source"]
@@ -61,8 +61,11 @@ class ProbeConfig:
 
     ``socket_path=None`` runs without the in-job socket; ``metrics_port=None`` without /metrics.
     ``stall_timeout_s`` bounds one source call; ``step_timeout_s`` is how long a step batch waits
-    for the node's slower ranks. ``nic_root`` is the file-system root whose ``sys/class`` the NIC
-    counters are read from (``None``: no NIC reading); ``dcgm_exporter_compat`` serves dcgm-exporter's
+    for the node's slower ranks; ``steps_per_message`` is how many of the steps completed in one
+    interval (per job) one ``fh.steps`` message may carry (a :class:`~fleethealth.schema.StepBlock`;
+    ``1``: one :class:`~fleethealth.schema.StepBatch` per step, as before blocks existed). ``nic_root``
+    is the file-system root whose ``sys/class`` the NIC counters are read from (``None``: no NIC
+    reading); ``dcgm_exporter_compat`` serves dcgm-exporter's
     ``DCGM_FI_*`` names and labels instead of the probe's own; ``warn_every_s`` rate-limits the
     repeated warnings.
     """
@@ -77,6 +80,7 @@ class ProbeConfig:
     metrics_addr: str = "0.0.0.0"
     stall_timeout_s: float = 5.0
     step_timeout_s: float = 5.0
+    steps_per_message: int = 100
     nic_root: str | None = None
     dcgm_exporter_compat: bool = False
     warn_every_s: float = 60.0
@@ -88,6 +92,9 @@ class ProbeConfig:
             raise ConfigError(f"probe: --interval must be > 0 seconds, got {self.interval_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"probe: --metrics-port {self.metrics_port} is not a TCP port")
+        if not 1 <= self.steps_per_message <= MAX_BLOCK_STEPS:
+            raise ConfigError(f"probe: --steps-per-message must be within 1..{MAX_BLOCK_STEPS}, "
+                              f"got {self.steps_per_message}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +323,7 @@ class Probe:
     def _drain(self) -> int:
         with self._agg_lock:
             drained = self.aggregator.drain(self._monotonic())
-        for batch in drained.batches:
+        for batch in pack(drained.batches, self.config.steps_per_message):
             self._submit(batch)
         for event in drained.events:
             self._submit_event(event)

@@ -250,3 +250,55 @@ def test_from_columns_rejects_unknown_fields() -> None:
 def test_schema_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         schema.decode(StepBatch, b"{}")
+
+
+# ---------------------------------------------------------------------------------------- step blocks
+def _block(steps: int = 3, ranks: int = 4, groups: bool = False) -> schema.StepBlock:
+    r = np.arange(8, 8 + ranks, dtype=np.int32)
+    return schema.StepBlock.of([StepBatch(job="j", step=10 + k, node="n0001", ts=1000.0 + 0.1 * k, ranks=r,
+                                          gpus=(r % 8).astype(np.int16), compute_s=0.5 + 0.01 * k + 0.001 * r,
+                                          groups=(r % 2).astype(np.int32) if groups else None)
+                                for k in range(steps)])
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_a_step_block_round_trips_and_splits_into_its_batches(groups: bool) -> None:
+    block = _block(groups=groups)
+    back = schema.decode(StepBatch, schema.encode(block))  # fh.steps: both forms, one decoder
+    assert isinstance(back, schema.StepBlock) and back.key == "j" and back.ts == pytest.approx(1000.2)
+    assert back.steps.tolist() == [10, 11, 12] and back.compute_s.shape == (3, 4)
+    assert back.ranks.dtype == np.int32 and back.gpus.dtype == np.int16
+    for a, b in zip(back.split(), block.split(), strict=True):
+        assert (a.job, a.step, a.node, a.ts) == (b.job, b.step, b.node, b.ts)
+        assert a.ranks.tolist() == b.ranks.tolist() and a.compute_s.tolist() == b.compute_s.tolist()
+        assert (a.groups is None) == (not groups)
+    # the bulk decoder gives the same block, beside one-step batches it still decodes columnar
+    one = block.split()[0]
+    got = schema.decode_many(StepBatch, [schema.encode(block), schema.encode(one)])
+    assert isinstance(got[0], schema.StepBlock) and got[0].steps.tolist() == [10, 11, 12]
+    assert isinstance(got[1], StepBatch) and got[1].step == 10
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda o: o["compute_s"][1].__setitem__(2, -1.0), "compute_s"),
+    (lambda o: o["compute_s"][2].__setitem__(0, "0.5"), "compute_s"),
+    (lambda o: o["compute_s"].pop(), "compute_s"),
+    (lambda o: o["compute_s"][0].pop(), "compute_s"),
+    (lambda o: o["compute_s"][0].__setitem__(1, MAX_COMPUTE_S * 2), "compute_s"),
+    (lambda o: o["steps"].__setitem__(1, 10), "steps"),
+    (lambda o: o["steps"].__setitem__(1, -3), "steps"),
+    (lambda o: o.__setitem__("steps", []), "steps"),
+    (lambda o: o["ts"].pop(), "ts"),
+    (lambda o: o["ts"].__setitem__(0, 5e9), "ts"),
+    (lambda o: o["ranks"].__setitem__(1, 8), "ranks"),
+    (lambda o: o["gpus"].__setitem__(0, 40_000), "gpus"),
+    (lambda o: o.__setitem__("node", ""), "node"),
+])
+def test_a_step_block_with_one_bad_value_is_rejected_whole_naming_the_field(change, field: str) -> None:
+    obj = orjson.loads(schema.encode(_block()))
+    change(obj)
+    with pytest.raises(SchemaError) as err:
+        schema.decode(StepBatch, orjson.dumps(obj))
+    assert err.value.field == field
+    [got] = schema.decode_many(StepBatch, [orjson.dumps(obj)])
+    assert isinstance(got, SchemaError) and got.field == field

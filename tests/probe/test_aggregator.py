@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pytest
 
-from fleethealth.probe.aggregator import StepAggregator
-from fleethealth.schema import EventKind, StepBatch, decode, encode
+from fleethealth.probe.aggregator import StepAggregator, pack
+from fleethealth.schema import MAX_MESSAGE_BYTES, EventKind, StepBatch, StepBlock, decode, encode
 from fleethealth.wire import WireMessage
 
 
@@ -222,3 +223,41 @@ def test_a_mark_lost_once_is_learnt_again_from_the_next_late_mark() -> None:
     assert agg.drain(13.0).batches == ()           # held for rank 1's mark again
     agg.feed(_p("j", 1, 3, 63.5), 13.1)
     assert agg.drain(13.1).batches[0].ts == 63.5
+
+
+# ---------------------------------------------------------------------------------------- packing
+def _batches(job: str, node: str, steps: range, ranks: int = 8, first_rank: int = 0) -> list[StepBatch]:
+    r = np.arange(first_rank, first_rank + ranks, dtype=np.int32)
+    rng = np.random.default_rng(3)  # measured times: full-length decimals on the wire
+    return [StepBatch(job=job, step=k, node=node, ts=100.0 + 0.1 * k, ranks=r, gpus=(r % 8).astype(np.int16),
+                      compute_s=0.5 + 0.01 * rng.random(ranks)) for k in steps]
+
+
+def test_an_interval_of_steps_is_packed_into_one_message_per_job() -> None:
+    """One drain of a 10-steps/s job and a second job: one block each, every step in it once; a step
+    whose rank set differs (a rank missing at the timeout) goes apart; ``max_steps`` caps a block."""
+    partial = StepBatch(job="a", step=10, node="n0001", ts=101.0, ranks=np.arange(7, dtype=np.int32),
+                        gpus=np.arange(7, dtype=np.int16), compute_s=np.full(7, 0.5))
+    batches = [*_batches("a", "n0001", range(10)), *_batches("b", "n0001", range(3), 2), partial]
+    out = pack(batches, 100)
+    assert [type(m).__name__ for m in out] == ["StepBlock", "StepBlock", "StepBatch"]
+    assert out[0].steps.tolist() == list(range(10)) and out[1].job == "b" and out[2] is partial
+    split = [b for m in out for b in (m.split() if isinstance(m, StepBlock) else [m])]
+    assert sorted((b.job, b.step) for b in split) == sorted((b.job, b.step) for b in batches)
+    assert [len(m.steps) for m in pack(batches[:10], 4)] == [4, 4, 2]
+    assert pack(batches, 1) == batches  # packing off: one message per step, as before
+    with pytest.raises(ValueError):
+        pack(batches, 0)
+
+
+def test_a_block_over_the_message_cap_is_split_until_each_part_fits() -> None:
+    batches = _batches("big", "n0001", range(64), ranks=512)
+    whole = len(encode(StepBlock.of(batches)))
+    cap = whole // 5
+    out = pack(batches, 100, max_bytes=cap)
+    assert len(out) > 1 and all(len(encode(m)) <= cap for m in out)
+    assert [s for m in out for s in m.steps.tolist()] == list(range(64))
+    # the real cap holds for a default-sized interval of a large node
+    out = pack(_batches("big", "n0001", range(100), ranks=512), 100)
+    assert all(len(encode(m)) <= MAX_MESSAGE_BYTES for m in out) and len(out) > 1
+    assert all(isinstance(decode(StepBatch, encode(m)), StepBlock) for m in out)

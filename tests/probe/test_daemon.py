@@ -19,7 +19,7 @@ from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.nvml import NvmlSource
 from fleethealth.probe.recorded import NvmlReplay
 from fleethealth.probe.spool import Spool
-from fleethealth.schema import TOPIC_TYPES, Event, EventKind, StepBatch, Telemetry, Topic, decode
+from fleethealth.schema import TOPIC_TYPES, Event, EventKind, StepBatch, StepBlock, Telemetry, Topic, decode
 
 
 def _probe(tmp_path, source, *, socket_path=None, stall_timeout_s=5.0, step_timeout_s=5.0, **kwargs) -> Probe:
@@ -29,8 +29,13 @@ def _probe(tmp_path, source, *, socket_path=None, stall_timeout_s=5.0, step_time
     return Probe(source, config, delivery=delivery, **kwargs).open(background_delivery=False)
 
 
-def _spooled(probe: Probe) -> list[object]:
+def _messages(probe: Probe) -> list[object]:
     return [decode(TOPIC_TYPES[Topic(r.topic)], r.value) for r in probe.delivery.spool.peek(100_000)]
+
+
+def _spooled(probe: Probe) -> list[object]:
+    """The spooled messages, each step block as its step batches."""
+    return [part for m in _messages(probe) for part in (m.split() if isinstance(m, StepBlock) else [m])]
 
 
 @pytest.fixture
@@ -127,6 +132,8 @@ def test_rank_datagrams_become_one_batch_per_step_and_garbage_is_counted(tmp_pat
             _wait_for(probe, datagrams=5 * (step + 1))
         probe.pump(time.monotonic() + 1.0)
         probe.tick(now=5.0)
+        blocks = [m for m in _messages(probe) if isinstance(m, StepBlock | StepBatch)]
+        assert len(blocks) == 1 and blocks[0].steps.tolist() == [0, 1, 2]  # one interval: one message
         batches = [m for m in _spooled(probe) if isinstance(m, StepBatch)]
         assert [b.step for b in batches] == [0, 1, 2]
         assert all(b.ranks.tolist() == [24, 25, 26, 27] and b.node == "n0003" for b in batches)
