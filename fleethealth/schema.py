@@ -539,6 +539,18 @@ class Telemetry:
                    pci_bus_id=tuple(bus))
 
 
+def _rank_columns(obj: dict[str, Any], what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A step record's ``ranks`` (at least one, distinct), ``gpus`` and optional ``groups``."""
+    ranks = _array(obj, "ranks", np.int32, minimum=0)
+    if ranks.size == 0:
+        raise SchemaError("ranks", f"a step {what} needs at least one rank")
+    if np.unique(ranks).size != ranks.size:
+        raise SchemaError("ranks", f"duplicate rank in one {what}")
+    gpus = _array(obj, "gpus", np.int16, length=ranks.size, minimum=0)
+    groups = _array(obj, "groups", np.int32, length=ranks.size) if obj.get("groups") is not None else None
+    return ranks, gpus, groups
+
+
 @dataclass(frozen=True, eq=False)
 class StepBatch:
     """Pre-collective compute times of one node's ranks for one step (topic ``fh.steps``, key job).
@@ -571,14 +583,8 @@ class StepBatch:
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any]) -> Self:
-        ranks = _array(obj, "ranks", np.int32, minimum=0)
-        if ranks.size == 0:
-            raise SchemaError("ranks", "a step batch needs at least one rank")
-        if np.unique(ranks).size != ranks.size:
-            raise SchemaError("ranks", "duplicate rank in one batch")
-        gpus = _array(obj, "gpus", np.int16, length=ranks.size, minimum=0)
+        ranks, gpus, groups = _rank_columns(obj, "batch")
         compute = _array(obj, "compute_s", np.float64, length=ranks.size, minimum=0.0, maximum=MAX_COMPUTE_S)
-        groups = _array(obj, "groups", np.int32, length=ranks.size) if obj.get("groups") is not None else None
         return cls(job=_str(obj, "job"), step=_int(obj, "step"), node=_str(obj, "node"), ts=_ts(obj),
                    ranks=ranks, gpus=gpus, compute_s=compute, groups=groups)
 
@@ -697,12 +703,7 @@ class StepBlock:
         step_ts = _array(obj, "ts", np.float64, length=steps.size, minimum=0.0)
         if step_ts.max() >= MAX_TS:
             raise SchemaError("ts", f"event time {step_ts.max()} is after 2100-01-01")
-        ranks = _array(obj, "ranks", np.int32, minimum=0)
-        if ranks.size == 0:
-            raise SchemaError("ranks", "a step block needs at least one rank")
-        if np.unique(ranks).size != ranks.size:
-            raise SchemaError("ranks", "duplicate rank in one block")
-        gpus = _array(obj, "gpus", np.int16, length=ranks.size, minimum=0)
+        ranks, gpus, groups = _rank_columns(obj, "block")
         rows = _req(obj, "compute_s")
         if type(rows) is not list or len(rows) != steps.size:
             raise SchemaError("compute_s", f"expected {steps.size} rows, one per step")
@@ -713,7 +714,6 @@ class StepBlock:
                                     maximum=MAX_COMPUTE_S)
             except SchemaError as exc:
                 raise SchemaError("compute_s", f"step {int(steps[k])}: {exc.problem}") from None
-        groups = _array(obj, "groups", np.int32, length=ranks.size) if obj.get("groups") is not None else None
         return cls(job=_str(obj, "job"), node=_str(obj, "node"), steps=steps, step_ts=step_ts, ranks=ranks,
                    gpus=gpus, compute_s=compute, groups=groups)
 
