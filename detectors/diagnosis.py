@@ -47,14 +47,13 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.nodestate import THROTTLE_BITS, NodeStates, StateRule, node_state
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_number
-from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, Telemetry
+from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, NodeState, Telemetry
 
-__all__ = ["DiagnosisThresholds", "DiagnosisResult", "diagnose_straggler", "Diagnoser", "RackEpisodes"]
-
-_THROTTLE_BITS = int(ClockReason.thermal() | ClockReason.HW_POWER_BRAKE)
-_NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+__all__ = ["DiagnosisThresholds", "DiagnosisResult", "diagnose_straggler", "diagnose_state", "Diagnoser",
+           "RackEpisodes"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,11 @@ class DiagnosisThresholds:
         check_number("rack_rise_c", self.rack_rise_c, above=0, owner=self)
         check_number("max_age_s", self.max_age_s, above=0, owner=self)
 
+    def state_rule(self, heartbeat_s: float = 5.0) -> StateRule:
+        """When a node state is republished, with these bands (see :mod:`fleethealth.detectors.nodestate`)."""
+        return StateRule(heartbeat_s=heartbeat_s, nvlink_errors_per_s=self.nvlink_errors_per_s,
+                         nic_util_band=self.nic_util_band, nic_xmit_wait_band=self.nic_xmit_wait_band)
+
 
 @dataclass(frozen=True)
 class DiagnosisResult:
@@ -102,81 +106,29 @@ def _num(x: float) -> float | None:
     return None if not math.isfinite(x) else round(float(x), 4)
 
 
-def _rows(sample: Telemetry, gpu: int | None) -> np.ndarray:
+def _rows(state: NodeState, gpu: int | None) -> np.ndarray:
     if gpu is None:
-        return np.ones(sample.gpu.shape, dtype=bool)
-    rows = sample.gpu == gpu
-    return rows if rows.any() else np.ones(sample.gpu.shape, dtype=bool)
+        return np.ones(state.gpu.shape, dtype=bool)
+    rows = state.gpu == gpu
+    return rows if rows.any() else np.ones(state.gpu.shape, dtype=bool)
 
 
-def _throttled(sample: Telemetry) -> np.ndarray:
-    bits = np.nan_to_num(sample.columns["clock_reasons"], nan=0.0).astype(np.int64)
-    return (bits & _THROTTLE_BITS) != 0
+def _throttled(state: NodeState) -> np.ndarray:
+    bits = np.nan_to_num(state.clock_reasons, nan=0.0).astype(np.int64)
+    return (bits & THROTTLE_BITS) != 0
 
 
-def _node_temp(sample: Telemetry) -> float:
-    temps = sample.columns["temp_c"]
+def _node_temp(state: NodeState) -> float:
+    temps = state.temp_c
     return float(np.nanmedian(temps)) if np.isfinite(temps).any() else math.nan
 
 
-def _over_limit(sample: Telemetry, default: float) -> float:
+def _over_limit(state: NodeState, default: float) -> float:
     """The node's median temperature minus its GPUs' median limit (NaN without temperatures)."""
-    temps = sample.columns["temp_c"]
+    temps = state.temp_c
     if not np.isfinite(temps).any():
         return math.nan
-    return float(np.nanmedian(temps) - np.median(sample.slowdown_limits(default)))
-
-
-def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
-    """NVLink error counters' growth per second over the node (NaN without a usable earlier sample)."""
-    if previous is None or previous.ts >= sample.ts or previous.gpu.shape != sample.gpu.shape:
-        return math.nan
-    total = 0.0
-    for name in _NVLINK_COUNTERS:
-        delta = np.nan_to_num(sample.columns[name] - previous.columns[name], nan=0.0)
-        total += float(np.clip(delta, 0.0, None).sum())  # a counter reset is not a negative rate
-    return total / (sample.ts - previous.ts)
-
-
-@dataclass(frozen=True)
-class _NicView:
-    """Per-port NIC figures between two samples (arrays over the ports present in both)."""
-
-    port: list[str]
-    util: np.ndarray
-    wait_share: np.ndarray
-    went_down: np.ndarray
-
-
-def _nic_view(sample: Telemetry, previous: Telemetry | None, bytes_per_tick: float) -> _NicView | None:
-    """Utilisation, credit-wait share and ports gone down between ``previous`` and ``sample``
-    (NaN where a counter is missing or stepped back, e.g. after a probe restart)."""
-    nic = sample.nic
-    if nic is None:
-        return None
-    before = previous.nic if previous is not None else None
-    if before is None or previous is None or previous.ts >= sample.ts:
-        n = len(nic.port)
-        return _NicView(list(nic.port), np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=bool))
-    dt = sample.ts - previous.ts
-    index = {p: i for i, p in enumerate(before.port)}
-    rows = [index.get(p, -1) for p in nic.port]
-    have = np.array([r >= 0 for r in rows], dtype=bool)
-    take = np.array([max(r, 0) for r in rows], dtype=np.int64)
-
-    def delta(name: str) -> np.ndarray:
-        d = nic.columns[name] - before.columns[name][take]
-        return np.where(have & (d >= 0), d, np.nan)
-
-    link = nic.columns["link_gbps"] * 1e9 / 8
-    with np.errstate(invalid="ignore", divide="ignore"):
-        util = np.fmax(delta("tx_bytes"), delta("rx_bytes")) / (link * dt)
-        wait = delta("xmit_wait") * bytes_per_tick / (link * dt)
-    util = np.where(link > 0, util, np.nan)
-    wait = np.where(link > 0, np.minimum(wait, 1.0), np.nan)
-    up_now, up_before = nic.columns["up"], before.columns["up"][take]
-    went_down = have & (((up_before == 1.0) & (up_now == 0.0)) | (delta("link_downed") > 0))
-    return _NicView(list(nic.port), util, wait, went_down)
+    return float(np.nanmedian(temps) - np.median(state.slowdown_limits(default)))
 
 
 def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gpu: int | None = None,
@@ -187,36 +139,48 @@ def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gp
 
     ``peers`` are the latest samples of the other nodes in the rack (the node itself is skipped
     if present); ``previous`` is the node's sample before ``sample`` (for counter rates);
-    ``baselines`` maps nodes to their usual median temperature (see :class:`Diagnoser`).
+    ``baselines`` maps nodes to their usual median temperature (see :class:`Diagnoser`). The same
+    as :func:`diagnose_state` on the states :func:`~fleethealth.detectors.nodestate.node_state` derives.
     """
+    base = baselines or {}
+    tick = thresholds.nic_bytes_per_tick
+
+    def state(s: Telemetry, before: Telemetry | None = None) -> NodeState:
+        return node_state(s, before, baseline_temp_c=base.get(s.node, math.nan), nic_bytes_per_tick=tick)
+
+    return diagnose_state(state(sample, previous), [state(p) for p in peers], gpu=gpu, thresholds=thresholds)
+
+
+def diagnose_state(state: NodeState, peers: Sequence[NodeState] = (), *, gpu: int | None = None,
+                   thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> DiagnosisResult:
+    """Classify a straggler on ``state.node`` from its :class:`~fleethealth.schema.NodeState` and its
+    rack peers' (the node itself is skipped if present); see the module for the branches."""
     th = thresholds
-    rows = _rows(sample, gpu)
-    cols = sample.columns
-    temps = cols["temp_c"][rows]
-    limits = sample.slowdown_limits(th.thermal_limit_c)[rows]
+    rows = _rows(state, gpu)
+    temps = state.temp_c[rows]
+    limits = state.slowdown_limits(th.thermal_limit_c)[rows]
     over = temps - limits
     k = int(np.nanargmax(over)) if np.isfinite(over).any() else -1
     temp = float(temps[k]) if k >= 0 else math.nan
     limit = float(limits[k]) if k >= 0 else float(np.median(limits)) if limits.size else th.thermal_limit_c
-    reasons = int(np.bitwise_or.reduce(np.nan_to_num(cols["clock_reasons"][rows], nan=0.0).astype(np.int64)))
+    reasons = int(np.bitwise_or.reduce(np.nan_to_num(state.clock_reasons[rows], nan=0.0).astype(np.int64)))
     evidence: dict[str, Any] = {
-        "node": sample.node, "rack": sample.rack, "gpu": gpu, "sample_ts": sample.ts,
+        "node": state.node, "rack": state.rack, "gpu": gpu, "sample_ts": state.ts,
         "temp_c": _num(temp), "thermal_limit_c": _num(limit),
-        "thermal_limit_source": "gpu" if np.isfinite(cols["slowdown_temp_c"][rows]).all() else "default",
+        "thermal_limit_source": "gpu" if np.isfinite(state.slowdown_temp_c[rows]).all() else "default",
         "clock_reasons": [r.name for r in ClockReason if r & reasons],
     }
-    hot = temp > limit or bool(reasons & _THROTTLE_BITS)
+    hot = temp > limit or bool(reasons & THROTTLE_BITS)
     if hot:
-        others = [p for p in peers if p.node != sample.node]
+        others = [p for p in peers if p.node != state.node]
         over_limit = np.array([_over_limit(p, th.thermal_limit_c) for p in others])
         peer_temps = np.array([_node_temp(p) for p in others])
         finite = np.isfinite(peer_temps)
         median = float(np.median(peer_temps[finite])) if finite.any() else math.nan
         median_over = float(np.median(over_limit[finite])) if finite.any() else math.nan
         share = float(np.mean([_throttled(p).any() for p in others])) if others else 0.0
-        base = baselines or {}
-        rises = np.array([peer_temps[i] - base[p.node] for i, p in enumerate(others)
-                          if finite[i] and p.node in base])
+        rises = np.array([peer_temps[i] - p.baseline_temp_c for i, p in enumerate(others)
+                          if finite[i] and math.isfinite(p.baseline_temp_c)])
         rise = float(np.median(rises)) if rises.size else math.nan
         evidence.update(peers=len(others), peers_with_telemetry=int(finite.sum()), peer_median_temp_c=_num(median),
                         peer_median_over_limit_c=_num(median_over), peer_throttle_share=round(share, 4),
@@ -227,33 +191,31 @@ def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gp
             return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
         rack_hot = median_over > 0 or share >= th.peer_throttle_share or rise >= th.rack_rise_c
         return DiagnosisResult(Diagnosis.ENVIRONMENTAL if rack_hot else Diagnosis.NODE_THERMAL, evidence)
-    reported = [name for name in ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay") if
-                np.isfinite(cols[name][rows]).any()]
-    if not reported and sample.nic is None and not math.isfinite(sample.nic_util):
+    if not state.reports[rows].any() and not state.has_nic and not math.isfinite(state.nic_util):
         evidence["reason"] = "the sample reports none of the fields the diagnosis reads"
         return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
-    up, top = cols["nvlink_links_up"], cols["nvlink_links_max"]
+    up, top = state.nvlink_links_up, state.nvlink_links_max
     down = np.isfinite(up) & np.isfinite(top) & (up < top)
-    rate = _nvlink_rate(sample, previous)
-    nic = _nic_view(sample, previous, th.nic_bytes_per_tick)
-    ports_down = [p for p, d in zip(nic.port, nic.went_down, strict=True) if d] if nic is not None else []
+    rate = state.nvlink_errors_per_s
+    ports_down = [p for p, d in zip(state.nic_port, state.nic_port_down, strict=True) if d]
     evidence.update(nvlink_links_up=_num(float(np.nansum(up))) if np.isfinite(up).any() else None,
                     nvlink_links_max=_num(float(np.nansum(top))) if np.isfinite(top).any() else None,
-                    nvlink_gpus_degraded=sample.gpu[down].tolist(), nvlink_errors_per_s=_num(rate),
+                    nvlink_gpus_degraded=state.gpu[down].tolist(), nvlink_errors_per_s=_num(rate),
                     nvlink_errors_per_s_band=th.nvlink_errors_per_s, nic_ports_down=ports_down)
     if down.any() or rate > th.nvlink_errors_per_s or ports_down:
         return DiagnosisResult(Diagnosis.NODE_LINK, evidence)
     evidence.update(nic_util_band=th.nic_util_band)
-    if nic is None:  # an older probe: only the node's utilisation summary
-        evidence.update(nic_source="nic_util", nic_util=_num(sample.nic_util))
-        contended = sample.nic_util > th.nic_util_band
+    if not state.has_nic:  # an older probe: only the node's utilisation summary
+        evidence.update(nic_source="nic_util", nic_util=_num(state.nic_util))
+        contended = state.nic_util > th.nic_util_band
     else:
-        util = float(np.nanmax(nic.util)) if np.isfinite(nic.util).any() else math.nan
-        wait = float(np.nanmax(nic.wait_share)) if np.isfinite(nic.wait_share).any() else math.nan
+        util_, wait_ = state.nic_port_util, state.nic_port_wait
+        util = float(np.nanmax(util_)) if np.isfinite(util_).any() else math.nan
+        wait = float(np.nanmax(wait_)) if np.isfinite(wait_).any() else math.nan
         evidence.update(nic_source="port_counters", nic_util=_num(util), nic_xmit_wait_share=_num(wait),
                         nic_xmit_wait_band=th.nic_xmit_wait_band,
                         nic_ports=[{"port": p, "util": _num(u), "xmit_wait_share": _num(w)}
-                                   for p, u, w in zip(nic.port, nic.util, nic.wait_share, strict=True)])
+                                   for p, u, w in zip(state.nic_port, util_, wait_, strict=True)])
         contended = util > th.nic_util_band or wait > th.nic_xmit_wait_band
     if contended:
         return DiagnosisResult(Diagnosis.NETWORK_CONTENTION, evidence)
@@ -261,71 +223,67 @@ def diagnose_straggler(sample: Telemetry, peers: Sequence[Telemetry] = (), *, gp
 
 
 class Diagnoser:
-    """Remembers each node's latest two telemetry samples and diagnoses stragglers on demand.
+    """Diagnoses stragglers on demand from the table of node states (:class:`NodeStates`).
 
-    ``observe(samples)`` keeps, per node, the newest sample and the one before it (older or
-    duplicate samples are ignored and counted in ``stale_total_``); ``diagnose(node, gpu)``
-    runs :func:`diagnose_straggler` against the node's rack peers. A node never seen gives
-    ``UNKNOWN`` with ``evidence["telemetry"] = "missing"``.
+    ``observe(samples)`` feeds telemetry (a single runner, or a node stage): the table derives each
+    node's state and publishes it when it changed or its heartbeat is due, and returns what it
+    published; ``apply(states)`` feeds published states (a job stage reading ``fh.nodestate``).
+    ``diagnose(node, gpu)`` runs :func:`diagnose_state` on the node's published state against its
+    rack peers'. A node never seen gives ``UNKNOWN`` with ``evidence["telemetry"] = "missing"``.
+    ``heartbeat_s`` is how often a node's state is republished unchanged (event time).
     """
 
-    def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds(), baseline_s: float = 1800.0) -> None:
+    def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds(), baseline_s: float = 1800.0,
+                 heartbeat_s: float = 5.0) -> None:
         self.thresholds = thresholds
         self.baseline_s = baseline_s
-        self.latest_: dict[str, Telemetry] = {}
-        self.previous_: dict[str, Telemetry] = {}
-        self.racks_: dict[str, set[str]] = {}
-        self.baseline_: dict[str, float] = {}
-        self.stale_total_ = 0
+        self.heartbeat_s = heartbeat_s
+        self.states = NodeStates(rule=thresholds.state_rule(heartbeat_s), baseline_s=baseline_s,
+                                 nic_bytes_per_tick=thresholds.nic_bytes_per_tick)
 
-    def observe(self, samples: Iterable[Telemetry]) -> None:
-        for sample in samples:
-            last = self.latest_.get(sample.node)
-            if last is not None and sample.ts <= last.ts:
-                self.stale_total_ += 1
-                continue
-            if last is not None:
-                self.previous_[sample.node] = last
-                if last.rack != sample.rack:
-                    self.racks_.get(last.rack, set()).discard(sample.node)
-            self.latest_[sample.node] = sample
-            self.racks_.setdefault(sample.rack, set()).add(sample.node)
-            self._learn_baseline(sample, last)
+    @property
+    def latest_(self) -> dict[str, NodeState]:
+        """Each node's published state."""
+        return self.states.published_
 
-    def _learn_baseline(self, sample: Telemetry, last: Telemetry | None) -> None:
-        """A slow exponential average (time constant ``baseline_s`` of event time) of the node's median
-        temperature: what this node usually runs at, its slot's airflow and its silicon included."""
-        temp = _node_temp(sample)
-        if not math.isfinite(temp):
-            return
-        base = self.baseline_.get(sample.node)
-        if base is None or last is None:
-            self.baseline_[sample.node] = temp
-            return
-        weight = 1.0 - math.exp(-max(sample.ts - last.ts, 0.0) / self.baseline_s)
-        self.baseline_[sample.node] = base + weight * (temp - base)
+    @property
+    def racks_(self) -> dict[str, set[str]]:
+        return self.states.racks_
+
+    @property
+    def stale_total_(self) -> int:
+        """Samples or states older than (or as old as) the node's newest, ignored."""
+        return self.states.stale_total_
+
+    def observe(self, samples: Iterable[Telemetry]) -> list[NodeState]:
+        return self.states.observe(samples)
+
+    def apply(self, states: Iterable[NodeState]) -> None:
+        self.states.apply(states)
+
+    def forget(self, gone: Iterable[str]) -> None:
+        self.states.forget(gone)
 
     def rack_of(self, node: str) -> str | None:
-        sample = self.latest_.get(node)
-        return None if sample is None else sample.rack
+        state = self.states.published_.get(node)
+        return None if state is None else state.rack
 
     def diagnose(self, node: str, gpu: int | None = None, *, at: float | None = None) -> DiagnosisResult:
-        """Diagnose a straggler on ``node`` found at event time ``at`` (telemetry older than
+        """Diagnose a straggler on ``node`` found at event time ``at`` (a state older than
         ``thresholds.max_age_s`` then is no evidence; peers that old are left out)."""
-        sample = self.latest_.get(node)
-        if sample is None:
+        table = self.states.published_
+        state = table.get(node)
+        if state is None:
             return DiagnosisResult(Diagnosis.UNKNOWN, {"node": node, "gpu": gpu, "telemetry": "missing",
                                                        "reason": "no telemetry from the node"})
         max_age = self.thresholds.max_age_s
-        if at is not None and at - sample.ts > max_age:
+        if at is not None and at - state.ts > max_age:
             return DiagnosisResult(Diagnosis.UNKNOWN, {
-                "node": node, "gpu": gpu, "telemetry": "stale", "sample_ts": sample.ts,
-                "reason": f"the node's newest telemetry is {at - sample.ts:.0f} s older than the straggler"})
-        peers = [self.latest_[n] for n in sorted(self.racks_.get(sample.rack, ())) if n != node
-                 and (at is None or at - self.latest_[n].ts <= max_age)]
-        baselines = {n: self.baseline_[n] for n in self.racks_.get(sample.rack, ()) if n in self.baseline_}
-        return diagnose_straggler(sample, peers, gpu=gpu, previous=self.previous_.get(node),
-                                  thresholds=self.thresholds, baselines=baselines)
+                "node": node, "gpu": gpu, "telemetry": "stale", "sample_ts": state.ts,
+                "reason": f"the node's newest telemetry is {at - state.ts:.0f} s older than the straggler"})
+        peers = [table[n] for n in sorted(self.states.racks_.get(state.rack, ())) if n != node
+                 and (at is None or at - table[n].ts <= max_age)]
+        return diagnose_state(state, peers, gpu=gpu, thresholds=self.thresholds)
 
 
 class RackEpisodes:

@@ -51,7 +51,7 @@ from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.params import check_number
-from fleethealth.schema import Event, EventKind, Finding, Message, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, Telemetry
 
 __all__ = ["Pipeline", "Output"]
 
@@ -76,6 +76,8 @@ class Output:
     """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
+    states: list[NodeState] = field(default_factory=list)
+    """Node states the telemetry changed (or whose heartbeat was due): what a node stage publishes."""
 
 
 _LIFECYCLE = (EventKind.JOB_START, EventKind.JOB_EXIT)
@@ -144,6 +146,7 @@ class Pipeline:
         refused: list[StepBatch] = []
         rejected: list[tuple[Message, str]] = []
         markers: list[Event] = []
+        states: list[NodeState] = []
         for m in messages:
             why = self._over_limit(m)
             if why is not None:
@@ -153,7 +156,13 @@ class Pipeline:
                 telemetry.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
-                self.diagnoser.observe((m,))
+                states += self.diagnoser.observe((m,))
+                if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
+                    ready += self._diagnosable(final=False)
+            elif isinstance(m, NodeState):  # a job stage: the node stage's published state
+                self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
+                self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
+                self.diagnoser.apply((m,))
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
@@ -177,6 +186,7 @@ class Pipeline:
         out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers)
         out.refused = refused
         out.rejected = rejected
+        out.states = states
         return out
 
     def _over_limit(self, m: Message) -> str | None:
@@ -184,7 +194,8 @@ class Pipeline:
         if isinstance(m, StepBatch) and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
             self.over_limit_["jobs"] += 1
             return f"job: {m.job!r} would be job {len(self.job_seen_) + 1}, beyond max_jobs={self.max_jobs}"
-        if isinstance(m, Telemetry | StepBatch) and m.node not in self.clock_ and len(self.clock_) >= self.max_nodes:
+        if isinstance(m, Telemetry | StepBatch | NodeState) and m.node not in self.clock_ \
+                and len(self.clock_) >= self.max_nodes:
             self.over_limit_["nodes"] += 1
             return f"node: {m.node!r} would be node {len(self.clock_) + 1}, beyond max_nodes={self.max_nodes}"
         return None
@@ -241,16 +252,7 @@ class Pipeline:
         self.forgotten_nodes_total_ += len(gone)
         for node in gone:
             del self.clock_[node]
-        d = self.diagnoser
-        for node in gone:
-            d.previous_.pop(node, None)
-            sample = d.latest_.pop(node, None)
-            if sample is not None:
-                peers = d.racks_.get(sample.rack)
-                if peers is not None:
-                    peers.discard(node)
-                    if not peers:
-                        del d.racks_[sample.rack]
+        self.diagnoser.forget(gone)
         h = self.health
         for node in gone:
             h.previous_.pop(node, None)

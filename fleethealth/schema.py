@@ -51,6 +51,7 @@ __all__ = [
     "Event",
     "Finding",
     "Recommendation",
+    "NodeState",
     "Message",
     "encode",
     "decode",
@@ -84,6 +85,7 @@ class Topic(StrEnum):
     FINDINGS = "fh.findings"
     RECOMMENDATIONS = "fh.recommendations"
     DEADLETTER = "fh.deadletter"
+    NODESTATE = "fh.nodestate"
 
 
 class FindingKind(StrEnum):
@@ -881,9 +883,106 @@ class Recommendation:
                    dry_run=dry, evidence=_obj(obj, "evidence"))
 
 
+@dataclass(frozen=True, eq=False)
+class NodeState:
+    """What the node stage knows of one node that a straggler's diagnosis reads (topic
+    ``fh.nodestate``, key node; a compacted topic, so it is also the table of every node's newest state).
+
+    Derived from the node's newest :class:`Telemetry` sample and the one before it
+    (``fleethealth/detectors/nodestate.py``): per GPU (shape ``(g,)``) ``temp_c``, its own
+    ``slowdown_temp_c`` (NaN where the GPU does not say), ``clock_reasons`` (the reported bits, NaN
+    unknown), ``nvlink_links_up`` / ``nvlink_links_max`` and ``reports`` (the GPU reports any field the
+    diagnosis reads); per node the NVLink error rate between the two samples (errors/s, NaN without a
+    usable earlier sample), the NIC ports' utilisation, credit-wait share and whether each went down
+    between the samples (``nic_port`` empty and ``has_nic`` false for a sample without NIC ports,
+    then ``nic_util`` is the probe's summary), and the node's slow temperature baseline (NaN before
+    one is known). ``ts`` is the newest sample it reflects.
+    """
+
+    node: str
+    rack: str
+    ts: float
+    gpu: np.ndarray
+    temp_c: np.ndarray
+    slowdown_temp_c: np.ndarray
+    clock_reasons: np.ndarray
+    nvlink_links_up: np.ndarray
+    nvlink_links_max: np.ndarray
+    reports: np.ndarray
+    nvlink_errors_per_s: float = math.nan
+    nic_util: float = math.nan
+    has_nic: bool = False
+    nic_port: tuple[str, ...] = ()
+    nic_port_util: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    nic_port_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    nic_port_down: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    baseline_temp_c: float = math.nan
+    TOPIC: ClassVar[Topic] = Topic.NODESTATE
+
+    GPU_ARRAYS: ClassVar[tuple[str, ...]] = ("temp_c", "slowdown_temp_c", "clock_reasons", "nvlink_links_up",
+                                             "nvlink_links_max")
+    PORT_ARRAYS: ClassVar[tuple[str, ...]] = ("nic_port_util", "nic_port_wait")
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+    def slowdown_limits(self, default: float) -> np.ndarray:
+        """Each GPU's own slowdown temperature, ``default`` where the GPU does not report one."""
+        own = self.slowdown_temp_c
+        return np.where(np.isfinite(own), own, float(default))
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
+                               "gpu": self.gpu.tolist(), "reports": self.reports.astype(bool).tolist()}
+        for name in self.GPU_ARRAYS:
+            obj[name] = _jsonable(getattr(self, name))
+        for name in ("nvlink_errors_per_s", "nic_util", "baseline_temp_c"):
+            value = getattr(self, name)
+            obj[name] = None if math.isnan(value) else value
+        if self.has_nic:
+            obj["nic"] = {"port": list(self.nic_port), "util": _jsonable(self.nic_port_util),
+                          "wait": _jsonable(self.nic_port_wait), "down": self.nic_port_down.astype(bool).tolist()}
+        return obj
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> Self:
+        gpu = _array(obj, "gpu", np.int16, minimum=0)
+        if np.unique(gpu).size != gpu.size:
+            raise SchemaError("gpu", "duplicate GPU index in one node state")
+        arrays = {name: _array(obj, name, np.float64, length=gpu.size, nan_ok=True) for name in cls.GPU_ARRAYS}
+        reports = _bools(obj, "reports", gpu.size)
+        scalars = {name: (math.nan if obj.get(name) is None else _float(obj, name, minimum=None))
+                   for name in ("nvlink_errors_per_s", "nic_util", "baseline_temp_c")}
+        nic = obj.get("nic")
+        ports: dict[str, Any] = {}
+        if nic is not None:
+            if not isinstance(nic, dict):
+                raise SchemaError("nic", f"expected an object, got {type(nic).__name__}")
+            port = nic.get("port")
+            if not isinstance(port, list) or not all(isinstance(p, str) and p for p in port):
+                raise SchemaError("nic.port", "expected an array of non-empty strings")
+            try:
+                ports = {"has_nic": True, "nic_port": tuple(port),
+                         "nic_port_util": _array(nic, "util", np.float64, length=len(port), nan_ok=True, minimum=0.0),
+                         "nic_port_wait": _array(nic, "wait", np.float64, length=len(port), nan_ok=True, minimum=0.0),
+                         "nic_port_down": _bools(nic, "down", len(port))}
+            except SchemaError as exc:
+                raise SchemaError(f"nic.{exc.field}", exc.problem) from None
+        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu, reports=reports,
+                   **arrays, **scalars, **ports)
+
+
+def _bools(obj: dict[str, Any], name: str, length: int) -> np.ndarray:
+    value = _req(obj, name)
+    if not isinstance(value, list) or len(value) != length or not all(type(x) is bool for x in value):
+        raise SchemaError(name, f"expected an array of {length} booleans")
+    return np.array(value, dtype=bool)
+
+
 _T = TypeVar("_T")
 
-Message = Telemetry | StepBatch | StepBlock | Event | Finding | Recommendation
+Message = Telemetry | StepBatch | StepBlock | Event | Finding | Recommendation | NodeState
 
 TOPIC_TYPES: dict[Topic, type] = {
     Topic.TELEMETRY: Telemetry,
@@ -891,6 +990,7 @@ TOPIC_TYPES: dict[Topic, type] = {
     Topic.EVENTS: Event,
     Topic.FINDINGS: Finding,
     Topic.RECOMMENDATIONS: Recommendation,
+    Topic.NODESTATE: NodeState,
 }
 
 

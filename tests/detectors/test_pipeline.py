@@ -94,7 +94,7 @@ def test_nodes_not_seen_for_node_idle_s_are_forgotten_by_every_detector() -> Non
     for t in range(0, 1500, 30):
         pipe.feed([_sample(n, T0 + t) for n in live])
     assert set(pipe.clock_) == set(live)
-    assert set(pipe.diagnoser.latest_) == set(live) and set(pipe.diagnoser.previous_) <= set(live)
+    assert set(pipe.diagnoser.latest_) == set(live) and set(pipe.diagnoser.states.latest_) <= set(live)
     assert all(set(peers) <= set(live) for peers in pipe.diagnoser.racks_.values())
     assert set(pipe.health.previous_) <= set(live)
     assert set(pipe.predictor.features_.nodes_) <= set(live)

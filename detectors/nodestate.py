@@ -1,0 +1,251 @@
+"""A node's state for diagnosis: derived from its telemetry, published when it changes.
+
+The node stage reads every telemetry sample; the job stage, which diagnoses stragglers, reads only
+:class:`~fleethealth.schema.NodeState` records (``fh.nodestate``, compacted, key node). This module
+is the one place that turns samples into states and decides when a state has changed enough to be
+published, so a single runner (which sees the samples itself) and the two stages diagnose from the
+same states.
+
+* :func:`node_state` — a pure function of a node's newest sample, the one before it (for counter
+  rates: NVLink errors, NIC bytes and credit waits, ports gone down) and the node's temperature
+  baseline.
+* :func:`changed` — whether a new state differs from the last published one in anything the
+  diagnosis compares against a threshold: any GPU's temperature by ``temp_step_c`` or more (NVML
+  reports whole degrees), its limit, its thermal or power-brake clock bits, NVLink links up,
+  the NVLink error rate crossing its band or moving by a tenth of it, a NIC port's utilisation or
+  credit-wait share by ``share_step`` or crossing its band, a port going down, the baseline by
+  ``baseline_step_c``, the rack, the GPUs or ports present.
+* :class:`NodeStates` — the table of published states, fed either with samples (a node stage or a
+  single runner: it derives, publishes what changed and a heartbeat every ``heartbeat_s`` of event
+  time per node) or with the published states themselves (a job stage reading ``fh.nodestate``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleethealth.params import check_number
+from fleethealth.schema import ClockReason, NodeState, Telemetry
+
+__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THROTTLE_BITS", "NVLINK_COUNTERS"]
+
+THROTTLE_BITS = int(ClockReason.thermal() | ClockReason.HW_POWER_BRAKE)
+NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+_REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
+
+
+def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
+    """NVLink error counters' growth per second over the node (NaN without a usable earlier sample)."""
+    if previous is None or previous.ts >= sample.ts or previous.gpu.shape != sample.gpu.shape:
+        return math.nan
+    total = 0.0
+    for name in NVLINK_COUNTERS:
+        delta = np.nan_to_num(sample.columns[name] - previous.columns[name], nan=0.0)
+        total += float(np.clip(delta, 0.0, None).sum())  # a counter reset is not a negative rate
+    return total / (sample.ts - previous.ts)
+
+
+def _nic(sample: Telemetry, previous: Telemetry | None,
+         bytes_per_tick: float) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """Per port: utilisation, credit-wait share and gone down between ``previous`` and ``sample``
+    (NaN where a counter is missing or stepped back, e.g. after a probe restart)."""
+    nic = sample.nic
+    assert nic is not None
+    ports = tuple(nic.port)
+    before = previous.nic if previous is not None else None
+    if before is None or previous is None or previous.ts >= sample.ts:
+        n = len(ports)
+        return ports, np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=bool)
+    dt = sample.ts - previous.ts
+    index = {p: i for i, p in enumerate(before.port)}
+    rows = [index.get(p, -1) for p in ports]
+    have = np.array([r >= 0 for r in rows], dtype=bool)
+    take = np.array([max(r, 0) for r in rows], dtype=np.int64)
+
+    def delta(name: str) -> np.ndarray:
+        d = nic.columns[name] - before.columns[name][take]
+        return np.where(have & (d >= 0), d, np.nan)
+
+    link = nic.columns["link_gbps"] * 1e9 / 8
+    with np.errstate(invalid="ignore", divide="ignore"):
+        util = np.fmax(delta("tx_bytes"), delta("rx_bytes")) / (link * dt)
+        wait = delta("xmit_wait") * bytes_per_tick / (link * dt)
+    util = np.where(link > 0, util, np.nan)
+    wait = np.where(link > 0, np.minimum(wait, 1.0), np.nan)
+    up_now, up_before = nic.columns["up"], before.columns["up"][take]
+    went_down = have & (((up_before == 1.0) & (up_now == 0.0)) | (delta("link_downed") > 0))
+    return ports, util, wait, went_down
+
+
+def node_state(sample: Telemetry, previous: Telemetry | None = None, *, baseline_temp_c: float = math.nan,
+               nic_bytes_per_tick: float = 8.0) -> NodeState:
+    """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates)."""
+    cols = sample.columns
+    reports = np.zeros(sample.gpu.shape, dtype=bool)
+    for name in _REPORTED:
+        reports |= np.isfinite(cols[name])
+    nic: dict[str, object] = {}
+    if sample.nic is not None:
+        port, util, wait, down = _nic(sample, previous, nic_bytes_per_tick)
+        nic = {"has_nic": True, "nic_port": port, "nic_port_util": util, "nic_port_wait": wait, "nic_port_down": down}
+    return NodeState(node=sample.node, rack=sample.rack, ts=sample.ts, gpu=sample.gpu, temp_c=cols["temp_c"],
+                     slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
+                     nvlink_links_up=cols["nvlink_links_up"], nvlink_links_max=cols["nvlink_links_max"],
+                     reports=reports, nvlink_errors_per_s=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
+                     baseline_temp_c=float(baseline_temp_c), **nic)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StateRule:
+    """When a node's state is published (:func:`changed`) and how often regardless (``heartbeat_s``)."""
+
+    heartbeat_s: float = 5.0
+    temp_step_c: float = 1.0
+    baseline_step_c: float = 0.5
+    share_step: float = 0.05
+    nvlink_errors_per_s: float = 1.0
+    """The diagnosis's NVLink band (``DiagnosisThresholds.nvlink_errors_per_s``)."""
+    nic_util_band: float = 0.85
+    nic_xmit_wait_band: float = 0.10
+
+    def __post_init__(self) -> None:
+        check_number("heartbeat_s", self.heartbeat_s, above=0, owner=self)
+        for name in ("temp_step_c", "baseline_step_c", "share_step"):
+            check_number(name, getattr(self, name), above=0, owner=self)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=True))
+
+
+def _moved(a: np.ndarray, b: np.ndarray, step: float) -> bool:
+    """Some value appeared, disappeared or moved by ``step`` or more."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb):
+        return True
+    both = fa & fb
+    return bool((np.abs(a[both] - b[both]) >= step).any())
+
+
+def _crossed(a: np.ndarray, b: np.ndarray, band: float) -> bool:
+    return not np.array_equal(np.nan_to_num(a, nan=-1.0) > band, np.nan_to_num(b, nan=-1.0) > band)
+
+
+def _bits(reasons: np.ndarray) -> np.ndarray:
+    return np.nan_to_num(reasons, nan=0.0).astype(np.int64) & THROTTLE_BITS
+
+
+def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()) -> bool:
+    """Whether ``new`` differs from the published ``old`` in anything the diagnosis reads (see the module)."""
+    if old is None:
+        return True
+    if old.rack != new.rack or not _same(old.gpu, new.gpu) or old.nic_port != new.nic_port \
+            or old.has_nic != new.has_nic or not _same(old.reports, new.reports):
+        return True
+    if _moved(old.temp_c, new.temp_c, rule.temp_step_c) or not _same(old.slowdown_temp_c, new.slowdown_temp_c) \
+            or not _same(_bits(old.clock_reasons), _bits(new.clock_reasons)) \
+            or not _same(old.nvlink_links_up, new.nvlink_links_up) \
+            or not _same(old.nvlink_links_max, new.nvlink_links_max):
+        return True
+    rates = np.array([old.nvlink_errors_per_s]), np.array([new.nvlink_errors_per_s])
+    if _crossed(*rates, rule.nvlink_errors_per_s) or _moved(*rates, 0.1 * rule.nvlink_errors_per_s):
+        return True
+    if _moved(np.array([old.baseline_temp_c]), np.array([new.baseline_temp_c]), rule.baseline_step_c):
+        return True
+    utils = np.array([old.nic_util, *old.nic_port_util]), np.array([new.nic_util, *new.nic_port_util])
+    waits = old.nic_port_wait, new.nic_port_wait
+    return (_moved(*utils, rule.share_step) or _crossed(*utils, rule.nic_util_band)
+            or _moved(*waits, rule.share_step) or _crossed(*waits, rule.nic_xmit_wait_band)
+            or not _same(old.nic_port_down, new.nic_port_down))
+
+
+class NodeStates:
+    """The table of published node states, and the per-node telemetry bookkeeping that derives them.
+
+    ``observe(samples)`` (a node stage or a single runner): each sample newer than the node's last is
+    turned into a state (:func:`node_state`, against the sample before it and the node's baseline);
+    the state is published — kept in ``published_`` and returned — when it :func:`changed` or
+    ``rule.heartbeat_s`` of event time passed since the node's last one. Older or repeated samples are
+    counted in ``stale_total_`` and ignored. ``apply(states)`` (a job stage): take published states
+    as they come from ``fh.nodestate`` (an older one than the node's is ignored).
+
+    ``baseline_s`` is the time constant of each node's temperature baseline (a slow exponential
+    average of its median GPU temperature: what this node usually runs at, its slot's airflow and
+    its silicon included).
+    """
+
+    def __init__(self, *, rule: StateRule = StateRule(), baseline_s: float = 1800.0,
+                 nic_bytes_per_tick: float = 8.0) -> None:
+        self.rule = rule
+        self.baseline_s = check_number("baseline_s", baseline_s, above=0)
+        self.nic_bytes_per_tick = nic_bytes_per_tick
+        self.published_: dict[str, NodeState] = {}
+        self.racks_: dict[str, set[str]] = {}
+        self.latest_: dict[str, Telemetry] = {}
+        self.baseline_: dict[str, float] = {}
+        self.stale_total_ = 0
+        self.samples_total_ = 0
+        self.published_total_ = 0
+
+    def observe(self, samples: Iterable[Telemetry]) -> list[NodeState]:
+        out = []
+        for sample in samples:
+            last = self.latest_.get(sample.node)
+            if last is not None and sample.ts <= last.ts:
+                self.stale_total_ += 1
+                continue
+            self.samples_total_ += 1
+            self.latest_[sample.node] = sample
+            base = self._learn_baseline(sample, last)
+            state = node_state(sample, last, baseline_temp_c=base, nic_bytes_per_tick=self.nic_bytes_per_tick)
+            old = self.published_.get(sample.node)
+            if old is None or state.ts - old.ts >= self.rule.heartbeat_s or changed(old, state, self.rule):
+                self._put(state)
+                out.append(state)
+        return out
+
+    def apply(self, states: Iterable[NodeState]) -> None:
+        for state in states:
+            old = self.published_.get(state.node)
+            if old is not None and state.ts <= old.ts:
+                self.stale_total_ += 1
+                continue
+            self._put(state)
+
+    def _put(self, state: NodeState) -> None:
+        old = self.published_.get(state.node)
+        if old is not None and old.rack != state.rack:
+            self.racks_.get(old.rack, set()).discard(state.node)
+        self.published_[state.node] = state
+        self.racks_.setdefault(state.rack, set()).add(state.node)
+        self.published_total_ += 1
+
+    def _learn_baseline(self, sample: Telemetry, last: Telemetry | None) -> float:
+        temps = sample.columns["temp_c"]
+        if not np.isfinite(temps).any():
+            return self.baseline_.get(sample.node, math.nan)
+        temp = float(np.nanmedian(temps))
+        base = self.baseline_.get(sample.node)
+        if base is None or last is None:
+            self.baseline_[sample.node] = temp
+            return temp
+        weight = 1.0 - math.exp(-max(sample.ts - last.ts, 0.0) / self.baseline_s)
+        self.baseline_[sample.node] = base + weight * (temp - base)
+        return self.baseline_[sample.node]
+
+    def forget(self, gone: Iterable[str]) -> None:
+        """Drop every trace of ``gone`` nodes."""
+        for node in gone:
+            self.latest_.pop(node, None)
+            self.baseline_.pop(node, None)
+            state = self.published_.pop(node, None)
+            if state is not None:
+                peers = self.racks_.get(state.rack)
+                if peers is not None:
+                    peers.discard(node)
+                    if not peers:
+                        del self.racks_[state.rack]
