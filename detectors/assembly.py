@@ -82,6 +82,15 @@ class EventTimeBuffer(Generic[T]):
             out.append((partition, item))
         return out
 
+    def discard(self, drop: Callable[[T], bool]) -> int:
+        """Remove every held item ``drop`` selects (a partition moved to another reader); returns how many."""
+        kept = [entry for entry in self._heap if not drop(entry[3])]
+        gone = len(self._heap) - len(kept)
+        if gone:
+            heapq.heapify(kept)
+            self._heap = kept
+        return gone
+
     def held(self, key: Callable[[T], tuple[Hashable, int]]) -> dict[Hashable, int]:
         """Per group (e.g. partition), the smallest number ``key(item)`` gives among items still held."""
         out: dict[Hashable, int] = {}

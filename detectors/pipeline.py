@@ -147,6 +147,7 @@ class Pipeline:
         rejected: list[tuple[Message, str]] = []
         markers: list[Event] = []
         states: list[NodeState] = []
+        foreign: list[Finding] = []
         for m in messages:
             why = self._over_limit(m)
             if why is not None:
@@ -176,6 +177,8 @@ class Pipeline:
                     self._wait(self._stragglers(step))
                 if self.assembler.refused_:
                     refused.append(m)
+            elif isinstance(m, Finding):  # a job stage: the node stage's finding (an Xid names a stop's cause)
+                foreign.append(m)
             else:
                 events.append(m)
                 if m.kind in _LIFECYCLE and self.lifecycle.observe(m):
@@ -183,7 +186,7 @@ class Pipeline:
         self._advance_clock(events)
         for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
             self._wait(self._stragglers(step))
-        out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers)
+        out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers, foreign=foreign)
         out.refused = refused
         out.rejected = rejected
         out.states = states
@@ -269,7 +272,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],
-                  events: list[Event], *, final: bool, markers: Sequence[Event] = ()) -> Output:
+                  events: list[Event], *, final: bool, markers: Sequence[Event] = (),
+                  foreign: Sequence[Finding] = ()) -> Output:
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
         out.findings += self.hang.update(batches, [*events, *markers], now, alive=self.telemetry_ts_)
@@ -282,7 +286,7 @@ class Pipeline:
             if ev.kind is EventKind.INTERRUPTION and ev.job is not None and ev.id not in self.restarted_:
                 self.restarted_[ev.id] = ev.ts
                 self.assembler.restart(ev.job)
-        out.events = self.lifecycle.update((), (), now, findings=out.findings)
+        out.events = self.lifecycle.update((), (), now, findings=[*out.findings, *foreign])
         if final:
             out.events += self.lifecycle.drain()
         out.steps, self.steps_ = self.steps_, []

@@ -68,16 +68,28 @@ from fleethealth.bus import Consumer, DeadLetter, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
-from fleethealth.errors import BusError
+from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
+from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
 from fleethealth.policy.stage import PolicyStage
-from fleethealth.schema import Action, Event, Finding, Message, Recommendation, StepBatch, Telemetry, Topic, encode
+from fleethealth.schema import (
+    Action,
+    Event,
+    Finding,
+    Message,
+    NodeState,
+    Recommendation,
+    StepBatch,
+    Telemetry,
+    Topic,
+    encode,
+)
 from fleethealth.store import StoreLike
 
-__all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc"]
+__all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc", "Stage"]
 
 INPUT_TOPICS = (Topic.STEPS.value, Topic.TELEMETRY.value, Topic.EVENTS.value)
 
@@ -99,11 +111,15 @@ class Conclusions:
     policy_changed: bool = False
     refused: list[StepBatch] = field(default_factory=list)
     rejected: list[tuple[Message, str]] = field(default_factory=list)
+    states: list[NodeState] = field(default_factory=list)
+    """Node states to publish on ``fh.nodestate`` (the node stage)."""
 
     def extend(self, other: Conclusions) -> None:
-        """Add what ``other`` (a later part of the same batch) concluded."""
+        """Add what ``other`` (a later part of the same batch, or another partition's) concluded."""
         self.findings += other.findings
         self.recommendations += other.recommendations
+        self.events += other.events
+        self.states += other.states
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
@@ -116,22 +132,36 @@ def publishable(msg: Finding | Recommendation) -> bool:
     return not isinstance(msg, Recommendation) or msg.action is not Action.NONE
 
 
-def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message], *,
-             final: bool = False) -> Conclusions:
+def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Sequence[Message], *,
+             final: bool = False, now: float = 0.0) -> Conclusions:
     """Detection, then policy, on ``messages`` (in event-time order); pure. With ``final`` (end of
-    input), the pipeline's drain is decided too. The one place the two stages are composed."""
-    out = pipeline.feed(messages)
+    input), the pipeline's drain is decided too. The one place the two stages are composed.
+
+    Either may be None: a node or job stage detects only (its findings go to the policy stage over
+    ``fh.findings``); the policy stage decides on the findings among ``messages``, at event time ``now``."""
     events = [m for m in messages if isinstance(m, Event)]
-    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
-    findings, derived_events = list(out.findings), list(out.events)
-    if final:
-        tail = pipeline.drain()
-        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
+    if pipeline is None:
+        if policy is None:
+            return Conclusions()
+        findings = [m for m in messages if isinstance(m, Finding)]
+        decided = policy.update(findings, events, now)
+        return Conclusions(recommendations=decided.recommendations, outcomes=decided.outcomes,
+                           policy_changed=decided.changed)
+    out = pipeline.feed(messages)
+    findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
+    tail = pipeline.drain() if final else None
+    if tail is not None:
         findings += tail.findings
         derived_events += tail.events
+    if policy is None:
+        return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
+                           rejected=list(out.rejected), states=states)
+    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
+    if tail is not None:
+        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       rejected=list(out.rejected))
+                       rejected=list(out.rejected), states=states)
 
 
 class _Metrics:
@@ -160,6 +190,8 @@ class _Metrics:
         self.publish_errors = Counter("fleethealth_detect_publish_errors_total",
                                       "Publishes of the outbox that failed (retried on the next batch)",
                                       registry=registry)
+        self.states = Counter("fleethealth_detect_node_states_published_total",
+                              "Node states published on fh.nodestate (changes and heartbeats)", registry=registry)
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)
@@ -180,25 +212,43 @@ class Runner:
     writes (:class:`~fleethealth.detectors.retry.Retry`; its ``stopping`` is this runner's stop).
     """
 
-    def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect", pipeline: Pipeline | None = None,
+    def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect",
+                 pipeline: Pipeline | Callable[[], Pipeline] | None = None,
                  policy: PolicyStage | None = None, publish: bool = True, max_records: int = 2000,
                  lateness_s: float = 5.0, max_held: int = 200_000,
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
-                 retry: Retry | None = None, registry: CollectorRegistry | None = None) -> None:
+                 retry: Retry | None = None, registry: CollectorRegistry | None = None,
+                 stage: Stage | str = Stage.ALL) -> None:
+        self.stage = Stage(stage)
         self.store = store
-        self.pipeline = pipeline if pipeline is not None else Pipeline()
-        self.policy = policy if policy is not None else PolicyStage(load_engine(store))
+        if self.stage is Stage.ALL:
+            single = pipeline() if callable(pipeline) and not isinstance(pipeline, Pipeline) else pipeline
+            self.pipelines: dict[int | None, Pipeline] = {None: single if single is not None else Pipeline()}
+            self._make: Callable[[], Pipeline] | None = None
+        else:
+            if isinstance(pipeline, Pipeline):
+                raise ConfigError(f"the {self.stage} stage keeps one pipeline per partition: pass a factory "
+                                  "(a callable returning a Pipeline), not one pipeline")
+            self.pipelines = {}
+            self._make = pipeline if pipeline is not None else _default_factory(self.stage)
+        has_policy = self.stage in (Stage.ALL, Stage.POLICY)
+        self.policy = (policy if policy is not None else PolicyStage(load_engine(store))) if has_policy else None
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
         self.max_held = max_held
         self.released_early_total = 0
+        self.now_ = float("-inf")
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
-        self.consumer = Consumer(bus_dsn, INPUT_TOPICS, group, producer=self.producer,
+        self.consumer = Consumer(bus_dsn, group_topics(self.stage), group, producer=self.producer,
                                  session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s,
                                  max_ahead_s=max_ahead_s, max_behind_s=max_behind_s)
+        tables = table_topics(self.stage)
+        # the job stage's tables are read whole by every replica, from their start (fh.nodestate is compacted)
+        self.table = Consumer(bus_dsn, tables, None, producer=self.producer, client_id=f"{group}-table") \
+            if tables else None
         self._stop = threading.Event()
         self.retry = retry if retry is not None else Retry()
         if retry is None:
@@ -207,8 +257,16 @@ class Runner:
         self.metrics = _Metrics(registry if registry is not None else REGISTRY)
         self.findings_total = 0
         self.recommendations_total = 0
+        self.states_published_total = 0
         self.pending_: list[OutboxRow] = []
         self._recovered = not publish  # the outbox left by an earlier run is read on the first batch
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The pipeline of a runner of the whole tier (``stage="all"``)."""
+        if self.stage is not Stage.ALL:
+            raise ConfigError(f"the {self.stage} stage has one pipeline per partition: see .pipelines")
+        return self.pipelines[None]
 
     # ------------------------------------------------------------------ loop
     def process_once(self, timeout_s: float = 1.0) -> int:
@@ -219,12 +277,34 @@ class Runner:
         if self.pending_:
             self._publish_pending()
         records = self.consumer.poll(timeout_s, self.max_records)
+        lag = self.consumer.lag()
+        if self.table is not None:
+            table = self.table.poll(0.0 if records else timeout_s, self.max_records)
+            records = [*records, *table]
+            lag = {**lag, **self.table.lag()}
+        if self._make is not None:
+            self._follow_assignment()
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
-        lag = self.consumer.lag()
         self._handle(self.buffer.release(self._bound(self._watermark(records, lag))))
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
+
+    def _follow_assignment(self) -> None:
+        """Forget the pipelines (and held records) of partitions the group moved to another replica:
+        their new owner reads them again from the last commit."""
+        assigned = {partition for _, partition in self.consumer.assignment()}
+        for p in assigned - set(self.pipelines):
+            self.pipelines[p] = self._new_pipeline()
+        gone = [p for p in self.pipelines if p not in assigned]
+        if not gone:
+            return
+        for p in gone:
+            del self.pipelines[p]
+        group = set(group_topics(self.stage))
+        self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
+        log.info("partitions %s moved to another replica of group %r: their state is dropped here", sorted(gone),
+                 self.consumer.group)
 
     def _bound(self, watermark: float) -> float:
         """Past ``max_held`` records held for event-time order, release the oldest anyway (counted in
@@ -253,6 +333,8 @@ class Runner:
         if polled:
             return False
         lag = self.consumer.lag()
+        if self.table is not None:
+            lag = {**lag, **self.table.lag()}
         return bool(lag) and all(behind == 0 for behind in lag.values())
 
     def drain(self) -> None:
@@ -268,6 +350,8 @@ class Runner:
 
     def close(self) -> None:
         self.consumer.close()
+        if self.table is not None:
+            self.table.close()
         self.producer.close()
 
     def __enter__(self) -> Runner:
@@ -287,18 +371,57 @@ class Runner:
             raise
 
     def _conclude(self, ready: list[Record], final: bool) -> tuple[Conclusions, list[Record]]:
-        """:func:`conclude` on the batch; if a detector raises, the batch again one record at a time
-        (the detectors take what they had folded in before as duplicates), dead-lettering each record
-        it raises on. Returns the conclusions and the records that were concluded."""
+        """:func:`conclude` on the batch — per partition's pipeline in a node or job stage, every
+        replica's table records (node states, the node stage's findings) going to each of them — and
+        return the conclusions and the records concluded. Records the stage does not take (another
+        stage's events) are left out: committed with the rest, processed and stored by their stage."""
+        ready = [r for r in ready if self._takes(r.msg)]
+        if ready:
+            self.now_ = max(self.now_, max(r.msg.ts for r in ready))
+        if self.stage is Stage.POLICY:
+            return self._conclude_part(None, ready, final)
+        if self.stage is Stage.ALL:
+            return self._conclude_part(self.pipelines[None], ready, final)
+        group = set(group_topics(self.stage))
+        for rec in ready:
+            if rec.topic in group and rec.partition not in self.pipelines:
+                self.pipelines[rec.partition] = self._new_pipeline()
+        out, kept = Conclusions(), []
+        for partition, pipeline in list(self.pipelines.items()):
+            mine = [r for r in ready if r.topic not in group or r.partition == partition]
+            if not mine and not final:
+                continue
+            part, done = self._conclude_part(pipeline, mine, final)
+            out.extend(part)
+            kept += [r for r in done if r.topic in group]
+        return out, kept
+
+    def _takes(self, msg: Message) -> bool:
+        if isinstance(msg, Event):
+            return takes_event(self.stage, msg)
+        if isinstance(msg, Finding):
+            return takes_finding(self.stage, msg)
+        return True
+
+    def _new_pipeline(self) -> Pipeline:
+        assert self._make is not None
+        return self._make()
+
+    def _conclude_part(self, pipeline: Pipeline | None, ready: list[Record],
+                       final: bool) -> tuple[Conclusions, list[Record]]:
+        """:func:`conclude` on one pipeline's records; if a detector raises, the records again one at a
+        time (the detectors take what they had folded in before as duplicates), dead-lettering each
+        record it raises on."""
+        policy = self.policy
         try:
-            return conclude(self.pipeline, self.policy, [r.msg for r in ready], final=final), ready
+            return conclude(pipeline, policy, [r.msg for r in ready], final=final, now=self.now_), ready
         except Exception as exc:
             log.warning("a detector raised on a batch of %d record(s), isolating: %s: %s", len(ready),
                         type(exc).__name__, exc)
         out, kept = Conclusions(), []
         for rec in ready:
             try:
-                out.extend(conclude(self.pipeline, self.policy, [rec.msg]))
+                out.extend(conclude(pipeline, policy, [rec.msg], now=self.now_))
             except Exception as exc:
                 self.metrics.poisoned.labels("detect").inc()
                 self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(rec.msg),
@@ -306,7 +429,7 @@ class Runner:
                 continue
             kept.append(rec)
         if final:
-            out.extend(conclude(self.pipeline, self.policy, [], final=True))
+            out.extend(conclude(pipeline, policy, [], final=True, now=self.now_))
         return out, kept
 
     def _insert(self, what: str, rows: Sequence[Message], insert: Callable[..., object], token: str,
@@ -337,7 +460,8 @@ class Runner:
             ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
         batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
-        events = [*(r.msg for r in ready if isinstance(r.msg, Event)), *out.events]
+        inputs = [r.msg for r in ready if isinstance(r.msg, Event)] if self.stage is not Stage.POLICY else []
+        events = [*inputs, *out.events]  # the policy stage's input events are stored by the stage that owns them
         where = {id(r.msg): r for r in ready}
 
         def bad_output(msg: Message, exc: BaseException) -> None:
@@ -359,6 +483,8 @@ class Runner:
         findings = self._insert("f", out.findings, store.insert_findings, token, bad_output)
         recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
         outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
+        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived
+            outgoing += [_outbox_row(e) for e in out.events]
         if outgoing:  # before the engine state that remembers these decisions: none is lost
             self.retry.call("write the outbox", lambda: store.write_outbox(
                 outgoing, published=False, dedup_token=derived("o", token)))
@@ -366,10 +492,12 @@ class Runner:
             self.retry.call("record an eviction outcome", lambda o=outcome: record_outcome(store, o))
         if out.policy_changed:
             self.retry.call("save the policy state",
-                            lambda: save_engine(store, self.policy.engine, self.pipeline.now_))
+                            lambda: save_engine(store, self.policy.engine, self._now()))
         self.pending_ += outgoing
         if self.pending_:
             self._publish_pending()
+        if out.states and self.publish and self.stage is Stage.NODE:
+            self._publish_states(out.states)
         offsets = self._safe_offsets(ready)
         self.retry.call("commit offsets", lambda: self.consumer.commit(offsets))
         for topic, count in Tally(rec.topic for rec in ready).items():
@@ -380,12 +508,12 @@ class Runner:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.dead_letters.set(self.consumer.dead_lettered_total)
         self.metrics.held.set(len(self.buffer))
-        assembler = self.pipeline.assembler
-        self.metrics.dropped.labels("late").set(assembler.late_total)
-        self.metrics.dropped.labels("duplicate").set(assembler.duplicate_total)
+        pipelines = self.pipelines.values()
+        self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
+        self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))
         self.metrics.early.set(self.released_early_total)
-        for what, count in self.pipeline.over_limit_.items():
-            self.metrics.over_limit.labels(what).set(count)
+        for what in ("jobs", "nodes"):
+            self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
         self.findings_total += len(out.findings)
         self.recommendations_total += len(out.recommendations)
 
@@ -409,6 +537,24 @@ class Runner:
             Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), key))
         if flush:
             self.retry.call("flush dead letters", self.producer.flush)
+
+    def _now(self) -> float:
+        """Event time "now": the pipeline's (a runner of the whole tier), the newest input's (a stage)."""
+        if self.stage is Stage.ALL:
+            return self.pipelines[None].now_
+        return self.now_
+
+    def _publish_states(self, states: Sequence[NodeState]) -> None:
+        """Publish the node states this batch changed, before its offsets commit (a crash re-derives
+        and republishes them; the job stage keeps a node's newest)."""
+        def send() -> None:
+            for state in states:
+                self.producer.publish(state)
+            self.producer.flush()
+
+        self.retry.call("publish node states", send)
+        self.states_published_total += len(states)
+        self.metrics.states.inc(len(states))
 
     def _publish_pending(self) -> bool:
         """Publish every pending outbox row and, once the broker acknowledged them all, mark them
@@ -440,13 +586,26 @@ class Runner:
                 first = self._step_offsets.setdefault((rec.msg.job, rec.msg.step), {})
                 tp = (rec.topic, rec.partition)
                 first[tp] = min(first.get(tp, rec.offset), rec.offset)
-        still_open = self.pipeline.open_steps()
+        still_open: set[tuple[str, int]] = set()
+        for pipeline in self.pipelines.values():
+            still_open |= pipeline.open_steps()
         self._step_offsets = {k: v for k, v in self._step_offsets.items() if k in still_open}
         held = self.buffer.held(lambda rec: ((rec.topic, rec.partition), rec.offset))
         for offsets in self._step_offsets.values():
             for tp, offset in offsets.items():
                 held[tp] = min(held.get(tp, offset), offset)
         return held
+
+
+def _default_factory(stage: Stage) -> Callable[[], Pipeline]:
+    """Default pipelines of a stage: the job stage's share one node-state table (the replica's copy of
+    ``fh.nodestate``)."""
+    if stage is Stage.JOB:
+        from fleethealth.detectors.diagnosis import Diagnoser
+
+        shared = Diagnoser()
+        return lambda: Pipeline(diagnoser=shared)
+    return Pipeline
 
 
 def tune_gc() -> None:

@@ -259,9 +259,27 @@ class _KafkaBackend:
             compression_type=compression, linger_ms=5, batch_size=256 * 1024,
             bootstrap_timeout_ms=connect_timeout_ms, **settings, **self.options)
 
-    def consumer(self, topics: Sequence[str], group: str, client_id: str, from_beginning: bool,
+    def consumer(self, topics: Sequence[str], group: str | None, client_id: str, from_beginning: bool,
                  max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
+        """A group member subscribed to ``topics``; with ``group`` None, a reader assigned every
+        partition of them (a table: no group, no commits)."""
         kafka = self._kafka()
+        if group is None:
+            kc = kafka.KafkaConsumer(
+                bootstrap_servers=self.hosts, group_id=None, client_id=client_id, enable_auto_commit=False,
+                auto_offset_reset="earliest" if from_beginning else "latest", bootstrap_timeout_ms=connect_timeout_ms,
+                request_timeout_ms=30_000, fetch_max_wait_ms=100, **self.options)
+            kc.topics()  # metadata for every topic, so each one's partitions are known
+            parts = []
+            for topic in topics:
+                known = kc.partitions_for_topic(topic)
+                if not known:
+                    kc.close()
+                    raise ConfigError(f"topic {topic!r} does not exist on the broker (create the fh.* topics first: "
+                                      "deploy/kafka/, or ensure_topics)")
+                parts += [kafka.TopicPartition(topic, p) for p in sorted(known)]
+            kc.assign(parts)
+            return kc
         return kafka.KafkaConsumer(
             *topics, bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
             enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
@@ -466,7 +484,7 @@ class Consumer:
     message's event time against its record timestamp (None: no bound; see the module docstring).
     """
 
-    def __init__(self, dsn: str, topics: Sequence[str], group: str, *, producer: Producer | None = None,
+    def __init__(self, dsn: str, topics: Sequence[str], group: str | None, *, producer: Producer | None = None,
                  from_beginning: bool = True, client_id: str = "fleethealth",
                  max_poll_interval_s: float = 3.0, session_timeout_s: float = 6.0,
                  connect_timeout_s: float = 10.0, max_ahead_s: float | None = None,
@@ -644,6 +662,9 @@ class Consumer:
         if self._dead_unflushed and self._producer is not None:
             self._producer.flush()
             self._dead_unflushed = False
+        if self.group is None:  # a table reader: it re-reads from its start, nothing to commit
+            self._pending.clear()
+            return
         hold = hold or {}
         targets = {tp: min(off, hold.get((tp.topic, tp.partition), off)) for tp, off in self._pending.items()}
         targets = {tp: off for tp, off in targets.items() if off > self._committed.get(tp, -1)}
@@ -671,6 +692,15 @@ class Consumer:
         for tp, off in targets.items():
             if self._pending.get(tp) == off:
                 del self._pending[tp]
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""
+        try:
+            return {(tp.topic, tp.partition) for tp in self._kc.assignment()}
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "reading the assignment", self.dsn) from exc
+            raise
 
     def positions(self) -> dict[tuple[str, int], int]:
         """The next offset to read per assigned ``(topic, partition)`` (after a join: where reading
@@ -723,6 +753,10 @@ class Consumer:
 
 
 # ---------------------------------------------------------------- topics
+TOPIC_CONFIGS: dict[str, dict[str, str]] = {Topic.NODESTATE.value: {"cleanup.policy": "compact"}}
+"""Topic settings beyond the broker's defaults: ``fh.nodestate`` is a table (each node's newest state)."""
+
+
 def ensure_topics(dsn: str, partitions: int = 4, *, replication: int = 1,
                   topics: Sequence[str] | None = None, connect_timeout_s: float = 10.0) -> None:
     """Create every :class:`schema.Topic` (or ``topics``); topics that exist are left as they are."""
@@ -741,7 +775,8 @@ def ensure_topics(dsn: str, partitions: int = 4, *, replication: int = 1,
     try:
         for topic in topics or [t.value for t in Topic]:
             try:
-                admin.create_topics([NewTopic(str(topic), partitions, replication)])
+                configs = TOPIC_CONFIGS.get(str(topic), {})
+                admin.create_topics([NewTopic(str(topic), partitions, replication, topic_configs=configs)])
             except ke.TopicAlreadyExistsError:
                 continue
             except Exception as exc:

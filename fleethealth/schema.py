@@ -52,6 +52,8 @@ __all__ = [
     "Finding",
     "Recommendation",
     "NodeState",
+    "JOB_EVENT_KINDS",
+    "is_job_event",
     "Message",
     "encode",
     "decode",
@@ -720,9 +722,21 @@ class StepBlock:
                    gpus=gpus, compute_s=compute, groups=groups)
 
 
+JOB_EVENT_KINDS = frozenset({EventKind.SDC_CHECK, EventKind.HANG_REPORT, EventKind.CHECKPOINT, EventKind.JOB_START,
+                             EventKind.JOB_EXIT, EventKind.INTERRUPTION})
+"""Kinds a training job (or the detectors, for ``interruption``) sends about itself: keyed by job when
+they name one, so they share a partition number with the job's step batches."""
+
+
+def is_job_event(event: Event) -> bool:
+    """Whether ``event`` is about a job (keyed by it) rather than about its node."""
+    return event.job is not None and event.kind in JOB_EVENT_KINDS
+
+
 @dataclass(frozen=True)
 class Event:
-    """A discrete event on a node (topic ``fh.events``, key node).
+    """A discrete event (topic ``fh.events``): keyed by job for what a job reports about itself
+    (:data:`JOB_EVENT_KINDS` with a job), by node for the rest.
 
     ``data`` is a JSON object whose keys depend on ``kind``: ``sdc_check`` carries ``check``
     (``selfcheck`` | ``replay``), ``passed``, ``classification``, ``digests``; ``hang_report``
@@ -744,7 +758,7 @@ class Event:
 
     @property
     def key(self) -> str:
-        return self.node
+        return self.job if is_job_event(self) and self.job else self.node
 
     @property
     def id(self) -> str:
