@@ -74,10 +74,10 @@ class EventTimeBuffer(Generic[T]):
         """The event time of the ``n``-th oldest item held (1-based)."""
         return heapq.nsmallest(n, self._heap)[-1][0]
 
-    def release(self, watermark: float) -> list[tuple[Hashable, T]]:
-        """Pop every item with ``ts <= watermark``, oldest first, as ``(partition, item)``."""
-        out = []
-        while self._heap and self._heap[0][0] <= watermark:
+    def release(self, watermark: float, limit: int | None = None) -> list[tuple[Hashable, T]]:
+        """Pop every item with ``ts <= watermark`` (at most ``limit``), oldest first, as ``(partition, item)``."""
+        out: list[tuple[Hashable, T]] = []
+        while self._heap and self._heap[0][0] <= watermark and (limit is None or len(out) < limit):
             _, _, partition, item = heapq.heappop(self._heap)
             out.append((partition, item))
         return out

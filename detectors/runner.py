@@ -55,8 +55,10 @@ store writes absorb.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -141,12 +143,19 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
     ``fh.findings``); the policy stage decides on the findings among ``messages``, at event time ``now``."""
     events = [m for m in messages if isinstance(m, Event)]
     if pipeline is None:
+        out = Conclusions()
         if policy is None:
-            return Conclusions()
-        findings = [m for m in messages if isinstance(m, Finding)]
-        decided = policy.update(findings, events, now)
-        return Conclusions(recommendations=decided.recommendations, outcomes=decided.outcomes,
-                           policy_changed=decided.changed)
+            return out
+        # each finding decided at its own event time, as the detectors concluded it (those of one instant together)
+        for ts, group in itertools.groupby((m for m in messages if isinstance(m, Finding | Event)), key=lambda m: m.ts):
+            now = max(now, ts)
+            batch = list(group)
+            decided = policy.update([m for m in batch if isinstance(m, Finding)],
+                                    [m for m in batch if isinstance(m, Event)], now)
+            out.recommendations += decided.recommendations
+            out.outcomes += decided.outcomes
+            out.policy_changed = out.policy_changed or decided.changed
+        return out
     out = pipeline.feed(messages)
     findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
     tail = pipeline.drain() if final else None
@@ -240,6 +249,7 @@ class Runner:
         self.max_held = max_held
         self.released_early_total = 0
         self.now_ = float("-inf")
+        self._release_budget_s = max_poll_interval_s / 3
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
         self.consumer = Consumer(bus_dsn, group_topics(self.stage), group, producer=self.producer,
@@ -286,9 +296,23 @@ class Runner:
             self._follow_assignment()
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
-        self._handle(self.buffer.release(self._bound(self._watermark(records, lag))))
+        self._release(self._bound(self._watermark(records, lag)))
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
+
+    def _release(self, watermark: float, *, final: bool = False) -> None:
+        """Conclude what the watermark releases in pieces of ``max_records`` (after a partition was slow
+        to answer, a release can cover minutes of event time: the detectors' clock moves on between
+        pieces as it does between polls). What is not concluded yet stays held, so no commit passes it."""
+        started = time.monotonic()
+        while True:
+            released = self.buffer.release(watermark, limit=self.max_records)
+            last = len(released) < self.max_records
+            self._handle(released, final=final and last)
+            if last:
+                return
+            if not final and time.monotonic() - started > self._release_budget_s:
+                return  # the rest on the next batch: poll again in time to stay in the group
 
     def _follow_assignment(self) -> None:
         """Forget the pipelines (and held records) of partitions the group moved to another replica:
@@ -319,10 +343,13 @@ class Runner:
     def _watermark(self, records: Sequence[Record], lag: dict[tuple[str, int], int | None]) -> float:
         """How far in event time it is safe to go: the low watermark over partitions with unread data;
         once every partition is read to its end, ``lateness_s`` short of the newest record (nodes sharing
-        a partition are not in step with each other); after an empty poll, everything."""
-        if not records:
+        a partition are not in step with each other); after an empty poll with every partition read to
+        its end, everything. An empty poll while a partition is still behind (a fetch in flight) releases no
+        further: a table read ahead of the stream (the job stage's node states) must not run ahead of it."""
+        live = [tp for tp, behind in lag.items() if behind != 0]
+        if not records and not live:
             return float("inf")
-        watermark = self.buffer.watermark([tp for tp, behind in lag.items() if behind != 0])
+        watermark = self.buffer.watermark(live)
         if watermark == float("inf") and self.buffer.latest_:
             watermark = max(self.buffer.latest_.values()) - self.lateness_s
         return watermark
@@ -339,7 +366,7 @@ class Runner:
 
     def drain(self) -> None:
         """End of input (a finished replay or demo): release everything held and flush the detectors."""
-        self._handle(self.buffer.release(float("inf")), final=True)
+        self._release(float("inf"), final=True)
 
     def run(self, stop: threading.Event, *, poll_s: float = 0.5) -> None:
         """Process until ``stop`` is set (which also ends a wait for an unreachable store or broker)."""
@@ -376,10 +403,11 @@ class Runner:
         return the conclusions and the records concluded. Records the stage does not take (another
         stage's events) are left out: committed with the rest, processed and stored by their stage."""
         ready = [r for r in ready if self._takes(r.msg)]
-        if ready:
-            self.now_ = max(self.now_, max(r.msg.ts for r in ready))
         if self.stage is Stage.POLICY:
-            return self._conclude_part(None, ready, final)
+            out = self._conclude_part(None, ready, final)
+            if ready:
+                self.now_ = max(self.now_, max(r.msg.ts for r in ready))
+            return out
         if self.stage is Stage.ALL:
             return self._conclude_part(self.pipelines[None], ready, final)
         group = set(group_topics(self.stage))

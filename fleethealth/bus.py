@@ -42,6 +42,7 @@ import math
 import pathlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -722,11 +723,12 @@ class Consumer:
         end is not known yet (no fetch has answered for it).
         """
         out: dict[tuple[str, int], int | None] = {}
+        held = Counter(tp for _, tp, _ in self._buffer)  # fetched, not yet returned: still unread
         try:
             for tp in self._kc.assignment():
                 end = self._kc.highwater(tp)
                 position = None if end is None else self._kc.position(tp, timeout_ms=1000)
-                out[(tp.topic, tp.partition)] = None if position is None else max(0, end - position)
+                out[(tp.topic, tp.partition)] = None if position is None else max(0, end - position) + held[tp]
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, "reading consumer positions", self.dsn) from exc

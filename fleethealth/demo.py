@@ -13,7 +13,9 @@ ClickHouse server in production. Like :mod:`fleethealth.commands`, this module w
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +25,12 @@ import orjson
 
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import ensure_topics
-from fleethealth.detectors.runner import Runner
+from fleethealth.detectors.runner import Runner, Stage
 from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
 from fleethealth.report.scorecard import Scorecard, score
-from fleethealth.schema import Finding, Recommendation
+from fleethealth.schema import Finding, Recommendation, Topic
 from fleethealth.sim import FleetSim, Scenario
 from fleethealth.sim.closedloop import LoopResult, account, acts_from, seed_rule_acts
 from fleethealth.store import StoreLike, open_store
@@ -80,9 +82,16 @@ def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recom
 
 
 def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | None = None,
-             closed_loop: bool = False) -> DemoResult:
+             closed_loop: bool = False, replicas: int | None = None) -> DemoResult:
     """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first.
-    ``closed_loop`` also weighs acting on the recommendations (:func:`compare_policies`)."""
+    ``closed_loop`` also weighs acting on the recommendations (:func:`compare_policies`).
+    ``replicas`` runs the detector tier as its three stages (:mod:`fleethealth.detectors.stages`),
+    that many replicas of the node and the job stage and one of the policy; None runs one runner of
+    the whole tier."""
+    if replicas is not None and not 1 <= replicas <= 16:
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError(f"replicas must be between 1 and 16, got {replicas}")
     started = time.perf_counter()
     if closed_loop and scenario.jobs:
         from fleethealth.errors import ConfigError
@@ -103,6 +112,7 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         delivery = Delivery(broker.dsn, Spool(data / "spool"), client_id="fleethealth-demo-probes",
                             batch_records=_DELIVERY_BATCH)
         delivered = 0
+        by_topic = {Topic.TELEMETRY: 0, Topic.STEPS: 0, Topic.EVENTS: 0}
         steps_done, steps_total = 0, sum(j.steps for j in scenario.job_specs)
 
         def deliver(backlog: int) -> int:
@@ -119,6 +129,9 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
                 for msg in (*tick.telemetry, *tick.batches, *tick.events):
                     delivery.submit(msg)
                 published += len(tick.telemetry) + len(tick.batches) + len(tick.events)
+                by_topic[Topic.TELEMETRY] += len(tick.telemetry)
+                by_topic[Topic.STEPS] += len(tick.batches)
+                by_topic[Topic.EVENTS] += len(tick.events)
                 delivered += deliver(_DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
                 if tick.step is not None:
                     steps_done += 1
@@ -128,21 +141,10 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         finally:
             delivery.close()
         t1 = time.perf_counter()
-        # the simulator replays hours of event time in seconds: no bound against the broker's clock
-        with Runner(broker.dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None) as runner:
-            consumed, last_progress = 0, time.monotonic()
-            while consumed + runner.consumer.dead_lettered_total < published:
-                got = runner.process_once(1.0)
-                consumed += got
-                if got:
-                    last_progress = time.monotonic()
-                elif time.monotonic() - last_progress > _STALL_S:
-                    raise BusUnavailable(f"the detectors read {consumed} of {published} messages and then nothing "
-                                         f"for {_STALL_S:.0f} s")
-                if progress is not None:
-                    progress("detect", consumed, published)
-            runner.drain()
-            dead = runner.consumer.dead_lettered_total
+        if replicas is None:
+            dead = _detect_all(broker.dsn, store, published, progress)
+        else:
+            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress)
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
         # the ground truth, read only now that the detectors have finished
@@ -157,6 +159,115 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
                       dead_letters=dead, wall_s=time.perf_counter() - started, publish_s=t1 - t0, detect_s=t2 - t1,
                       out_dir=out, store_dir=store_dir, scorecard=card, report=report, report_s=report_s,
                       report_note=note, closed_loop=tuple(loop))
+
+
+def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress | None) -> int:
+    """One runner of the whole tier over everything published; returns the dead letters."""
+    # the simulator replays hours of event time in seconds: no bound against the broker's clock
+    with Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None) as runner:
+        consumed, last_progress = 0, time.monotonic()
+        while consumed + runner.consumer.dead_lettered_total < published:
+            got = runner.process_once(1.0)
+            consumed += got
+            if got:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > _STALL_S:
+                raise BusUnavailable(f"the detectors read {consumed} of {published} messages and then nothing "
+                                     f"for {_STALL_S:.0f} s")
+            if progress is not None:
+                progress("detect", consumed, published)
+        runner.drain()
+        return runner.consumer.dead_lettered_total
+
+
+def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replicas: int,
+                   progress: Progress | None) -> int:
+    """The node stage's replicas over the telemetry and events, then the job stage's over the steps
+    and events (reading the node states the first published), then the policy: one stage after the
+    other, since the demo replays a finished timeline (in a fleet they run side by side). Each
+    replica has its own store handle and runs in its own thread; returns the dead letters."""
+    dead = 0
+    plan = ((Stage.NODE, replicas, by_topic[Topic.TELEMETRY] + by_topic[Topic.EVENTS]),
+            (Stage.JOB, replicas, by_topic[Topic.STEPS] + by_topic[Topic.EVENTS]),
+            (Stage.POLICY, 1, None))
+    for stage, count, expected in plan:
+        dead += _run_group(dsn, store_dsn, stage, count, expected, progress)
+    return dead
+
+
+def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int | None,
+               progress: Progress | None) -> int:
+    """``count`` replicas of ``stage`` in one group until they have read ``expected`` records between
+    them (or, with None, until every partition is read to its end), then each drains."""
+    from prometheus_client import CollectorRegistry
+
+    with contextlib.ExitStack() as stack:
+        runners = []
+        for _ in range(count):
+            store = stack.enter_context(open_store(store_dsn))
+            runners.append(stack.enter_context(Runner(
+                dsn, store, group=f"fleethealth-demo-{stage}", stage=stage, max_ahead_s=None, max_behind_s=None,
+                registry=CollectorRegistry())))
+        # join together, so the group assigns its partitions once, before anything is processed
+        _in_threads([lambda r=r: r.consumer.wait_assigned(timeout_s=60.0) for r in runners])
+        read = threading.Event()
+        errors: list[BaseException] = []
+
+        def work(runner: Runner) -> None:
+            try:
+                while not read.is_set():
+                    got = runner.process_once(0.5)
+                    if expected is None and runner.caught_up(got):
+                        break
+                while not runner.caught_up(runner.process_once(0.2)) and runner.consumer.assignment():
+                    pass  # (a replica the group gave no partition has nothing to finish)
+                runner.drain()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+                read.set()
+
+        threads = [threading.Thread(target=work, args=(r,), name=f"demo-{stage}-{i}", daemon=True)
+                   for i, r in enumerate(runners)]
+        for t in threads:
+            t.start()
+        last, last_progress = -1, time.monotonic()
+        while any(t.is_alive() for t in threads) and not read.is_set():
+            done = sum(r.consumer.consumed_total + r.consumer.dead_lettered_total for r in runners)
+            if expected is not None and done >= expected:
+                read.set()
+            if done != last:
+                last, last_progress = done, time.monotonic()
+            elif time.monotonic() - last_progress > _STALL_S:
+                read.set()
+                errors.append(BusUnavailable(f"the {stage} stage read {done} of {expected} records and then "
+                                             f"nothing for {_STALL_S:.0f} s"))
+            if progress is not None and expected:
+                progress(f"detect ({stage})", min(done, expected), expected)
+            time.sleep(0.1)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return sum(r.consumer.dead_lettered_total for r in runners)
+
+
+def _in_threads(calls: list[Callable[[], object]]) -> None:
+    """Run ``calls`` at once, each in a thread; raise the first error."""
+    errors: list[BaseException] = []
+
+    def one(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def compare_policies(scenario: Scenario, findings: list[Finding],

@@ -79,7 +79,10 @@ class PolicyStage:
 
     def update(self, findings: Sequence[Finding], events: Sequence[Event], now: float, *,
                steps: Sequence[tuple[str, float]] = (), ended: Sequence[str] = ()) -> Decisions:
-        """Decide on ``findings`` concluded at event time ``now``; ``events`` are the same batch's job events."""
+        """Decide on ``findings`` concluded at event time ``now``; ``events`` are the same batch's job events.
+        Findings are decided in the order of their time and id, so a runner of the whole tier and a
+        policy stage that reads them from ``fh.findings`` (in another order) decide alike."""
+        findings = sorted(findings, key=lambda f: (f.ts, f.id))
         self._progress(steps, ended)
         out = Decisions()
         noted = self.engine.observe(events)
