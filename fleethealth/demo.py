@@ -18,7 +18,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -63,6 +63,9 @@ class DemoResult:
     report_note: str = ""
     closed_loop: tuple[LoopResult, ...] = ()
     """With ``closed_loop``: the run under fleethealth's policy, the seed rule alone, no detection."""
+    stages: dict[str, object] = field(default_factory=dict)
+    """With ``replicas``: per stage, its replicas, the records each read, the partitions each held at
+    the end and the node states published."""
 
     @property
     def messages_per_s(self) -> float:
@@ -141,10 +144,11 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         finally:
             delivery.close()
         t1 = time.perf_counter()
+        stages: dict[str, object] = {}
         if replicas is None:
             dead = _detect_all(broker.dsn, store, published, progress)
         else:
-            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress)
+            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress, stages)
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
         # the ground truth, read only now that the detectors have finished
@@ -158,7 +162,7 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
     return DemoResult(scenario=scenario.name, findings=findings, recommendations=recs, messages=published,
                       dead_letters=dead, wall_s=time.perf_counter() - started, publish_s=t1 - t0, detect_s=t2 - t1,
                       out_dir=out, store_dir=store_dir, scorecard=card, report=report, report_s=report_s,
-                      report_note=note, closed_loop=tuple(loop))
+                      report_note=note, closed_loop=tuple(loop), stages=stages)
 
 
 def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress | None) -> int:
@@ -181,7 +185,7 @@ def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress |
 
 
 def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replicas: int,
-                   progress: Progress | None) -> int:
+                   progress: Progress | None, stats: dict[str, object]) -> int:
     """The node stage's replicas over the telemetry and events, then the job stage's over the steps
     and events (reading the node states the first published), then the policy: one stage after the
     other, since the demo replays a finished timeline (in a fleet they run side by side). Each
@@ -191,12 +195,12 @@ def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replica
             (Stage.JOB, replicas, by_topic[Topic.STEPS] + by_topic[Topic.EVENTS]),
             (Stage.POLICY, 1, None))
     for stage, count, expected in plan:
-        dead += _run_group(dsn, store_dsn, stage, count, expected, progress)
+        dead += _run_group(dsn, store_dsn, stage, count, expected, progress, stats)
     return dead
 
 
 def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int | None,
-               progress: Progress | None) -> int:
+               progress: Progress | None, stats: dict[str, object] | None = None) -> int:
     """``count`` replicas of ``stage`` in one group until they have read ``expected`` records between
     them (or, with None, until every partition is read to its end), then each drains."""
     from prometheus_client import CollectorRegistry
@@ -248,6 +252,10 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
             t.join()
         if errors:
             raise errors[0]
+        if stats is not None:
+            stats[str(stage)] = {"replicas": count, "records": [r.consumer.consumed_total for r in runners],
+                                 "partitions": [sorted({p for _, p in r.consumer.assignment()}) for r in runners],
+                                 "node_states": sum(r.states_published_total for r in runners)}
         return sum(r.consumer.dead_lettered_total for r in runners)
 
 

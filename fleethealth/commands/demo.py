@@ -80,6 +80,7 @@ def summary(result: DemoResult, *, as_json: bool = False) -> str:
     if as_json:
         return orjson.dumps({
             "scenario": result.scenario, "messages": result.messages, "dead_letters": result.dead_letters,
+            **({"stages": result.stages} if result.stages else {}),
             "wall_s": round(result.wall_s, 2), "publish_s": round(result.publish_s, 2),
             "detect_s": round(result.detect_s, 2), "messages_per_s": round(result.messages_per_s, 1),
             "findings": len(result.findings), "recommendations": len(result.recommendations),

@@ -18,15 +18,58 @@ import pytest
 from fleethealth.sim import Scenario
 
 
-@pytest.mark.slow
-def test_four_jobs_on_64_nodes_every_fault_found_on_its_job(tmp_path: Path) -> None:
+def _demo(where: Path, *extra: str) -> dict:
     with resources.as_file(resources.files("fleethealth.scenarios") / "multi_job.yaml") as path:
-        scenario = Scenario.load(path)
         run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--scenario", str(path),
-                              "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data")],
+                              "--out", str(where / "out"), "--data", str(where / "data"), *extra],
                              capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert orjson.loads(run.stdout)["dead_letters"] == 0
+    return orjson.loads(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scenario through one runner of the whole detector tier."""
+    where = tmp_path_factory.mktemp("single")
+    assert _demo(where)["dead_letters"] == 0
+    return where
+
+
+def _outputs(where: Path) -> tuple[list[tuple], list[tuple]]:
+    def rows(name: str) -> list[dict]:
+        return [orjson.loads(line) for line in (where / "out" / name).read_text().splitlines()]
+
+    findings = sorted((f["id"], f["kind"], f["diagnosis"], f["job"], f["node"], f["rank"], f["step"])
+                      for f in rows("findings.jsonl"))
+    recs = sorted((r["id"], r["action"], r["guard"], r["node"], r["finding_id"]) for r in rows("recommendations.jsonl"))
+    return findings, recs
+
+
+@pytest.mark.slow
+def test_three_replicas_of_each_stage_find_and_decide_what_one_runner_does(single: Path, tmp_path: Path) -> None:
+    out = _demo(tmp_path, "--replicas", "3")
+    assert out["dead_letters"] == 0
+    stages = out["stages"]
+    assert set(stages) == {"node", "job", "policy"}
+    # the node and job stages' replicas split the four partitions between them (64 nodes' records land on
+    # all of them; four jobs' keys on as many as their hashes give); the policy is one writer
+    for stage in ("node", "job"):
+        assert stages[stage]["replicas"] == 3, stages[stage]
+        held = [p for parts in stages[stage]["partitions"] for p in parts]
+        assert sorted(held) == [0, 1, 2, 3] and all(stages[stage]["partitions"]), stages[stage]
+    assert all(stages["node"]["records"]) and sum(stages["job"]["records"]) > 0, stages
+    assert stages["policy"]["replicas"] == 1
+    assert stages["node"]["node_states"] > 0
+    findings, recs = _outputs(tmp_path)
+    assert (findings, recs) == _outputs(single)  # the same ids, kinds, diagnoses, actions and guards
+    assert len(findings) >= 10 and len(recs) >= 10
+
+
+@pytest.mark.slow
+def test_four_jobs_on_64_nodes_every_fault_found_on_its_job(single: Path) -> None:
+    tmp_path = single
+    with resources.as_file(resources.files("fleethealth.scenarios") / "multi_job.yaml") as path:
+        scenario = Scenario.load(path)
     assert scenario.fleet.nodes == 64 and len(scenario.jobs) == 4 and len(scenario.idle_nodes) == 8
 
     card = orjson.loads((tmp_path / "out" / "scorecard.json").read_bytes())
