@@ -327,7 +327,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
         choices=("short", "fqdn")),
     Key("node.rack", "str", "unknown", "this node's rack (the probe)", env="FLEETHEALTH_RACK"),
     # detect
-    Key("detect.group", "str", "fh-detect", "consumer group of the detector runners"),
+    Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
+    Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),
     Key("detect.metrics_port", "int", 9403, "Prometheus /metrics port of detect, 0 to disable"),
     # serve
     Key("serve.host", "str", "127.0.0.1", "listen address"),

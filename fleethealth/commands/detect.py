@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleethealth.commands._common import open_store_at, require_bus, stop_on_signals
@@ -13,28 +14,41 @@ from fleethealth.commands._settings import add_config_flags, add_setting, load_s
 
 if TYPE_CHECKING:
     from fleethealth.config import Settings
+    from fleethealth.detectors.pipeline import Pipeline
     from fleethealth.detectors.runner import Runner
+    from fleethealth.detectors.stages import Stage
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["add", "build_runner"]
+__all__ = ["add", "build_runner", "stage_group"]
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "detect", help="run the streaming detectors: Kafka in, ClickHouse and Kafka out",
-        description="Consume fh.steps, fh.telemetry and fh.events as a member of a consumer group (run several "
-                    "replicas with the same --group to split partitions), detect stragglers, hangs, SDC and "
+        description="Consume fh.steps, fh.telemetry and fh.events as a member of a consumer group, detect "
+                    "stragglers, hangs, SDC and "
                     "health faults in event time, write inputs, findings and recommendations to the store "
                     "and publish them to fh.findings / fh.recommendations. Offsets are committed only after "
                     "the store write, so a crash neither loses nor duplicates a row. Every detector and "
-                    "policy threshold is a config key (detect.*, policy.*; `fleethealth config show`).",
+                    "policy threshold is a config key (detect.*, policy.*; `fleethealth config show`). "
+                    "To scale out, run the tier as stages (--stage node, job, policy): replicas of a stage "
+                    "share its group and split its partitions; fh.steps, fh.telemetry and fh.events need the "
+                    "same partition count (a job's steps and events, a node's samples and events, meet on one "
+                    "partition number).",
     )
     add_setting(p, "--kafka", "kafka", metavar="DSN",
                 help="bus, e.g. kafka://broker:9092 (required: flag, config key kafka or $FLEETHEALTH_KAFKA)")
     add_setting(p, "--store", "store", metavar="DSN",
                 help="store, e.g. http://clickhouse:8123/fleethealth or chdb:///var/lib/fleethealth "
                      "(required: flag, config key store or $FLEETHEALTH_STORE)")
-    add_setting(p, "--group", "detect.group", help="consumer group (default: %(default)s)")
+    add_setting(p, "--stage", "detect.stage", choices=("all", "node", "job", "policy"),
+                help="which part of the tier this replica runs (default: %(default)s): 'all' — one consumer "
+                     "group over every input, one replica per group; 'node' — telemetry and node events, "
+                     "health rules, failure prediction, node states on fh.nodestate (N replicas); 'job' — "
+                     "steps and job events, stragglers, hangs, SDC, lifecycle, diagnosis from fh.nodestate "
+                     "(N replicas); 'policy' — findings to recommendations (one replica)")
+    add_setting(p, "--group", "detect.group",
+                help="consumer group (default: %(default)s, with the stage's name appended for node, job, policy)")
     add_setting(p, "--metrics-port", "detect.metrics_port", type=int,
                 help="Prometheus /metrics port, 0 to disable (default: %(default)s)")
     p.add_argument("--until-caught-up", action="store_true",
@@ -59,6 +73,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     from fleethealth.detectors.predict import FailurePredictor, GpuFeatures
     from fleethealth.detectors.runner import Runner
     from fleethealth.detectors.sdc import SdcDetector
+    from fleethealth.detectors.stages import Stage
     from fleethealth.detectors.straggler import StragglerDetector
     from fleethealth.policy.paging import Pager
     from fleethealth.policy.persist import load_engine
@@ -67,18 +82,45 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     def of(table: str) -> dict[str, Any]:
         return settings.section(table, changed_only=True)
 
-    pipeline = Pipeline(straggler=partial(StragglerDetector, **of("detect.straggler")),
+    def diagnoser() -> Diagnoser:
+        return Diagnoser(thresholds=DiagnosisThresholds(**of("detect.diagnosis")))
+
+    def pipeline(shared: Diagnoser | None = None) -> Pipeline:
+        return Pipeline(straggler=partial(StragglerDetector, **of("detect.straggler")),
                         hang=HangDetector(**of("detect.hang")),
-                        diagnoser=Diagnoser(thresholds=DiagnosisThresholds(**of("detect.diagnosis"))),
+                        diagnoser=shared if shared is not None else diagnoser(),
                         rack_episodes=RackEpisodes(**of("detect.rack_episodes")),
                         health=HealthRules(**of("detect.health")), sdc=SdcDetector(**of("detect.sdc")),
                         predictor=FailurePredictor(features=GpuFeatures(**of("detect.features")),
                                                    **of("detect.predict")),
                         assembler=StepAssembler(**of("detect.assembly")),
                         lifecycle=LifecycleTracker(**of("detect.lifecycle")), **of("detect.pipeline"))
-    policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging")))
-    return Runner(bus_dsn, store, group=settings["detect.group"], pipeline=pipeline, policy=policy,
+
+    try:
+        stage = Stage(settings["detect.stage"])
+    except ValueError:
+        from fleethealth.errors import ConfigError
+
+        raise ConfigError(f"detect.stage must be one of {', '.join(s.value for s in Stage)}, "
+                          f"got {settings['detect.stage']!r}") from None
+    group = stage_group(settings["detect.group"], stage)
+    if stage is Stage.ALL:
+        pipelines: Pipeline | Callable[[], Pipeline] | None = pipeline()
+    elif stage is Stage.JOB:  # one pipeline per partition, all reading this replica's copy of fh.nodestate
+        pipelines = partial(pipeline, diagnoser())
+    elif stage is Stage.NODE:
+        pipelines = pipeline
+    else:
+        pipelines = None
+    policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging"))) \
+        if stage in (Stage.ALL, Stage.POLICY) else None
+    return Runner(bus_dsn, store, group=group, pipeline=pipelines, policy=policy, stage=stage,
                   **{**of("detect.runner"), **kwargs})
+
+
+def stage_group(group: str, stage: Stage) -> str:
+    """The consumer group of a stage: ``group`` itself for the whole tier, ``group-<stage>`` for a stage."""
+    return group if stage == "all" else f"{group}-{stage}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             start_http_server(port)
         ensure_topics(kafka)
         with open_store_at(store_dsn) as store, build_runner(kafka, store, settings) as runner:
-            group = settings["detect.group"]
+            group = runner.consumer.group
             print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
             runner.consumer.wait_assigned(timeout_s=60.0)
             starts = ", ".join(f"{topic}/{part}@{offset}"
