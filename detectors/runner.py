@@ -1,7 +1,7 @@
 """The stream runner: Kafka in, detectors, ClickHouse and Kafka out — exactly once in the store.
 
-One consumer group over ``fh.steps`` (keyed by job), ``fh.telemetry`` and ``fh.events`` (keyed
-by node), so replicas split the partitions between them. Each :meth:`Runner.process_once`:
+A consumer group over the stage's input topics (all of ``fh.steps``, ``fh.telemetry`` and
+``fh.events`` for the whole tier; see "Scaling out" below). Each :meth:`Runner.process_once`:
 
 1. polls a batch (malformed values are dead-lettered by the consumer, which keeps going);
 2. pushes records into the :class:`EventTimeBuffer` and releases those below the low
@@ -44,12 +44,14 @@ journals ids). Published are findings, and of the recommendations only those ask
 (``action`` other than ``none``); a ``none`` (already recommended, not worth it, stale) is kept in
 the store for the audit trail only, so a scheduler reads decisions, not repetitions.
 
-Scaling out: replicas in one group split the partitions of every topic, but a straggler's
-diagnosis needs the telemetry of its node's rack and steps are keyed by job while telemetry is
-keyed by node — so run one replica per group and scale by giving independent sets of jobs and
-nodes their own topics (or groups). A rebalance is not handled beyond Kafka's redelivery: held
-records of a revoked partition are processed again by its new owner, which the idempotent
-store writes absorb.
+Scaling out (:mod:`fleethealth.detectors.stages`): ``stage="all"`` (the default) is one group over
+every input, one replica per group, since steps are keyed by job and telemetry by node. The tier
+also runs as stages, each a group of its own: ``node`` (telemetry and node events; publishes node
+states on ``fh.nodestate``), ``job`` (steps and job events, plus ``fh.nodestate`` and the node
+stage's findings read whole as tables) — both with N replicas and one pipeline per partition,
+built by the ``pipeline`` factory — and ``policy`` (one replica: findings and events in,
+recommendations out). When the group moves a partition away, its pipeline and held records are
+dropped here and its new owner reads it again from the last commit.
 """
 
 from __future__ import annotations

@@ -36,15 +36,20 @@ for probe in $PROBE_USERS; do   # a node only produces
   acl "$probe" topic fh.events Write Describe
 done
 
-# the detectors: read the inputs in group fh-detect, write findings, recommendations, dead letters;
+# the detectors: read the inputs in group fh-detect (or, run as stages, fh-detect-node, -job, -policy),
+# write findings, recommendations, dead letters; the stages also write and read fh.nodestate, read
+# fh.findings (the job stage's table, the policy's input) and write fh.events (derived interruptions);
 # Create because `fleethealth detect` makes any topic that is missing
 acl fh-detect topic fh.telemetry Read Describe Create
 acl fh-detect topic fh.steps Read Describe Create
-acl fh-detect topic fh.events Read Describe Create
-acl fh-detect topic fh.findings Write Describe Create
+acl fh-detect topic fh.events Read Write Describe Create
+acl fh-detect topic fh.findings Read Write Describe Create
+acl fh-detect topic fh.nodestate Read Write Describe Create
 acl fh-detect topic fh.recommendations Write Describe Create
 acl fh-detect topic fh.deadletter Write Describe Create
-acl fh-detect group fh-detect Read Describe
+for group in fh-detect fh-detect-node fh-detect-job fh-detect-policy; do
+  acl fh-detect group "$group" Read Describe
+done
 
 # the adapter: reads recommendations, reports outcomes on fh.events (group fh-act-SCHEDULER)
 acl fh-act topic fh.recommendations Read Describe
