@@ -59,6 +59,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter as Tally
@@ -72,6 +73,7 @@ from fleethealth.bus import Consumer, DeadLetter, Producer, Record
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
+from fleethealth.detectors.snapshot import SnapshotError, dump, load
 from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
@@ -203,6 +205,12 @@ class _Metrics:
                                       registry=registry)
         self.states = Counter("fleethealth_detect_node_states_published_total",
                               "Node states published on fh.nodestate (changes and heartbeats)", registry=registry)
+        self.snapshots = Counter("fleethealth_detect_snapshots_total", "Pipeline snapshots written", registry=registry)
+        self.snapshot_bytes = Gauge("fleethealth_detect_snapshot_bytes", "Size of the newest snapshot written",
+                                    registry=registry)
+        self.snapshot_errors = Counter("fleethealth_detect_snapshot_errors_total",
+                                       "Snapshots that could not be read (corrupt, another version): rebuilt "
+                                       "from the input instead", registry=registry)
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)
@@ -230,7 +238,7 @@ class Runner:
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
-                 stage: Stage | str = Stage.ALL) -> None:
+                 stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0) -> None:
         self.stage = Stage(stage)
         self.store = store
         if self.stage is Stage.ALL:
@@ -252,6 +260,14 @@ class Runner:
         self.released_early_total = 0
         self.now_ = float("-inf")
         self._release_budget_s = max_poll_interval_s / 3
+        self.snapshot_every_s = snapshot_every_s
+        self._snapshot_at: dict[int, float] = {}
+        self._seeks: set[int] = set()
+        # the job stage's pipelines share the replica's node-state table: referenced by name in a
+        # snapshot, never written into it (it is rebuilt from fh.nodestate)
+        self._shared = {"node_states": self._make().diagnoser} if self.stage is Stage.JOB and self._make else {}
+        self.snapshots_total = 0
+        self.restored_total = 0
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
         self.consumer = Consumer(bus_dsn, group_topics(self.stage), group, producer=self.producer,
@@ -289,13 +305,15 @@ class Runner:
         if self.pending_:
             self._publish_pending()
         records = self.consumer.poll(timeout_s, self.max_records)
+        if self._make is not None:
+            restored = self._follow_assignment()
+            if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
+                records = [r for r in records if r.partition not in restored]
         lag = self.consumer.lag()
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
             records = [*records, *table]
             lag = {**lag, **self.table.lag()}
-        if self._make is not None:
-            self._follow_assignment()
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
         self._release(self._bound(self._watermark(records, lag)))
@@ -316,21 +334,78 @@ class Runner:
             if not final and time.monotonic() - started > self._release_budget_s:
                 return  # the rest on the next batch: poll again in time to stay in the group
 
-    def _follow_assignment(self) -> None:
-        """Forget the pipelines (and held records) of partitions the group moved to another replica:
-        their new owner reads them again from the last commit."""
+    def _follow_assignment(self) -> set[int]:
+        """Give each partition the group assigned here its pipeline — restored from its snapshot, the
+        consumer moved back to the offsets the snapshot reflects — and forget the pipelines (and held
+        records) of partitions the group moved to another replica, whose new owner restores them.
+        Returns the partitions moved back to a snapshot's offsets."""
         assigned = {partition for _, partition in self.consumer.assignment()}
-        for p in assigned - set(self.pipelines):
-            self.pipelines[p] = self._new_pipeline()
+        restored: set[int] = set()
+        group = set(group_topics(self.stage))
+        for p in sorted(assigned - set(self.pipelines)):
+            pipeline, offsets = self._restore(p)
+            self.pipelines[p] = pipeline
+            self._snapshot_at[p] = time.monotonic()
+            if offsets:
+                self.buffer.discard(lambda rec, p=p: rec.topic in group and rec.partition == p)
+                self.consumer.seek(offsets)
+                restored.add(p)
         gone = [p for p in self.pipelines if p not in assigned]
         if not gone:
-            return
+            return restored
         for p in gone:
             del self.pipelines[p]
-        group = set(group_topics(self.stage))
+            self._snapshot_at.pop(p, None)
         self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
         log.info("partitions %s moved to another replica of group %r: their state is dropped here", sorted(gone),
                  self.consumer.group)
+        return restored
+
+    def _restore(self, partition: int) -> tuple[Pipeline, dict[tuple[str, int], int]]:
+        """The partition's pipeline from its newest snapshot and the offsets to read from; a fresh one
+        (and no offsets: the group's commit) when there is none or it cannot be read (reported)."""
+        if self.snapshot_every_s is None:
+            return self._new_pipeline(), {}
+        try:
+            found = self.retry.call("load a snapshot", lambda: self.store.load_snapshot(self.consumer.group, partition))
+            if found is None:
+                return self._new_pipeline(), {}
+            _, _, blob = found
+            state, offsets = load(blob, shared=self._shared, expect=Pipeline)
+        except SnapshotError as exc:
+            self.metrics.snapshot_errors.inc()
+            log.warning("the snapshot of group %r partition %d cannot be used (%s): rebuilding its state from "
+                        "the input at the group's committed offsets", self.consumer.group, partition, exc)
+            return self._new_pipeline(), {}
+        self.restored_total += 1
+        log.info("group %r partition %d: state restored from its snapshot, reading from %s", self.consumer.group,
+                 partition, ", ".join(f"{t}/{p}@{o}" for (t, p), o in sorted(offsets.items())))
+        return state, offsets  # type: ignore[return-value]
+
+    def _snapshot(self) -> None:
+        """Snapshot each pipeline whose interval is due, with the offsets this replica committed for its
+        partition (what a restore reads from: the records the state folded in past them are taken again
+        as duplicates)."""
+        if self.snapshot_every_s is None or self._make is None:
+            return
+        now = time.monotonic()
+        committed = self.consumer.committed()
+        assigned = self.consumer.assignment()
+        for p, pipeline in self.pipelines.items():
+            if p is None or now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
+                continue
+            offsets = {tp: off for tp, off in committed.items() if tp[1] == p and tp in assigned}
+            if not offsets:
+                continue
+            blob = dump(pipeline, offsets, shared=self._shared)
+            seq = sum(offsets.values())  # commits only move forward: the newest snapshot has the greatest
+            ts = pipeline.now_ if math.isfinite(pipeline.now_) else 0.0
+            self.retry.call("save a snapshot", lambda p=p, o=offsets, b=blob, s=seq, t=ts: self.store.save_snapshot(
+                self.consumer.group, p, s, t, o, b))
+            self._snapshot_at[p] = now
+            self.snapshots_total += 1
+            self.metrics.snapshots.inc()
+            self.metrics.snapshot_bytes.set(len(blob))
 
     def _bound(self, watermark: float) -> float:
         """Past ``max_held`` records held for event-time order, release the oldest anyway (counted in
@@ -529,7 +604,10 @@ class Runner:
         if out.states and self.publish and self.stage is Stage.NODE:
             self._publish_states(out.states)
         offsets = self._safe_offsets(ready)
+        refused = self.consumer.commit_failed_total
         self.retry.call("commit offsets", lambda: self.consumer.commit(offsets))
+        if self.consumer.commit_failed_total == refused:  # not after a refused commit: the group moved on
+            self._snapshot()
         for topic, count in Tally(rec.topic for rec in ready).items():
             self.metrics.records.labels(topic).inc(count)
         for f in out.findings:

@@ -694,6 +694,28 @@ class Consumer:
             if self._pending.get(tp) == off:
                 del self._pending[tp]
 
+    def seek(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Read the given ``(topic, partition)`` pairs from these offsets next (a restored snapshot's):
+        what was fetched of them and not yet returned is dropped, and nothing is committed for them
+        until records from there on are returned."""
+        from kafka.structs import TopicPartition
+
+        moved = {TopicPartition(t, p) for t, p in offsets}
+        self._buffer = [entry for entry in self._buffer if entry[1] not in moved]
+        try:
+            for (topic, partition), offset in offsets.items():
+                tp = TopicPartition(topic, partition)
+                self._pending.pop(tp, None)
+                self._kc.seek(tp, offset)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "seeking", self.dsn) from exc
+            raise
+
+    def committed(self) -> dict[tuple[str, int], int]:
+        """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""
+        return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
+
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""
         try:
