@@ -82,6 +82,28 @@ def test_a_fed_pipeline_restored_from_its_snapshot_finds_what_the_original_finds
     assert min(f.step for f in found if f.node == "n0013") > _CUT_STEP  # begun before the snapshot, found after
 
 
+def test_telemetry_samples_come_back_with_every_field_and_shared_as_they_were() -> None:
+    from fleethealth.schema import GPU_FIELDS, NicPorts
+
+    nic = NicPorts.from_columns(["mlx5_0/1"], ["ib"], tx_bytes=[12.0])
+    packed = Telemetry.from_columns("n0001", "r00", T0, [0, 1, 2], temp_c=[61.5, np.nan, 70.25], model="H100",
+                                    uuid=("a", "b", "c"), nic=nic, nic_util=0.5, power_w=[1.0, 2.0, 3.0])
+    ragged = Telemetry.from_columns("n0002", "r00", T0, [0, 1], temp_c=[60.0, 61.0])
+    ragged.columns["power_w"] = np.array([1, 2, 3])  # not one shape and dtype: written field by field
+    state = {"a": packed, "b": packed, "c": ragged}
+    back, _ = load(dump(state, {}))
+    assert back["a"] is back["b"] and back["a"] is not packed
+    for old, new in ((packed, back["a"]), (ragged, back["c"])):
+        assert type(new) is Telemetry and list(new.columns) == list(old.columns)
+        assert repr({k: v for k, v in vars(new).items() if k not in ("columns", "gpu", "nic")}) == \
+            repr({k: v for k, v in vars(old).items() if k not in ("columns", "gpu", "nic")})  # NaN == NaN
+        assert np.array_equal(new.gpu, old.gpu) and new.gpu.dtype == old.gpu.dtype
+        for name, column in old.columns.items():
+            assert new.columns[name].dtype == column.dtype
+            assert np.array_equal(new.columns[name], column, equal_nan=True), name
+    assert set(back["a"].columns) == set(GPU_FIELDS) and back["a"].nic.columns["tx_bytes"][0] == 12.0
+
+
 def test_the_header_is_read_without_unpickling() -> None:
     blob = dump(_small_pipeline(), OFFSETS)
     head = info(blob)
@@ -127,13 +149,13 @@ def test_a_state_of_another_type_or_not_bytes_is_refused() -> None:
         dump(lambda: None, {})
 
 
-def _forge(payload: bytes) -> bytes:
+def _forge(payload: bytes, raw_bytes: int | None = None) -> bytes:
     """A well-formed snapshot around a pickle of anyone's making (right magic, version and digest)."""
     real = dump(None, {})
     end = _header_end(real)
     meta = snapshot.orjson.loads(real[14:end - 32])
     body = snapshot.zlib.compress(payload)
-    meta.update(body_bytes=len(body), raw_bytes=len(payload))
+    meta.update(body_bytes=len(body), raw_bytes=len(payload) if raw_bytes is None else raw_bytes)
     meta_bytes = snapshot.orjson.dumps(meta)
     digest = snapshot.hashlib.sha256(meta_bytes + body).digest()
     return struct.pack(">8sHI", snapshot.MAGIC, SNAPSHOT_VERSION, len(meta_bytes)) + meta_bytes + digest + body
@@ -147,6 +169,15 @@ class _Call:
 
     def __reduce__(self):
         return self.func, self.args
+
+
+def test_a_body_that_inflates_beyond_its_stated_size_is_refused() -> None:
+    bomb = b"\0" * 50_000_000
+    with pytest.raises(SnapshotError, match="does not decompress to the 1000 bytes"):
+        load(_forge(bomb, raw_bytes=1000))
+    with pytest.raises(SnapshotError, match="is not a size"):
+        load(_forge(b"N.", raw_bytes=-1))
+    assert load(_forge(pickle.dumps({"ok": 1}, protocol=5))) == ({"ok": 1}, {})
 
 
 @pytest.mark.parametrize("evil", [
