@@ -19,6 +19,8 @@ Telemetry goes through ``feed`` throughout, so the diagnoser, health rules and f
 hold every node's windows. A final check restores the blob and feeds the original and the copy
 the same next step: the findings must match.
 
+Last full run: ``bench/results/snapshot_size.json``.
+
     nice -n 10 python bench/snapshot_size.py [--ranks 16384] [--steps 500] [--fed-steps 30]
                                              [--telemetry-every 10] [--repeat 3]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import time
 import zlib
@@ -133,6 +136,7 @@ def main() -> None:
     parts = {name: len(pickle.dumps(getattr(pipe, name), protocol=5)) for name in PARTS}
     head = info(blob)
     print(json.dumps({
+        "bench": "snapshot_size", "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
         "ranks": args.ranks, "nodes": args.ranks // GPUS, "steps": args.steps, "fed_steps": args.fed_steps,
         "telemetry_every_steps": args.telemetry_every, "snapshot_version": SNAPSHOT_VERSION,
         "build_cpu_s": nxt["build_cpu_s"],
