@@ -28,7 +28,8 @@ state attributes change in a way an older snapshot would not fit.
 
 **What may be loaded.** :func:`load` unpickles with an ``Unpickler`` whose ``find_class`` admits
 only (:func:`allowed`): classes defined in fleethealth's own modules, except those that reach the
-outside (the store, the bus, the broker, the commands, the API, the probe, the adapters); NumPy's
+outside or load heavy libraries (the store, the bus, the broker, the commands, the API, the probe,
+the adapters, the configuration, the sweeps, the in-job library, the kernels, the report); NumPy's
 array and scalar reconstruction and its dtypes; ``collections`` (deque, OrderedDict, defaultdict,
 Counter); ``functools.partial``; plain ``builtins`` data types; ``datetime`` types. Anything else
 (``os.system``, ``builtins.eval``, ``subprocess.Popen``, a foreign class re-exported by a
@@ -81,8 +82,10 @@ of a 0.85 s dump): the dump holds the stream up, the bytes are few either way.""
 
 _REFUSED_UNDER = ("fleethealth.store", "fleethealth.bus", "fleethealth.broker", "fleethealth.commands",
                   "fleethealth.demo", "fleethealth.__main__", "fleethealth.api", "fleethealth.probe",
-                  "fleethealth.adapters")
-"""fleethealth modules whose classes are never loaded: they open connections, processes or files."""
+                  "fleethealth.adapters", "fleethealth.config", "fleethealth.sweeps", "fleethealth.injob",
+                  "fleethealth.kernels", "fleethealth.report")
+"""fleethealth modules whose classes are never loaded: they open connections, processes or files, read
+settings, or import torch, CuPy or matplotlib (no detector state is made of them)."""
 _NUMPY = {
     "numpy": {"dtype", "ndarray"},
     "numpy.dtypes": None,  # every dtype class (numpy.dtypes.Float64DType, ...)
@@ -97,7 +100,6 @@ _STDLIB = {
     "builtins": {"set", "frozenset", "slice", "range", "complex", "bytearray", "bytes", "list", "dict", "tuple",
                  "int", "float", "str", "bool", "object", "NotImplemented", "Ellipsis"},
     "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
-    "copyreg": {"_reconstructor"},
 }
 
 

@@ -486,7 +486,11 @@ class NamedQueries:
                       offsets: Mapping[tuple[str, int], int], blob: bytes) -> None:
         """Store the snapshot ``blob`` of consumer group ``group``'s input ``partition``, version ``seq``
         (the greatest is kept), reflecting event time ``ts`` and the input ``offsets``
-        (``{(topic, partition): next offset}``). The bytes are stored as given."""
+        (``{(topic, partition): next offset}``). The bytes are stored as given.
+
+        ``seq`` must grow with the state's progress whoever writes it (e.g. the next offset of the
+        partition's main input): a replica that lost the partition in a rebalance and still writes
+        then cannot replace the new owner's newer snapshot with its older one."""
         for name, value in (("partition", partition), ("seq", seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StoreError(f"save_snapshot: {name} must be an int >= 0, got {value!r}")
