@@ -86,6 +86,8 @@ _REFUSED_UNDER = ("fleethealth.store", "fleethealth.bus", "fleethealth.broker", 
                   "fleethealth.kernels", "fleethealth.report")
 """fleethealth modules whose classes are never loaded: they open connections, processes or files, read
 settings, or import torch, CuPy or matplotlib (no detector state is made of them)."""
+_PLAIN_DATA = {("fleethealth.bus", "Record"), ("fleethealth.bus", "DeadLetter")}
+"""Plain records of those modules that a stage's state may hold (a reorder buffer holds bus records)."""
 _NUMPY = {
     "numpy": {"dtype", "ndarray"},
     "numpy.dtypes": None,  # every dtype class (numpy.dtypes.Float64DType, ...)
@@ -111,6 +113,8 @@ class SnapshotError(FleetHealthError):
 def allowed(module: str, name: str) -> bool:
     """True when :func:`load` may resolve ``module.name`` (see the module docstring)."""
     if module.startswith("fleethealth.") or module == "fleethealth":
+        if (module, name) in _PLAIN_DATA:
+            return True
         return not any(module == r or module.startswith(r + ".") or module.startswith(r + "_")
                        for r in _REFUSED_UNDER)
     names = _NUMPY.get(module, _STDLIB.get(module, set()))

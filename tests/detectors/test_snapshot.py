@@ -104,6 +104,28 @@ def test_telemetry_samples_come_back_with_every_field_and_shared_as_they_were() 
     assert set(back["a"].columns) == set(GPU_FIELDS) and back["a"].nic.columns["tx_bytes"][0] == 12.0
 
 
+def test_a_reorder_buffer_of_bus_records_releases_the_same_after_a_round_trip() -> None:
+    from fleethealth.bus import Record
+    from fleethealth.detectors.assembly import EventTimeBuffer
+
+    buffer: EventTimeBuffer[Record] = EventTimeBuffer()
+    for offset, (ts, partition) in enumerate([(5.0, 0), (3.0, 1), (5.0, 1), (3.0, 0), (9.0, 0)]):
+        sample = Telemetry.from_columns(f"n{offset:04d}", "r00", T0 + ts, [0])
+        buffer.push(T0 + ts, ("fh.telemetry", partition), Record("fh.telemetry", partition, offset, b"k", sample))
+    back, _ = load(dump(buffer, {}))
+    back.push(T0 + 5.0, ("fh.telemetry", 0), "late")
+    buffer.push(T0 + 5.0, ("fh.telemetry", 0), "late")
+    assert back.watermark([("fh.telemetry", 0), ("fh.telemetry", 1)]) == T0 + 5.0
+
+    def order(released: list) -> list:
+        return [(tp, r if isinstance(r, str) else r.offset) for tp, r in released]
+
+    assert order(back.release(T0 + 5.0)) == order(buffer.release(T0 + 5.0)) == \
+        [(("fh.telemetry", 1), 1), (("fh.telemetry", 0), 3), (("fh.telemetry", 0), 0), (("fh.telemetry", 1), 2),
+         (("fh.telemetry", 0), "late")]
+    assert len(back) == len(buffer) == 1
+
+
 def test_the_header_is_read_without_unpickling() -> None:
     blob = dump(_small_pipeline(), OFFSETS)
     head = info(blob)
