@@ -29,7 +29,6 @@ assembler accepted, so a forged row cannot replace a real one in ``rank_steps``.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ class EventTimeBuffer(Generic[T]):
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Hashable, T]] = []
-        self._seq = itertools.count()
+        self._pushed = 0  # a tie-breaker in push order (an int, not itertools.count: a snapshot pickles it)
         self.latest_: dict[Hashable, float] = {}
 
     def __len__(self) -> int:
@@ -58,7 +57,8 @@ class EventTimeBuffer(Generic[T]):
     def push(self, ts: float, partition: Hashable, item: T) -> None:
         if not math.isfinite(ts):
             raise ValueError(f"event time must be finite, got {ts}")
-        heapq.heappush(self._heap, (ts, next(self._seq), partition, item))
+        self._pushed += 1
+        heapq.heappush(self._heap, (ts, self._pushed, partition, item))
         if ts > self.latest_.get(partition, float("-inf")):
             self.latest_[partition] = ts
 

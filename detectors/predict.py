@@ -71,6 +71,8 @@ _GATE_ANY = [FEATURES.index(n) for n in ("retired_pages_delta", "row_remap_delta
 
 MODEL_NAME = "failure_risk-v1"
 """Base name of the shipped artifact: ``models/<name>.joblib`` plus ``models/<name>.json`` metadata."""
+_RELOAD = "loaded again from the model file"
+"""What a pickled :class:`FailurePredictor` holds instead of a classifier it loaded from a file."""
 
 # counters kept per sample: index -> meaning
 _SBE, _RETIRED, _REMAP, _PENDING, _RPENDING, _DBE, _TEMP, _NVL, _PCIE, _DOWN = range(10)
@@ -359,6 +361,20 @@ class FailurePredictor:
         self.episodes_: dict[tuple[str, int], float] = {}  # -> last ts at or above threshold / 2
         self.horizon_s_ = float(meta.get("horizon_s", 86_400.0))
         self.model_name_ = str(meta.get("name", MODEL_NAME))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled state (a detector snapshot) without a classifier loaded from a file: it is loaded
+        again on unpickling, so a snapshot carries no scikit-learn objects. An artifact passed in as
+        ``model`` stays (a snapshot names it as a shared object: :mod:`fleethealth.detectors.snapshot`)."""
+        state = self.__dict__.copy()
+        if state.get("artifact_") is not None and not isinstance(self.model, ModelArtifact):
+            state["artifact_"] = _RELOAD
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if isinstance(state.get("artifact_"), str):  # _RELOAD
+            self.artifact_ = load_model(self.model)
 
     def _explain(self, x: np.ndarray, p: float) -> list[dict[str, Any]]:
         ref = self.artifact_.reference

@@ -13,7 +13,8 @@ store class mixes it in, so a caller holding a :class:`~fleethealth.store.protoc
 * self-test baselines (``selftest`` events);
 * the report's views (aggregates for ``fleethealth report``'s plots).
 
-* the outbox (``outbox``): findings and recommendations stored before they are published.
+* the outbox (``outbox``): findings and recommendations stored before they are published;
+* detector snapshots (``detector_snapshots``): each stream stage's state per input partition.
 
 The only other SQL is the analyst's own, through :mod:`fleethealth.api.sqlgate` (and
 ``fleethealth query``), and the migrations in ``deploy/clickhouse/``. Times are event time in
@@ -22,6 +23,7 @@ epoch seconds.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -478,6 +480,38 @@ class NamedQueries:
                          "ORDER BY ts_s, topic, id LIMIT {limit:UInt32}", {"limit": int(limit)})
         return [(str(t), str(i), str(k), float(ts), str(p)) for t, i, k, ts, p in res.rows]
 
+
+    # ================================================================ detector snapshots (one per group and partition)
+    def save_snapshot(self, group: str, partition: int, seq: int, ts: float,
+                      offsets: Mapping[tuple[str, int], int], blob: bytes) -> None:
+        """Store the snapshot ``blob`` of consumer group ``group``'s input ``partition``, version ``seq``
+        (the greatest is kept), reflecting event time ``ts`` and the input ``offsets``
+        (``{(topic, partition): next offset}``). The bytes are stored as given.
+
+        ``seq`` must grow with the state's progress whoever writes it (e.g. the next offset of the
+        partition's main input): a replica that lost the partition in a rebalance and still writes
+        then cannot replace the new owner's newer snapshot with its older one."""
+        for name, value in (("partition", partition), ("seq", seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StoreError(f"save_snapshot: {name} must be an int >= 0, got {value!r}")
+        if not isinstance(blob, bytes | bytearray):
+            raise StoreError(f"save_snapshot: blob must be bytes, got {type(blob).__name__}")
+        pairs = sorted([str(topic), int(part), int(offset)] for (topic, part), offset in offsets.items())
+        self.insert("detector_snapshots", {
+            "consumer_group": [group], "partition": [partition], "seq": [seq], "ts": [float(ts)],
+            "offsets": [orjson.dumps(pairs).decode()], "blob": [bytes(blob)],
+        })
+
+    def load_snapshot(self, group: str, partition: int) -> tuple[int, dict[tuple[str, int], int], bytes] | None:
+        """The newest snapshot of ``group``'s input ``partition``: ``(seq, offsets, blob)``, or ``None``."""
+        res = self.query("SELECT seq, offsets, base64Encode(blob) AS blob FROM detector_snapshots FINAL "
+                         "WHERE consumer_group = {g:String} AND partition = {p:UInt32} ORDER BY seq DESC LIMIT 1",
+                         {"g": group, "p": int(partition)})
+        if not res.rows:
+            return None
+        seq, offsets, blob = res.rows[0]
+        return (int(seq), {(str(t), int(p)): int(o) for t, p, o in orjson.loads(offsets)},
+                base64.b64decode(blob, validate=True))
 
     # ================================================================ report views (``fleethealth report``)
     # Aggregated for plotting: a heatmap cell per (rank, step bin), a temperature cell per (rack, time bin).
