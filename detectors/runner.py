@@ -65,11 +65,12 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from fleethealth.bus import Consumer, DeadLetter, Producer, Record
+from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopic
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
@@ -238,7 +239,8 @@ class Runner:
                  session_timeout_s: float = 6.0, max_poll_interval_s: float = 10.0,
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
-                 stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0) -> None:
+                 stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
+                 snapshot_to: str = "store") -> None:
         self.stage = Stage(stage)
         self.store = store
         if self.stage is Stage.ALL:
@@ -261,7 +263,12 @@ class Runner:
         self.now_ = float("-inf")
         self._release_budget_s = max_poll_interval_s / 3
         self.snapshot_every_s = snapshot_every_s
+        if snapshot_to not in ("store", "bus"):
+            raise ConfigError(f"snapshot_to must be 'store' (the detector_snapshots table) or 'bus' (the "
+                              f"compacted topic fh.snapshots), got {snapshot_to!r}")
+        self._snapshots: Any = SnapshotTopic(bus_dsn) if snapshot_to == "bus" else store
         self._snapshot_at: dict[int, float] = {}
+        self._snapshot_offsets: dict[int, dict[tuple[str, int], int]] = {}
         self._seeks: set[int] = set()
         # the job stage's pipelines share the replica's node-state table: referenced by name in a
         # snapshot, never written into it (it is rebuilt from fh.nodestate)
@@ -308,7 +315,7 @@ class Runner:
         if self._make is not None:
             restored = self._follow_assignment()
             if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
-                records = [r for r in records if r.partition not in restored]
+                records = [r for r in records if (r.topic, r.partition) not in restored]
         lag = self.consumer.lag()
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
@@ -334,28 +341,29 @@ class Runner:
             if not final and time.monotonic() - started > self._release_budget_s:
                 return  # the rest on the next batch: poll again in time to stay in the group
 
-    def _follow_assignment(self) -> set[int]:
+    def _follow_assignment(self) -> set[tuple[str, int]]:
         """Give each partition the group assigned here its pipeline — restored from its snapshot, the
         consumer moved back to the offsets the snapshot reflects — and forget the pipelines (and held
         records) of partitions the group moved to another replica, whose new owner restores them.
-        Returns the partitions moved back to a snapshot's offsets."""
+        Returns the ``(topic, partition)`` pairs moved back to a snapshot's offsets."""
         assigned = {partition for _, partition in self.consumer.assignment()}
-        restored: set[int] = set()
+        restored: set[tuple[str, int]] = set()
         group = set(group_topics(self.stage))
         for p in sorted(assigned - set(self.pipelines)):
             pipeline, offsets = self._restore(p)
             self.pipelines[p] = pipeline
             self._snapshot_at[p] = time.monotonic()
             if offsets:
-                self.buffer.discard(lambda rec, p=p: rec.topic in group and rec.partition == p)
+                self.buffer.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
                 self.consumer.seek(offsets)
-                restored.add(p)
+                restored |= set(offsets)
         gone = [p for p in self.pipelines if p not in assigned]
         if not gone:
             return restored
         for p in gone:
             del self.pipelines[p]
             self._snapshot_at.pop(p, None)
+            self._snapshot_offsets.pop(p, None)
         self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
         log.info("partitions %s moved to another replica of group %r: their state is dropped here", sorted(gone),
                  self.consumer.group)
@@ -367,7 +375,8 @@ class Runner:
         if self.snapshot_every_s is None:
             return self._new_pipeline(), {}
         try:
-            found = self.retry.call("load a snapshot", lambda: self.store.load_snapshot(self.consumer.group, partition))
+            found = self.retry.call("load a snapshot",
+                                    lambda: self._snapshots.load_snapshot(self.consumer.group, partition))
             if found is None:
                 return self._new_pipeline(), {}
             _, _, blob = found
@@ -395,14 +404,15 @@ class Runner:
             if p is None or now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
                 continue
             offsets = {tp: off for tp, off in committed.items() if tp[1] == p and tp in assigned}
-            if not offsets:
-                continue
+            if not offsets or offsets == self._snapshot_offsets.get(p):
+                continue  # nothing committed here since the last one
             blob = dump(pipeline, offsets, shared=self._shared)
             seq = sum(offsets.values())  # commits only move forward: the newest snapshot has the greatest
             ts = pipeline.now_ if math.isfinite(pipeline.now_) else 0.0
-            self.retry.call("save a snapshot", lambda p=p, o=offsets, b=blob, s=seq, t=ts: self.store.save_snapshot(
-                self.consumer.group, p, s, t, o, b))
+            self.retry.call("save a snapshot", lambda p=p, o=offsets, b=blob, s=seq, t=ts:
+                            self._snapshots.save_snapshot(self.consumer.group, p, s, t, o, b))
             self._snapshot_at[p] = now
+            self._snapshot_offsets[p] = offsets
             self.snapshots_total += 1
             self.metrics.snapshots.inc()
             self.metrics.snapshot_bytes.set(len(blob))
@@ -437,9 +447,11 @@ class Runner:
         if polled:
             return False
         lag = self.consumer.lag()
+        if not lag:  # no partition assigned (yet): nothing read to its end (the tables alone do not count)
+            return False
         if self.table is not None:
             lag = {**lag, **self.table.lag()}
-        return bool(lag) and all(behind == 0 for behind in lag.values())
+        return all(behind == 0 for behind in lag.values())
 
     def drain(self) -> None:
         """End of input (a finished replay or demo): release everything held and flush the detectors."""
@@ -456,6 +468,8 @@ class Runner:
         self.consumer.close()
         if self.table is not None:
             self.table.close()
+        if isinstance(self._snapshots, SnapshotTopic):
+            self._snapshots.close()
         self.producer.close()
 
     def __enter__(self) -> Runner:
@@ -731,6 +745,9 @@ def _outbox_row(msg: Finding | Recommendation) -> OutboxRow:
 
 def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
-    offsets = (f"{r.topic}/{r.partition}/{r.offset};"
+    # a step block's steps share its offset and may be released apart (each at its own event time):
+    # the step is part of what a write covers, or a later write of the same block's other steps would
+    # carry the same token and be dropped by the store as a repeat
+    offsets = (f"{r.topic}/{r.partition}/{r.offset}/{r.msg.step if isinstance(r.msg, StepBatch) else ''};"
                for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
     return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])

@@ -88,6 +88,7 @@ class Topic(StrEnum):
     RECOMMENDATIONS = "fh.recommendations"
     DEADLETTER = "fh.deadletter"
     NODESTATE = "fh.nodestate"
+    SNAPSHOTS = "fh.snapshots"
 
 
 class FindingKind(StrEnum):
