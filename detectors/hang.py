@@ -55,7 +55,7 @@ import numpy as np
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
-from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
+from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch, StepBlock
 
 __all__ = ["HangDetector"]
 
@@ -174,6 +174,39 @@ class HangDetector:
                 while len(job.durations) > self.window:
                     job.durations.popleft()
             job.max_step, job.max_step_ts = b.step, b.ts
+
+    def _quiet_block(self, name: str, job: _Job | None, b: StepBlock) -> bool:
+        """Whether ``b``'s steps, one after the other, would neither report nor arm a deadline nor
+        change the step times: then :meth:`_block` folds them in at once."""
+        if job is None or job.interrupted or self._pending(job) or math.isnan(job.progress_ts):
+            return False
+        steps = b.steps
+        if int(steps[-1]) > job.max_step or (steps.size > 1 and not bool((np.diff(steps) > 0).all())):
+            return False
+        return float(b.step_ts.max()) <= job.progress_ts + self.timeout_s(name)
+
+    def _block(self, b: StepBlock) -> None:
+        """:meth:`_batch` of every step of ``b`` in order, for a block :meth:`_quiet_block` accepted
+        (increasing steps, none past the job's newest): one pass over its ranks."""
+        job = self.jobs_[b.job]
+        ranks = np.asarray(b.ranks, dtype=np.int64)
+        job.grow(int(ranks.max()))
+        node = job.node_index.setdefault(b.node, len(job.nodes))
+        if node == len(job.nodes):
+            job.nodes.append(b.node)
+        job.node_of[ranks] = node
+        job.gpu_of[ranks] = np.asarray(b.gpus, dtype=np.int64)
+        before = job.last_step[ranks]
+        last = int(b.steps[-1])
+        newer = before < last
+        if newer.any():  # each rank ends at the last step it had not reached; rows newer for any rank move progress
+            job.last_step[ranks[newer]] = last
+            job.last_ts[ranks[newer]] = float(b.step_ts[-1])
+            moved = b.step_ts[b.steps > before.min()]
+            job.progress_ts = max(job.progress_ts, float(moved.max()))
+            job.reported = False
+            job.deadline = math.nan
+            job.stacks.clear()
 
     def _event(self, e: Event) -> list[Finding]:
         if e.kind not in _STOPS and e.kind is not EventKind.HANG_REPORT:
@@ -297,27 +330,41 @@ class HangDetector:
             raise SchemaError("now", f"expected a finite event time, got {now!r}")
         if alive is not None:
             self.alive_ = alive
-        items: list[tuple[float, int, int, StepBatch | Event]] = [(b.ts, 0, i, b) for i, b in enumerate(batches)]
+        items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
+            (b.ts if type(b) is not StepBlock else float(b.step_ts.min()), 0, i, b) for i, b in enumerate(batches)]
         items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
         out: list[Finding] = []
         for ts, _, _, item in sorted(items, key=lambda x: x[:3]):
-            job = self.jobs_.get(item.job) if item.job is not None else None
-            if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline
-                    and self._advances(job, item)):
-                job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
-                self.clock_ahead_total_ += 1
-            if job is not None:
-                out += self._check(item.job, job, ts)
-            if isinstance(item, StepBatch):
-                if job is not None and self._pending(job) and self._advances(job, item):
-                    if self._behind(job).size or job.stacks:
-                        out += self._report(item.job, job, max(ts, job.deadline), "resumed")
-                    # else a level pause that ended before its grace: nobody to name, nothing to report
-                self._batch(item)
-            else:
-                out += self._event(item)
+            if type(item) is StepBlock:  # a block is its steps in order, at their own times
+                if self._quiet_block(item.job, self.jobs_.get(item.job), item):
+                    self._block(item)
+                else:
+                    for batch in item.split():
+                        out += self._one(batch.ts, batch)
+                continue
+            out += self._one(ts, item)
         for name, job in self.jobs_.items():
             out += self._check(name, job, float(now))
+        return out
+
+    def _one(self, ts: float, item: StepBatch | Event) -> list[Finding]:
+        """One input of :meth:`update`, at its event time ``ts``."""
+        out: list[Finding] = []
+        job = self.jobs_.get(item.job) if item.job is not None else None
+        if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline
+                and self._advances(job, item)):
+            job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
+            self.clock_ahead_total_ += 1
+        if job is not None:
+            out += self._check(item.job, job, ts)
+        if isinstance(item, StepBatch):
+            if job is not None and self._pending(job) and self._advances(job, item):
+                if self._behind(job).size or job.stacks:
+                    out += self._report(item.job, job, max(ts, job.deadline), "resumed")
+                # else a level pause that ended before its grace: nobody to name, nothing to report
+            self._batch(item)
+        else:
+            out += self._event(item)
         return out
 
     @staticmethod

@@ -51,7 +51,7 @@ from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.params import check_number
-from fleethealth.schema import Event, EventKind, Finding, Message, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Finding, Message, StepBatch, StepBlock, Telemetry
 
 __all__ = ["Pipeline", "Output"]
 
@@ -72,8 +72,11 @@ class Output:
     steps: list[tuple[str, float]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     now: float = 0.0
-    refused: list[StepBatch] = field(default_factory=list)
-    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
+    refused: list[StepBatch | StepBlock] = field(default_factory=list)
+    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be
+    stored; a block with any step refused is listed whole, and its accepted steps are in ``kept``."""
+    kept: list[tuple[StepBlock, StepBlock]] = field(default_factory=list)
+    """``(block, accepted)``: the steps of a block in ``refused`` that the assembler accepted (to be stored)."""
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
 
@@ -141,7 +144,8 @@ class Pipeline:
         batches: list[StepBatch] = []
         events: list[Event] = []
         ready: list[Finding] = []
-        refused: list[StepBatch] = []
+        refused: list[StepBatch | StepBlock] = []
+        kept: list[tuple[StepBlock, StepBlock]] = []
         rejected: list[tuple[Message, str]] = []
         markers: list[Event] = []
         for m in messages:
@@ -167,6 +171,8 @@ class Pipeline:
                     self._wait(self._stragglers(step))
                 if self.assembler.refused_:
                     refused.append(m)
+            elif isinstance(m, StepBlock):
+                self._block(m, batches, refused, kept, markers)
             else:
                 events.append(m)
                 if m.kind in _LIFECYCLE and self.lifecycle.observe(m):
@@ -176,8 +182,40 @@ class Pipeline:
             self._wait(self._stragglers(step))
         out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers)
         out.refused = refused
+        out.kept = kept
         out.rejected = rejected
         return out
+
+    def _block(self, m: StepBlock, batches: list, refused: list, kept: list, markers: list[Event]) -> None:
+        """A step block, as its steps in order would be taken one by one: whole (one assembly call, its
+        steps scored as they complete) when the job lifecycle can take it whole, else step by step."""
+        self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
+        self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
+        if self.lifecycle.observe_block(m):
+            batches.append(m)
+            steps, rows = self.assembler.add_block(m)
+            for step in steps:
+                self._wait(self._stragglers(step))
+            if rows:
+                refused.append(m)
+                taken = np.setdiff1d(np.arange(m.steps.size), rows)
+                if taken.size:
+                    kept.append((m, m.take(taken)))
+            return
+        parts: list[StepBatch] = []
+        for b in m.split():
+            if self.lifecycle.observe(b):
+                self.assembler.restart(b.job)
+                markers.append(_restart_marker(b))
+            for step in self.assembler.add(b):
+                self._wait(self._stragglers(step))
+            if not self.assembler.refused_:
+                parts.append(b)
+            batches.append(b)
+        if len(parts) < m.steps.size:
+            refused.append(m)
+            if parts:
+                kept.append((m, StepBlock.of(parts)))
 
     def _over_limit(self, m: Message) -> str | None:
         """Why ``m`` is refused for naming a new job or node beyond the limits, or None."""

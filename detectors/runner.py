@@ -74,7 +74,18 @@ from fleethealth.ids import token as _digest_token
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
 from fleethealth.policy.stage import PolicyStage
-from fleethealth.schema import Action, Event, Finding, Message, Recommendation, StepBatch, Telemetry, Topic, encode
+from fleethealth.schema import (
+    Action,
+    Event,
+    Finding,
+    Message,
+    Recommendation,
+    StepBatch,
+    StepBlock,
+    Telemetry,
+    Topic,
+    encode,
+)
 from fleethealth.store import StoreLike
 
 __all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc"]
@@ -97,7 +108,8 @@ class Conclusions:
     """Events detection derived (``interruption``), stored with the input events."""
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
-    refused: list[StepBatch] = field(default_factory=list)
+    refused: list[StepBatch | StepBlock] = field(default_factory=list)
+    kept: list[tuple[StepBlock, StepBlock]] = field(default_factory=list)
     rejected: list[tuple[Message, str]] = field(default_factory=list)
 
     def extend(self, other: Conclusions) -> None:
@@ -107,6 +119,7 @@ class Conclusions:
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
+        self.kept += other.kept
         self.rejected += other.rejected
 
 
@@ -131,7 +144,7 @@ def conclude(pipeline: Pipeline, policy: PolicyStage, messages: Sequence[Message
         derived_events += tail.events
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       rejected=list(out.rejected))
+                       kept=list(out.kept), rejected=list(out.rejected))
 
 
 class _Metrics:
@@ -199,6 +212,7 @@ class Runner:
         self.consumer = Consumer(bus_dsn, INPUT_TOPICS, group, producer=self.producer,
                                  session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s,
                                  max_ahead_s=max_ahead_s, max_behind_s=max_behind_s)
+        self.consumer.split_blocks = False  # a step block stays one record: assembled and stored whole
         self._stop = threading.Event()
         self.retry = retry if retry is not None else Retry()
         if retry is None:
@@ -336,9 +350,13 @@ class Runner:
             rejected = {id(m) for m, _ in out.rejected}
             ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
-        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
+        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch | StepBlock) and id(r.msg) not in refused]
         events = [*(r.msg for r in ready if isinstance(r.msg, Event)), *out.events]
         where = {id(r.msg): r for r in ready}
+        for block, accepted in out.kept:  # the steps of a partly refused block the assembler took
+            batches.append(accepted)
+            if id(block) in where:
+                where[id(accepted)] = where[id(block)]
 
         def bad_output(msg: Message, exc: BaseException) -> None:
             self.metrics.poisoned.labels("store").inc()
@@ -440,6 +458,11 @@ class Runner:
                 first = self._step_offsets.setdefault((rec.msg.job, rec.msg.step), {})
                 tp = (rec.topic, rec.partition)
                 first[tp] = min(first.get(tp, rec.offset), rec.offset)
+            elif isinstance(rec.msg, StepBlock):
+                tp = (rec.topic, rec.partition)
+                for step in rec.msg.steps.tolist():
+                    first = self._step_offsets.setdefault((rec.msg.job, step), {})
+                    first[tp] = min(first.get(tp, rec.offset), rec.offset)
         still_open = self.pipeline.open_steps()
         self._step_offsets = {k: v for k, v in self._step_offsets.items() if k in still_open}
         held = self.buffer.held(lambda rec: ((rec.topic, rec.partition), rec.offset))
