@@ -239,24 +239,25 @@ class StepAssembler:
         refused: list[int] = []
         steps, stamps = block.steps.tolist(), block.step_ts.tolist()
         mine = self._open_by_job.get(job)
-        oldest = min(min((e.first_ts for e in mine.values()), default=math.inf) if mine else math.inf, min(stamps))
+        oldest = min(min(e.first_ts for e in mine.values()) if mine else math.inf, min(stamps))
         fast = (self._last_ranks.get((job, node)) == block.ranks.tobytes()
                 and oldest + self.timeout_s > max(stamps))
         known = self._ranks_known.setdefault(job, set())
         size, count = -1, 0
+        opened, epoch, jump = self._open, self._epoch, self.max_step_jump
+        done = self._done.get(job, -1)
         for k, step in enumerate(steps):
-            done = self._done.get(job, -1)
-            entry = self._open.get((job, step))
-            if (not fast or step > done + self.max_step_jump
-                    or (entry is None and step <= done)
-                    or (entry is not None and (entry.epoch != self._epoch or node in entry.nodes))):
+            entry = opened.get((job, step))
+            if (not fast or step > done + jump or (entry is None and step <= done)
+                    or (entry is not None and (entry.epoch != epoch or node in entry.nodes))):
                 out += self.add(block.row(k))
                 if self.refused_:
                     refused.append(k)
+                done, epoch = self._done.get(job, -1), self._epoch
                 continue
             if entry is None:
-                entry = self._open[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
-                    [], [], set(), set(), stamps[k], self._epoch)
+                entry = opened[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
+                    [], [], set(), set(), stamps[k], epoch)
             entry.parts.append(block)
             entry.rows.append(k)
             entry.nodes.add(node)
@@ -265,8 +266,9 @@ class StepAssembler:
                 size = len(known)
                 count = len(known.intersection(block.ranks.tolist()))
             entry.covered += count
-            if known and entry.covered >= len(known):
+            if known and entry.covered >= size:
                 out.append(self._emit(job, step, complete=True))
+                done = self._done[job]
         self.refused_ = bool(refused)
         return out, refused
 

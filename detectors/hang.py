@@ -387,16 +387,18 @@ class HangDetector:
         if alive is not None:
             self.alive_ = alive
         items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
-            (b.ts if type(b) is not StepBlock else float(b.step_ts.min()), 0, i, b) for i, b in enumerate(batches)]
+            (b.ts if type(b) is not StepBlock else min(b.step_ts.tolist()), 0, i, b) for i, b in enumerate(batches)]
         items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
         out: list[Finding] = []
         waiting: dict[str, list[StepBlock]] = {}  # per job, blocks taken while it is quiet, folded in at once
+        jobs = self.jobs_
         for ts, _, _, item in sorted(items, key=lambda x: x[:3]):
-            if item.job is not None and item.job in waiting and (
-                    type(item) is not StepBlock or not self._quiet(self.jobs_.get(item.job))):
+            block = type(item) is StepBlock
+            quiet = block and self._quiet(jobs.get(item.job))
+            if not quiet and item.job is not None and item.job in waiting:
                 out += self._blocks(item.job, waiting.pop(item.job))
-            if type(item) is StepBlock:  # a block is its steps in order, at their own times
-                if self._quiet(self.jobs_.get(item.job)):
+            if block:  # a block is its steps in order, at their own times
+                if quiet:
                     waiting.setdefault(item.job, []).append(item)
                 else:
                     for batch in item.split():

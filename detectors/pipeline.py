@@ -189,13 +189,13 @@ class Pipeline:
     def _block(self, m: StepBlock, batches: list, refused: list, kept: list, markers: list[Event]) -> None:
         """A step block, as its steps in order would be taken one by one: whole (one assembly call, its
         steps scored as they complete) when the job lifecycle can take it whole, else step by step."""
-        self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
-        self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
+        ts = m.ts
+        self.clock_[m.node] = max(self.clock_.get(m.node, ts), ts)
+        self.job_seen_[m.job] = max(self.job_seen_.get(m.job, ts), ts)
         if self.lifecycle.observe_block(m):
             batches.append(m)
             steps, rows = self.assembler.add_block(m)
-            for step in steps:
-                self._wait(self._stragglers(step))
+            self._stragglers_many(steps)
             if rows:
                 refused.append(m)
                 taken = np.setdiff1d(np.arange(m.steps.size), rows)
@@ -332,6 +332,31 @@ class Pipeline:
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
         return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+
+    def _stragglers_many(self, steps: list[AssembledStep]) -> None:
+        """:meth:`_stragglers` (and :meth:`_wait`) of each step in order; a run of steps of one job on the
+        same ranks (a block's steps completed together) goes to the detector's ``update_many`` at once."""
+        i = 0
+        while i < len(steps):
+            first = steps[i]
+            j = i + 1
+            while (j < len(steps) and steps[j].job == first.job and steps[j].ranks is first.ranks
+                   and steps[j].groups is None and first.groups is None):
+                j += 1
+            detector = self.stragglers_.get(first.job)
+            if detector is None:
+                detector = self.stragglers_[first.job] = self.straggler()
+            many = getattr(detector, "update_many", None)
+            if j - i > 1 and many is not None:
+                run = steps[i:j]
+                self.steps_total_ += len(run)
+                self.steps_ += [(a.job, a.ts) for a in run]
+                self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
+                                placements=run))
+            else:
+                for step in steps[i:j]:
+                    self._wait(self._stragglers(step))
+            i = j
 
     def _wait(self, findings: list[Finding]) -> None:
         """Hold stragglers until their rack's telemetry catches up (see :meth:`_diagnosable`)."""

@@ -453,17 +453,19 @@ class Runner:
     def _safe_offsets(self, ready: Sequence[Record]) -> dict[Hashable, int]:
         """Per partition, the first offset not to commit: records still held in the buffer, and the
         step batches of steps the pipeline has not concluded (a restart must see them again)."""
+        still_open = self.pipeline.open_steps()
+        open_jobs = {job for job, _ in still_open}
         for rec in ready:
             if isinstance(rec.msg, StepBatch):
                 first = self._step_offsets.setdefault((rec.msg.job, rec.msg.step), {})
                 tp = (rec.topic, rec.partition)
                 first[tp] = min(first.get(tp, rec.offset), rec.offset)
-            elif isinstance(rec.msg, StepBlock):
+            elif isinstance(rec.msg, StepBlock) and rec.msg.job in open_jobs:  # only its steps still open count
                 tp = (rec.topic, rec.partition)
-                for step in rec.msg.steps.tolist():
-                    first = self._step_offsets.setdefault((rec.msg.job, step), {})
-                    first[tp] = min(first.get(tp, rec.offset), rec.offset)
-        still_open = self.pipeline.open_steps()
+                for key in [(rec.msg.job, step) for step in rec.msg.steps.tolist()]:
+                    if key in still_open:
+                        first = self._step_offsets.setdefault(key, {})
+                        first[tp] = min(first.get(tp, rec.offset), rec.offset)
         self._step_offsets = {k: v for k, v in self._step_offsets.items() if k in still_open}
         held = self.buffer.held(lambda rec: ((rec.topic, rec.partition), rec.offset))
         for offsets in self._step_offsets.values():

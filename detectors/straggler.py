@@ -505,6 +505,52 @@ class StragglerDetector(_StepDetector):
             return []
         x = np.log(t)
         z, med, xscale = robust_z(x, g, min_group=self.min_group, min_scale=self.min_scale)
+        return self._score(step, r, x, z, med, xscale, placement)
+
+    def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
+                    groups: np.ndarray | None = None, *, placements: list[Placement] | None = None) -> list[Finding]:
+        """:meth:`update` of each row of ``compute_s`` (shape ``(s, r)``, one row a step of ``steps``, all
+        on the same ``ranks``), in order, with ``placements[k]`` for row ``k``. When the rows need none
+        of :meth:`update`'s per-step care (no groups, every time valid, the steps increasing and new to
+        every rank) the checks and the robust statistics are computed over the whole matrix at once and
+        only the sequential tests run step by step; otherwise each row goes through :meth:`update`."""
+        places = placements if placements is not None else [None] * len(steps)
+        t = np.asarray(compute_s)
+        r = np.asarray(ranks)
+        n = len(steps)
+        fast = (hasattr(self, "capacity_") and groups is None and t.ndim == 2 and t.shape == (n, r.size)
+                and r.ndim == 1 and r.size >= self.min_group and r.dtype.kind in "iu" and t.dtype.kind == "f"
+                and all(type(k) is int for k in steps) and steps[0] >= 0
+                and all(a < b for a, b in zip(steps, steps[1:], strict=False)))
+        if fast:
+            lo, hi = int(r.min()), int(r.max())
+            fast = lo >= 0 and hi <= self.max_rank
+        if fast:
+            self._grow(hi)
+            r = r.astype(np.int64)
+            fast = (bool(np.bincount(r).max() == 1) and bool((self.last_step_[r] < steps[0]).all())
+                    and bool((np.isfinite(t) & (t > 0.0) & (t <= MAX_COMPUTE_S)).all()))
+        if not fast:
+            return [f for k, step in enumerate(steps)
+                    for f in self.update(step, ranks, t[k], groups, placement=places[k])]
+        self.last_step_[r] = steps[-1]
+        self.steps_seen_ += n
+        x = np.log(t.astype(np.float64))
+        med = np.median(x, axis=1)
+        mad = np.median(np.abs(x - med[:, None]), axis=1)
+        scale = np.maximum(MAD_SCALE * mad, self.min_scale)
+        out: list[Finding] = []
+        for k, step in enumerate(steps):
+            m, sc = np.full(r.size, med[k]), np.full(r.size, scale[k])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                z = (x[k] - m) / sc
+            z[~np.isfinite(z)] = np.nan
+            out += self._score(step, r, x[k], z, m, sc, places[k])
+        return out
+
+    def _score(self, step: int, r: np.ndarray, x: np.ndarray, z: np.ndarray, med: np.ndarray, xscale: np.ndarray,
+               placement: Placement | None) -> list[Finding]:
+        """The sequential tests of one step, given its log times ``x`` and their robust statistics."""
         scored = ~np.isnan(z)
         r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
         if r.size == 0:

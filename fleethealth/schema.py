@@ -10,6 +10,7 @@ field: wrong types, NaN or negative times, arrays of unequal length, unknown ver
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -619,7 +620,7 @@ class StepBlock:
     def key(self) -> str:
         return self.job
 
-    @property
+    @functools.cached_property
     def ts(self) -> float:
         """The latest step's completion time (what a drop report or a record timestamp names)."""
         return float(self.step_ts.max())
@@ -958,10 +959,13 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
             obj = orjson.loads(raw) if len(raw) <= MAX_MESSAGE_BYTES else None
         except (orjson.JSONDecodeError, TypeError):
             obj = None
-        if cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
+        if cls is StepBatch and type(obj) is dict and "steps" in obj:
+            if _block_shape_ok(obj):
+                blocks.append((i, obj))
+            else:
+                out[i] = _decode_one(cls, obj)
+        elif cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
             fast.append((i, obj))
-        elif cls is StepBatch and type(obj) is dict and _block_shape_ok(obj):
-            blocks.append((i, obj))
         else:
             out[i] = _decode_one(cls, obj if type(obj) is dict else raw)
     if fast:
@@ -1146,12 +1150,12 @@ def _blocks_columnar(objs: list[dict[str, Any]]) -> list[StepBlock | None]:
     gpu_parts = _split(gpus.astype(np.int16), r_counts)
     ends = np.cumsum(cells).tolist()
     starts = [0, *ends[:-1]]
+    s_list, r_list = s_counts.tolist(), r_counts.tolist()
     for k, (obj, is_bad) in enumerate(zip(objs, bad.tolist(), strict=True)):
         if is_bad:
             out.append(None)
             continue
-        s, r = int(s_counts[k]), int(r_counts[k])
         out.append(StepBlock(job=obj["job"], node=obj["node"], steps=step_parts[k], step_ts=ts_parts[k],
                              ranks=rank_parts[k], gpus=gpu_parts[k],
-                             compute_s=compute[starts[k]:ends[k]].reshape(s, r), groups=groups[k]))
+                             compute_s=compute[starts[k]:ends[k]].reshape(s_list[k], r_list[k]), groups=groups[k]))
     return out

@@ -114,12 +114,14 @@ class Store(NamedQueries):
 
     def _table_types(self, table: str) -> dict[str, str]:
         types = self._types.get(table)
-        if types is None:
-            res = self.query("SELECT name, type FROM system.columns WHERE database = currentDatabase() "
-                             "AND table = {t:String} ORDER BY position", {"t": table})
-            if not res.rows:
+        if types is None:  # every table's at once: one query, not one per table a stream writes
+            res = self.query("SELECT table, name, type FROM system.columns WHERE database = currentDatabase() "
+                             "ORDER BY table, position")
+            for name, column, ch_type in res.rows:
+                self._types.setdefault(name, {})[column] = ch_type
+            types = self._types.get(table)
+            if types is None:
                 raise StoreError(f"no table {table!r} in {self.dsn} (did migrate() run?)")
-            types = self._types[table] = {name: ch_type for name, ch_type in res.rows}
         return types
 
     def migrate(self, directory: str | os.PathLike[str] | None = None) -> list[str]:
