@@ -152,6 +152,7 @@ class StepAssembler:
         self._epoch = 0  # counts resets of rank owners: a step opened since the last one has parts whose
         # ranks no other node owns, which lets the block path skip the rank-overlap check
         self._known_mask: dict[str, np.ndarray] = {}  # job -> whether each rank is in _ranks_known
+        self._oldest: dict[str, float] = {}  # job -> first_ts of its oldest open step (absent: not known)
         self._gathered: tuple[tuple[int, ...], tuple[StepBatch | StepBlock, ...], dict[str, object]] | None = None
         self.late_total = 0
         self.duplicate_total = 0
@@ -214,6 +215,8 @@ class StepAssembler:
         if entry is None:
             entry = self._open[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
                 [], [], set(), set(), batch.ts, self._epoch)
+            if batch.ts < self._oldest.get(job, -math.inf):  # kept only while known (else found when needed)
+                self._oldest[job] = batch.ts
         entry.parts.append(batch)
         entry.rows.append(-1)
         entry.nodes.add(batch.node)
@@ -238,8 +241,11 @@ class StepAssembler:
         out: list[AssembledStep] = []
         refused: list[int] = []
         steps, stamps = block.steps.tolist(), block.step_ts.tolist()
-        mine = self._open_by_job.get(job)
-        oldest = min(min(e.first_ts for e in mine.values()) if mine else math.inf, min(stamps))
+        oldest = self._oldest.get(job)
+        if oldest is None:
+            mine = self._open_by_job.get(job)
+            oldest = self._oldest[job] = min(e.first_ts for e in mine.values()) if mine else math.inf
+        oldest = min(oldest, min(stamps))
         fast = (self._last_ranks.get((job, node)) == block.ranks.tobytes()
                 and oldest + self.timeout_s > max(stamps))
         known = self._ranks_known.setdefault(job, set())
@@ -258,6 +264,8 @@ class StepAssembler:
             if entry is None:
                 entry = opened[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
                     [], [], set(), set(), stamps[k], epoch)
+                if stamps[k] < self._oldest.get(job, -math.inf):
+                    self._oldest[job] = stamps[k]
             entry.parts.append(block)
             entry.rows.append(k)
             entry.nodes.add(node)
@@ -306,6 +314,7 @@ class StepAssembler:
         self._done.pop(job, None)
         self._ranks_known.pop(job, None)
         self._known_mask.pop(job, None)
+        self._oldest.pop(job, None)
         self._drop_owners(job)
         for step in self._open_by_job.pop(job, {}):
             del self._open[(job, step)]
@@ -369,7 +378,10 @@ class StepAssembler:
             "groups": groups,
         }
         if all(type(p) is StepBlock for p in parts):
-            steps = np.stack([p.steps for p in parts]) if len({len(p.steps) for p in parts}) == 1 else None
+            try:
+                steps = np.stack([p.steps for p in parts])
+            except ValueError:  # blocks of different lengths
+                steps = None
             if steps is not None and bool((steps == steps[0]).all()):
                 cols["matrix"] = np.concatenate([p.compute_s for p in parts], axis=1)
                 cols["ts"] = np.max(np.stack([p.step_ts for p in parts]), axis=0).tolist()
@@ -382,6 +394,8 @@ class StepAssembler:
         del mine[step]
         if not mine:
             del self._open_by_job[job]
+        if entry.first_ts <= self._oldest.get(job, -math.inf):
+            del self._oldest[job]  # found again when needed
         self._done[job] = max(self._done.get(job, -1), step)
         parts, rows = entry.parts, entry.rows
         cols = self._gather(parts)

@@ -268,26 +268,24 @@ class LifecycleTracker:
         steps, stamps = block.steps.tolist(), block.step_ts.tolist()
         if min(stamps) < job.run_ts:
             return False
-        top, top_ts = job.top, job.top_ts
-        for step, ts in zip(steps, stamps, strict=True):  # would a step rewind the counter?
-            if top >= 0 and step < top and ts > top_ts + self.rewind_gap_s:
-                return False
+        top, top_ts, gap = job.top, job.top_ts, self.rewind_gap_s
+        durations = []
+        for step, ts in zip(steps, stamps, strict=True):  # the steps in order, unless one rewinds the counter
             if step > top:
+                if top >= 0 and ts > top_ts:
+                    durations.append((ts - top_ts) / (step - top))
                 top, top_ts = step, ts
             elif step == top:
                 top_ts = max(top_ts, ts)
+            elif top >= 0 and ts > top_ts + gap:
+                return False
         if block.node not in job.nodes:
             job.nodes.add(block.node)
             self.node_jobs_.setdefault(block.node, set()).add(block.job)
         job.seen_ts = max(job.seen_ts, max(stamps))
         job.progressed = True
-        for step, ts in zip(steps, stamps, strict=True):
-            if step > job.top:
-                if job.top >= 0 and ts > job.top_ts:
-                    job.durations.append((ts - job.top_ts) / (step - job.top))
-                job.top, job.top_ts = step, ts
-            elif step == job.top:
-                job.top_ts = max(job.top_ts, ts)
+        job.top, job.top_ts = top, top_ts
+        job.durations.extend(durations)
         return True
 
     def _batch(self, b: StepBatch) -> bool:
