@@ -219,10 +219,11 @@ class Pipeline:
 
     def _over_limit(self, m: Message) -> str | None:
         """Why ``m`` is refused for naming a new job or node beyond the limits, or None."""
-        if isinstance(m, StepBatch) and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
+        steps = isinstance(m, StepBatch | StepBlock)
+        if steps and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
             self.over_limit_["jobs"] += 1
             return f"job: {m.job!r} would be job {len(self.job_seen_) + 1}, beyond max_jobs={self.max_jobs}"
-        if isinstance(m, Telemetry | StepBatch) and m.node not in self.clock_ and len(self.clock_) >= self.max_nodes:
+        if (steps or isinstance(m, Telemetry)) and m.node not in self.clock_ and len(self.clock_) >= self.max_nodes:
             self.over_limit_["nodes"] += 1
             return f"node: {m.node!r} would be node {len(self.clock_) + 1}, beyond max_nodes={self.max_nodes}"
         return None

@@ -184,3 +184,18 @@ def test_the_hang_detector_takes_blocks_as_their_steps() -> None:
     found_b += b.update([], [], later)
     assert [f.id for f in found_b] == [f.id for f in found_a]
     assert [f.rank for f in found_a] == [None] and found_a[0].evidence["behind_nodes"] == ["n3"]
+
+
+def test_a_block_naming_a_job_or_node_beyond_the_limits_is_rejected_as_a_batch_would_be() -> None:
+    pipe = Pipeline(max_nodes=2, max_jobs=1)
+    first = StepBlock.of([StepBatch(job="a", step=k, node="n0", ts=T0 + k, ranks=np.arange(4, dtype=np.int32),
+                                    gpus=np.arange(4, dtype=np.int16), compute_s=np.ones(4)) for k in range(3)])
+    other_job = StepBlock(job="b", node="n0", steps=first.steps, step_ts=first.step_ts, ranks=first.ranks,
+                          gpus=first.gpus, compute_s=first.compute_s)
+    out = pipe.feed([first, other_job])
+    assert [(m.job, why.split(":")[0]) for m, why in out.rejected] == [("b", "job")]
+    nodes = [StepBlock(job="a", node=f"n{i}", steps=first.steps + 3, step_ts=first.step_ts + 3,
+                       ranks=first.ranks + 4 * i, gpus=first.gpus, compute_s=first.compute_s) for i in (1, 2)]
+    out = pipe.feed(nodes)
+    assert [(m.node, why.split(":")[0]) for m, why in out.rejected] == [("n2", "node")]
+    assert pipe.over_limit_ == {"jobs": 1, "nodes": 1}
