@@ -116,6 +116,24 @@ class _OpenStep:
     first_ts: float  # event time of the first part
     epoch: int  # the assembler's rank-owner epoch when the step opened
     covered: int = 0  # how many of the job's known ranks the parts hold
+    round: _Round | None = None  # while set, parts, nodes and coverage are the round's (row ``row``)
+    row: int = -1
+
+
+@dataclass(eq=False)
+class _Round:
+    """Open steps of one job that have had exactly the same parts so far: blocks of the same steps,
+    one a node (the usual stream: every node sends the same interval). A block of those steps from
+    another node joins all of them at once; anything else gives each step its own parts again."""
+
+    job: str
+    steps: tuple[int, ...]
+    parts: list[StepBlock]
+    nodes: set[str]
+    covered: int
+    epoch: int
+    attached: int  # steps still open and sharing the round
+    cols: dict[str, object] | None = None
 
 
 def _part_ranks(entry: _OpenStep) -> set[int]:
@@ -153,6 +171,7 @@ class StepAssembler:
         # ranks no other node owns, which lets the block path skip the rank-overlap check
         self._known_mask: dict[str, np.ndarray] = {}  # job -> whether each rank is in _ranks_known
         self._oldest: dict[str, float] = {}  # job -> first_ts of its oldest open step (absent: not known)
+        self._rounds: dict[tuple[str, tuple[int, ...]], _Round] = {}
         self._gathered: tuple[tuple[int, ...], tuple[StepBatch | StepBlock, ...], dict[str, object]] | None = None
         self.late_total = 0
         self.duplicate_total = 0
@@ -198,6 +217,8 @@ class StepAssembler:
         ranks = batch.ranks.tolist()
         known = self._ranks_known.setdefault(job, set())
         entry = self._open.get((job, step))
+        if entry is not None and entry.round is not None:
+            self._own(entry)
         if entry is not None and (batch.node in entry.nodes or not _part_ranks(entry).isdisjoint(ranks)):
             self.duplicate_total += 1
             # a node repeating itself is a replay; ranks another node already reported for this step
@@ -249,11 +270,17 @@ class StepAssembler:
         fast = (self._last_ranks.get((job, node)) == block.ranks.tobytes()
                 and oldest + self.timeout_s > max(stamps))
         known = self._ranks_known.setdefault(job, set())
-        size, count = -1, 0
         opened, epoch, jump = self._open, self._epoch, self.max_step_jump
         done = self._done.get(job, -1)
+        if fast and known.issuperset(block.ranks.tolist()) and max(steps) <= done + jump:
+            whole = self._round(block, steps, stamps, done)
+            if whole is not None:
+                return whole, []
+        size, count = -1, 0
         for k, step in enumerate(steps):
             entry = opened.get((job, step))
+            if entry is not None and entry.round is not None:
+                self._own(entry)
             if (not fast or step > done + jump or (entry is None and step <= done)
                     or (entry is not None and (entry.epoch != epoch or node in entry.nodes))):
                 out += self.add(block.row(k))
@@ -279,6 +306,48 @@ class StepAssembler:
                 done = self._done[job]
         self.refused_ = bool(refused)
         return out, refused
+
+    def _round(self, block: StepBlock, steps: list[int], stamps: list[float], done: int) -> list[AssembledStep] | None:
+        """:meth:`add_block`'s rows all at once, or None where they need one by one: the block joins the
+        open round of its steps (every step still open, none from this node), or opens one (no step
+        open yet, none already concluded). Its ranks are all known and no step times out within it
+        (the caller checked), so each row would be added, counted and, once complete, emitted in order."""
+        job, node = block.job, block.node
+        key = (job, tuple(steps))
+        r = self._rounds.get(key)
+        if r is not None:
+            if r.attached != len(steps) or node in r.nodes or r.epoch != self._epoch:
+                return None
+            r.parts.append(block)
+            r.nodes.add(node)
+        else:
+            mine = self._open_by_job.get(job)
+            if min(steps) <= done or len(set(steps)) != len(steps) or (mine and any(k in mine for k in steps)):
+                return None
+            r = self._rounds[key] = _Round(job, key[1], [block], {node}, 0, self._epoch, len(steps))
+            mine = self._open_by_job.setdefault(job, {})
+            for k, (step, ts) in enumerate(zip(steps, stamps, strict=True)):
+                self._open[(job, step)] = mine[step] = _OpenStep([], [], set(), None, ts, self._epoch, round=r, row=k)
+            if min(stamps) < self._oldest.get(job, -math.inf):
+                self._oldest[job] = min(stamps)
+        r.covered += block.ranks.size
+        known = self._ranks_known[job]
+        if known and r.covered >= len(known):
+            return [self._emit(job, step, complete=True) for step in steps]
+        return []
+
+    def _own(self, entry: _OpenStep) -> None:
+        """Give a step of a round its own parts, nodes and coverage (the round takes no more blocks)."""
+        r = entry.round
+        assert r is not None
+        entry.parts, entry.rows = list(r.parts), [entry.row] * len(r.parts)
+        entry.nodes, entry.covered, entry.ranks, entry.round = set(r.nodes), r.covered, None, None
+        self._leave(r)
+
+    def _leave(self, r: _Round) -> None:
+        r.attached -= 1
+        if r.attached <= 0 and self._rounds.get((r.job, r.steps)) is r:
+            del self._rounds[(r.job, r.steps)]
 
     def flush(self, now: float, *, job: str | None = None) -> list[AssembledStep]:
         """Emit open steps (of ``job``, or of every job) whose first batch is older than ``now - timeout_s``."""
@@ -315,6 +384,7 @@ class StepAssembler:
         self._ranks_known.pop(job, None)
         self._known_mask.pop(job, None)
         self._oldest.pop(job, None)
+        self._rounds = {k: r for k, r in self._rounds.items() if k[0] != job}
         self._drop_owners(job)
         for step in self._open_by_job.pop(job, {}):
             del self._open[(job, step)]
@@ -359,6 +429,8 @@ class StepAssembler:
         known.update(ranks.tolist())
         if len(known) != before:
             for entry in self._open_by_job.get(job, {}).values():
+                if entry.round is not None:
+                    self._own(entry)
                 entry.covered = len(known & _part_ranks(entry))
 
     def _gather(self, parts: list[StepBatch | StepBlock]) -> dict[str, object]:
@@ -397,8 +469,15 @@ class StepAssembler:
         if entry.first_ts <= self._oldest.get(job, -math.inf):
             del self._oldest[job]  # found again when needed
         self._done[job] = max(self._done.get(job, -1), step)
-        parts, rows = entry.parts, entry.rows
-        cols = self._gather(parts)
+        r = entry.round
+        if r is not None:  # blocks of the same steps: its row of their compute times side by side
+            if r.cols is None:
+                r.cols = self._gather(r.parts)
+            cols, parts, rows = r.cols, r.parts, [entry.row]
+            self._leave(r)
+        else:
+            parts, rows = entry.parts, entry.rows
+            cols = self._gather(parts)
         ranks = cols["ranks"]
         self._learn(job, ranks)  # type: ignore[arg-type]
         if "matrix" in cols and rows.count(rows[0]) == len(rows):

@@ -113,7 +113,7 @@ def _block(node: int, steps: list[int], ts0: float, ranks: np.ndarray | None = N
                                    compute_s=np.full(ranks.size, 1.0 + k / 100 + node / 1000)) for k in steps])
 
 
-@pytest.mark.parametrize("case", ["replay", "foreign", "timeout", "jump", "late", "reordered"])
+@pytest.mark.parametrize("case", ["replay", "foreign", "timeout", "jump", "late", "reordered", "misaligned", "newnode"])
 def test_add_block_is_add_of_its_steps_in_order_on_unusual_input(case: str) -> None:
     """Replayed blocks, another node claiming ranks, a block longer than the completeness timeout, an
     implausible step jump, a late node, steps out of order: the same steps, counts and refusals."""
@@ -132,6 +132,11 @@ def test_add_block_is_add_of_its_steps_in_order_on_unusual_input(case: str) -> N
                    _block(1, [7], 0.0)]
     elif case == "reordered":
         blocks += [_block(0, [7, 5, 6], 0.0), _block(1, [6, 5, 7], 0.0)]
+    elif case == "misaligned":  # nodes cut their intervals differently: open steps stop sharing their parts
+        blocks += [_block(0, [5, 6, 7], 0.0), _block(1, [5, 6], 0.0), _block(1, [7, 8], 0.0), _block(0, [8], 0.0)]
+    elif case == "newnode":  # a third node joins: the job's known ranks grow while steps are open
+        blocks += [_block(0, [5, 6], 0.0), _block(1, [5, 6], 0.0), _block(2, [5, 6], 0.0), _block(0, [7, 8], 0.0),
+                   _block(1, [7, 8], 0.0), _block(2, [7, 8], 0.0)]
     a, b = StepAssembler(timeout_s=5.0), StepAssembler(timeout_s=5.0)
     got_a, got_b, refused_a, refused_b = [], [], [], []
     for i, block in enumerate(blocks):
