@@ -1093,7 +1093,7 @@ def _block_shape_ok(obj: dict[str, Any]) -> bool:
         return False
     if groups is not None and (type(groups) is not list or len(groups) != r):
         return False
-    return all(type(row) is list and len(row) == r for row in rows)
+    return set(map(type, rows)) == {list} and set(map(len, rows)) == {r}
 
 
 def _distinct(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
