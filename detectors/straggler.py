@@ -505,7 +505,11 @@ class StragglerDetector(_StepDetector):
             return []
         x = np.log(t)
         z, med, xscale = robust_z(x, g, min_group=self.min_group, min_scale=self.min_scale)
-        return self._score(step, r, x, z, med, xscale, placement)
+        scored = ~np.isnan(z)
+        r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
+        if r.size == 0:
+            return []
+        return self._score(step, r, _as_index(r), lr, med, xscale, placement)
 
     def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
                     groups: np.ndarray | None = None, *, placements: list[Placement] | None = None) -> list[Finding]:
@@ -540,22 +544,16 @@ class StragglerDetector(_StepDetector):
         mad = np.median(np.abs(x - med[:, None]), axis=1)
         scale = np.maximum(MAD_SCALE * mad, self.min_scale)
         out: list[Finding] = []
-        for k, step in enumerate(steps):
-            m, sc = np.full(r.size, med[k]), np.full(r.size, scale[k])
-            with np.errstate(divide="ignore", invalid="ignore"):
-                z = (x[k] - m) / sc
-            z[~np.isfinite(z)] = np.nan
-            out += self._score(step, r, x[k], z, m, sc, places[k])
+        idx = _as_index(r)
+        for k, step in enumerate(steps):  # every rank scored: its time and the step's scale are finite and > 0
+            out += self._score(step, r, idx, x[k] - med[k], np.broadcast_to(med[k], r.shape),
+                               np.broadcast_to(scale[k], r.shape), places[k])
         return out
 
-    def _score(self, step: int, r: np.ndarray, x: np.ndarray, z: np.ndarray, med: np.ndarray, xscale: np.ndarray,
-               placement: Placement | None) -> list[Finding]:
-        """The sequential tests of one step, given its log times ``x`` and their robust statistics."""
-        scored = ~np.isnan(z)
-        r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
-        if r.size == 0:
-            return []
-        idx = _as_index(r)
+    def _score(self, step: int, r: np.ndarray, idx: np.ndarray | slice, lr: np.ndarray, med: np.ndarray,
+               xscale: np.ndarray, placement: Placement | None) -> list[Finding]:
+        """The sequential tests of one step on its scored ranks ``r`` (state index ``idx``), given each
+        rank's log time against its group's median (``lr``), the median and the group's scale."""
         b, v, nb = self.base_[idx], self.base_var_[idx], self.base_n_[idx]
         # each rank's own residual variance; a young rank borrows its group's spread
         young = nb < self.init_steps
