@@ -584,8 +584,8 @@ class Consumer:
                     out.append((None, tp, rec.offset + 1))
                 else:
                     skew = self._skew(msg, rec)
-                    if skew is None and isinstance(msg, schema.StepBlock):  # its earliest step, too
-                        skew = self._skew(msg, rec, float(msg.step_ts.min()))
+                    if skew is None and isinstance(msg, schema.StepBlock) and self.max_behind_s is not None:
+                        skew = self._skew(msg, rec, float(msg.step_ts.min()))  # its earliest step, too
                     if skew is not None:
                         self._dead_letter(rec, skew)
                         out.append((None, tp, rec.offset + 1))
