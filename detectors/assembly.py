@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from fleethealth.schema import StepBatch
+from fleethealth.schema import StepBatch, StepBlock
 
 __all__ = ["EventTimeBuffer", "StepAssembler", "AssembledStep"]
 
@@ -118,10 +118,40 @@ class AssembledStep:
 
 @dataclass
 class _OpenStep:
-    parts: list[StepBatch]
+    parts: list[StepBatch | StepBlock]  # a batch, or a block whose row ``rows[i]`` is this step
+    rows: list[int]  # -1 for a batch
     nodes: set[str]
-    ranks: set[int]
-    covered: int = 0  # how many of the job's known ranks are in ``ranks``
+    ranks: set[int] | None  # None until a check needs it (the block path does not build it)
+    first_ts: float  # event time of the first part
+    epoch: int  # the assembler's rank-owner epoch when the step opened
+    covered: int = 0  # how many of the job's known ranks the parts hold
+    round: _Round | None = None  # while set, parts, nodes and coverage are the round's (row ``row``)
+    row: int = -1
+
+
+@dataclass(eq=False)
+class _Round:
+    """Open steps of one job that have had exactly the same parts so far: blocks of the same steps,
+    one a node (the usual stream: every node sends the same interval). A block of those steps from
+    another node joins all of them at once; anything else gives each step its own parts again."""
+
+    job: str
+    steps: tuple[int, ...]
+    parts: list[StepBlock]
+    nodes: set[str]
+    covered: int
+    epoch: int
+    attached: int  # steps still open and sharing the round
+    cols: dict[str, object] | None = None
+
+
+def _part_ranks(entry: _OpenStep) -> set[int]:
+    """The ranks ``entry``'s parts hold (built once, kept up to date by :meth:`StepAssembler.add`)."""
+    if entry.ranks is None:
+        entry.ranks = set()
+        for part in entry.parts:
+            entry.ranks.update(part.ranks.tolist())
+    return entry.ranks
 
 
 class StepAssembler:
@@ -146,6 +176,12 @@ class StepAssembler:
         self._codes: dict[str, int] = {}  # node name -> code
         self._next_code = 0  # codes are never reused, so forgetting a node cannot alias another
         self._last_ranks: dict[tuple[str, str], bytes] = {}  # (job, node) -> ranks it last reported
+        self._epoch = 0  # counts resets of rank owners: a step opened since the last one has parts whose
+        # ranks no other node owns, which lets the block path skip the rank-overlap check
+        self._known_mask: dict[str, np.ndarray] = {}  # job -> whether each rank is in _ranks_known
+        self._oldest: dict[str, float] = {}  # job -> first_ts of its oldest open step (absent: not known)
+        self._rounds: dict[tuple[str, tuple[int, ...]], _Round] = {}
+        self._gathered: tuple[tuple[int, ...], tuple[StepBatch | StepBlock, ...], dict[str, object]] | None = None
         self.late_total = 0
         self.duplicate_total = 0
         self.implausible_total = 0
@@ -190,7 +226,9 @@ class StepAssembler:
         ranks = batch.ranks.tolist()
         known = self._ranks_known.setdefault(job, set())
         entry = self._open.get((job, step))
-        if entry is not None and (batch.node in entry.nodes or not entry.ranks.isdisjoint(ranks)):
+        if entry is not None and entry.round is not None:
+            self._own(entry)
+        if entry is not None and (batch.node in entry.nodes or not _part_ranks(entry).isdisjoint(ranks)):
             self.duplicate_total += 1
             # a node repeating itself is a replay; ranks another node already reported for this step
             # are a claim the step's owner contradicts: refused, so the store keeps the first report
@@ -201,27 +239,132 @@ class StepAssembler:
             self.refused_ = True
             return []
         if step <= self._done.get(job, -1) and entry is None:
-            self._learn(job, [batch.ranks])  # a late node still tells how many ranks the job has
+            self._learn(job, batch.ranks)  # a late node still tells how many ranks the job has
             self.late_total += 1
             return []
         if entry is None:
-            entry = self._open[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep([], set(), set())
+            entry = self._open[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
+                [], [], set(), set(), batch.ts, self._epoch)
+            if batch.ts < self._oldest.get(job, -math.inf):  # kept only while known (else found when needed)
+                self._oldest[job] = batch.ts
         entry.parts.append(batch)
+        entry.rows.append(-1)
         entry.nodes.add(batch.node)
-        entry.ranks.update(ranks)
+        if entry.ranks is not None:
+            entry.ranks.update(ranks)
         entry.covered += len(known.intersection(ranks))
         out = self.flush(batch.ts, job=job)
         if (job, step) in self._open and known and entry.covered >= len(known):
             out.append(self._emit(job, step, complete=True))
         return out
 
+    def add_block(self, block: StepBlock) -> tuple[list[AssembledStep], list[int]]:
+        """Take one step block: exactly :meth:`add` of its steps in order (``block.row(k)``), without a
+        step batch per step where nothing can differ. Returns the steps completed (and made overdue)
+        and the rows refused (``refused_`` of each row's :meth:`add`).
+
+        The whole-array path needs the node to report the ranks it reported last (so no other node
+        owns them), no step of the job to time out within the block's event-time span, and each row's
+        step to be open or new and plausible and not yet reported by the node; a row that fails one
+        of these goes through :meth:`add`, which counts and refuses as for a batch."""
+        job, node = block.job, block.node
+        out: list[AssembledStep] = []
+        refused: list[int] = []
+        steps, stamps = block.steps.tolist(), block.step_ts.tolist()
+        oldest = self._oldest.get(job)
+        if oldest is None:
+            mine = self._open_by_job.get(job)
+            oldest = self._oldest[job] = min(e.first_ts for e in mine.values()) if mine else math.inf
+        oldest = min(oldest, min(stamps))
+        fast = (self._last_ranks.get((job, node)) == block.ranks.tobytes()
+                and oldest + self.timeout_s > max(stamps))
+        known = self._ranks_known.setdefault(job, set())
+        opened, epoch, jump = self._open, self._epoch, self.max_step_jump
+        done = self._done.get(job, -1)
+        if fast and known.issuperset(block.ranks.tolist()) and max(steps) <= done + jump:
+            whole = self._round(block, steps, stamps, done)
+            if whole is not None:
+                return whole, []
+        size, count = -1, 0
+        for k, step in enumerate(steps):
+            entry = opened.get((job, step))
+            if entry is not None and entry.round is not None:
+                self._own(entry)
+            if (not fast or step > done + jump or (entry is None and step <= done)
+                    or (entry is not None and (entry.epoch != epoch or node in entry.nodes))):
+                out += self.add(block.row(k))
+                if self.refused_:
+                    refused.append(k)
+                done, epoch = self._done.get(job, -1), self._epoch
+                continue
+            if entry is None:
+                entry = opened[(job, step)] = self._open_by_job.setdefault(job, {})[step] = _OpenStep(
+                    [], [], set(), set(), stamps[k], epoch)
+                if stamps[k] < self._oldest.get(job, -math.inf):
+                    self._oldest[job] = stamps[k]
+            entry.parts.append(block)
+            entry.rows.append(k)
+            entry.nodes.add(node)
+            entry.ranks = None
+            if len(known) != size:  # the job's known ranks grew (an emit, a late row): count them again
+                size = len(known)
+                count = len(known.intersection(block.ranks.tolist()))
+            entry.covered += count
+            if known and entry.covered >= size:
+                out.append(self._emit(job, step, complete=True))
+                done = self._done[job]
+        self.refused_ = bool(refused)
+        return out, refused
+
+    def _round(self, block: StepBlock, steps: list[int], stamps: list[float], done: int) -> list[AssembledStep] | None:
+        """:meth:`add_block`'s rows all at once, or None where they need one by one: the block joins the
+        open round of its steps (every step still open, none from this node), or opens one (no step
+        open yet, none already concluded). Its ranks are all known and no step times out within it
+        (the caller checked), so each row would be added, counted and, once complete, emitted in order."""
+        job, node = block.job, block.node
+        key = (job, tuple(steps))
+        r = self._rounds.get(key)
+        if r is not None:
+            if r.attached != len(steps) or node in r.nodes or r.epoch != self._epoch:
+                return None
+            r.parts.append(block)
+            r.nodes.add(node)
+        else:
+            mine = self._open_by_job.get(job)
+            if min(steps) <= done or len(set(steps)) != len(steps) or (mine and any(k in mine for k in steps)):
+                return None
+            r = self._rounds[key] = _Round(job, key[1], [block], {node}, 0, self._epoch, len(steps))
+            mine = self._open_by_job.setdefault(job, {})
+            for k, (step, ts) in enumerate(zip(steps, stamps, strict=True)):
+                self._open[(job, step)] = mine[step] = _OpenStep([], [], set(), None, ts, self._epoch, round=r, row=k)
+            if min(stamps) < self._oldest.get(job, -math.inf):
+                self._oldest[job] = min(stamps)
+        r.covered += block.ranks.size
+        known = self._ranks_known[job]
+        if known and r.covered >= len(known):
+            return [self._emit(job, step, complete=True) for step in steps]
+        return []
+
+    def _own(self, entry: _OpenStep) -> None:
+        """Give a step of a round its own parts, nodes and coverage (the round takes no more blocks)."""
+        r = entry.round
+        assert r is not None
+        entry.parts, entry.rows = list(r.parts), [entry.row] * len(r.parts)
+        entry.nodes, entry.covered, entry.ranks, entry.round = set(r.nodes), r.covered, None, None
+        self._leave(r)
+
+    def _leave(self, r: _Round) -> None:
+        r.attached -= 1
+        if r.attached <= 0 and self._rounds.get((r.job, r.steps)) is r:
+            del self._rounds[(r.job, r.steps)]
+
     def flush(self, now: float, *, job: str | None = None) -> list[AssembledStep]:
         """Emit open steps (of ``job``, or of every job) whose first batch is older than ``now - timeout_s``."""
         if job is not None:
             mine = self._open_by_job.get(job, {})
-            due = [(job, step) for step, entry in mine.items() if entry.parts[0].ts + self.timeout_s <= now]
+            due = [(job, step) for step, entry in mine.items() if entry.first_ts + self.timeout_s <= now]
         else:
-            due = [key for key, entry in self._open.items() if entry.parts[0].ts + self.timeout_s <= now]
+            due = [key for key, entry in self._open.items() if entry.first_ts + self.timeout_s <= now]
         return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
 
     def overdue(self, now: float, timeout_of: Callable[[str], float]) -> list[AssembledStep]:
@@ -231,7 +374,7 @@ class StepAssembler:
         if not self._open:
             return []
         due = [key for key, entry in self._open.items()
-               if entry.parts[0].ts + max(self.timeout_s, timeout_of(key[0])) <= now]
+               if entry.first_ts + max(self.timeout_s, timeout_of(key[0])) <= now]
         return [self._emit(j, s, complete=False) for j, s in sorted(due, key=lambda k: k[1])]
 
     def drain(self) -> list[AssembledStep]:
@@ -248,6 +391,9 @@ class StepAssembler:
         """Drop everything about a job that ended (no batch for a long time)."""
         self._done.pop(job, None)
         self._ranks_known.pop(job, None)
+        self._known_mask.pop(job, None)
+        self._oldest.pop(job, None)
+        self._rounds = {k: r for k, r in self._rounds.items() if k[0] != job}
         self._drop_owners(job)
         for step in self._open_by_job.pop(job, {}):
             del self._open[(job, step)]
@@ -259,12 +405,14 @@ class StepAssembler:
             code = self._codes.pop(node, None)
             if code is None:
                 continue
+            self._epoch += 1
             for owner in self._owner.values():
                 owner[owner == code] = -1
         if nodes:
             self._last_ranks = {k: v for k, v in self._last_ranks.items() if k[1] not in nodes}
 
     def _drop_owners(self, job: str) -> None:
+        self._epoch += 1
         self._owner.pop(job, None)
         for key in [k for k in self._last_ranks if k[0] == job]:
             del self._last_ranks[key]
@@ -273,32 +421,82 @@ class StepAssembler:
         """(job, step) pairs still waiting for batches."""
         return set(self._open)
 
-    def _learn(self, job: str, ranks: list[np.ndarray]) -> None:
+    def _learn(self, job: str, ranks: np.ndarray) -> None:
         """Add ranks to the job's known set; when it grows, recount the coverage of its open steps."""
+        mask = self._known_mask.get(job)
+        top = int(ranks.max()) + 1 if ranks.size else 0
+        if mask is not None and top <= mask.size and mask[ranks].all():
+            return  # the usual case: every rank already known
+        if mask is None or mask.size < top:
+            grown = np.zeros(max(top, 2 * (0 if mask is None else mask.size)), dtype=bool)
+            if mask is not None:
+                grown[:mask.size] = mask
+            mask = self._known_mask[job] = grown
+        mask[ranks] = True
         known = self._ranks_known.setdefault(job, set())
         before = len(known)
-        for arr in ranks:
-            known.update(arr.tolist())
+        known.update(ranks.tolist())
         if len(known) != before:
             for entry in self._open_by_job.get(job, {}).values():
-                entry.covered = len(known & entry.ranks)
+                if entry.round is not None:
+                    self._own(entry)
+                entry.covered = len(known & _part_ranks(entry))
+
+    def _gather(self, parts: list[StepBatch | StepBlock]) -> dict[str, object]:
+        """The columns the parts share whatever their row: ranks, GPUs, nodes, groups, and for blocks
+        of the same steps their compute times side by side (one matrix, a row per step). Kept for the
+        next step, which in a stream of blocks has the same parts."""
+        key = tuple(map(id, parts))
+        if self._gathered is not None and self._gathered[0] == key:
+            return self._gathered[2]
+        groups = None
+        if all(p.groups is not None for p in parts):
+            groups = np.concatenate([p.groups for p in parts])
+        cols: dict[str, object] = {
+            "ranks": np.concatenate([p.ranks for p in parts]),
+            "gpus": np.concatenate([p.gpus for p in parts]),
+            "nodes": np.repeat(np.array([p.node for p in parts], dtype=object), [len(p.ranks) for p in parts]),
+            "groups": groups,
+        }
+        if all(type(p) is StepBlock for p in parts):
+            try:
+                steps = np.stack([p.steps for p in parts])
+            except ValueError:  # blocks of different lengths
+                steps = None
+            if steps is not None and bool((steps == steps[0]).all()):
+                cols["matrix"] = np.concatenate([p.compute_s for p in parts], axis=1)
+                cols["ts"] = np.max(np.stack([p.step_ts for p in parts]), axis=0).tolist()
+        self._gathered = (key, tuple(parts), cols)
+        return cols
 
     def _emit(self, job: str, step: int, *, complete: bool) -> AssembledStep:
-        parts = self._open.pop((job, step)).parts
+        entry = self._open.pop((job, step))
         mine = self._open_by_job[job]
         del mine[step]
         if not mine:
             del self._open_by_job[job]
+        if entry.first_ts <= self._oldest.get(job, -math.inf):
+            del self._oldest[job]  # found again when needed
         self._done[job] = max(self._done.get(job, -1), step)
-        self._learn(job, [b.ranks for b in parts])
-        groups = None
-        if all(b.groups is not None for b in parts):
-            groups = np.concatenate([b.groups for b in parts])
+        r = entry.round
+        if r is not None:  # blocks of the same steps: its row of their compute times side by side
+            if r.cols is None:
+                r.cols = self._gather(r.parts)
+            cols, parts, rows = r.cols, r.parts, [entry.row]
+            self._leave(r)
+        else:
+            parts, rows = entry.parts, entry.rows
+            cols = self._gather(parts)
+        ranks = cols["ranks"]
+        self._learn(job, ranks)  # type: ignore[arg-type]
+        if "matrix" in cols and rows.count(rows[0]) == len(rows):
+            compute = cols["matrix"][rows[0]]  # type: ignore[index]
+            ts = cols["ts"][rows[0]]  # type: ignore[index]
+        else:
+            pairs = list(zip(parts, rows, strict=True))
+            compute = np.concatenate([p.compute_s if k < 0 else p.compute_s[k] for p, k in pairs])
+            ts = max(p.ts if k < 0 else float(p.step_ts[k]) for p, k in pairs)
         return AssembledStep(
-            job=job, step=step, ts=max(b.ts for b in parts),
-            ranks=np.concatenate([b.ranks for b in parts]),
-            gpus=np.concatenate([b.gpus for b in parts]),
-            nodes=np.repeat(np.array([b.node for b in parts], dtype=object), [len(b.ranks) for b in parts]),
-            compute_s=np.concatenate([b.compute_s for b in parts]),
-            groups=groups, complete=complete,
+            job=job, step=step, ts=ts, ranks=ranks, gpus=cols["gpus"], nodes=cols["nodes"],  # type: ignore[arg-type]
+            compute_s=compute, groups=cols["groups"], complete=complete,  # type: ignore[arg-type]
         )

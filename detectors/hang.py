@@ -55,7 +55,7 @@ import numpy as np
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
-from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
+from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch, StepBlock
 
 __all__ = ["HangDetector"]
 
@@ -174,6 +174,95 @@ class HangDetector:
                 while len(job.durations) > self.window:
                     job.durations.popleft()
             job.max_step, job.max_step_ts = b.step, b.ts
+
+    def _quiet(self, job: _Job | None) -> bool:
+        """Whether a job is in the state where a block of its steps can wait for :meth:`_blocks`: known,
+        not interrupted, no deadline armed, progress seen (none of which its own steps can change)."""
+        return job is not None and not job.interrupted and not self._pending(job) and not math.isnan(job.progress_ts)
+
+    def _blocks(self, name: str, blocks: list[StepBlock]) -> list[Finding]:
+        """Fold in ``blocks`` of job ``name`` (consecutive in its input, taken while :meth:`_quiet`), as
+        :meth:`_one` of each step in order would: one pass over all their ranks for each run of blocks
+        whose steps and times increase and neither pass the job's newest step nor its step timeout
+        (then no check can report and the step times do not change), step by step for a block that
+        does not (a job's newest steps), and for every block after one that left the job not quiet."""
+        job = self.jobs_[name]
+        out: list[Finding] = []
+        while blocks:
+            cut = self._foldable(name, job, blocks) if self._quiet(job) else 0
+            if cut:
+                self._fold(job, blocks[:cut])
+            for batch in blocks[cut].split() if cut < len(blocks) else ():
+                out += self._one(batch.ts, batch)
+            blocks = blocks[cut + 1:]
+        return out
+
+    def _foldable(self, name: str, job: _Job, blocks: list[StepBlock]) -> int:
+        """How many leading ``blocks`` :meth:`_fold` may take at once (see :meth:`_blocks`)."""
+        steps = np.concatenate([b.steps for b in blocks])
+        stamps = np.concatenate([b.step_ts for b in blocks])
+        sizes = np.fromiter((b.steps.size for b in blocks), dtype=np.int64, count=len(blocks))
+        ends = np.cumsum(sizes) - 1
+        bad = np.zeros(steps.size, dtype=bool)
+        bad[1:] = (steps[1:] <= steps[:-1]) | (stamps[1:] < stamps[:-1])
+        bad[ends[:-1] + 1] = False  # a block's first step follows another block's last: no order between them
+        wrong = np.add.reduceat(bad, ends - sizes + 1) > 0
+        wrong |= (steps[ends] > job.max_step) | (stamps[ends] > job.progress_ts + self.timeout_s(name))
+        return int(np.argmax(wrong)) if wrong.any() else len(blocks)
+
+    def _fold(self, job: _Job, blocks: list[StepBlock]) -> None:
+        """:meth:`_batch` of every step of ``blocks`` in order, for blocks :meth:`_foldable` accepted: each
+        rank ends at the newest step a block brought it past, a block that moved any rank moves
+        progress to its last step's time."""
+        last = np.fromiter((b.steps[-1] for b in blocks), dtype=np.int64, count=len(blocks))
+        last_ts = np.fromiter((b.step_ts[-1] for b in blocks), dtype=np.float64, count=len(blocks))
+        counts = np.fromiter((b.ranks.size for b in blocks), dtype=np.int64, count=len(blocks))
+        ranks = np.concatenate([b.ranks for b in blocks]).astype(np.int64)
+        if ranks.size == 0:
+            return
+        job.grow(int(ranks.max()))
+        codes = []
+        for b in blocks:
+            node = job.node_index.setdefault(b.node, len(job.nodes))
+            if node == len(job.nodes):
+                job.nodes.append(b.node)
+            codes.append(node)
+        which = np.repeat(np.arange(len(blocks)), counts)
+        steps, stamps = last[which], last_ts[which]
+        gpus = np.concatenate([b.gpus for b in blocks]).astype(np.int64)
+        order = np.lexsort((np.arange(ranks.size), ranks))  # by rank, then input order
+        r, s = ranks[order], steps[order]
+        head = np.ones(r.size, dtype=bool)
+        head[1:] = r[1:] != r[:-1]
+        tail = np.ones(r.size, dtype=bool)
+        tail[:-1] = head[1:]
+        # the running newest step of each rank before each of its reports: its state, then the
+        # maximum over its earlier reports in this call (dense ranks of the steps keep the offsets small)
+        values, dense = np.unique(np.concatenate([s, job.last_step[r]]), return_inverse=True)
+        mine, before = dense[:s.size], dense[s.size:]
+        group = np.cumsum(head) - 1
+        offset = group * (values.size + 1)
+        running = np.maximum.accumulate(mine + offset) - offset  # inclusive, per rank
+        prior = np.empty_like(running)
+        prior[1:] = running[:-1]
+        prior[head] = -1
+        newer = mine > np.maximum(prior, before)
+        last_newer = np.maximum.accumulate(np.where(newer, np.arange(r.size), -1))  # per position, global
+        final = order[last_newer[tail]]  # the report that left each rank at its newest step
+        moved_rank = last_newer[tail] >= np.flatnonzero(head)  # the rank moved at all in this call
+        if moved_rank.any():
+            idx = final[moved_rank]
+            job.last_step[ranks[idx]] = steps[idx]
+            job.last_ts[ranks[idx]] = stamps[idx]
+            moved = np.zeros(len(blocks), dtype=bool)
+            moved[which[order[newer]]] = True
+            job.progress_ts = max(job.progress_ts, float(last_ts[moved].max()))
+            job.reported = False
+            job.deadline = math.nan
+            job.stacks.clear()
+        at = order[tail]  # the last report of each rank names its node and GPU
+        job.node_of[ranks[at]] = np.asarray(codes, dtype=np.int64)[which[at]]
+        job.gpu_of[ranks[at]] = gpus[at]
 
     def _event(self, e: Event) -> list[Finding]:
         if e.kind not in _STOPS and e.kind is not EventKind.HANG_REPORT:
@@ -297,27 +386,49 @@ class HangDetector:
             raise SchemaError("now", f"expected a finite event time, got {now!r}")
         if alive is not None:
             self.alive_ = alive
-        items: list[tuple[float, int, int, StepBatch | Event]] = [(b.ts, 0, i, b) for i, b in enumerate(batches)]
+        items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
+            (b.ts if type(b) is not StepBlock else min(b.step_ts.tolist()), 0, i, b) for i, b in enumerate(batches)]
         items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
         out: list[Finding] = []
+        waiting: dict[str, list[StepBlock]] = {}  # per job, blocks taken while it is quiet, folded in at once
+        jobs = self.jobs_
         for ts, _, _, item in sorted(items, key=lambda x: x[:3]):
-            job = self.jobs_.get(item.job) if item.job is not None else None
-            if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline
-                    and self._advances(job, item)):
-                job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
-                self.clock_ahead_total_ += 1
-            if job is not None:
-                out += self._check(item.job, job, ts)
-            if isinstance(item, StepBatch):
-                if job is not None and self._pending(job) and self._advances(job, item):
-                    if self._behind(job).size or job.stacks:
-                        out += self._report(item.job, job, max(ts, job.deadline), "resumed")
-                    # else a level pause that ended before its grace: nobody to name, nothing to report
-                self._batch(item)
-            else:
-                out += self._event(item)
+            block = type(item) is StepBlock
+            quiet = block and self._quiet(jobs.get(item.job))
+            if not quiet and item.job is not None and item.job in waiting:
+                out += self._blocks(item.job, waiting.pop(item.job))
+            if block:  # a block is its steps in order, at their own times
+                if quiet:
+                    waiting.setdefault(item.job, []).append(item)
+                else:
+                    for batch in item.split():
+                        out += self._one(batch.ts, batch)
+                continue
+            out += self._one(ts, item)
+        for name, blocks in waiting.items():
+            out += self._blocks(name, blocks)
         for name, job in self.jobs_.items():
             out += self._check(name, job, float(now))
+        return out
+
+    def _one(self, ts: float, item: StepBatch | Event) -> list[Finding]:
+        """One input of :meth:`update`, at its event time ``ts``."""
+        out: list[Finding] = []
+        job = self.jobs_.get(item.job) if item.job is not None else None
+        if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline
+                and self._advances(job, item)):
+            job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
+            self.clock_ahead_total_ += 1
+        if job is not None:
+            out += self._check(item.job, job, ts)
+        if isinstance(item, StepBatch):
+            if job is not None and self._pending(job) and self._advances(job, item):
+                if self._behind(job).size or job.stacks:
+                    out += self._report(item.job, job, max(ts, job.deadline), "resumed")
+                # else a level pause that ended before its grace: nobody to name, nothing to report
+            self._batch(item)
+        else:
+            out += self._event(item)
         return out
 
     @staticmethod

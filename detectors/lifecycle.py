@@ -88,7 +88,7 @@ from fleethealth.errors import SchemaError
 from fleethealth.ids import interruption as interruption_id
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.job import ExitStatus, JobExit, JobStart
-from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch
+from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch, StepBlock
 from fleethealth.xid import DRAIN_CODES
 
 __all__ = ["LifecycleTracker"]
@@ -254,6 +254,39 @@ class LifecycleTracker:
         if msg.kind is EventKind.JOB_EXIT and msg.job is not None:
             self._job_exit(msg)
         return False
+
+    def observe_block(self, block: StepBlock) -> bool:
+        """Fold in every step of ``block`` at once, when no step of it can start a new run or touch a
+        stop (the job is known, running, has not exited, and the block neither rewinds the step
+        counter nor is older than the run): exactly :meth:`observe` of its steps in order. Returns
+        False, having changed nothing, when the caller must observe the steps one by one."""
+        if not hasattr(self, "jobs_"):
+            self._start()
+        job = self.jobs_.get(block.job)
+        if job is None or job.stop is not None or job.exit is not None:
+            return False
+        steps, stamps = block.steps.tolist(), block.step_ts.tolist()
+        if min(stamps) < job.run_ts:
+            return False
+        top, top_ts, gap = job.top, job.top_ts, self.rewind_gap_s
+        durations = []
+        for step, ts in zip(steps, stamps, strict=True):  # the steps in order, unless one rewinds the counter
+            if step > top:
+                if top >= 0 and ts > top_ts:
+                    durations.append((ts - top_ts) / (step - top))
+                top, top_ts = step, ts
+            elif step == top:
+                top_ts = max(top_ts, ts)
+            elif top >= 0 and ts > top_ts + gap:
+                return False
+        if block.node not in job.nodes:
+            job.nodes.add(block.node)
+            self.node_jobs_.setdefault(block.node, set()).add(block.job)
+        job.seen_ts = max(job.seen_ts, max(stamps))
+        job.progressed = True
+        job.top, job.top_ts = top, top_ts
+        job.durations.extend(durations)
+        return True
 
     def _batch(self, b: StepBatch) -> bool:
         job = self._job(b.job)

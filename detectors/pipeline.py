@@ -51,7 +51,7 @@ from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.params import check_number
-from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, StepBlock, Telemetry
 
 __all__ = ["Pipeline", "Output"]
 
@@ -72,8 +72,11 @@ class Output:
     steps: list[tuple[str, float]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
     now: float = 0.0
-    refused: list[StepBatch] = field(default_factory=list)
-    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be stored."""
+    refused: list[StepBatch | StepBlock] = field(default_factory=list)
+    """Step batches the assembler refused (implausible step, foreign or contradicted ranks): not to be
+    stored; a block with any step refused is listed whole, and its accepted steps are in ``kept``."""
+    kept: list[tuple[StepBlock, StepBlock]] = field(default_factory=list)
+    """``(block, accepted)``: the steps of a block in ``refused`` that the assembler accepted (to be stored)."""
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
     states: list[NodeState] = field(default_factory=list)
@@ -143,7 +146,8 @@ class Pipeline:
         batches: list[StepBatch] = []
         events: list[Event] = []
         ready: list[Finding] = []
-        refused: list[StepBatch] = []
+        refused: list[StepBatch | StepBlock] = []
+        kept: list[tuple[StepBlock, StepBlock]] = []
         rejected: list[tuple[Message, str]] = []
         markers: list[Event] = []
         states: list[NodeState] = []
@@ -177,6 +181,8 @@ class Pipeline:
                     self._wait(self._stragglers(step))
                 if self.assembler.refused_:
                     refused.append(m)
+            elif isinstance(m, StepBlock):
+                self._block(m, batches, refused, kept, markers)
             elif isinstance(m, Finding):  # a job stage: the node stage's finding (an Xid names a stop's cause)
                 foreign.append(m)
             else:
@@ -188,16 +194,49 @@ class Pipeline:
             self._wait(self._stragglers(step))
         out = self._conclude(ready, telemetry, batches, events, final=False, markers=markers, foreign=foreign)
         out.refused = refused
+        out.kept = kept
         out.rejected = rejected
         out.states = states
         return out
 
+    def _block(self, m: StepBlock, batches: list, refused: list, kept: list, markers: list[Event]) -> None:
+        """A step block, as its steps in order would be taken one by one: whole (one assembly call, its
+        steps scored as they complete) when the job lifecycle can take it whole, else step by step."""
+        ts = m.ts
+        self.clock_[m.node] = max(self.clock_.get(m.node, ts), ts)
+        self.job_seen_[m.job] = max(self.job_seen_.get(m.job, ts), ts)
+        if self.lifecycle.observe_block(m):
+            batches.append(m)
+            steps, rows = self.assembler.add_block(m)
+            self._stragglers_many(steps)
+            if rows:
+                refused.append(m)
+                taken = np.setdiff1d(np.arange(m.steps.size), rows)
+                if taken.size:
+                    kept.append((m, m.take(taken)))
+            return
+        parts: list[StepBatch] = []
+        for b in m.split():
+            if self.lifecycle.observe(b):
+                self.assembler.restart(b.job)
+                markers.append(_restart_marker(b))
+            for step in self.assembler.add(b):
+                self._wait(self._stragglers(step))
+            if not self.assembler.refused_:
+                parts.append(b)
+            batches.append(b)
+        if len(parts) < m.steps.size:
+            refused.append(m)
+            if parts:
+                kept.append((m, StepBlock.of(parts)))
+
     def _over_limit(self, m: Message) -> str | None:
         """Why ``m`` is refused for naming a new job or node beyond the limits, or None."""
-        if isinstance(m, StepBatch) and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
+        steps = isinstance(m, StepBatch | StepBlock)
+        if steps and m.job not in self.job_seen_ and len(self.job_seen_) >= self.max_jobs:
             self.over_limit_["jobs"] += 1
             return f"job: {m.job!r} would be job {len(self.job_seen_) + 1}, beyond max_jobs={self.max_jobs}"
-        if isinstance(m, Telemetry | StepBatch | NodeState) and m.node not in self.clock_ \
+        if (steps or isinstance(m, Telemetry | NodeState)) and m.node not in self.clock_ \
                 and len(self.clock_) >= self.max_nodes:
             self.over_limit_["nodes"] += 1
             return f"node: {m.node!r} would be node {len(self.clock_) + 1}, beyond max_nodes={self.max_nodes}"
@@ -300,6 +339,31 @@ class Pipeline:
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
         return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+
+    def _stragglers_many(self, steps: list[AssembledStep]) -> None:
+        """:meth:`_stragglers` (and :meth:`_wait`) of each step in order; a run of steps of one job on the
+        same ranks (a block's steps completed together) goes to the detector's ``update_many`` at once."""
+        i = 0
+        while i < len(steps):
+            first = steps[i]
+            j = i + 1
+            while (j < len(steps) and steps[j].job == first.job and steps[j].ranks is first.ranks
+                   and steps[j].groups is None and first.groups is None):
+                j += 1
+            detector = self.stragglers_.get(first.job)
+            if detector is None:
+                detector = self.stragglers_[first.job] = self.straggler()
+            many = getattr(detector, "update_many", None)
+            if j - i > 1 and many is not None:
+                run = steps[i:j]
+                self.steps_total_ += len(run)
+                self.steps_ += [(a.job, a.ts) for a in run]
+                self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
+                                placements=run))
+            else:
+                for step in steps[i:j]:
+                    self._wait(self._stragglers(step))
+            i = j
 
     def _wait(self, findings: list[Finding]) -> None:
         """Hold stragglers until their rack's telemetry catches up (see :meth:`_diagnosable`)."""

@@ -90,6 +90,7 @@ from fleethealth.schema import (
     NodeState,
     Recommendation,
     StepBatch,
+    StepBlock,
     Telemetry,
     Topic,
     encode,
@@ -116,7 +117,8 @@ class Conclusions:
     """Events detection derived (``interruption``), stored with the input events."""
     outcomes: list[EvictionOutcome] = field(default_factory=list)
     policy_changed: bool = False
-    refused: list[StepBatch] = field(default_factory=list)
+    refused: list[StepBatch | StepBlock] = field(default_factory=list)
+    kept: list[tuple[StepBlock, StepBlock]] = field(default_factory=list)
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     states: list[NodeState] = field(default_factory=list)
     """Node states to publish on ``fh.nodestate`` (the node stage)."""
@@ -130,6 +132,7 @@ class Conclusions:
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
+        self.kept += other.kept
         self.rejected += other.rejected
 
 
@@ -169,13 +172,13 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
         derived_events += tail.events
     if policy is None:
         return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
-                           rejected=list(out.rejected), states=states)
+                           kept=list(out.kept), rejected=list(out.rejected), states=states)
     decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
     if tail is not None:
         decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       rejected=list(out.rejected), states=states)
+                       kept=list(out.kept), rejected=list(out.rejected), states=states)
 
 
 class _Metrics:
@@ -280,6 +283,7 @@ class Runner:
         self.consumer = Consumer(bus_dsn, group_topics(self.stage), group, producer=self.producer,
                                  session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s,
                                  max_ahead_s=max_ahead_s, max_behind_s=max_behind_s)
+        self.consumer.split_blocks = False  # a step block stays one record: assembled and stored whole
         tables = table_topics(self.stage)
         # the job stage's tables are read whole by every replica, from their start (fh.nodestate is compacted)
         self.table = Consumer(bus_dsn, tables, None, producer=self.producer, client_id=f"{group}-table") \
@@ -578,10 +582,14 @@ class Runner:
             rejected = {id(m) for m, _ in out.rejected}
             ready = [r for r in ready if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
-        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch) and id(r.msg) not in refused]
+        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch | StepBlock) and id(r.msg) not in refused]
         inputs = [r.msg for r in ready if isinstance(r.msg, Event)] if self.stage is not Stage.POLICY else []
         events = [*inputs, *out.events]  # the policy stage's input events are stored by the stage that owns them
         where = {id(r.msg): r for r in ready}
+        for block, accepted in out.kept:  # the steps of a partly refused block the assembler took
+            batches.append(accepted)
+            if id(block) in where:
+                where[id(accepted)] = where[id(block)]
 
         def bad_output(msg: Message, exc: BaseException) -> None:
             self.metrics.poisoned.labels("store").inc()
@@ -703,14 +711,21 @@ class Runner:
     def _safe_offsets(self, ready: Sequence[Record]) -> dict[Hashable, int]:
         """Per partition, the first offset not to commit: records still held in the buffer, and the
         step batches of steps the pipeline has not concluded (a restart must see them again)."""
+        still_open: set[tuple[str, int]] = set()
+        for pipeline in self.pipelines.values():
+            still_open |= pipeline.open_steps()
+        open_jobs = {job for job, _ in still_open}
         for rec in ready:
             if isinstance(rec.msg, StepBatch):
                 first = self._step_offsets.setdefault((rec.msg.job, rec.msg.step), {})
                 tp = (rec.topic, rec.partition)
                 first[tp] = min(first.get(tp, rec.offset), rec.offset)
-        still_open: set[tuple[str, int]] = set()
-        for pipeline in self.pipelines.values():
-            still_open |= pipeline.open_steps()
+            elif isinstance(rec.msg, StepBlock) and rec.msg.job in open_jobs:  # only its steps still open count
+                tp = (rec.topic, rec.partition)
+                for key in [(rec.msg.job, step) for step in rec.msg.steps.tolist()]:
+                    if key in still_open:
+                        first = self._step_offsets.setdefault(key, {})
+                        first[tp] = min(first.get(tp, rec.offset), rec.offset)
         self._step_offsets = {k: v for k, v in self._step_offsets.items() if k in still_open}
         held = self.buffer.held(lambda rec: ((rec.topic, rec.partition), rec.offset))
         for offsets in self._step_offsets.values():

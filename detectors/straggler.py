@@ -509,7 +509,51 @@ class StragglerDetector(_StepDetector):
         r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
         if r.size == 0:
             return []
+        return self._score(step, r, _as_index(r), lr, med, xscale, placement)
+
+    def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
+                    groups: np.ndarray | None = None, *, placements: list[Placement] | None = None) -> list[Finding]:
+        """:meth:`update` of each row of ``compute_s`` (shape ``(s, r)``, one row a step of ``steps``, all
+        on the same ``ranks``), in order, with ``placements[k]`` for row ``k``. When the rows need none
+        of :meth:`update`'s per-step care (no groups, every time valid, the steps increasing and new to
+        every rank) the checks and the robust statistics are computed over the whole matrix at once and
+        only the sequential tests run step by step; otherwise each row goes through :meth:`update`."""
+        places = placements if placements is not None else [None] * len(steps)
+        t = np.asarray(compute_s)
+        r = np.asarray(ranks)
+        n = len(steps)
+        fast = (hasattr(self, "capacity_") and groups is None and t.ndim == 2 and t.shape == (n, r.size)
+                and r.ndim == 1 and r.size >= self.min_group and r.dtype.kind in "iu" and t.dtype.kind == "f"
+                and all(type(k) is int for k in steps) and steps[0] >= 0
+                and all(a < b for a, b in zip(steps, steps[1:], strict=False)))
+        if fast:
+            lo, hi = int(r.min()), int(r.max())
+            fast = lo >= 0 and hi <= self.max_rank
+        if fast:
+            self._grow(hi)
+            r = r.astype(np.int64)
+            fast = (bool(np.bincount(r).max() == 1) and bool((self.last_step_[r] < steps[0]).all())
+                    and bool((np.isfinite(t) & (t > 0.0) & (t <= MAX_COMPUTE_S)).all()))
+        if not fast:
+            return [f for k, step in enumerate(steps)
+                    for f in self.update(step, ranks, t[k], groups, placement=places[k])]
+        self.last_step_[r] = steps[-1]
+        self.steps_seen_ += n
+        x = np.log(t.astype(np.float64))
+        med = np.median(x, axis=1)
+        mad = np.median(np.abs(x - med[:, None]), axis=1)
+        scale = np.maximum(MAD_SCALE * mad, self.min_scale)
+        out: list[Finding] = []
         idx = _as_index(r)
+        for k, step in enumerate(steps):  # every rank scored: its time and the step's scale are finite and > 0
+            out += self._score(step, r, idx, x[k] - med[k], np.broadcast_to(med[k], r.shape),
+                               np.broadcast_to(scale[k], r.shape), places[k])
+        return out
+
+    def _score(self, step: int, r: np.ndarray, idx: np.ndarray | slice, lr: np.ndarray, med: np.ndarray,
+               xscale: np.ndarray, placement: Placement | None) -> list[Finding]:
+        """The sequential tests of one step on its scored ranks ``r`` (state index ``idx``), given each
+        rank's log time against its group's median (``lr``), the median and the group's scale."""
         b, v, nb = self.base_[idx], self.base_var_[idx], self.base_n_[idx]
         # each rank's own residual variance; a young rank borrows its group's spread
         young = nb < self.init_steps

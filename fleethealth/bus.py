@@ -530,6 +530,11 @@ class Consumer:
         self.dead_lettered_total = 0
         self.commit_failed_total = 0
 
+    split_blocks: bool = True
+    """Whether a :class:`~fleethealth.schema.StepBlock` comes out as one record per step (a
+    :class:`~fleethealth.schema.StepBatch` each); a reader that takes blocks whole (the runner)
+    sets it False and gets one record per block."""
+
     def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Block until the group has assigned partitions and their start offsets are known.
 
@@ -599,13 +604,13 @@ class Consumer:
                     out.append((None, tp, rec.offset + 1))
                 else:
                     skew = self._skew(msg, rec)
-                    if skew is None and isinstance(msg, schema.StepBlock):  # its earliest step, too
-                        skew = self._skew(msg, rec, float(msg.step_ts.min()))
+                    if skew is None and isinstance(msg, schema.StepBlock) and self.max_behind_s is not None:
+                        skew = self._skew(msg, rec, float(msg.step_ts.min()))  # its earliest step, too
                     if skew is not None:
                         self._dead_letter(rec, skew)
                         out.append((None, tp, rec.offset + 1))
                         continue
-                    if isinstance(msg, schema.StepBlock):
+                    if isinstance(msg, schema.StepBlock) and self.split_blocks:
                         # one record per step, all at the block's offset; only the last one moves
                         # the position past it, so a poll that stops inside a block commits none of it
                         parts = msg.split()

@@ -10,6 +10,7 @@ field: wrong types, NaN or negative times, arrays of unequal length, unknown ver
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -624,7 +625,7 @@ class StepBlock:
     def key(self) -> str:
         return self.job
 
-    @property
+    @functools.cached_property
     def ts(self) -> float:
         """The latest step's completion time (what a drop report or a record timestamp names)."""
         return float(self.step_ts.max())
@@ -642,6 +643,17 @@ class StepBlock:
         return [StepBatch(job=self.job, step=step, node=self.node, ts=ts, ranks=self.ranks, gpus=self.gpus,
                           compute_s=row, groups=self.groups)
                 for step, ts, row in zip(self.steps.tolist(), self.step_ts.tolist(), self.compute_s, strict=True)]
+
+    def row(self, k: int) -> StepBatch:
+        """Step ``k`` of this block (0-based row) as a :class:`StepBatch` (views of its arrays)."""
+        return StepBatch(job=self.job, step=int(self.steps[k]), node=self.node, ts=float(self.step_ts[k]),
+                         ranks=self.ranks, gpus=self.gpus, compute_s=self.compute_s[k], groups=self.groups)
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> StepBlock:
+        """The block of the given rows only (e.g. the steps a detector accepted), in that order."""
+        rows = np.asarray(rows, dtype=np.intp)
+        return StepBlock(job=self.job, node=self.node, steps=self.steps[rows], step_ts=self.step_ts[rows],
+                         ranks=self.ranks, gpus=self.gpus, compute_s=self.compute_s[rows], groups=self.groups)
 
     def to_obj(self) -> dict[str, Any]:
         obj = {"v": SCHEMA_VERSION, "job": self.job, "steps": self.steps.tolist(), "node": self.node,
@@ -1049,23 +1061,33 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
 
     Each result is the message, or the exception :func:`decode` raises for that value (a
     :class:`SchemaError` naming the field) — returned, not raised, so one bad value does not
-    hide the rest. Results and errors are exactly :func:`decode`'s: step batches are validated
-    columnar over the whole poll (one NumPy pass for ranks, GPUs and compute times), and any value
-    that pass does not accept outright is decoded alone by :func:`decode`.
+    hide the rest. Results and errors are exactly :func:`decode`'s: step batches and step blocks are
+    validated columnar over the whole poll (one NumPy pass for ranks, GPUs and compute times, one for
+    the blocks' steps, times and rows), and any value that pass does not accept outright is decoded
+    alone by :func:`decode`.
     """
     out: list[Any] = [None] * len(raws)
     fast: list[tuple[int, dict[str, Any]]] = []
+    blocks: list[tuple[int, dict[str, Any]]] = []
     for i, raw in enumerate(raws):
         try:
             obj = orjson.loads(raw) if len(raw) <= MAX_MESSAGE_BYTES else None
         except (orjson.JSONDecodeError, TypeError):
             obj = None
-        if cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
+        if cls is StepBatch and type(obj) is dict and "steps" in obj:
+            if _block_shape_ok(obj):
+                blocks.append((i, obj))
+            else:
+                out[i] = _decode_one(cls, obj)
+        elif cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
             fast.append((i, obj))
         else:
             out[i] = _decode_one(cls, obj if type(obj) is dict else raw)
     if fast:
         for (i, obj), msg in zip(fast, _steps_columnar([obj for _, obj in fast]), strict=True):
+            out[i] = msg if msg is not None else _decode_one(cls, obj)
+    if blocks:
+        for (i, obj), msg in zip(blocks, _blocks_columnar([obj for _, obj in blocks]), strict=True):
             out[i] = msg if msg is not None else _decode_one(cls, obj)
     return out
 
@@ -1167,3 +1189,88 @@ def _steps_columnar(objs: list[dict[str, Any]]) -> list[StepBatch | None]:
             StepBatch(job=obj["job"], step=obj["step"], node=obj["node"], ts=float(obj["ts"]), ranks=r, gpus=g,
                       compute_s=c, groups=grp)
             for obj, is_bad, (r, g, c, grp) in zip(objs, bad.tolist(), parts, strict=True)]
+
+
+def _block_shape_ok(obj: dict[str, Any]) -> bool:
+    """The scalar fields of a step block are valid and its arrays are lists of matching lengths (the
+    rows of ``compute_s`` one per step, each one value per rank)."""
+    if type(obj.get("v")) is not int or obj.get("v") != SCHEMA_VERSION:
+        return False
+    job, node, steps, ts = obj.get("job"), obj.get("node"), obj.get("steps"), obj.get("ts")
+    if type(job) is not str or not job or type(node) is not str or not node:
+        return False
+    ranks, gpus, rows, groups = obj.get("ranks"), obj.get("gpus"), obj.get("compute_s"), obj.get("groups")
+    if type(steps) is not list or type(ts) is not list or type(ranks) is not list or type(gpus) is not list \
+            or type(rows) is not list:
+        return False
+    s, r = len(steps), len(ranks)
+    if not 0 < s <= MAX_BLOCK_STEPS or r == 0 or len(ts) != s or len(gpus) != r or len(rows) != s:
+        return False
+    if groups is not None and (type(groups) is not list or len(groups) != r):
+        return False
+    return set(map(type, rows)) == {list} and set(map(len, rows)) == {r}
+
+
+def _distinct(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment (consecutive pieces of ``counts`` elements of ``values``): whether a value repeats."""
+    m = counts.size
+    seg = np.repeat(np.arange(m), counts)
+    order = np.lexsort((values, seg))
+    same = (values[order][1:] == values[order][:-1]) & (seg[order][1:] == seg[order][:-1])
+    bad = np.zeros(m, dtype=bool)
+    bad[seg[order][1:][same]] = True
+    return bad
+
+
+def _blocks_columnar(objs: list[dict[str, Any]]) -> list[StepBlock | None]:
+    """Step blocks from objects :func:`_block_shape_ok` accepted, every check of
+    :meth:`StepBlock.from_obj` done in one NumPy pass per column over all of them; None where one
+    needs :func:`decode` (which names the problem)."""
+    m = len(objs)
+    s_counts = np.fromiter((len(o["steps"]) for o in objs), dtype=np.int64, count=m)
+    r_counts = np.fromiter((len(o["ranks"]) for o in objs), dtype=np.int64, count=m)
+    bad = np.zeros(m, dtype=bool)
+    got = [_column([o[name] for o in objs], counts, dtype, low, high)
+           for name, counts, dtype, low, high in (
+               ("steps", s_counts, np.int64, 0, _INT_MAX), ("ts", s_counts, np.float64, 0.0, MAX_TS),
+               ("ranks", r_counts, np.int64, 0, _I32.max), ("gpus", r_counts, np.int64, 0, _I16_MAX))]
+    cells = s_counts * r_counts
+    rows = _column([row for o in objs for row in o["compute_s"]], np.repeat(r_counts, s_counts), np.float64,
+                   0.0, MAX_COMPUTE_S)
+    if rows is None or any(g is None for g in got):
+        return [None] * m
+    (steps, b1), (ts, b2), (ranks, b3), (gpus, b4) = got  # type: ignore[misc]
+    bad |= b1 | b2 | b3 | b4
+    row_bad = rows[1]
+    if row_bad.any():
+        bad[np.repeat(np.arange(m), s_counts)[row_bad]] = True
+    late = ts >= MAX_TS
+    if late.any():
+        bad[np.repeat(np.arange(m), s_counts)[late]] = True
+    bad |= _distinct(steps, s_counts) | _distinct(ranks, r_counts)
+    groups: list[np.ndarray | None] = [None] * m
+    with_groups = [k for k, o in enumerate(objs) if o.get("groups") is not None]
+    if with_groups:
+        g = _column([objs[k]["groups"] for k in with_groups], r_counts[with_groups], np.int64, _I32.min, _I32.max)
+        if g is None:
+            return [None] * m
+        bad[with_groups] |= g[1]
+        for k, grp in zip(with_groups, _split(g[0].astype(np.int32), r_counts[with_groups]), strict=True):
+            groups[k] = grp
+    compute = rows[0]
+    out: list[StepBlock | None] = []
+    step_parts = _split(steps, s_counts)
+    ts_parts = _split(ts, s_counts)
+    rank_parts = _split(ranks.astype(np.int32), r_counts)
+    gpu_parts = _split(gpus.astype(np.int16), r_counts)
+    ends = np.cumsum(cells).tolist()
+    starts = [0, *ends[:-1]]
+    s_list, r_list = s_counts.tolist(), r_counts.tolist()
+    for k, (obj, is_bad) in enumerate(zip(objs, bad.tolist(), strict=True)):
+        if is_bad:
+            out.append(None)
+            continue
+        out.append(StepBlock(job=obj["job"], node=obj["node"], steps=step_parts[k], step_ts=ts_parts[k],
+                             ranks=rank_parts[k], gpus=gpu_parts[k],
+                             compute_s=compute[starts[k]:ends[k]].reshape(s_list[k], r_list[k]), groups=groups[k]))
+    return out

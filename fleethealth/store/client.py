@@ -18,6 +18,7 @@ import numpy as np
 from fleethealth.errors import StoreError
 from fleethealth.store.columns import prepare
 from fleethealth.store.migrations import migrate
+from fleethealth.store.native import encode_native
 from fleethealth.store.protocol import QueryResult
 from fleethealth.store.queries import NamedQueries
 from fleethealth.store.translate import store_error
@@ -69,7 +70,10 @@ class Store(NamedQueries):
         """Insert columns (name -> NumPy array or sequence, all of one length) in one call.
 
         ``DateTime64`` columns take epoch seconds (float; NaN = null where the column is Nullable).
-        With ``dedup_token``, repeating the same insert stores it once. Returns the row count.
+        With ``dedup_token``, repeating the same insert stores it once. Returns the row count. When
+        every column is a NumPy array (or :class:`~fleethealth.store.columns.Codes`) of a type
+        :func:`~fleethealth.store.native.encode_native` takes, the rows go as one Native block
+        built from the arrays; otherwise through clickhouse-connect's per-column serialisation.
         """
         names = list(columns)
         if not names:
@@ -84,8 +88,15 @@ class Store(NamedQueries):
         unknown = [n for n in names if n not in types]
         if unknown:
             raise StoreError(f"insert into {table}: no column {unknown[0]!r} (columns: {', '.join(types)})")
-        data = [prepare(types[n], columns[n]) for n in names]
         settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+        block = encode_native(columns, types)
+        if block is not None:  # every column an array or Codes of a type the Native writer takes
+            try:
+                self._client.raw_insert(table, names, block, settings=settings, fmt="Native")
+            except Exception as exc:
+                raise store_error(exc, f"insert into {table} failed", self.dsn) from exc
+            return rows
+        data = [prepare(types[n], columns[n]) for n in names]
         context = None
         try:
             context = self._client.create_insert_context(table, names, column_oriented=True, settings=settings)
@@ -103,12 +114,14 @@ class Store(NamedQueries):
 
     def _table_types(self, table: str) -> dict[str, str]:
         types = self._types.get(table)
-        if types is None:
-            res = self.query("SELECT name, type FROM system.columns WHERE database = currentDatabase() "
-                             "AND table = {t:String} ORDER BY position", {"t": table})
-            if not res.rows:
+        if types is None:  # every table's at once: one query, not one per table a stream writes
+            res = self.query("SELECT table, name, type FROM system.columns WHERE database = currentDatabase() "
+                             "ORDER BY table, position")
+            for name, column, ch_type in res.rows:
+                self._types.setdefault(name, {})[column] = ch_type
+            types = self._types.get(table)
+            if types is None:
                 raise StoreError(f"no table {table!r} in {self.dsn} (did migrate() run?)")
-            types = self._types[table] = {name: ch_type for name, ch_type in res.rows}
         return types
 
     def migrate(self, directory: str | os.PathLike[str] | None = None) -> list[str]:

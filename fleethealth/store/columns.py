@@ -18,11 +18,12 @@ import orjson
 
 from fleethealth import schema
 from fleethealth.errors import StoreError
-from fleethealth.schema import GPU_FIELDS, Event, Finding, Recommendation, StepBatch, Telemetry
+from fleethealth.schema import GPU_FIELDS, Event, Finding, Recommendation, StepBatch, StepBlock, Telemetry
 
 __all__ = [
     "telemetry_columns",
     "step_columns",
+    "Codes",
     "event_columns",
     "finding_columns",
     "recommendation_columns",
@@ -69,26 +70,77 @@ def telemetry_columns(samples: Sequence[Telemetry]) -> dict[str, Any]:
     return cols
 
 
-def step_columns(batches: Sequence[StepBatch]) -> dict[str, Any]:
-    """``rank_steps`` columns: one row per rank of each batch (``rank_group`` -1 where none)."""
-    n = len(batches)
-    counts = np.fromiter((b.ranks.size for b in batches), dtype=np.int64, count=n)
-    total = int(counts.sum())
-    if any(b.groups is not None for b in batches):
-        groups = np.concatenate([b.groups if b.groups is not None else np.full(b.ranks.size, -1, dtype=np.int32)
-                                 for b in batches])
-    else:
-        groups = np.full(total, -1, dtype=np.int32)
-    return {
-        "job": np.repeat(np.array([b.job for b in batches], dtype=object), counts),
-        "step": np.repeat(np.fromiter((b.step for b in batches), dtype=np.uint64, count=n), counts),
-        "rank": np.concatenate([b.ranks for b in batches]).astype(np.uint32),
-        "node": np.repeat(np.array([b.node for b in batches], dtype=object), counts),
-        "gpu": np.concatenate([b.gpus for b in batches]).astype(np.uint16),
-        "ts": np.repeat(np.fromiter((b.ts for b in batches), dtype=np.float64, count=n), counts),
-        "compute_s": np.concatenate([b.compute_s for b in batches]).astype(np.float64),
-        "rank_group": groups.astype(np.int32, copy=False),
-    }
+class Codes:
+    """A text column as its distinct values and one code per row (``values[codes[i]]`` is row ``i``):
+    how ``LowCardinality(String)`` is stored, so a writer that knows the column's few values (a job, the
+    nodes of a batch) never builds one Python string per row. :func:`prepare` expands it for a client
+    that wants the rows; :func:`fleethealth.store.native.encode_native` writes it as it is."""
+
+    __slots__ = ("values", "codes")
+
+    def __init__(self, values: Sequence[str], codes: np.ndarray) -> None:
+        self.values = list(values)
+        self.codes = codes
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def rows(self) -> np.ndarray:
+        """One value per row (an object array)."""
+        return np.asarray(self.values, dtype=object)[self.codes] if self.values else np.empty(0, dtype=object)
+
+
+def _codes(names: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """Distinct ``names`` in order of first appearance, and the code of each."""
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(n, len(index)) for n in names), dtype=np.int64, count=len(names))
+    return list(index), codes
+
+
+def step_columns(batches: Sequence[StepBatch | StepBlock]) -> dict[str, Any]:
+    """``rank_steps`` columns: one row per rank of each batch, per step and rank of each block
+    (``rank_group`` -1 where none). Items of one shape (steps, ranks, with or without groups) are
+    stacked into arrays at once, so a poll of blocks costs a few NumPy calls per column, not per block;
+    ``job`` and ``node`` are :class:`Codes`."""
+    shapes: dict[tuple[int, int, bool], list[int]] = {}
+    for i, b in enumerate(batches):
+        s = b.steps.size if type(b) is StepBlock else 1
+        shapes.setdefault((s, b.ranks.size, b.groups is not None), []).append(i)
+    job_values, job_codes = _codes([b.job for b in batches])
+    node_values, node_codes = _codes([b.node for b in batches])
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in
+                                          ("job", "step", "rank", "node", "gpu", "ts", "compute_s", "rank_group")}
+    for (s, r, grouped), members in shapes.items():
+        items = [batches[i] for i in members]
+        m = len(items)
+        if s == 1 and all(type(b) is StepBatch for b in items):
+            steps = np.fromiter((b.step for b in items), dtype=np.uint64, count=m).reshape(m, 1)
+            stamps = np.fromiter((b.ts for b in items), dtype=np.float64, count=m).reshape(m, 1)
+            compute = np.stack([b.compute_s for b in items]).reshape(m, 1, r)
+        else:
+            steps = np.stack([b.steps if type(b) is StepBlock else np.array([b.step]) for b in items]).astype(np.uint64)
+            stamps = np.stack([b.step_ts if type(b) is StepBlock else np.array([b.ts]) for b in items])
+            compute = np.stack([b.compute_s.reshape(-1, r) for b in items])
+        ranks = np.stack([b.ranks for b in items])[:, None, :]
+        gpus = np.stack([b.gpus for b in items])[:, None, :]
+        shape = (m, s, r)
+        parts["job"].append(np.repeat(job_codes[members], s * r))
+        parts["node"].append(np.repeat(node_codes[members], s * r))
+        parts["step"].append(np.repeat(steps, r, axis=1).reshape(-1))
+        parts["ts"].append(np.repeat(stamps.astype(np.float64), r, axis=1).reshape(-1))
+        parts["rank"].append(np.broadcast_to(ranks, shape).astype(np.uint32).reshape(-1))
+        parts["gpu"].append(np.broadcast_to(gpus, shape).astype(np.uint16).reshape(-1))
+        parts["compute_s"].append(compute.astype(np.float64, copy=False).reshape(-1))
+        if grouped:
+            groups = np.stack([b.groups for b in items])[:, None, :]
+            parts["rank_group"].append(np.broadcast_to(groups, shape).astype(np.int32).reshape(-1))
+        else:
+            parts["rank_group"].append(np.full(m * s * r, -1, dtype=np.int32))
+    cols = {name: (np.concatenate(arrs) if len(arrs) != 1 else arrs[0]) if arrs else np.empty(0)
+            for name, arrs in parts.items()}
+    cols["job"] = Codes(job_values, cols["job"])
+    cols["node"] = Codes(node_values, cols["node"])
+    return cols
 
 
 def event_columns(events: Sequence[Event]) -> dict[str, Any]:
@@ -155,6 +207,8 @@ def prepare(ch_type: str, column: Any) -> Any:
     """Fit one column to its ClickHouse type: times in seconds to ticks, text arrays to lists."""
     base = ch_type.removeprefix("LowCardinality(").removeprefix("Nullable(")
     nullable = "Nullable(" in ch_type
+    if isinstance(column, Codes):
+        column = column.rows()
     if base.startswith("DateTime64"):
         return _epoch_ms(column, nullable)
     if isinstance(column, np.ndarray):

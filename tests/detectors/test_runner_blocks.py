@@ -51,11 +51,11 @@ def test_blocks_are_stored_once_per_rank_step_and_the_straggler_in_them_is_found
         with Runner(own_broker.dsn, store, group=f"g-{job}", publish=False, registry=CollectorRegistry(),
                     session_timeout_s=2.0, max_poll_interval_s=2.0, max_records=37) as runner:
             deadline = time.monotonic() + 60
-            while runner.consumer.consumed_total < STEPS * NODES and time.monotonic() < deadline:
+            while runner.consumer.consumed_total < len(blocks) and time.monotonic() < deadline:
                 runner.process_once(0.5)
             runner.process_once(0.2)
             runner.drain()
-            assert runner.consumer.consumed_total == STEPS * NODES  # one record per step of each block
+            assert runner.consumer.consumed_total == len(blocks)  # the runner takes a block as one record
             assert runner.consumer.dead_lettered_total == 0
         rows = store.query("SELECT count(), uniqExact(step, rank) FROM rank_steps FINAL WHERE job = {j:String}",
                            {"j": job}).rows[0]
@@ -91,3 +91,31 @@ def test_a_block_with_one_bad_value_is_dead_lettered_whole_naming_the_field(own_
             letters += [r.msg for r in dead.poll(0.2) if isinstance(r.msg, DeadLetter) and r.msg.key == job]
     [letter] = letters
     assert letter.reason.startswith("compute_s:") and f"step {int(bad.steps[3])}" in letter.reason
+
+
+def test_the_steps_of_a_block_the_assembler_refuses_are_not_stored_and_the_rest_are(own_broker, tmp_path: Path) -> None:
+    """A block whose last step claims a step far beyond the job's (a forged or corrupt counter): that
+    step is refused, the block's other steps are stored and scored."""
+    job = f"part-{uuid.uuid4().hex[:6]}"
+    blocks = _blocks(job)[:8]  # steps 0-19 of the four nodes
+    forged = blocks[-1]
+    steps = forged.steps.copy()
+    steps[-1] = 10**9
+    blocks[-1] = StepBlock(job=job, node=forged.node, steps=steps, step_ts=forged.step_ts, ranks=forged.ranks,
+                           gpus=forged.gpus, compute_s=forged.compute_s)
+    with Producer(own_broker.dsn, event_time_stamps=True) as producer:
+        for block in blocks:
+            producer.publish(block)
+        producer.flush()
+    with open_store(f"chdb://{tmp_path}/store") as store:
+        store.migrate()
+        with Runner(own_broker.dsn, store, group=f"g-{job}", publish=False, registry=CollectorRegistry(),
+                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+            deadline = time.monotonic() + 60
+            while runner.consumer.consumed_total < len(blocks) and time.monotonic() < deadline:
+                runner.process_once(0.5)
+            runner.drain()
+            assert runner.pipeline.assembler.implausible_total == 1 and runner.consumer.dead_lettered_total == 0
+        got = store.query("SELECT step, count() FROM rank_steps FINAL WHERE job = {j:String} GROUP BY step "
+                          "ORDER BY step", {"j": job}).rows
+    assert [tuple(r) for r in got] == [(k, NODES * GPUS) for k in range(19)] + [(19, (NODES - 1) * GPUS)]

@@ -302,3 +302,35 @@ def test_a_step_block_with_one_bad_value_is_rejected_whole_naming_the_field(chan
     assert err.value.field == field
     [got] = schema.decode_many(StepBatch, [orjson.dumps(obj)])
     assert isinstance(got, SchemaError) and got.field == field
+
+
+def test_a_poll_of_step_blocks_decodes_columnar_as_each_alone() -> None:
+    """Blocks of several shapes (with and without groups), some broken, among step batches: the bulk
+    decoder's results are exactly each value's own decode, arrays, dtypes and errors alike."""
+    good = [_block(steps=s, ranks=r, groups=g) for s, r, g in ((3, 4, False), (1, 8, False), (5, 2, True),
+                                                                (3, 4, False))]
+    broken = orjson.loads(schema.encode(_block()))
+    broken["compute_s"][2][1] = True
+    late = orjson.loads(schema.encode(_block()))
+    late["ts"][2] = 5e9
+    twice = orjson.loads(schema.encode(_block()))
+    twice["ranks"][3] = twice["ranks"][0]
+    values = [schema.encode(good[0]), orjson.dumps(broken), schema.encode(good[1].split()[0]),
+              schema.encode(good[1]), orjson.dumps(late), schema.encode(good[2]), orjson.dumps(twice),
+              schema.encode(good[3])]
+    bulk = schema.decode_many(StepBatch, values)
+    for value, got in zip(values, bulk, strict=True):
+        try:
+            alone = schema.decode(StepBatch, value)
+        except SchemaError as exc:
+            assert isinstance(got, SchemaError) and (got.field, got.problem) == (exc.field, exc.problem)
+            continue
+        assert type(got) is type(alone)
+        names = ("steps", "step_ts", "ranks", "gpus", "compute_s", "groups")
+        for name in names if isinstance(alone, schema.StepBlock) else ("ranks", "gpus", "compute_s"):
+            a, b = getattr(alone, name), getattr(got, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()
+    assert [type(x).__name__ for x in bulk] == ["StepBlock", "SchemaError", "StepBatch", "StepBlock", "SchemaError",
+                                                "StepBlock", "SchemaError", "StepBlock"]
