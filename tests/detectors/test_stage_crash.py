@@ -1,0 +1,157 @@
+"""Three replicas of the job stage, one SIGKILLed ten times while the stream flows: every rank-step and
+every finding is in the store once, and a straggler that began before the kills is found with the
+id and at the step the uninterrupted detectors find it.
+
+The real parts: the Tansu broker over TCP, replicas in processes of their own (``_stage_worker.py``)
+in one consumer group, snapshots of each partition's pipeline in chDB. Each replica writes to a
+chDB store of its own (chDB allows one process per data path); what a shared ClickHouse would hold
+is their union, deduplicated by each table's key as its ReplacingMergeTree does.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleethealth.bus import Producer
+from fleethealth.detectors.pipeline import Pipeline
+from fleethealth.schema import FindingKind, StepBatch, StepBlock
+from fleethealth.store import open_store
+
+OWN_BROKER_PARTITIONS = 4
+WORKER = Path(__file__).with_name("_stage_worker.py")
+NODES_PER_JOB, RANKS_PER_NODE, STEPS, CHUNKS = 2, 8, 1000, 10
+SLOW_JOB, SLOW_RANK, SLOW_FROM, SLOW_BY = 0, 5, 250, 1.20
+T0 = 1_767_225_600.0
+
+
+def _jobs() -> list[str]:
+    """One job on each partition (Kafka's default partitioner, as the producer uses)."""
+    from kafka.partitioner.default import murmur2
+
+    names: dict[int, str] = {}
+    k = 0
+    while len(names) < OWN_BROKER_PARTITIONS:
+        name = f"train-{k}"
+        names.setdefault((murmur2(name.encode()) & 0x7FFFFFFF) % OWN_BROKER_PARTITIONS, name)
+        k += 1
+    return [names[p] for p in sorted(names)]
+
+
+def _stream(jobs: list[str]) -> list[list[StepBlock]]:
+    """Per chunk, the step blocks (10 steps of one node) of every job; job 0's rank 5 is 20 % slow from step 250."""
+    rng = np.random.default_rng(11)
+    ranks = NODES_PER_JOB * RANKS_PER_NODE
+    gpus = np.arange(RANKS_PER_NODE, dtype=np.int16)
+    per_chunk = STEPS // CHUNKS
+    chunks: list[list[StepBlock]] = [[] for _ in range(CHUNKS)]
+    for j, job in enumerate(jobs):
+        times = 0.5 * np.exp(0.02 * rng.standard_normal((STEPS, ranks)))
+        if j == SLOW_JOB:
+            times[SLOW_FROM:, SLOW_RANK] *= SLOW_BY
+        for k0 in range(0, STEPS, 10):
+            for n in range(NODES_PER_JOB):
+                lo = n * RANKS_PER_NODE
+                batches = [StepBatch(job=job, step=k, node=f"n{j}{n:03d}", ts=T0 + 0.6 * k,
+                                     ranks=np.arange(lo, lo + RANKS_PER_NODE, dtype=np.int32), gpus=gpus,
+                                     compute_s=times[k, lo:lo + RANKS_PER_NODE]) for k in range(k0, k0 + 10)]
+                chunks[k0 // per_chunk].append(StepBlock.of(batches))
+    return chunks
+
+
+def _reference(chunks: list[list[StepBlock]]) -> dict[str, int]:
+    """The findings (id -> step) of the detectors fed the whole stream in one process, no interruption."""
+    pipeline = Pipeline()
+    found = {}
+    batches = sorted((b for chunk in chunks for block in chunk for b in block.split()), key=lambda b: b.ts)
+    for i in range(0, len(batches), 64):
+        found.update({f.id: f.step for f in pipeline.feed(batches[i:i + 64]).findings})
+    found.update({f.id: f.step for f in pipeline.drain().findings})
+    return found
+
+
+class _Worker:
+    """A replica process and the lines it printed (read by a thread, so the test never blocks on it)."""
+
+    def __init__(self, dsn: str, slot: int, tmp: Path, finish: Path, *last: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(tmp / f"store-{slot}"), "crash-job", "job",
+                                      "0.3", str(finish), *last], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout or ()), daemon=True)
+        self._reader.start()
+
+    def working(self, timeout_s: float) -> None:
+        """Wait until it has read records (it joined the group and got partitions) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(line.startswith("polled") for line in self.lines):
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._reader.join(5)
+
+    def finish(self) -> str:
+        self.proc.wait(180)
+        self._reader.join(5)
+        out = "".join(self.lines)
+        assert self.proc.returncode == 0, out
+        return out
+
+
+@pytest.mark.slow
+def test_three_job_replicas_killed_ten_times_store_each_rank_step_and_finding_once(own_broker, tmp_path: Path):
+    jobs = _jobs()
+    chunks = _stream(jobs)
+    reference = _reference(chunks)
+    stragglers = [fid for fid in reference]
+    assert len(stragglers) == 1, reference  # the slow rank, nothing else
+    finish = tmp_path / "finish"
+    workers = [_Worker(own_broker.dsn, slot, tmp_path, finish) for slot in range(3)]
+    everyone = list(workers)
+    kills = 0
+    with Producer(own_broker.dsn, client_id="crash-test", event_time_stamps=True) as producer:
+        for c, chunk in enumerate(chunks):
+            for block in chunk:
+                producer.publish(block)
+            producer.flush(30.0)
+            victim = c % 3  # every replica is killed, three or four times, whatever partitions it holds then
+            workers[victim].working(20.0)  # (it had joined and read: a kill of a replica that holds partitions)
+            time.sleep(0.8)  # the others go on reading, snapshotting, committing, rebalancing meanwhile
+            workers[victim].kill()
+            kills += 1
+            workers[victim] = _Worker(own_broker.dsn, victim, tmp_path, finish)
+            everyone.append(workers[victim])
+    assert kills == 10
+    finish.touch()
+    outputs = [w.finish() for w in workers]
+    # a replica that finished may have left partitions to one that had finished already: one more replica
+    # reads whatever is left after the last commits (it can see only what no commit passed)
+    last = _Worker(own_broker.dsn, 3, tmp_path, finish, "last")
+    everyone.append(last)
+    outputs.append(last.finish())
+    # partitions were taken over from their snapshots, by replicas killed later or by the last ones
+    assert any(line.startswith("restored") for w in everyone for line in w.lines), outputs
+
+    rank_steps: dict[tuple[str, int, int], float] = {}
+    findings: dict[str, int] = {}
+    for slot in range(4):
+        with open_store(f"chdb://{tmp_path / f'store-{slot}'}") as store:
+            rows = store.query("SELECT job, step, rank, compute_s FROM rank_steps FINAL").rows
+            keys = {(j, int(s), int(r)) for j, s, r, _ in rows}
+            assert len(keys) == len(rows)  # each store: a key once
+            for j, s, r, c in rows:  # across stores (a partition replayed by its next owner): the same row
+                assert rank_steps.setdefault((j, int(s), int(r)), float(c)) == float(c)
+            for f in store.findings():
+                assert f.kind is FindingKind.STRAGGLER and findings.setdefault(f.id, f.step) == f.step
+    ranks = NODES_PER_JOB * RANKS_PER_NODE
+    assert set(rank_steps) == {(job, s, r) for job in jobs for s in range(STEPS) for r in range(ranks)}
+    assert findings == reference  # the same straggler, the same id, found at the same step
