@@ -1148,6 +1148,22 @@ def _column(lists: list[list[Any]], counts: np.ndarray, dtype: type, low: float,
     return arr, bad
 
 
+
+def _group_columns(objs: Sequence[dict[str, Any]], counts: np.ndarray,
+                   bad: np.ndarray) -> list[np.ndarray | None] | None:
+    """Each value's optional ``groups`` (int32, ``counts[k]`` long), read in one pass over those that
+    have one, marking ``bad`` the values with an out-of-range group; None when the pass cannot read them."""
+    groups: list[np.ndarray | None] = [None] * len(objs)
+    with_groups = [k for k, o in enumerate(objs) if o.get("groups") is not None]
+    if with_groups:
+        got = _column([objs[k]["groups"] for k in with_groups], counts[with_groups], np.int64, _I32.min, _I32.max)
+        if got is None:
+            return None
+        bad[with_groups] |= got[1]
+        for k, g in zip(with_groups, _split(got[0].astype(np.int32), counts[with_groups]), strict=True):
+            groups[k] = g
+    return groups
+
 def _split(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     """Views of ``flat`` cut into consecutive pieces of ``counts`` elements."""
     if counts.size and (counts == counts[0]).all():
@@ -1174,15 +1190,9 @@ def _steps_columnar(objs: list[dict[str, Any]]) -> list[StepBatch | None]:
     order = np.lexsort((ranks, seg))
     same = (ranks[order][1:] == ranks[order][:-1]) & (seg[order][1:] == seg[order][:-1])
     bad[seg[order][1:][same]] = True
-    groups: list[np.ndarray | None] = [None] * m
-    with_groups = [k for k, o in enumerate(objs) if o.get("groups") is not None]
-    if with_groups:
-        got = _column([objs[k]["groups"] for k in with_groups], counts[with_groups], np.int64, _I32.min, _I32.max)
-        if got is None:
-            return [None] * m
-        bad[with_groups] |= got[1]
-        for k, g in zip(with_groups, _split(got[0].astype(np.int32), counts[with_groups]), strict=True):
-            groups[k] = g
+    groups = _group_columns(objs, counts, bad)
+    if groups is None:
+        return [None] * m
     parts = zip(_split(ranks.astype(np.int32), counts), _split(gpus.astype(np.int16), counts),
                 _split(compute, counts), groups, strict=True)
     return [None if is_bad else  # decode() names the problem
@@ -1248,15 +1258,9 @@ def _blocks_columnar(objs: list[dict[str, Any]]) -> list[StepBlock | None]:
     if late.any():
         bad[np.repeat(np.arange(m), s_counts)[late]] = True
     bad |= _distinct(steps, s_counts) | _distinct(ranks, r_counts)
-    groups: list[np.ndarray | None] = [None] * m
-    with_groups = [k for k, o in enumerate(objs) if o.get("groups") is not None]
-    if with_groups:
-        g = _column([objs[k]["groups"] for k in with_groups], r_counts[with_groups], np.int64, _I32.min, _I32.max)
-        if g is None:
-            return [None] * m
-        bad[with_groups] |= g[1]
-        for k, grp in zip(with_groups, _split(g[0].astype(np.int32), r_counts[with_groups]), strict=True):
-            groups[k] = grp
+    groups = _group_columns(objs, r_counts, bad)
+    if groups is None:
+        return [None] * m
     compute = rows[0]
     out: list[StepBlock | None] = []
     step_parts = _split(steps, s_counts)

@@ -126,7 +126,37 @@ def test_decode_accepts_a_parsed_object_and_text() -> None:
 
 
 def test_every_topic_but_deadletter_has_a_type() -> None:
-    assert set(schema.TOPIC_TYPES) == set(Topic) - {Topic.DEADLETTER}
+    # fh.snapshots carries detector snapshots as opaque blobs (fleethealth.detectors.snapshot), not messages
+    assert set(schema.TOPIC_TYPES) == set(Topic) - {Topic.DEADLETTER, Topic.SNAPSHOTS}
+
+
+def test_a_node_state_round_trips_and_a_bad_one_names_its_field() -> None:
+    from fleethealth.detectors.nodestate import node_state
+    from fleethealth.schema import NicPorts, NodeState, Telemetry
+
+    def sample(ts: float, tx: float) -> Telemetry:
+        nic = NicPorts.from_columns(["mlx5_0/1"], ["ib"], tx_bytes=[tx], rx_bytes=[0.0], xmit_wait=[0.0],
+                                    link_gbps=[400.0], up=[1.0], link_downed=[0.0])
+        return Telemetry.from_columns("n1", "r1", ts, [0, 1], temp_c=[61.0, float("nan")],
+                                      slowdown_temp_c=[87.0, 87.0], clock_reasons=[0.0, 32.0], nic=nic,
+                                      nvlink_crc_flit=[0.0, 0.0])
+    state = node_state(sample(11.0, 25e9), sample(10.0, 0.0), baseline_temp_c=60.5)
+    assert state.nic_port_util[0] == pytest.approx(0.5) and not state.nic_port_down[0]
+    back = schema.decode(NodeState, schema.encode(state))
+    for name in (*NodeState.GPU_ARRAYS, "reports", "gpu", "nic_port_util", "nic_port_wait", "nic_port_down"):
+        assert np.array_equal(getattr(back, name), getattr(state, name), equal_nan=True), name
+    assert (back.node, back.rack, back.ts, back.baseline_temp_c, back.nic_port) == ("n1", "r1", 11.0, 60.5,
+                                                                                     ("mlx5_0/1",))
+    bad = orjson.loads(schema.encode(state))
+    bad["reports"] = [True]
+    with pytest.raises(SchemaError) as err:
+        schema.decode(NodeState, orjson.dumps(bad))
+    assert err.value.field == "reports"
+    bad = orjson.loads(schema.encode(state))
+    bad["nic"]["util"] = [-1.0]
+    with pytest.raises(SchemaError) as err:
+        schema.decode(NodeState, orjson.dumps(bad))
+    assert err.value.field == "nic.util"
 
 
 # ---------------------------------------------------------------- validation errors
