@@ -103,7 +103,7 @@ def _published_scenario(dsn: str, job: str, steps: int) -> tuple[dict[tuple[int,
 
 def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(own_broker: EmbeddedBroker,
                                                                                tmp_path: Path) -> None:
-    """Kill the runner (SIGKILL, no cleanup) at five random points, restart it in the same consumer
+    """Kill the runner (SIGKILL, no cleanup) at three random points, restart it in the same consumer
     group each time, let the last one finish: every published (job, step, rank) row is in
     ``rank_steps`` exactly once, with the value that was published; telemetry and events likewise.
 
@@ -121,7 +121,7 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
     group = _uid("crash-group")
     rng = random.Random(20261129)
     polled_total = kills = 0
-    for _ in range(5):
+    for _ in range(3):  # (test_stage_crash.py kills three replicas of a stage ten times)
         worker = _Worker(own_broker.dsn, store_dir, group, max_records=25)
         got = worker.wait_for(lambda line: line.startswith("polled ") and line != "polled 0", timeout_s=30.0)
         assert got is not None and got != "<eof>", f"the runner made no progress: {worker.seen[-5:]}"
@@ -136,7 +136,7 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
     assert final.wait_for(lambda line: line == "done", timeout_s=60.0) == "done", final.seen[-5:]
     assert final.proc.wait(timeout=10) == 0
     polled_total += final.polled
-    assert kills == 5
+    assert kills == 3
     published = len(expected) // 4 + gpu_rows // 4 + n_events  # 4 ranks / GPUs per message
     assert polled_total > published, "no record was delivered twice: the kills never interrupted a batch"
 
