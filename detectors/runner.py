@@ -34,7 +34,9 @@ timeline stamp the broker timestamp with the event time, :class:`fleethealth.bus
 
 A crash anywhere replays from the last commit: rows already written are rewritten with the same
 keys, so after merges (or with ``FINAL``) each (job, step, rank) is in the store exactly once.
-Detector state lives in memory and restarts empty; findings keep stable ids.
+The whole-tier runner's detector state lives in memory and restarts empty; findings keep stable
+ids. A node or job stage snapshots each partition's pipeline with the offsets it committed and
+restores it when the partition is assigned (see ``_snapshot`` / ``_restore``).
 
 Nothing decided is lost between store and bus: the outbox row of a finding or recommendation is
 written before the policy state that remembers the decision, and a runner publishes every pending
