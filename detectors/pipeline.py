@@ -157,17 +157,14 @@ class Pipeline:
             if why is not None:
                 rejected.append((m, why))
                 continue
-            if isinstance(m, Telemetry):
-                telemetry.append(m)
+            if isinstance(m, Telemetry | NodeState):  # a sample, or (a job stage) the node stage's state of it
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
-                states += self.diagnoser.observe((m,))
-                if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
-                    ready += self._diagnosable(final=False)
-            elif isinstance(m, NodeState):  # a job stage: the node stage's published state
-                self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
-                self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
-                self.diagnoser.apply((m,))
+                if isinstance(m, Telemetry):
+                    telemetry.append(m)
+                    states += self.diagnoser.observe((m,))
+                else:
+                    self.diagnoser.apply((m,))
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
