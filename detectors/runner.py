@@ -511,12 +511,18 @@ class Runner:
         for rec in ready:
             if rec.topic in group and rec.partition not in self.pipelines:
                 self.pipelines[rec.partition] = self._new_pipeline()
+        routed: dict[int | None, list[Record]] = {p: [] for p in self.pipelines}
+        for rec in ready:  # one pass, event-time order kept: a table record goes to every pipeline
+            if rec.topic in group:
+                routed[rec.partition].append(rec)
+            else:
+                for part in routed.values():
+                    part.append(rec)
         out, kept = Conclusions(), []
-        for partition, pipeline in list(self.pipelines.items()):
-            mine = [r for r in ready if r.topic not in group or r.partition == partition]
+        for partition, mine in routed.items():
             if not mine and not final:
                 continue
-            part, done = self._conclude_part(pipeline, mine, final)
+            part, done = self._conclude_part(self.pipelines[partition], mine, final)
             out.extend(part)
             kept += [r for r in done if r.topic in group]
         return out, kept
@@ -564,7 +570,7 @@ class Runner:
         bad: set[int] = set()
 
         def write(part: Sequence[Message], path: str) -> None:
-            insert(part, dedup_token=derived(what + path, token))
+            insert(part, dedup_token=derived(what + path, _rows_token(part, token)))
 
         def refuse(row: Message, exc: BaseException) -> None:
             bad.add(id(row))
@@ -760,11 +766,20 @@ def _outbox_row(msg: Finding | Recommendation) -> OutboxRow:
     return (msg.TOPIC.value, msg.id, msg.key, float(msg.ts), encode(msg).decode())
 
 
+def _rows_token(rows: Sequence[Message], token: str) -> str:
+    """One insert's deduplication token: the write's ``token`` and, for step records, the steps each
+    carries. Offsets alone do not name what is written: a block's steps share its offset, a split
+    block's parts are released apart, and a block partly refused once may be taken whole when read
+    again — each a different set of rows under the same offsets, which the store must not drop as
+    a repeat of the first."""
+    steps = [f"{m.job}/{m.node}/{m.step}" if isinstance(m, StepBatch) else
+             f"{m.job}/{m.node}/{','.join(map(str, m.steps.tolist()))}"
+             for m in rows if isinstance(m, StepBatch | StepBlock)]
+    return _digest_token([token, *steps]) if steps else token
+
+
 def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
-    # a step block's steps share its offset and may be released apart (each at its own event time):
-    # the step is part of what a write covers, or a later write of the same block's other steps would
-    # carry the same token and be dropped by the store as a repeat
-    offsets = (f"{r.topic}/{r.partition}/{r.offset}/{r.msg.step if isinstance(r.msg, StepBatch) else ''};"
+    offsets = (f"{r.topic}/{r.partition}/{r.offset};"
                for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
     return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])
