@@ -137,7 +137,7 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
             producer.flush(30.0)
             victim = c % 3  # every replica is killed, three or four times, whatever partitions it holds then
             workers[victim].working(20.0)  # (it had joined and read: a kill of a replica that holds partitions)
-            time.sleep(0.4)  # the others go on reading, snapshotting, committing, rebalancing meanwhile
+            time.sleep(0.8)  # the others go on reading, snapshotting, committing, rebalancing meanwhile
             workers[victim].kill()
             kills += 1
             workers[victim] = _Worker(dsn, victim, tmp_path, finish)
