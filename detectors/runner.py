@@ -780,6 +780,7 @@ def _rows_token(rows: Sequence[Message], token: str) -> str:
 
 def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
-    offsets = (f"{r.topic}/{r.partition}/{r.offset};"
+    # a split block's steps share its offset and are released apart: a record is its offset and step
+    offsets = (f"{r.topic}/{r.partition}/{r.offset}/{r.msg.step if isinstance(r.msg, StepBatch) else ''};"
                for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
     return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])
