@@ -17,10 +17,11 @@ Every setting is a :class:`Key` with a dotted name (``detect.straggler.clip``, `
     clip = 5.0
 
 The file is TOML (read with the standard library's ``tomllib``), or YAML when its name ends in
-``.yaml`` / ``.yml``. A key's environment variable is ``FLEETHEALTH_`` and its name in capitals with
-dots as underscores (``FLEETHEALTH_DETECT_STRAGGLER_CLIP``), unless the key names another (``node.name``
-is ``$FLEETHEALTH_NODE``, as it always was). Flags are the commands' own plus ``--set KEY=VALUE``.
-A key the schema does not know, in the file or in ``--set``, is an error that names it and the
+``.yaml`` / ``.yml``. Every key's environment variable is ``FLEETHEALTH_`` and its name in capitals
+with dots as underscores (``FLEETHEALTH_DETECT_STRAGGLER_CLIP``, ``FLEETHEALTH_PROBE_DCGM_HOST``); a
+few keys also answer to an older short alias (``node.name`` to ``$FLEETHEALTH_NODE``). Flags are the
+commands' own plus ``--set KEY=VALUE``. A key the schema does not know, in the file, in ``--set`` or
+as a ``FLEETHEALTH_*`` variable (other than :data:`ENV_NOT_KEYS`), is an error that names it and the
 keys that are known; so is a value of the wrong type.
 
 This module knows no detector or policy: the commands build the :class:`Schema` from the
@@ -31,6 +32,7 @@ with where each value came from (``fleethealth config show``); its TOML form is 
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import os
@@ -49,6 +51,14 @@ __all__ = ["Key", "Schema", "Settings", "keys_from_signature", "read_file", "COM
 
 CONFIG_ENV = "FLEETHEALTH_CONFIG"
 """The environment variable naming the config file when no ``--config`` is given."""
+
+ENV_NOT_KEYS: dict[str, str] = {
+    CONFIG_ENV: "the config file when no --config is given",
+    "FLEETHEALTH_API_TOKEN": "serve's bearer token for write endpoints (a secret: never a config key)",
+    "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` sends it (a secret)",
+    "FLEETHEALTH_JOB": "the training job's id, read by the in-job library",
+}
+"""``FLEETHEALTH_*`` variables that are not configuration keys, and what reads each."""
 DEFAULT_SOURCE = "default"
 
 _KINDS = {"bool": bool, "int": int, "float": float, "str": str, "floats": tuple}
@@ -60,7 +70,9 @@ _FALSE = {"0", "false", "no", "off"}
 class Key:
     """One setting: dotted ``name``, ``kind`` (``bool``, ``int``, ``float``, ``str`` or ``floats``,
     a list of numbers), ``default``, whether None is allowed (``optional``), allowed ``choices``,
-    and its environment variable (``env``; derived from the name when empty)."""
+    and its environment variable. Every key answers to ``FLEETHEALTH_`` and its name in capitals with
+    dots as underscores; ``env`` names an older alias a key also answers to (``node.name`` is also
+    ``$FLEETHEALTH_NODE``). Both set at once, with different values, is an error."""
 
     name: str
     kind: str
@@ -74,7 +86,17 @@ class Key:
         if self.kind not in _KINDS:
             raise ValueError(f"config key {self.name}: unknown kind {self.kind!r}")
         if not self.env:
-            object.__setattr__(self, "env", "FLEETHEALTH_" + re.sub(r"[^A-Za-z0-9]", "_", self.name).upper())
+            object.__setattr__(self, "env", self.canonical_env)
+
+    @property
+    def canonical_env(self) -> str:
+        """``FLEETHEALTH_`` and the name in capitals, dots (and anything else) as underscores."""
+        return "FLEETHEALTH_" + re.sub(r"[^A-Za-z0-9]", "_", self.name).upper()
+
+    @property
+    def envs(self) -> tuple[str, ...]:
+        """Every environment variable this key answers to: the canonical name, then its alias."""
+        return tuple(dict.fromkeys((self.canonical_env, self.env)))
 
     @property
     def section(self) -> str:
@@ -185,6 +207,20 @@ class Schema:
             known = "known: " + ", ".join(top + [f"[{t}]" for t in tables])
         raise ConfigError(f"unknown config key {name!r} ({where}); {known}")
 
+    def check_environ(self, env: Mapping[str, str]) -> None:
+        """A :class:`ConfigError` for a ``FLEETHEALTH_*`` variable that is neither a key's nor one
+        of :data:`ENV_NOT_KEYS` (a mistyped variable would otherwise be ignored in silence)."""
+        known = {var for key in self.keys.values() for var in key.envs} | set(ENV_NOT_KEYS)
+        unknown = sorted(var for var in env if var.startswith("FLEETHEALTH_") and var not in known)
+        if unknown:
+            hints = []
+            for var in unknown:
+                close = difflib.get_close_matches(var, sorted(known), n=1)
+                hints.append(f"{var} (did you mean {close[0]}?)" if close else var)
+            raise ConfigError("unknown environment variable" + ("s " if len(unknown) > 1 else " ")
+                              + ", ".join(hints) + "; `fleethealth config show` lists every key, and its "
+                              "variable is FLEETHEALTH_ and the key in capitals with dots as underscores")
+
     def load(self, *, file: str | Path | None = None, environ: Mapping[str, str] | None = None,
              flags: Mapping[str, tuple[str, Any]] | None = None, sets: Iterable[str] = ()) -> Settings:
         """The effective settings: defaults, then ``file`` (else ``$FLEETHEALTH_CONFIG``), then the
@@ -199,10 +235,15 @@ class Schema:
             for name, value in _flatten(read_file(path)).items():
                 values[name] = self.key(name, where).coerce(value, where)
                 sources[name] = where
+        self.check_environ(env)
         for name, key in self.keys.items():
-            if key.env in env:
-                where = f"env {key.env}"
-                values[name] = key.parse(env[key.env], where)
+            given = [var for var in key.envs if var in env]
+            if len(given) > 1 and env[given[0]] != env[given[1]]:
+                raise ConfigError(f"{name} is set twice with different values: {given[0]}={env[given[0]]!r} "
+                                  f"and {given[1]}={env[given[1]]!r}; keep one")
+            if given:
+                where = f"env {given[0]}"
+                values[name] = key.parse(env[given[0]], where)
                 sources[name] = where
         for name, (flag, value) in (flags or {}).items():
             if value is None:

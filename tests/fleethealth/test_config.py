@@ -84,6 +84,48 @@ def test_existing_environment_variables_keep_their_names(monkeypatch) -> None:
     assert (s["node.name"], s["node.rack"], s["probe.socket"]) == ("gpu-017", "r07", "/tmp/fh.sock")
 
 
+def test_every_key_answers_to_its_canonical_variable(monkeypatch) -> None:
+    """The documented rule holds for every key, also those with an older alias."""
+    keys = schema().keys.values()
+    for key in keys:
+        assert key.envs[0] == "FLEETHEALTH_" + key.name.upper().replace(".", "_")
+    monkeypatch.setenv("FLEETHEALTH_PROBE_DCGM_HOST", "dcgm.gpu-operator.svc:5555")
+    monkeypatch.setenv("FLEETHEALTH_NODE_NAME", "gpu-017")
+    monkeypatch.setenv("FLEETHEALTH_PROBE_SOCKET", "/tmp/fh.sock")
+    s = _settings(["probe"])
+    assert (s["probe.dcgm_host"], s["node.name"], s["probe.socket"]) == (
+        "dcgm.gpu-operator.svc:5555", "gpu-017", "/tmp/fh.sock")
+    assert s.sources["probe.dcgm_host"] == "env FLEETHEALTH_PROBE_DCGM_HOST"
+    monkeypatch.setenv("FLEETHEALTH_NODE", "gpu-018")  # the alias, with another value
+    with pytest.raises(ConfigError, match="node.name is set twice.*FLEETHEALTH_NODE_NAME.*FLEETHEALTH_NODE"):
+        _settings(["probe"])
+
+
+def test_a_mistyped_environment_variable_is_an_error_with_a_hint(monkeypatch) -> None:
+    monkeypatch.setenv("FLEETHEALTH_POLICY_FLEET_NODE", "100")
+    with pytest.raises(ConfigError, match=r"FLEETHEALTH_POLICY_FLEET_NODE \(did you mean "
+                                          r"FLEETHEALTH_POLICY_FLEET_NODES\?\)"):
+        _settings(["detect"])
+    monkeypatch.delenv("FLEETHEALTH_POLICY_FLEET_NODE")
+    for var in ("FLEETHEALTH_API_TOKEN", "FLEETHEALTH_READ_TOKEN", "FLEETHEALTH_JOB"):
+        monkeypatch.setenv(var, "x")  # not keys, but known: no error
+    assert _settings(["detect"])["policy.fleet_nodes"] == 0
+
+
+def test_every_fleethealth_variable_the_code_reads_is_known(source_modules) -> None:
+    """A variable read anywhere in the source is a key's, an alias or one of ENV_NOT_KEYS, so the
+    unknown-variable check cannot refuse something fleethealth itself uses."""
+    import re
+
+    from fleethealth.config import ENV_NOT_KEYS
+
+    known = {var for key in schema().keys.values() for var in key.envs} | set(ENV_NOT_KEYS)
+    read = set()
+    for path in source_modules.values():
+        read |= set(re.findall(r"FLEETHEALTH_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    assert read - known == set()
+
+
 def test_unknown_keys_are_an_error_naming_the_key_and_the_known_ones(tmp_path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[detect.straggler]\nclipp = 5.0\n")
@@ -172,6 +214,14 @@ def test_config_get_prints_one_value_and_resolves_the_node_name(monkeypatch, cap
     monkeypatch.setenv("FLEETHEALTH_NODE", "n0042")
     assert main(["config", "get", "node.name"]) == 0
     assert capsys.readouterr().out.strip() == "n0042"
+
+
+def test_a_closed_pipe_ends_the_command_without_a_traceback() -> None:
+    """``fleethealth config show --json | head -c 10``: the reader leaves early; no BrokenPipe trace."""
+    out = subprocess.run(f"{sys.executable} -m fleethealth config show --json | head -c 10",
+                         shell=True, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert len(out.stdout) == 10 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
 
 
 def test_python_dash_m_fleethealth_help_exits_0() -> None:
