@@ -4,6 +4,7 @@
 #
 #   BOOTSTRAP=kafka-0:9093 COMMAND_CONFIG=/etc/kafka/admin.properties deploy/kafka/acls.sh
 #   deploy/kafka/acls.sh --dry-run        # print the kafka-acls.sh commands, run nothing
+#   deploy/kafka/acls.sh --help           # this text
 #
 # The cluster needs an authorizer (KRaft: authorizer.class.name=org.apache.kafka.metadata.authorizer.
 # StandardAuthorizer) and allow.everyone.if.no.acl.found=false, so a principal with no ACL here can do
@@ -17,7 +18,14 @@ KAFKA_ACLS=${KAFKA_ACLS:-kafka-acls.sh}
 BOOTSTRAP=${BOOTSTRAP:-localhost:9093}
 PROBE_USERS=${PROBE_USERS:-fh-probe-gpu}
 DRY_RUN=0
-[[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+case "${1:-}" in
+  "") ;;
+  --dry-run) DRY_RUN=1 ;;
+  -h|--help)  # the header above, and nothing run
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0 ;;
+  *) echo "acls.sh: unknown argument ${1} (try --help)" >&2; exit 2 ;;
+esac
 
 # acl PRINCIPAL RESOURCE-TYPE NAME OPERATION...
 acl() {
@@ -55,7 +63,9 @@ done
 acl fh-act topic fh.recommendations Read Describe
 acl fh-act topic fh.events Write Describe
 acl fh-act topic fh.deadletter Write Describe
-acl fh-act group fh-act-kubernetes Read Describe
+for group in fh-act-kubernetes fh-act-slurm; do   # act --scheduler kubernetes | slurm
+  acl fh-act group "$group" Read Describe
+done
 
 # the sweep: self-test results
 acl fh-sweep topic fh.events Write Describe

@@ -45,7 +45,8 @@ EXPECTED = {
     "fh-act": {("topic", Topic.RECOMMENDATIONS.value): {"Read", "Describe"},
                ("topic", Topic.EVENTS.value): {"Write", "Describe"},
                ("topic", Topic.DEADLETTER.value): {"Write", "Describe"},
-               ("group", "fh-act-kubernetes"): {"Read", "Describe"}},
+               ("group", "fh-act-kubernetes"): {"Read", "Describe"},
+               ("group", "fh-act-slurm"): {"Read", "Describe"}},
     "fh-sweep": {("topic", Topic.EVENTS.value): {"Write", "Describe"}},
 }
 _OPERATIONS = {"Read", "Write", "Create", "Delete", "Alter", "Describe", "ClusterAction", "AlterConfigs",
@@ -193,3 +194,20 @@ def test_the_plain_kafka_script_grants_what_the_kafka_users_grant(docs):
     per_node = _script_grants({"PROBE_USERS": "node-n0001 node-n0002"})
     assert per_node["node-n0001"] == per_node["node-n0002"] == EXPECTED["fh-probe-gpu"]
     assert "fh-probe-gpu" not in per_node
+
+
+def test_the_script_help_runs_nothing():
+    """``acls.sh --help`` prints its usage and runs no kafka-acls.sh (a stand-in that records any call
+    is first on PATH); an unknown argument is refused."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        called = Path(tmp) / "called"
+        stub = Path(tmp) / "kafka-acls.sh"
+        stub.write_text(f"#!/bin/sh\necho called >> {called}\n")
+        stub.chmod(0o755)
+        env = {"PATH": f"{tmp}:/usr/bin:/bin"}
+        out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30, env=env)
+        assert out.returncode == 0 and "--dry-run" in out.stdout and not called.exists(), out
+        bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30, env=env)
+        assert bad.returncode == 2 and "unknown argument" in bad.stderr and not called.exists()
