@@ -314,3 +314,35 @@ def test_every_image_is_one_of_the_dockerfiles_targets(rendered):
             command = {"fleethealth-probe": "probe", "fleethealth-sweep": "sweep"}.get(name)
             if command and container["name"] != "dgram-queue":
                 assert target_of[image] == command, f"{tree}: {name} runs the {target_of[image]} image"
+
+
+def _policy_writers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Deployments whose container runs the policy: ``serve`` with its detector runner (stage all
+    unless set otherwise), or ``detect`` at stage all or policy."""
+    parser = build_parser()
+    writers = {}
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            argv = [a.replace("$(NODE_NAME)", "n0001") for a in (c.get("args") or c.get("command", [])[1:])]
+            args = parser.parse_args(argv)
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            stage = getattr(args, "stage", None) or env.get("FLEETHEALTH_DETECT_STAGE") or "all"
+            runs_detector = args.command == "detect" or (args.command == "serve" and not args.no_detect)
+            if runs_detector and stage in {"all", "policy"}:
+                writers[d["metadata"]["name"]] = d
+    return writers
+
+
+def test_policy_state_has_one_writer(rendered):
+    """Breaker, rate limits and rack memory are saved under one key: a second replica running the
+    policy would act on its own half of the inputs and overwrite the other's state, so guards could
+    act twice. Every tree runs the policy in exactly one replica, replaced with Recreate."""
+    tree, docs = rendered
+    writers = _policy_writers(docs)
+    assert len(writers) == 1, f"{tree}: policy runs in {sorted(writers)}"
+    for name, d in writers.items():
+        assert d["spec"].get("replicas", 1) == 1, f"{tree}: {name} runs the policy in {d['spec']['replicas']} replicas"
+        assert d["spec"].get("strategy", {}).get("type") == "Recreate", \
+            f"{tree}: {name} must be replaced with Recreate (a rolling update runs two policy writers)"
