@@ -367,6 +367,9 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("node.naming", "str", "short", "host name rule when node.name is empty: short or fqdn",
         choices=("short", "fqdn")),
     Key("node.rack", "str", "unknown", "this node's rack (the probe)", env="FLEETHEALTH_RACK"),
+    Key("log.level", "str", "info", "log level of every long-running command (probe, detect, serve, act)",
+        choices=("debug", "info", "warning", "error")),
+    Key("log.format", "str", "text", "log lines as text or one JSON object each", choices=("text", "json")),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),
@@ -406,10 +409,6 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.sysfs_root", "str", "/", "root whose sys/class/infiniband and sys/class/net hold the NIC counters",
         env="FLEETHEALTH_SYSFS_ROOT"),
     Key("probe.no_nic", "bool", False, "do not read NIC counters"),
-    Key("probe.log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"),
-        env="FLEETHEALTH_LOG_LEVEL"),
-    Key("probe.log_format", "str", "text", "log lines as text or one JSON object each", choices=("text", "json"),
-        env="FLEETHEALTH_LOG_FORMAT"),
     Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
     Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
     Key("probe.steps_per_message", "int", 100, "most steps of one job completed in an interval that one fh.steps "

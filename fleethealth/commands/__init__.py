@@ -68,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # a reader gone before the last write shows here, not at exit
+        return code
     except FleetHealthError as exc:
         print(f"fleethealth {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -80,6 +80,15 @@ def add_setting(p: argparse.ArgumentParser, flag: str, key: str, *, store_true: 
     p.set_defaults(settings_flags=table)
 
 
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` (config keys ``log.level``, ``log.format``), for every
+    long-running command; its ``run`` calls :func:`fleethealth.probe.logs.configure_logging`."""
+    add_setting(p, "--log-level", "log.level", choices=("debug", "info", "warning", "error"),
+                help="log level (default $FLEETHEALTH_LOG_LEVEL, else info)")
+    add_setting(p, "--log-format", "log.format", choices=("text", "json"),
+                help="log lines as text or one JSON object each (default $FLEETHEALTH_LOG_FORMAT, else text)")
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     """``--config FILE`` and ``--set KEY=VALUE`` (repeatable)."""
     p.add_argument("--config", metavar="FILE", default=None,

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fleethealth.commands._common import require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
 
 __all__ = ["add"]
 
@@ -36,12 +36,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_setting(p, "--in-cluster", "act.in_cluster", store_true=True, help="use the pod's service account")
     add_setting(p, "--idle-exit", "act.idle_exit", type=float, metavar="S",
                 help="exit after S seconds without a new recommendation (default: run until stopped)")
+    add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
     import time
     from pathlib import Path
 
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.schema import Topic
 
     s = load_settings(args)
+    from fleethealth.probe.logs import configure_logging
+
+    configure_logging(s["log.level"], s["log.format"])
     scheduler = s["act.scheduler"]
     if scheduler is None:
         raise ConfigError("no scheduler: give --scheduler slurm|kubernetes or config key act.scheduler")
@@ -59,7 +62,6 @@ def run(args: argparse.Namespace) -> int:
     max_age_s = s["act.max_age_s"]
     if max_age_s < 0:
         raise ConfigError(f"--max-age-s must be >= 0 (0 = no bound), got {max_age_s:g}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     adapter = (SlurmAdapter() if scheduler == "slurm"
                else KubernetesAdapter(kubeconfig=s["act.kubeconfig"], in_cluster=s["act.in_cluster"]))
     group = s["act.group"] or f"fh-act-{scheduler}"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleethealth.commands._common import open_store_at, require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
 
 if TYPE_CHECKING:
     from fleethealth.config import Settings
@@ -54,6 +54,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--until-caught-up", action="store_true",
                    help="batch mode: once every assigned partition is read to its end, conclude what is held "
                         "(open steps, undiagnosed findings), write and commit it, and exit 0")
+    add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
 
@@ -128,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.detectors.runner import tune_gc
 
     settings = load_settings(args)
+    from fleethealth.probe.logs import configure_logging
+
+    configure_logging(settings["log.level"], settings["log.format"])
     kafka = require_bus(settings["kafka"], "no bus: give --kafka DSN, config key kafka or FLEETHEALTH_KAFKA")
     store_dsn = require_bus(settings["store"], "no store: give --store DSN, config key store or FLEETHEALTH_STORE")
     # SIGTERM (a pod stopping) ends the loop in order; Ctrl-C interrupts at once (exit 130)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fleethealth.commands._common import require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
 
 __all__ = ["add"]
 
@@ -45,10 +45,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="root whose sys/class/infiniband and sys/class/net hold the NIC counters "
                      "(default $FLEETHEALTH_SYSFS_ROOT, else /)")
     add_setting(p, "--no-nic", "probe.no_nic", store_true=True, help="do not read NIC counters")
-    add_setting(p, "--log-level", "probe.log_level", choices=("debug", "info", "warning", "error"),
-                help="log level (default $FLEETHEALTH_LOG_LEVEL, else info)")
-    add_setting(p, "--log-format", "probe.log_format", choices=("text", "json"),
-                help="log lines as text or one JSON object each (default $FLEETHEALTH_LOG_FORMAT, else text)")
+    add_log_flags(p)
     add_setting(p, "--stall-timeout", "probe.stall_timeout_s", type=float, metavar="S",
                 help="a source call slower than this is reported as telemetry_stalled")
     add_setting(p, "--step-timeout", "probe.step_timeout_s", type=float, metavar="S",
@@ -72,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.probe.logs import configure_logging
 
     s = load_settings(args)
-    configure_logging(s["probe.log_level"], s["probe.log_format"])
+    configure_logging(s["log.level"], s["log.format"])
     kafka = require_bus(s["kafka"], "--kafka DSN is required (or set FLEETHEALTH_KAFKA)")
     node = node_name(s["node.name"], naming=s["node.naming"])
     interval, source_name = s["probe.interval_s"], s["probe.source"]

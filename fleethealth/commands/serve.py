@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fleethealth.commands._common import embedded_store_dsn, open_store_at, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
 
 __all__ = ["add"]
 
@@ -35,6 +35,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                      "reads the store); for a trial on 127.0.0.1 only")
     add_setting(p, "--no-detect", "serve.no_detect", store_true=True,
                 help="serve the API only; run no detector runner")
+    add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
 
@@ -67,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.commands.detect import build_runner
 
     settings = load_settings(args)
+    from fleethealth.probe.logs import configure_logging
+
+    configure_logging(settings["log.level"], settings["log.format"])
     token = _api_token(settings["serve.token_file"])
     read_token = _api_token(settings["serve.read_token_file"], flag="--read-token-file", env="FLEETHEALTH_READ_TOKEN")
     open_reads = bool(settings["serve.open_reads"])

@@ -113,7 +113,7 @@ def test_cli_flags_and_env(monkeypatch) -> None:
     monkeypatch.setenv("FLEETHEALTH_LOG_FORMAT", "json")
     monkeypatch.setenv("FLEETHEALTH_DCGM_HOST", "nvidia-dcgm:5555")
     s = load_settings(build_parser().parse_args(["probe", "--log-level", "debug"]))
-    assert (s["probe.log_level"], s["probe.log_format"], s["probe.dcgm_host"]) == ("debug", "json", "nvidia-dcgm:5555")
+    assert (s["log.level"], s["log.format"], s["probe.dcgm_host"]) == ("debug", "json", "nvidia-dcgm:5555")
     assert s["probe.sysfs_root"] == "/" and not s["probe.no_nic"] and not s["probe.dcgm_exporter_compat"]
 
 
