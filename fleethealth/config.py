@@ -391,6 +391,12 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("act.max_age_s", "float", 1800.0, "record but do not act on recommendations older than this; 0 = no bound"),
     Key("act.kubeconfig", "str", None, "kubeconfig file (none: ~/.kube/config)", optional=True),
     Key("act.in_cluster", "bool", False, "use the pod's service account"),
+    Key("act.drain_force", "bool", False, "a Kubernetes drain also evicts pods no controller manages "
+        "(kubectl drain --force); without it such a pod makes the drain refuse"),
+    Key("act.drain_delete_emptydir_data", "bool", False, "a Kubernetes drain also evicts pods with emptyDir "
+        "volumes (kubectl drain --delete-emptydir-data); without it such a pod makes the drain refuse"),
+    Key("act.drain_skip_namespaces", "str", "kube-system", "comma-separated namespaces whose pods a "
+        "Kubernetes drain leaves running"),
     Key("act.idle_exit", "float", None, "exit after this many seconds without a new recommendation", optional=True),
     # probe
     Key("probe.source", "str", "nvml", "telemetry source", choices=("dcgm", "nvml", "sim")),

@@ -12,8 +12,14 @@ Two operations, named by what they do:
 ``drain``
     ``cordon`` (taint value ``drain``), then an Eviction (``POST .../pods/{pod}/eviction``, policy/v1)
     for every pod on the node except DaemonSet pods (their controller would put them straight back),
-    mirror (static) pods and pods already finished or terminating, with ``grace_period_s`` (default:
-    each pod's own ``terminationGracePeriodSeconds``, as ``kubectl drain`` does). The Eviction API
+    mirror (static) pods, pods already finished or terminating and pods in ``skip_namespaces``
+    (default ``kube-system``), with ``grace_period_s`` (default: each pod's own
+    ``terminationGracePeriodSeconds``, as ``kubectl drain`` does). As ``kubectl drain`` does, a pod no
+    controller manages (it would be gone for good) and a pod with ``emptyDir`` data (lost with it)
+    make the whole drain refuse, evicting nothing, unless ``force`` / ``delete_emptydir_data`` allow
+    them (``kubectl drain --force`` / ``--delete-emptydir-data``; config keys ``act.drain_force``,
+    ``act.drain_delete_emptydir_data``): the node stays cordoned and :class:`DrainRefused` names the
+    pods and the option. The Eviction API
     honours PodDisruptionBudgets: a 429 means "not now", and the pod is tried again every
     ``pdb_retry_s`` until ``drain_timeout_s``; a pod still protected then is reported and the drain
     raises :class:`DrainIncomplete` (the node stays cordoned; the recommendation is tried again later).
@@ -59,7 +65,8 @@ from typing import Any
 from fleethealth.adapters.base import LeftAlone, SchedulerError, UnknownNode, check_node_name, clean_reason
 from fleethealth.schema import Action, Recommendation
 
-__all__ = ["KubernetesAdapter", "Operation", "DrainIncomplete", "DEFAULT_OPERATIONS", "TAINT_KEY",
+__all__ = ["KubernetesAdapter", "Operation", "DrainIncomplete", "DrainRefused", "drain_filter",
+           "DEFAULT_SKIP_NAMESPACES", "DEFAULT_OPERATIONS", "TAINT_KEY",
            "CONDITION_TYPE", "OWNER_LABEL", "OWNER", "REASON_ANNOTATION", "AT_ANNOTATION", "OPT_OUT_LABEL"]
 
 log = logging.getLogger("fleethealth.adapters.kubernetes")
@@ -82,6 +89,8 @@ _JSON_HEADERS = {"Content-Type": "application/json"}  # the generated client set
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _RETRIED = frozenset({409, 429, 500, 502, 503, 504})
 _MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+DEFAULT_SKIP_NAMESPACES = ("kube-system",)
+"""Namespaces whose pods a drain leaves running (the cluster's own DNS, network and storage pods)."""
 
 
 class Operation(StrEnum):
@@ -102,6 +111,12 @@ class DrainIncomplete(SchedulerError):
     def __init__(self, message: str, blocked: tuple[str, ...]) -> None:
         super().__init__(message)
         self.blocked = blocked
+
+
+class DrainRefused(DrainIncomplete):
+    """The node is cordoned, but a pod on it may not be evicted without an explicit option (as
+    ``kubectl drain`` refuses without ``--force`` or ``--delete-emptydir-data``), so none was;
+    ``blocked`` names those pods ``ns/pod``."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,12 @@ class KubernetesAdapter:
         Attempts per API call on 409/429/5xx, and the first backoff (doubled each time, full jitter).
     event_namespace:
         Where node Events are written (``default``, as the kubelet and ``kubectl drain`` do).
+    force, delete_emptydir_data:
+        Evict pods no controller manages, and pods with ``emptyDir`` volumes (kubectl's ``--force``
+        and ``--delete-emptydir-data``); without them such a pod makes the drain refuse.
+    skip_namespaces:
+        Namespaces whose pods a drain leaves running (default ``kube-system``: the cluster's own
+        DNS and network pods stay on a cordoned node).
     sleep, clock, rng:
         Replaceable in tests (no test sleeps).
     """
@@ -154,6 +175,8 @@ class KubernetesAdapter:
                  field_manager: str = "fleethealth", operations: Mapping[Action, Operation] | None = None,
                  grace_period_s: int | None = None, drain_timeout_s: float = 300.0, pdb_retry_s: float = 5.0,
                  retries: int = 4, backoff_s: float = 0.5, event_namespace: str = "default",
+                 force: bool = False, delete_emptydir_data: bool = False,
+                 skip_namespaces: tuple[str, ...] = DEFAULT_SKIP_NAMESPACES,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                  rng: Callable[[], float] = random.random, wall_clock: Callable[[], float] = time.time) -> None:
         if retries < 1:
@@ -168,6 +191,9 @@ class KubernetesAdapter:
         self.retries = retries
         self.backoff_s = backoff_s
         self.event_namespace = event_namespace
+        self.force = force
+        self.delete_emptydir_data = delete_emptydir_data
+        self.skip_namespaces = tuple(skip_namespaces)
         self._sleep = sleep
         self._clock = clock
         self._rng = rng
@@ -223,7 +249,18 @@ class KubernetesAdapter:
         """Cordon ``node`` (taint value ``drain``), then evict its pods; see the module docstring."""
         node = _k8s_node(node)
         done, current = self._cordon(node, Operation.DRAIN, reason, message, ts)
-        evicted, blocked = self._evict_all(node)
+        listed = self._call(node, "list pods", lambda: self._api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}"))
+        pods, refused = drain_filter(listed.items or [], force=self.force,
+                                     delete_emptydir_data=self.delete_emptydir_data,
+                                     skip_namespaces=self.skip_namespaces)
+        if refused:
+            why = "; ".join(f"{pod} ({what})" for pod, what in refused[:5]) + (" ..." if len(refused) > 5 else "")
+            self._event(node, current, "FleetHealthDrainRefused", message + f"; drain refused, no pod evicted: {why}",
+                        ts)
+            raise DrainRefused(f"kubernetes drain of node {node!r} refused, as kubectl drain refuses: {why}; the "
+                               "node stays cordoned, no pod was evicted", tuple(str(pod) for pod, _ in refused))
+        evicted, blocked = self._evict_all(node, pods)
         done += [f"POST /api/v1/namespaces/{pod.namespace}/pods/{pod.name}/eviction" for pod in evicted]
         if done:
             note = f"; evicted {len(evicted)} pods" if evicted else ""
@@ -337,11 +374,9 @@ class KubernetesAdapter:
             done.append(f"PATCH /api/v1/nodes/{node}/status condition {CONDITION_TYPE}=True reason={reason}")
         return done, current
 
-    def _evict_all(self, node: str) -> tuple[list[_Pod], list[_Pod]]:
-        """Evict every evictable pod on ``node``; return (evicted, still blocked at the timeout)."""
-        listed = self._call(node, "list pods", lambda: self._api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}"))
-        pending = [_Pod(p.metadata.namespace, p.metadata.name) for p in (listed.items or []) if _evictable(p)]
+    def _evict_all(self, node: str, pods: list[_Pod]) -> tuple[list[_Pod], list[_Pod]]:
+        """Evict ``pods``; return (evicted, still blocked at the timeout)."""
+        pending = list(pods)
         evicted: list[_Pod] = []
         deadline = self._clock() + self.drain_timeout_s
         while pending:
@@ -467,14 +502,34 @@ def _condition(node: Any) -> Any:
     return None
 
 
-def _evictable(pod: Any) -> bool:
-    """``kubectl drain``'s filter: not a DaemonSet pod, not a mirror pod, not finished or terminating."""
-    meta = pod.metadata
-    if meta.deletion_timestamp is not None or _MIRROR_ANNOTATION in (meta.annotations or {}):
-        return False
-    if any(ref.kind == "DaemonSet" and ref.controller for ref in (meta.owner_references or [])):
-        return False
-    return pod.status is None or pod.status.phase not in ("Succeeded", "Failed")
+def drain_filter(pods: list[Any], *, force: bool = False, delete_emptydir_data: bool = False,
+                 skip_namespaces: tuple[str, ...] = DEFAULT_SKIP_NAMESPACES) -> tuple[list[_Pod], list[tuple[_Pod, str]]]:
+    """``kubectl drain``'s filters over a node's pods (client ``V1Pod`` objects): the pods to evict,
+    and the pods that make the drain refuse with what would allow each.
+
+    Left running: DaemonSet and mirror pods, pods finished or terminating, pods in ``skip_namespaces``.
+    Refused unless allowed: a pod no controller manages (``force``), a pod with an ``emptyDir``
+    volume (``delete_emptydir_data``)."""
+    evict: list[_Pod] = []
+    refused: list[tuple[_Pod, str]] = []
+    for pod in pods:
+        meta = pod.metadata
+        owners = [ref for ref in (meta.owner_references or []) if ref.controller]
+        if meta.deletion_timestamp is not None or _MIRROR_ANNOTATION in (meta.annotations or {}):
+            continue
+        if any(ref.kind == "DaemonSet" for ref in owners) or meta.namespace in skip_namespaces:
+            continue
+        if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
+            continue
+        ref = _Pod(meta.namespace, meta.name)
+        if not owners and not force:
+            refused.append((ref, "no controller manages it: it would not come back; act.drain_force allows it"))
+        elif any(v.empty_dir is not None for v in ((pod.spec.volumes if pod.spec else None) or [])) \
+                and not delete_emptydir_data:
+            refused.append((ref, "its emptyDir data would be lost; act.drain_delete_emptydir_data allows it"))
+        else:
+            evict.append(ref)
+    return evict, refused
 
 
 def _taint_obj(taint: Any) -> dict[str, Any]:

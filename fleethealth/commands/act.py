@@ -63,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
     if max_age_s < 0:
         raise ConfigError(f"--max-age-s must be >= 0 (0 = no bound), got {max_age_s:g}")
     adapter = (SlurmAdapter() if scheduler == "slurm"
-               else KubernetesAdapter(kubeconfig=s["act.kubeconfig"], in_cluster=s["act.in_cluster"]))
+               else KubernetesAdapter(kubeconfig=s["act.kubeconfig"], in_cluster=s["act.in_cluster"],
+                                      force=s["act.drain_force"],
+                                      delete_emptydir_data=s["act.drain_delete_emptydir_data"],
+                                      skip_namespaces=tuple(n.strip() for n in s["act.drain_skip_namespaces"].split(",")
+                                                            if n.strip())))
     group = s["act.group"] or f"fh-act-{scheduler}"
     idle_exit = s["act.idle_exit"]
     with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}") as producer, \

@@ -214,3 +214,41 @@ def test_the_sweep_returns_a_node_the_quarantine_book_releases(k8s_replay, store
     replay.assert_all_replayed()
     assert quarantine.record(store, "n0013") is None
     assert replay.seen[1]["body"]["spec"]["unschedulable"] is False
+
+
+def test_drain_refuses_unmanaged_and_emptydir_pods_as_kubectl_does(k8s_replay):
+    """drain_refused.json: a pod no controller manages and a pod with emptyDir data make the drain
+    refuse (kubectl drain without --force / --delete-emptydir-data): the node stays cordoned, no pod
+    is evicted, the Event and the error name both pods and the option that allows each; kube-system
+    pods are left running."""
+    from fleethealth.adapters.kubernetes import DrainRefused
+
+    replay = k8s_replay("drain_refused.json")
+    with pytest.raises(DrainRefused, match="refused.*team-c/debug-shell.*act.drain_force.*team-b/cache-5c8d-p7r2n"
+                                           ".*act.drain_delete_emptydir_data") as err:
+        _adapter(replay.api).apply(_rec())
+    replay.assert_all_replayed()
+    assert err.value.blocked == ("team-c/debug-shell", "team-b/cache-5c8d-p7r2n")
+    assert not any(r["path"].endswith("/eviction") for r in replay.seen)
+    record = Actor(_adapter(k8s_replay("drain_refused.json").api), clock=lambda: TS).handle(_rec())
+    assert record.outcome is Outcome.FAILED and "debug-shell" in record.detail
+
+
+def test_drain_with_force_and_emptydir_allowed_evicts_them_but_not_kube_system(k8s_replay):
+    replay = k8s_replay("drain_forced.json")
+    ops = _adapter(replay.api, force=True, delete_emptydir_data=True).apply(_rec())
+    replay.assert_all_replayed()
+    assert ops[2:] == ("POST /api/v1/namespaces/team-a/pods/train-1-worker-13/eviction",
+                       "POST /api/v1/namespaces/team-c/pods/debug-shell/eviction",
+                       "POST /api/v1/namespaces/team-b/pods/cache-5c8d-p7r2n/eviction")
+    assert not any("kube-system" in r["path"] for r in replay.seen)
+
+
+def test_act_passes_the_drain_options_from_its_settings(monkeypatch):
+    from fleethealth.commands import build_parser
+    from fleethealth.commands._settings import load_settings
+
+    monkeypatch.setenv("FLEETHEALTH_ACT_DRAIN_FORCE", "true")
+    s = load_settings(build_parser().parse_args(["act", "--set", "act.drain_skip_namespaces=kube-system, gpu-operator"]))
+    assert s["act.drain_force"] is True and s["act.drain_delete_emptydir_data"] is False
+    assert s["act.drain_skip_namespaces"] == "kube-system, gpu-operator"
