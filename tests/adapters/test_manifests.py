@@ -346,3 +346,26 @@ def test_policy_state_has_one_writer(rendered):
         assert d["spec"].get("replicas", 1) == 1, f"{tree}: {name} runs the policy in {d['spec']['replicas']} replicas"
         assert d["spec"].get("strategy", {}).get("type") == "Recreate", \
             f"{tree}: {name} must be replaced with Recreate (a rolling update runs two policy writers)"
+
+
+def test_the_probe_tolerates_every_taint_and_raises_the_queue_without_a_binary(rendered, tmp_path):
+    """A node another health tool tainted (NoSchedule or NoExecute) keeps its probe; the init
+    container writes net.unix.max_dgram_qlen with the image's Python (a slim image has no sysctl),
+    and a refused write does not fail the pod."""
+    import sys
+
+    tree, docs = rendered
+    spec = _pod_specs(docs)["fleethealth-probe"]
+    for key, effect in (("node.kubernetes.io/not-ready", "NoExecute"), ("example.com/gpu-health", "NoSchedule"),
+                        ("nvidia.com/gpu", "NoSchedule"), (TAINT_KEY, "NoExecute")):
+        assert _tolerates(spec["tolerations"], key, "x", effect), (tree, key, effect)
+    (init,) = spec["initContainers"]
+    command = init["command"]
+    assert command[0] == "python3" and "sysctl" not in " ".join(command)
+    target = tmp_path / "max_dgram_qlen"
+    code = command[2].replace("/proc/sys/net/unix/max_dgram_qlen", str(target))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and target.read_text() == "1024"
+    refused = subprocess.run([sys.executable, "-c", code.replace(str(target), str(tmp_path / "no" / "file"))],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 0 and "not raised" in refused.stderr
