@@ -190,17 +190,17 @@ class _Metrics:
         self.findings = Counter("fleethealth_detect_findings_total", "Findings written", ["kind"], registry=registry)
         self.recommendations = Counter("fleethealth_detect_recommendations_total", "Recommendations written",
                                        ["action"], registry=registry)
-        self.dead_letters = Gauge("fleethealth_detect_dead_letters", "Records dead-lettered by this runner",
-                                  registry=registry)
+        self.dead_letters = Counter("fleethealth_detect_dead_letters_total", "Records dead-lettered by this runner",
+                                    registry=registry)
         self.lag = Gauge("fleethealth_detect_lag_records", "Records not yet read, over assigned partitions",
                          registry=registry)
         self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order",
                           registry=registry)
         self.dropped = Gauge("fleethealth_detect_unscored_batches", "Step batches stored but not scored, by reason",
                              ["reason"], registry=registry)
-        self.early = Gauge("fleethealth_detect_released_early_records",
-                           "Records released before the watermark because the reorder buffer was full",
-                           registry=registry)
+        self.early = Counter("fleethealth_detect_released_early_records_total",
+                             "Records released before the watermark because the reorder buffer was full",
+                             registry=registry)
         self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
                             "acknowledged by the broker", registry=registry)
         self.over_limit = Gauge("fleethealth_detect_over_limit_records",
@@ -220,6 +220,14 @@ class _Metrics:
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)
+        self._totals: dict[str, int] = {}
+
+    def advance(self, name: str, total: int) -> None:
+        """Raise counter ``name`` to the running ``total`` a part keeps (a counter only goes up)."""
+        delta = total - self._totals.get(name, 0)
+        if delta > 0:
+            getattr(self, name).inc(delta)
+            self._totals[name] = total
 
 
 class Runner:
@@ -644,12 +652,12 @@ class Runner:
             self.metrics.findings.labels(f.kind.value).inc()
         for r in out.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
-        self.metrics.dead_letters.set(self.consumer.dead_lettered_total)
+        self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
         self.metrics.held.set(len(self.buffer))
         pipelines = self.pipelines.values()
         self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
         self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))
-        self.metrics.early.set(self.released_early_total)
+        self.metrics.advance("early", self.released_early_total)
         for what in ("jobs", "nodes"):
             self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
         self.findings_total += len(out.findings)
