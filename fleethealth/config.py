@@ -397,6 +397,7 @@ COMMAND_KEYS: tuple[Key, ...] = (
         "volumes (kubectl drain --delete-emptydir-data); without it such a pod makes the drain refuse"),
     Key("act.drain_skip_namespaces", "str", "kube-system", "comma-separated namespaces whose pods a "
         "Kubernetes drain leaves running"),
+    Key("act.metrics_port", "int", 9404, "act's /metrics and /healthz port, 0 to disable"),
     Key("act.idle_exit", "float", None, "exit after this many seconds without a new recommendation", optional=True),
     # probe
     Key("probe.source", "str", "nvml", "telemetry source", choices=("dcgm", "nvml", "sim")),

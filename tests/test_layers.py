@@ -30,7 +30,7 @@ _FLOORS: dict[str, int] = {
     "fleethealth.report": 4,
     "fleethealth.bus": 3, "fleethealth.store": 3,
     "fleethealth.config": 2, "fleethealth.broker": 2, "fleethealth.sim": 2, "fleethealth.policy": 2,
-    "fleethealth.adapters": 2,
+    "fleethealth.adapters": 2, "fleethealth.endpoints": 2,
     "fleethealth.injob": 1, "fleethealth.kernels": 1,
 }
 # The top floor is one unit: the commands and the demo harness they drive wire everything together.

@@ -40,7 +40,7 @@ from fleethealth.adapters.base import ActionRecord, LeftAlone, Outcome, Schedule
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Guard, Recommendation
 
-__all__ = ["Actor", "Journal", "run_act", "RecordSource", "DEFAULT_MAX_AGE_S"]
+__all__ = ["Actor", "ActMetrics", "Journal", "run_act", "RecordSource", "DEFAULT_MAX_AGE_S"]
 
 log = logging.getLogger("fleethealth.act")
 
@@ -260,3 +260,64 @@ def run_act(consumer: RecordSource, actor: Actor, stop: threading.Event, *, poll
             consumer.commit()
         made += len(actor.retry_due())
     return made
+
+
+class ActMetrics:
+    """``fleethealth act``'s own metrics and health, served on ``/metrics`` and ``/healthz``.
+
+    Counters: ``fleethealth_act_records_total{outcome}`` (every recommendation handled, by outcome;
+    ``failed`` is the scheduler refusing), ``fleethealth_act_polls_total``. Gauges:
+    ``fleethealth_act_last_poll_timestamp_seconds``, ``fleethealth_act_failed_in_a_row``.
+    :meth:`degraded` names why ``/healthz`` answers 503: no poll for ``stall_s`` (the loop is stuck),
+    or ``failures_degraded`` or more ``failed`` outcomes in a row (the scheduler keeps refusing).
+    ``clock`` (monotonic) and ``wall_clock`` are replaceable in tests."""
+
+    def __init__(self, *, stall_s: float = 60.0, failures_degraded: int = 3,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.stall_s = stall_s
+        self.failures_degraded = failures_degraded
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.registry = CollectorRegistry()
+        self.records = Counter("fleethealth_act_records_total", "recommendations handled, by outcome", ["outcome"],
+                               registry=self.registry)
+        for outcome in Outcome:  # every outcome is 0 until it happens, never absent
+            self.records.labels(outcome.value)
+        self.polls = Counter("fleethealth_act_polls_total", "polls of fh.recommendations", registry=self.registry)
+        self.last_poll = Gauge("fleethealth_act_last_poll_timestamp_seconds", "wall-clock time of the last poll",
+                               registry=self.registry)
+        self.failed_in_a_row = Gauge("fleethealth_act_failed_in_a_row", "failed outcomes since the last success",
+                                     registry=self.registry)
+        self._polled_at = clock()
+        self._failed_run = 0
+
+    def observe(self, record: ActionRecord) -> None:
+        """Count one handled recommendation."""
+        self.records.labels(record.outcome.value).inc()
+        if record.outcome is Outcome.FAILED:
+            self._failed_run += 1
+        elif record.acted:
+            self._failed_run = 0
+        self.failed_in_a_row.set(self._failed_run)
+
+    def polled(self) -> None:
+        """The loop came round: one poll of the recommendations finished."""
+        self.polls.inc()
+        self._polled_at = self._clock()
+        self.last_poll.set(self._wall_clock())
+
+    def degraded(self) -> list[str]:
+        reasons = []
+        since = self._clock() - self._polled_at
+        if since > self.stall_s:
+            reasons.append(f"no poll of fh.recommendations for {since:.0f} s (limit {self.stall_s:g} s)")
+        if self._failed_run >= self.failures_degraded:
+            reasons.append(f"the scheduler refused the last {self._failed_run} actions")
+        return reasons
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

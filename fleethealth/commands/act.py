@@ -34,6 +34,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                      "900 s staleness bound; 0 = no bound, for simulated fleets in their own time)")
     add_setting(p, "--kubeconfig", "act.kubeconfig", help="kubeconfig file (default: ~/.kube/config)")
     add_setting(p, "--in-cluster", "act.in_cluster", store_true=True, help="use the pod's service account")
+    add_setting(p, "--metrics-port", "act.metrics_port", type=int,
+                help="/metrics and /healthz (503 when no poll for 60 s or the scheduler refused the last 3 "
+                     "actions) on this port, 0 to disable (default: %(default)s)")
     add_setting(p, "--idle-exit", "act.idle_exit", type=float, metavar="S",
                 help="exit after S seconds without a new recommendation (default: run until stopped)")
     add_log_flags(p)
@@ -46,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fleethealth.adapters import ActionRecord, Actor, Journal, KubernetesAdapter, SlurmAdapter, run_act
+    from fleethealth.adapters.act import ActMetrics
     from fleethealth.bus import Consumer, Producer
     from fleethealth.errors import ConfigError
     from fleethealth.schema import Topic
@@ -72,7 +76,18 @@ def run(args: argparse.Namespace) -> int:
     idle_exit = s["act.idle_exit"]
     with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}") as producer, \
             Consumer(dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer) as consumer:
+        metrics = ActMetrics()
+        if s["act.metrics_port"]:
+            from fleethealth.endpoints import Endpoints
+
+            server = Endpoints(metrics=metrics.render, health=metrics.degraded, name="fh-act-endpoints").serve(
+                s["act.metrics_port"])
+            stop_server = server.shutdown
+        else:
+            stop_server = None
+
         def emit(record: ActionRecord) -> None:
+            metrics.observe(record)
             producer.publish(record.to_event())
             producer.flush()
 
@@ -85,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
             replays = actor.replays_
             if run_act(consumer, actor, stop, max_polls=1) or actor.replays_ != replays:
                 last = time.monotonic()
+            metrics.polled()
             if idle_exit is not None and time.monotonic() - last > idle_exit:
                 break
+        if stop_server is not None:
+            stop_server()
         counts = {o.value: n for o, n in actor.counts_.items() if n}
         print(f"fleethealth act: {counts or 'nothing handled'}; {actor.replays_} replays skipped", file=sys.stderr)
     return 0

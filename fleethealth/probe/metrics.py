@@ -23,7 +23,8 @@ in both modes (counters end in ``_total``); NIC ports are ``fleethealth_nic_*`` 
 
 The text is rendered here (Prometheus text format 0.0.4) rather than by ``prometheus_client``,
 whose counters always gain a ``_total`` suffix that dcgm-exporter's counters do not have.
-:meth:`ProbeMetrics.render` returns the page and :meth:`ProbeMetrics.serve` serves it.
+:meth:`ProbeMetrics.render` returns the page and :meth:`ProbeMetrics.serve` serves it, with
+``/healthz`` beside it (:mod:`fleethealth.endpoints`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
+from fleethealth.endpoints import Endpoints
 from fleethealth.probe.fields import DCGM_XID_METRIC, FIELDS, XID_METRIC
 from fleethealth.schema import NIC_FIELDS, Event, EventKind, Telemetry
 
@@ -227,29 +229,21 @@ class ProbeMetrics:
         """The whole page in the Prometheus text format."""
         return "".join(f.render() for f in self.families()).encode()
 
+    def degraded(self) -> list[str]:
+        """Why the probe is degraded now (empty when healthy): ``/healthz`` answers 503 with these."""
+        h = self._health()
+        reasons = []
+        if h.stalled:
+            reasons.append("the telemetry source is stalled (a GPU not answering its driver calls)")
+        if not h.bus_connected:
+            reasons.append(f"not connected to the broker: {h.spool_records} records spooled")
+        return reasons
+
     def serve(self, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
-        """Serve ``/metrics`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
-        metrics = self
-
-        class _Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server hook name
-                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                    self.send_error(404)
-                    return
-                body = metrics.render()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:  # scrapes are not worth a log line each
-                return
-
-        server = ThreadingHTTPServer((addr, port), _Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="fh-probe-metrics", daemon=True).start()
-        return server
+        """Serve ``/metrics`` and ``/healthz`` (200, or 503 with :meth:`degraded`'s reasons) from a
+        daemon thread; returns the server (``shutdown()`` stops it)."""
+        return Endpoints(metrics=self.render, health=self.degraded, name="fh-probe-metrics",
+                         content_type=CONTENT_TYPE).serve(port, addr)
 
     # ------------------------------------------------------------ internals
     def _gpu_labels(self, latest: Telemetry, i: int) -> dict[str, str]:

@@ -176,7 +176,8 @@ def test_cli_act_dry_run_journals_and_publishes(broker, tmp_path):
         producer.publish(old)
         producer.flush()
     done = subprocess.run([sys.executable, "-m", "fleethealth", "act", "--scheduler", "slurm", "--dry-run",
-                           "--kafka", broker.dsn, "--group", f"g-{job}", "--data", str(tmp_path), "--idle-exit", "1"],
+                           "--kafka", broker.dsn, "--group", f"g-{job}", "--data", str(tmp_path), "--idle-exit", "1",
+                           "--metrics-port", "0"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": "/nonexistent"})
     assert done.returncode == 0, done.stderr
     journal = [orjson.loads(line) for line in (tmp_path / "act-slurm.jsonl").read_text().splitlines()]
