@@ -220,6 +220,8 @@ class _Metrics:
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)
+        self.breaker_open = Gauge("fleethealth_policy_breaker_open", "1 while the fleet circuit breaker is open "
+                                  "(automatic removals wait for a human)", registry=registry)
         self._totals: dict[str, int] = {}
 
     def advance(self, name: str, total: int) -> None:
@@ -654,6 +656,8 @@ class Runner:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
         self.metrics.held.set(len(self.buffer))
+        if self.policy is not None:
+            self.metrics.breaker_open.set(int(self.policy.engine.breaker_.open_))
         pipelines = self.pipelines.values()
         self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
         self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))

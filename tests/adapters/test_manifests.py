@@ -237,6 +237,8 @@ def test_services_and_monitors_select_pods_and_ports(rendered):
     assert selected(service["spec"]["selector"]) == [{"http"}]
     monitors = [d for d in docs if d["kind"] in {"PodMonitor", "ServiceMonitor"}]
     assert bool(monitors) == (tree == "gpu-operator")
+    assert {m["metadata"]["name"] for m in monitors} >= ({"fleethealth-probe", "fleethealth-detect", "fleethealth-api",
+                                                          "fleethealth-act"} if monitors else set())
     for monitor in monitors:
         selector = monitor["spec"]["selector"]["matchLabels"]
         if monitor["kind"] == "PodMonitor":
@@ -369,3 +371,66 @@ def test_the_probe_tolerates_every_taint_and_raises_the_queue_without_a_binary(r
     refused = subprocess.run([sys.executable, "-c", code.replace(str(target), str(tmp_path / "no" / "file"))],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode == 0 and "not raised" in refused.stderr
+
+
+# ---------------------------------------------------------------- monitoring component
+def _exported_metric_names(source_modules: dict[str, Path]) -> set[str]:
+    """Every metric name fleethealth's code exports: the literal names, and the probe's own
+    ``fleethealth_probe_<field>`` built from :class:`ProbeHealth`'s fields."""
+    from dataclasses import fields
+
+    from fleethealth.probe.metrics import ProbeHealth
+
+    names: set[str] = set()
+    for path in source_modules.values():
+        names |= set(re.findall(r"\"(fleethealth_[a-z0-9_]+)\"", path.read_text()))
+    names |= {f"fleethealth_probe_{f.name}" for f in fields(ProbeHealth)}
+    return names
+
+
+def test_alert_rules_name_only_metrics_fleethealth_exports(source_modules):
+    """A renamed metric breaks this test, not an operator's alert. The rule covers detector lag,
+    dead letters, the breaker, probe stalls and NVML errors, missing telemetry, spool drops and act."""
+    docs = _render("gpu-operator")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    exported = _exported_metric_names(source_modules)
+    for alert, expr in exprs.items():
+        used = set(re.findall(r"fleethealth_[a-z0-9_]+", expr))
+        assert used or expr.startswith("up{"), f"{alert} names no fleethealth metric: {expr}"
+        for name in used:  # a counter's _total is part of its exported name
+            assert name in exported, f"{alert}: {name} is not a metric fleethealth exports"
+    for needed in ("fleethealth_detect_lag_records", "fleethealth_detect_dead_letters_total",
+                   "fleethealth_policy_breaker_open", "fleethealth_probe_stalled",
+                   "fleethealth_probe_sample_errors_total", "fleethealth_probe_samples_total",
+                   "fleethealth_probe_spool_dropped_total", "fleethealth_act_failed_in_a_row"):
+        assert any(needed in e for e in exprs.values()), needed
+
+
+def test_the_dashboard_configmap_is_the_dashboard_and_the_sidecar_finds_it():
+    docs = _render("gpu-operator")
+    cm = _by_kind(docs, "ConfigMap")["fleethealth-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["fleethealth.json"]) == json.loads(
+        (ROOT / "deploy" / "grafana" / "fleethealth.json").read_text())
+
+
+def test_the_release_label_knob_relabels_every_monitor_and_rule(tmp_path):
+    """kube-prometheus-stack selects monitors and rules by its release label: the default is the
+    chart's own name, and the patch deploy/README.md gives changes every object of the component."""
+    import os
+
+    default = [d for d in _render("gpu-operator") if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert {d["kind"] for d in default} == {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+    assert {d["metadata"]["labels"]["release"] for d in default} == {"kube-prometheus-stack"}
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n"
+        f"  - {os.path.relpath(TREES['gpu-operator'], overlay)}\n"
+        "patches:\n  - target: {group: monitoring.coreos.com}\n    patch: |-\n"
+        "      - {op: replace, path: /metadata/labels/release, value: my-prometheus}\n")
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    mine = [d for d in yaml.safe_load_all(out.stdout) if d and d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert len(mine) == len(default) and {d["metadata"]["labels"]["release"] for d in mine} == {"my-prometheus"}
