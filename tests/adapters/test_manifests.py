@@ -28,7 +28,8 @@ from fleethealth.commands import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-TREES = {"base": K8S, "gpu-operator": K8S / "overlays" / "gpu-operator", "standalone": K8S / "overlays" / "standalone"}
+TREES = {"base": K8S, "gpu-operator": K8S / "overlays" / "gpu-operator", "standalone": K8S / "overlays" / "standalone",
+         "dcgm": K8S / "tests" / "dcgm"}
 _CRD_GROUPS = {"monitoring.coreos.com"}
 
 
@@ -107,7 +108,7 @@ def test_container_arguments_parse_with_the_cli(rendered):
             assert args.run is not None, f"{tree}: {name}"
             seen.add(args.command)
             if args.command == "probe":
-                want = "dcgm" if tree == "gpu-operator" else "nvml"
+                want = "dcgm" if tree == "dcgm" else "nvml"
                 assert args.source == want, f"{tree}: probe source {args.source}"
                 if want == "dcgm":
                     assert args.dcgm_host.startswith("nvidia-dcgm.") and args.dcgm_host.endswith(":5555")
@@ -236,7 +237,7 @@ def test_services_and_monitors_select_pods_and_ports(rendered):
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
     assert selected(service["spec"]["selector"]) == [{"http"}]
     monitors = [d for d in docs if d["kind"] in {"PodMonitor", "ServiceMonitor"}]
-    assert bool(monitors) == (tree == "gpu-operator")
+    assert bool(monitors) == (tree in {"gpu-operator", "dcgm"})
     assert {m["metadata"]["name"] for m in monitors} >= ({"fleethealth-probe", "fleethealth-detect", "fleethealth-api",
                                                           "fleethealth-act"} if monitors else set())
     for monitor in monitors:
@@ -434,3 +435,26 @@ def test_the_release_label_knob_relabels_every_monitor_and_rule(tmp_path):
     assert out.returncode == 0, out.stderr
     mine = [d for d in yaml.safe_load_all(out.stdout) if d and d["apiVersion"].startswith("monitoring.coreos.com/")]
     assert len(mine) == len(default) and {d["metadata"]["labels"]["release"] for d in mine} == {"my-prometheus"}
+
+
+def test_a_probe_reading_dcgm_has_the_bindings_and_a_qualified_host(rendered):
+    """The day-one crash loop: the probe image carries no DCGM bindings, so a probe switched to
+    --source dcgm must mount them (DCGM_BINDINGS on a mounted path, libdcgm on LD_LIBRARY_PATH), and
+    name the host engine by a name that resolves from the fleethealth namespace. The GPU Operator
+    overlay, matching the operator's default (DCGM embedded in dcgm-exporter), reads NVML."""
+    tree, docs = rendered
+    spec = _pod_specs(docs)["fleethealth-probe"]
+    (probe,) = spec["containers"]
+    args = build_parser().parse_args([a.replace("$(NODE_NAME)", "n0001") for a in probe["args"]])
+    if args.source != "dcgm":
+        assert tree != "dcgm"
+        return
+    env = {e["name"]: e.get("value") for e in probe["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in probe["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    bindings = env["DCGM_BINDINGS"]
+    assert any(bindings.startswith(path + "/") for path in mounts), "DCGM_BINDINGS is not on a mounted path"
+    lib = env["LD_LIBRARY_PATH"] + "/libdcgm.so.4"
+    assert lib in mounts and volumes[mounts[lib]]["hostPath"]["type"] == "File"  # the one library, not /usr/lib
+    host = args.dcgm_host
+    assert host.split(":")[0].endswith(".svc.cluster.local"), f"{host} does not resolve from another namespace"
