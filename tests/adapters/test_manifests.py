@@ -458,3 +458,19 @@ def test_a_probe_reading_dcgm_has_the_bindings_and_a_qualified_host(rendered):
     assert lib in mounts and volumes[mounts[lib]]["hostPath"]["type"] == "File"  # the one library, not /usr/lib
     host = args.dcgm_host
     assert host.split(":")[0].endswith(".svc.cluster.local"), f"{host} does not resolve from another namespace"
+
+
+def test_the_sweep_can_compile_its_kernels_on_a_read_only_root(rendered):
+    """CuPy compiles the known-answer kernels with NVRTC and caches them: the sweep image installs
+    the CUDA toolkit wheels with CuPy (its ctk extra), and the read-only container points
+    CUPY_CACHE_DIR at a writable volume."""
+    tree, docs = rendered
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("cupy-cuda12x[ctk]") for dep in project["optional-dependencies"]["gpu"])
+    spec = _pod_specs(docs)["fleethealth-sweep"]
+    (sweep,) = spec["containers"]
+    assert sweep["securityContext"]["readOnlyRootFilesystem"] is True
+    cache = {e["name"]: e.get("value") for e in sweep["env"]}["CUPY_CACHE_DIR"]
+    mount = next(m for m in sweep["volumeMounts"] if m["mountPath"] == cache)
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume and not mount.get("readOnly"), tree
