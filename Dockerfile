@@ -9,9 +9,12 @@
 # source tree or a compiler. Every image runs as the unprivileged user 10001 and starts
 # `fleethealth`, so a manifest's args are the CLI's arguments.
 
+# BASE: any image with Python 3.11 and pip on PATH; deploy/ci/images.sh builds every target on a
+# Debian bookworm base it makes with debootstrap (no registry pull), with a venv on PATH.
 ARG PYTHON=3.11
+ARG BASE=python:${PYTHON}-slim
 
-FROM python:${PYTHON}-slim AS wheel
+FROM ${BASE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY fleethealth fleethealth
@@ -21,7 +24,7 @@ COPY sweeps sweeps
 COPY deploy/clickhouse deploy/clickhouse
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:${PYTHON}-slim AS runtime
+FROM ${BASE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin fleethealth
 COPY --from=wheel /wheels /wheels

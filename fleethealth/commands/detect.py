@@ -156,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
             while not stop.is_set():
                 if runner.caught_up(runner.process_once(0.5)):
                     runner.drain()
+                    dead = runner.consumer.dead_lettered_total
                     print(f"fleethealth detect: caught up ({runner.consumer.consumed_total} records, "
-                          f"{runner.findings_total} findings, {runner.recommendations_total} recommendations)",
+                          + (f"{dead} dead-lettered on fh.deadletter (with their reasons), " if dead else "")
+                          + f"{runner.findings_total} findings, {runner.recommendations_total} recommendations)",
                           file=sys.stderr, flush=True)
                     break
     return 0
