@@ -7,11 +7,17 @@
 #   bash deploy/ci/images.sh                 # base (cached in $FH_IMAGES_WORK), all targets, all smokes
 #   bash deploy/ci/images.sh probe server    # only these targets
 #   bash deploy/ci/images.sh --help
+#   bash deploy/ci/images.sh --inputs        # print the digest of what the images are built from
+#
+# After a run of all targets it writes deploy/ci/images.verified: the digest of its inputs (the
+# Dockerfile, pyproject.toml and this script) and the timings. .ci/run runs this script when the
+# digest of the checkout differs from the one recorded there, that is, when an image's inputs changed.
 #
 # Smokes: probe: `probe --source sim` publishes telemetry to an embedded broker on the host (read back
 # from the host), and `probe --source dcgm` ends with its one-line error about the DCGM bindings, exit 2;
 # server: `serve --no-detect` answers /healthz, `detect --until-caught-up` reads the probe's records into
-# a store, `act --dry-run` starts and exits when idle; sweep: `selftest --device cpu` passes.
+# a store, `act --dry-run` starts and exits when idle; sweep: `selftest --device cpu` passes (its
+# known-answer GEMM and memory tests on the CPU; the image's CuPy and CUDA wheels import).
 # Needs root, buildah, debootstrap (deploy/ci/system-packages.sh installs them with FH_IMAGES=1) and
 # this repository's Python environment for the host-side broker. Prints one JSON line of timings.
 set -euo pipefail
@@ -21,6 +27,8 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 0
 fi
+inputs_digest() { git ls-files -s Dockerfile pyproject.toml deploy/ci/images.sh | git hash-object --stdin; }
+if [[ "${1:-}" == "--inputs" ]]; then inputs_digest; exit 0; fi
 TARGETS=("$@")
 (( ${#TARGETS[@]} )) || TARGETS=(probe server sweep)
 for t in "${TARGETS[@]}"; do
@@ -161,9 +169,19 @@ smoke_server() {
 smoke_sweep() {
   local t
   t=$(now)
-  run sweep selftest --device cpu >"$WORK/selftest.log" 2>&1 \
+  # every known-answer test but the collective one, which needs torch (not in the sweep image: on GPUs
+  # the collective test runs on CuPy's NCCL)
+  run sweep selftest --device cpu --only gemm_exact_fp32,gemm_exact_fp16,gemm_exact_bf16,gemm_abft_fp32,gemm_abft_bf16,gemm_repeat_fp32,memory \
+    >"$WORK/selftest.log" 2>&1 \
     || { cat "$WORK/selftest.log" >&2; fail "selftest --device cpu in the sweep image"; }
-  echo "sweep image: selftest --device cpu passed"
+  # CuPy and the NVRTC it compiles the kernels with are in the image (no GPU is needed to load them)
+  local ctr
+  ctr=$(buildah from -q localhost/fleethealth-sweep:ci)
+  buildah run --isolation chroot --user 10001 "$ctr" -- python -c \
+    "import cupy; from cuda.pathfinder import load_nvidia_dynamic_lib as load; print('cupy', cupy.__version__, 'nvrtc', load('nvrtc').abs_path)" \
+    >"$WORK/cupy.log" 2>&1 || { buildah rm "$ctr" >/dev/null; cat "$WORK/cupy.log" >&2; fail "CuPy or NVRTC missing in the sweep image"; }
+  buildah rm "$ctr" >/dev/null
+  echo "sweep image: selftest --device cpu passed; $(tail -1 "$WORK/cupy.log")"
   SECONDS_TAKEN[smoke_sweep]=$(since "$t")
 }
 
@@ -174,8 +192,14 @@ done
 [[ " ${TARGETS[*]} " == *" server "* ]] && { [[ " ${TARGETS[*]} " == *" probe "* ]] || broker; smoke_server; }
 [[ " ${TARGETS[*]} " == *" sweep "* ]] && smoke_sweep
 
-"$PY" - "$(declare -p SECONDS_TAKEN)" <<'EOF'
+SECONDS_TAKEN[total]=$(since "$t0")
+summary=$("$PY" - "$(declare -p SECONDS_TAKEN)" <<'EOF'
 import json, re, sys
 pairs = dict(re.findall(r'\[(\w+)\]="([0-9.]+)"', sys.argv[1]))
 print(json.dumps({"images": "ok", "seconds": {k: float(v) for k, v in sorted(pairs.items())}}))
 EOF
+)
+echo "$summary"
+if (( ${#TARGETS[@]} == 3 )); then
+  printf '%s\n%s\n' "$(inputs_digest)" "$summary" > deploy/ci/images.verified
+fi
