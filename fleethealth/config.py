@@ -336,7 +336,10 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("serve.token_file", "str", None, "file holding the bearer token for write endpoints", optional=True),
     Key("serve.read_token_file", "str", None, "file holding the bearer token for reads", optional=True),
     Key("serve.open_reads", "bool", False, "serve reads without a token (logged as a warning)"),
-    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner"),
+    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner (the store's schema is "
+        "checked, not migrated)"),
+    Key("serve.query_store", "str", None, "store DSN analyst SQL runs on (server mode: the read-only user of "
+        "deploy/clickhouse/access/); none: the store's", optional=True),
     # act
     Key("act.scheduler", "str", None, "slurm or kubernetes", optional=True, choices=("slurm", "kubernetes")),
     Key("act.dry_run", "bool", False, "record what would be done; change nothing"),
