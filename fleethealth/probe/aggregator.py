@@ -26,7 +26,8 @@ Memory is bounded: at most ``max_open`` steps wait at once (the oldest is emitte
 What one sender can make the probe hold or publish is bounded too (:class:`SocketLimits`): event
 datagrams pass a token bucket per job (``events_per_s``, ``event_burst``) and one for the node
 (``node_events_per_s``, ``node_event_burst``), so inventing job names gets no more through; a step
-takes at most ``max_ranks`` ranks (a datagram for one more is dropped). Each overflow is counted
+takes at most ``max_ranks`` ranks, and so does a job on this node (the ranks it remembers as
+reporting within ``forget_s``): a datagram for one more is dropped. Each overflow is counted
 and reported once per job and kind: a ``probe_error`` event on the bus (which the probe also logs
 as a warning) naming the job, the limit and the count dropped so far.
 
@@ -73,7 +74,7 @@ class SocketLimits:
     """Event datagrams all jobs together may send per second (``probe.socket_node_events_per_s``)."""
     node_event_burst: int = 200
     max_ranks: int = 256
-    """Ranks one step of a job may carry on this node (``probe.socket_max_ranks``)."""
+    """Ranks one step of a job, and one job, may carry on this node (``probe.socket_max_ranks``)."""
     max_jobs: int = 1024
     """Jobs whose event buckets are remembered (the least recently used is forgotten)."""
 
@@ -238,12 +239,16 @@ class StepAggregator:
                 old_key, old = self._open.popitem(last=False)
                 self._evicted += 1
                 self._emit(old_key, old, complete=False)
+        known = self._known.get(msg.job, {})
+        cap = self.limits.max_ranks
         if (msg.rank not in entry.compute and msg.rank not in entry.progress
-                and max(len(entry.compute), len(entry.progress)) >= self.limits.max_ranks):
+                and (max(len(entry.compute), len(entry.progress)) >= cap or (msg.rank not in known
+                                                                             and len(known) >= cap))):
             self._ranks_limited += 1
             self._report(msg.job, "max_ranks", wall if wall is not None else now,
-                         f"step {msg.step} of job {msg.job!r} already has {self.limits.max_ranks} ranks on this node "
-                         "(probe.socket_max_ranks): further ranks' datagrams are dropped")
+                         f"job {msg.job!r} already has {cap} ranks on this node (in step {msg.step}, or "
+                         f"reporting within {self.forget_s:g} s; probe.socket_max_ranks): further ranks' "
+                         "datagrams are dropped")
             if not entry.compute and not entry.progress:
                 del self._open[key]
             return

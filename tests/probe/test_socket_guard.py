@@ -40,43 +40,14 @@ def shared_dir() -> Iterator[Path]:
         path.rmdir()
 
 
-def _send_as(uid: int, gid: int, path: Path) -> str:
-    """Fork a child that drops to ``uid``/``gid`` (no other groups) and sends one datagram to ``path``."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: only system calls, then _exit
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                try:
-                    sock.sendto(_DATAGRAM, str(path))
-                    os.write(write_end, b"SENT")
-                except PermissionError:
-                    os.write(write_end, b"EACCES")
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        _, status = os.waitpid(pid, 0)
-        answer = os.read(read_end, 16).decode()
-    finally:
-        os.close(read_end)
-    assert os.waitstatus_to_exitcode(status) == 0, status
-    return answer
-
-
-def test_a_co_tenant_of_another_uid_cannot_send(shared_dir) -> None:
+def test_a_co_tenant_of_another_uid_cannot_send(shared_dir, send_as) -> None:
     path = shared_dir / "probe.sock"
     with DatagramListener(str(path)) as listener:
         assert (path.stat().st_mode & 0o777) == 0o660
-        assert _send_as(NOBODY, NOBODY, path) == "EACCES"  # the file mode stops it before the queue
+        assert send_as(NOBODY, NOBODY, path) == "EACCES"  # the file mode stops it before the queue
         # a socket made writable anyway (a wrong umask, a mode changed by hand): the credentials still refuse
         path.chmod(0o666)
-        assert _send_as(NOBODY, NOBODY, path) == "SENT"
+        assert send_as(NOBODY, NOBODY, path) == "SENT"
         assert listener.receive() == []
         stats = listener.stats
         assert stats.refused_total == 1 and stats.accepted_total == 0
@@ -87,15 +58,15 @@ def test_a_co_tenant_of_another_uid_cannot_send(shared_dir) -> None:
         assert len(listener.receive()) == 1
 
 
-def test_the_socket_group_admits_its_members_and_the_uid_list_is_exact(shared_dir) -> None:
+def test_the_socket_group_admits_its_members_and_the_uid_list_is_exact(shared_dir, send_as) -> None:
     path = shared_dir / "probe.sock"
     with DatagramListener(str(path), group=NOBODY) as listener:
         assert path.stat().st_gid == NOBODY and (path.stat().st_mode & 0o777) == 0o660
-        assert _send_as(NOBODY, NOBODY, path) == "SENT"  # nogroup is the socket's group
+        assert send_as(NOBODY, NOBODY, path) == "SENT"  # nogroup is the socket's group
         assert len(listener.receive()) == 1
     path2 = shared_dir / "strict.sock"
     with DatagramListener(str(path2), group=NOBODY, policy=PeerPolicy(uids=frozenset({4242}))) as strict:
-        assert _send_as(NOBODY, NOBODY, path2) == "SENT"  # the file mode lets the group in ...
+        assert send_as(NOBODY, NOBODY, path2) == "SENT"  # the file mode lets the group in ...
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as own:
             own.sendto(b"{}", str(path2))
         assert strict.receive() == []  # ... the configured uid list admits neither nobody nor root
