@@ -359,7 +359,7 @@ COMMAND_KEYS: tuple[Key, ...] = (
         env="FLEETHEALTH_SOCKET"),
     Key("probe.no_socket", "bool", False, "do not listen for training processes"),
     Key("probe.socket_group", "str", None, "group (name or gid) of the socket, mode 0660: the training processes' "
-        "group (none: the probe's own)", optional=True),
+        "group (none: the probe's own)", optional=True, env="FLEETHEALTH_SOCKET_GROUP"),
     Key("probe.socket_uids", "str", "", "uids (numbers or names, comma-separated) whose datagrams are accepted; "
         "with probe.socket_gids empty too: root, the probe's uid and the socket's group"),
     Key("probe.socket_gids", "str", "", "gids (numbers or names, comma-separated) whose datagrams are accepted"),

@@ -11,7 +11,10 @@
   sender's real pid, uid and gid (``SCM_CREDENTIALS``; only a process with ``CAP_SETUID`` /
   ``CAP_SETGID`` can claim other ids). A datagram is accepted when its uid is in :attr:`PeerPolicy.uids`
   or its gid in :attr:`PeerPolicy.gids`; with both empty (the default) the rule is the file mode's:
-  root, the probe's own uid, or the socket's group. Refused datagrams are counted, never parsed;
+  root, the probe's own uid, or a member of the socket's group (its primary gid, or a supplementary
+  group read from ``/proc/PID/status`` once per sender, which needs the sender's pid visible to the
+  probe; a sender in another pid namespace needs the group as its primary gid or a configured id).
+  Refused datagrams are counted, never parsed;
 * **a size bound before buffering**: each datagram is read into a buffer of ``max_bytes`` + 1; a
   longer one arrives truncated (``MSG_TRUNC``), is counted as oversize and dropped, and one read
   takes at most ``max_batch_bytes`` in all.
@@ -76,20 +79,40 @@ def resolve_group(group: str | int | None) -> int | None:
         raise ConfigError(f"probe: socket group {group!r} does not exist") from None
 
 
+def supplementary_groups(pid: int, uid: int) -> frozenset[int]:
+    """The groups of process ``pid`` (``/proc/PID/status``), if it still runs as ``uid``; else none."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return frozenset()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        real_uid = int(fields["Uid"].split()[0])
+        groups = frozenset(int(g) for g in fields.get("Groups", "").split())
+    except (KeyError, ValueError, IndexError):
+        return frozenset()
+    return groups if real_uid == uid else frozenset()
+
+
 @dataclass(frozen=True)
 class PeerPolicy:
     """Who may send: ``uids`` and ``gids`` (either matching admits); both empty: root, ``own_uid``
-    or ``group`` (the rule the socket's file mode 0660 states)."""
+    or a member of ``group``, primary or supplementary (the rule the socket's file mode 0660 states)."""
 
     uids: frozenset[int] = frozenset()
     gids: frozenset[int] = frozenset()
     own_uid: int = -1
     group: int | None = None
 
-    def allows(self, uid: int, gid: int) -> bool:
+    def allows(self, uid: int, gid: int, pid: int = 0) -> bool:
+        """Whether a sender with these credentials is admitted; a sender whose primary gid is not
+        the socket's group is looked up by ``pid`` for its supplementary groups (a pid the probe's
+        namespace cannot see arrives as 0 and is not)."""
         if self.uids or self.gids:
             return uid in self.uids or gid in self.gids
-        return uid == 0 or uid == self.own_uid or (self.group is not None and gid == self.group)
+        if uid == 0 or uid == self.own_uid or self.group is None:
+            return uid == 0 or uid == self.own_uid
+        return gid == self.group or (pid > 0 and self.group in supplementary_groups(pid, uid))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +171,7 @@ class DatagramListener:
         self._sock.setblocking(False)
         self._accepted = self._refused = self._oversize = 0
         self._last_refused: tuple[int, int, int] | None = None
+        self._verdicts: dict[tuple[int, int, int], bool] = {}
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -162,7 +186,6 @@ class DatagramListener:
         out: list[bytes] = []
         recvmsg = self._sock.recvmsg
         size = self.max_bytes + 1
-        policy = self.policy
         budget = self.max_batch_bytes
         try:
             for _ in range(max_datagrams):
@@ -171,7 +194,7 @@ class DatagramListener:
                 for level, kind, payload in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _CREDS.size:
                         creds = _CREDS.unpack_from(payload)
-                if creds is None or not policy.allows(creds[1], creds[2]):
+                if creds is None or not self._admits(creds):
                     self._refused += 1
                     self._last_refused = creds
                     continue
@@ -186,6 +209,16 @@ class DatagramListener:
         except (BlockingIOError, InterruptedError):
             pass
         return out
+
+    def _admits(self, creds: tuple[int, int, int]) -> bool:
+        """``policy.allows``, remembered per (pid, uid, gid) (at most 4,096: a process's groups are
+        read from /proc once, not per datagram)."""
+        known = self._verdicts.get(creds)
+        if known is None:
+            if len(self._verdicts) >= 4096:
+                self._verdicts.clear()
+            known = self._verdicts[creds] = self.policy.allows(creds[1], creds[2], creds[0])
+        return known
 
     def close(self) -> None:
         self._sock.close()

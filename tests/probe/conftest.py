@@ -33,14 +33,14 @@ def recording() -> Callable[[str], Path]:
 _DATAGRAM = b'{"t":"e","event":{"kind":"xid","code":79,"job":"victim","ts":1.0}}'
 
 
-def _send_as(uid: int, gid: int, path: Path, datagram: bytes = _DATAGRAM) -> str:
-    """Fork a child that drops to ``uid``/``gid`` (no other groups) and sends one datagram to ``path``."""
+def _send_as(uid: int, gid: int, path: Path, datagram: bytes = _DATAGRAM, groups: tuple[int, ...] = ()) -> str:
+    """Fork a child that drops to ``uid``/``gid`` (and ``groups``, supplementary) and sends one datagram to ``path``."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: only system calls, then _exit
         code = 1
         try:
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(gid)
             os.setuid(uid)
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +72,41 @@ def test_the_socket_group_admits_its_members_and_the_uid_list_is_exact(shared_di
             own.sendto(b"{}", str(path2))
         assert strict.receive() == []  # ... the configured uid list admits neither nobody nor root
         assert strict.stats.refused_total == 2
+
+
+def test_a_supplementary_member_of_the_group_is_admitted(shared_dir, send_as) -> None:
+    """A trainer whose primary group is not the socket's but a supplementary one is (its groups are
+    read from /proc while it runs: the child waits until the datagram was received)."""
+    path = shared_dir / "probe.sock"
+    with DatagramListener(str(path), group=4343) as listener:
+        assert send_as(NOBODY, NOBODY, path) == "EACCES"
+        release_r, release_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgroups([4343])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                    sock.sendto(b'{"t":"p","job":"j","rank":0,"gpu":0,"step":1,"ts":1.0}', str(path))
+                os.read(release_r, 1)  # stay alive until the probe has looked
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            got: list[bytes] = []
+            for _ in range(200):  # the datagram is queued before the child blocks; poll with a bound
+                got += listener.receive()
+                if got or listener.stats.refused_total:
+                    break
+                time.sleep(0.01)
+        finally:
+            os.write(release_w, b"x")
+            os.waitpid(pid, 0)
+            os.close(release_r)
+            os.close(release_w)
+        assert len(got) == 1 and listener.stats.refused_total == 0, listener.stats
 
 
 def test_an_oversize_datagram_is_dropped_before_it_is_buffered(tmp_path) -> None:
