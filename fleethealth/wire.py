@@ -25,8 +25,8 @@ import orjson
 if TYPE_CHECKING:
     from fleethealth.schema import Event
 
-__all__ = ["DEFAULT_SOCKET", "default_socket", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender", "WireMessage",
-           "event_datagram", "parse"]
+__all__ = ["DEFAULT_SOCKET", "default_socket", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender",
+           "WireMessage", "event_datagram", "parse"]
 
 DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
 """The socket path as the environment said at import (kept for callers that name it); senders

@@ -19,9 +19,9 @@ The socket end (:class:`DatagramListener`) binds ``SOCK_DGRAM`` at the configure
 socket file left by a previous probe, and is writable by its owner and group only (mode 0660,
 ``socket_group``); each datagram's sender credentials are checked (``SCM_CREDENTIALS``) and its
 size bounded before it is buffered (:mod:`fleethealth.probe.listener`), and the aggregator limits
-events per job and ranks per step (``socket_limits``), each overflow counted and reported once. The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the
-deploy files raise it), so a thread of its own reads them as they come; senders never block, they
-drop and count.
+events per job and ranks per step (``socket_limits``), each overflow counted and reported once.
+The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the deploy files raise
+it), so a thread of its own reads them as they come; senders never block, they drop and count.
 
 After every interval :class:`~fleethealth.probe.logs.ProbeWatch` logs what an operator must know:
 the broker unreachable, the spool filling or dropping, a GPU off the bus, a bad NIC counter.
@@ -29,14 +29,10 @@ the broker unreachable, the spool filling or dropping, a GPU off the bus, a bad 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import selectors
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable

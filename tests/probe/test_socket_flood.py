@@ -6,8 +6,8 @@ test reads ``fh.steps``, ``fh.events`` and ``fh.telemetry`` back: steps and the 
 no telemetry is invented. In the flood test, while the trainer runs, flooders of the probe's own
 uid (the worst case: another uid is refused before its datagrams are queued) send rank datagrams
 for a made-up job with a million ranks, 150 KB event datagrams, 60 KB events under made-up job
-names and small events of one job, and a process of another uid floods too. The probe's peak memory stays within a stated
-bound over its idle size, and the trainer's datagrams keep flowing.
+names and small events of one job, and a process of another uid floods too. The probe's peak
+memory stays within a stated bound over its idle size, and the trainer's datagrams keep flowing.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _start_probe(broker, sock: Path, tmp_path: Path, node: str, *extra: str) -> 
     probe = subprocess.Popen(
         [sys.executable, "-m", "fleethealth", "probe", "--source", "none", "--node", node, "--kafka", broker.dsn,
          "--socket", str(sock), "--spool-dir", str(tmp_path / "spool"), "--metrics-port", "0",
-         "--interval", "0.2", "--step-timeout", "1.0", "--duration", "60", *extra],
+         "--interval", "0.2", "--step-timeout", "1.0", "--duration", "180", *extra],
         env=_env(), stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not sock.exists():
@@ -111,8 +111,9 @@ def _start_probe(broker, sock: Path, tmp_path: Path, node: str, *extra: str) -> 
     return probe
 
 
-def _collect(broker, node: str, group: str, *, want_steps: int, settle_s: float) -> tuple[dict, list, list]:
-    """fh.steps ranks per step of cpu-job, the events and the telemetry of ``node``."""
+def _collect(broker, node: str, group: str, *, want: int, settle_s: float) -> tuple[dict, list, list]:
+    """fh.steps ranks per step of cpu-job, the events and the telemetry of ``node``: read until
+    ``want`` rank-steps arrived (then ``settle_s`` more, for anything extra), or 60 s passed."""
     ranks: dict[int, set[int]] = {}
     events: list[Event] = []
     telemetry: list[Telemetry] = []
@@ -129,7 +130,7 @@ def _collect(broker, node: str, group: str, *, want_steps: int, settle_s: float)
                     events.append(msg)
                 elif isinstance(msg, Telemetry) and msg.node == node:
                     telemetry.append(msg)
-            if len(ranks) >= want_steps and quiet_until is None:
+            if quiet_until is None and sum(len(r) for r in ranks.values()) >= want:
                 quiet_until = time.monotonic() + settle_s
             if quiet_until is not None and time.monotonic() > quiet_until:
                 break
@@ -145,14 +146,15 @@ def test_source_none_relays_steps_and_events_and_invents_no_telemetry(broker, tm
                              capture_output=True, text=True, timeout=60, check=True)
         sent, dropped, events_sent = map(int, out.stdout.split())
         assert events_sent == 1 and sent + dropped == 160
-        ranks, events, telemetry = _collect(broker, "cpu-0001", "none-relay", want_steps=20 - dropped,
-                                            settle_s=1.5)
+        ranks, events, telemetry = _collect(broker, "cpu-0001", "none-relay", want=sent, settle_s=1.5)
         assert probe.poll() is None
     finally:
         probe.terminate()
         _, err = probe.communicate(timeout=30)
     assert probe.returncode == 0, err
-    assert len(ranks) >= 20 - dropped and sum(len(r) for r in ranks.values()) == sent
+    # a loaded machine may deschedule the probe long enough for the kernel queue (10 here) to fill:
+    # the trainer then drops and counts; every datagram it did send arrives
+    assert sum(len(r) for r in ranks.values()) == sent and sent >= 80, (sent, dropped)
     assert [e.data.get("check") for e in events if e.kind is EventKind.SDC_CHECK] == ["canary"]
     assert events[0].job == "cpu-job"
     assert telemetry == []  # nothing invented: no fh.telemetry from a CPU box
@@ -177,7 +179,7 @@ def test_floods_stay_bounded_and_the_trainer_keeps_flowing(broker, shared_dir, t
         flooded = [int(f.communicate(timeout=60)[0]) for f in flooders]
         sent, dropped, _ = map(int, trainer.communicate(timeout=120)[0].split())
         _, peak_rss = _rss_kib(probe.pid)
-        ranks, events, _ = _collect(broker, "cpu-0002", "flood-relay", want_steps=110, settle_s=2.0)
+        ranks, events, _ = _collect(broker, "cpu-0002", "flood-relay", want=sent, settle_s=1.0)
         assert probe.poll() is None
     finally:
         probe.terminate()
