@@ -197,3 +197,23 @@ def test_serve_no_detect_checks_the_schema_and_never_migrates(tmp_path):
             "    print(s.query(\"SELECT count() FROM system.tables WHERE database = currentDatabase()\").rows)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[(0,)]", out.stdout  # nothing was created
+
+
+@pytest.mark.parametrize("explain, why", [
+    ("SelectWithUnionQuery (children 1)\n ExpressionList (children 1)\n  SelectQuery (children 1)\n"
+     "   ExpressionList (children 1)\n    Asterisk (children 1)\n     ColumnsTransformerList (children 1)\n"
+     "      ColumnsApplyTransformer\n", "APPLY"),
+    ("SelectWithUnionQuery (children 1)\n ExpressionList (children 1)\n  SelectQuery (children 1)\n"
+     "   ExpressionList (children 1)\n    Function (children 1)\n     ExpressionList\n", "does not show"),
+    ("SelectWithUnionQuery (children 1)\n ExpressionList (children 1)\n  SelectQuery (children 1)\n"
+     "   ExpressionList (children 1)\n    Asterisk file\n", "carries no name"),
+    ("SelectWithUnionQuery (children 1)\n ExpressionList (children 1)\n  SelectQuery (children 1)\n"
+     "   ExpressionList (children 1)\n    ColumnsFutureTransformer sleep\n", "not part of a plain SELECT"),
+])
+def test_what_the_parse_does_not_show_is_refused(explain, why):
+    """Default-deny on the tree itself: a transformer whose function is not printed, a function line
+    without a name, a name where none belongs, a node type the gate does not know."""
+    from fleethealth.api.sqlast import AstRefused, check_ast, parse_explain
+
+    with pytest.raises(AstRefused, match=why):
+        check_ast(parse_explain(explain), tables=frozenset({"findings"}))
