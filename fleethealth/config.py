@@ -369,6 +369,9 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.socket_node_events_per_s", "float", 20.0, "event datagrams all jobs together may send per second"),
     Key("probe.socket_node_event_burst", "int", 200, "event datagrams all jobs together may send at once"),
     Key("probe.socket_max_ranks", "int", 256, "ranks one step of a job may carry on this node; more are dropped"),
+    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,job_start,job_exit",
+        "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
+        "own sources)"),
     Key("probe.spool_dir", "str", "/var/lib/fleethealth/spool", "on-disk queue used while Kafka is unreachable"),
     Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
     Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),

@@ -91,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.probe.aggregator import SocketLimits
     from fleethealth.probe.listener import parse_ids
 
+    kinds = frozenset(k.strip() for k in s["probe.socket_event_kinds"].split(",") if k.strip())
     limits = SocketLimits(events_per_s=s["probe.socket_events_per_s"], event_burst=s["probe.socket_event_burst"],
                           node_events_per_s=s["probe.socket_node_events_per_s"],
-                          node_event_burst=s["probe.socket_node_event_burst"], max_ranks=s["probe.socket_max_ranks"])
+                          node_event_burst=s["probe.socket_node_event_burst"], max_ranks=s["probe.socket_max_ranks"],
+                          event_kinds=kinds)
     config = ProbeConfig(node=node, rack=getattr(source, "rack", s["node.rack"]), interval_s=interval,
                          socket_path=None if s["probe.no_socket"] else s["probe.socket"],
                          spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),

@@ -23,13 +23,16 @@ counted and dropped; nothing here raises on input: a datagram whose handling fai
 reason is counted as garbage too. Datagrams for a step already emitted are counted as ``late`` and dropped.
 Memory is bounded: at most ``max_open`` steps wait at once (the oldest is emitted early).
 
-What one sender can make the probe hold or publish is bounded too (:class:`SocketLimits`): event
-datagrams pass a token bucket per job (``events_per_s``, ``event_burst``) and one for the node
-(``node_events_per_s``, ``node_event_burst``), so inventing job names gets no more through; a step
-takes at most ``max_ranks`` ranks, and so does a job on this node (the ranks it remembers as
-reporting within ``forget_s``): a datagram for one more is dropped. Each overflow is counted
-and reported once per job and kind: a ``probe_error`` event on the bus (which the probe also logs
-as a warning) naming the job, the limit and the count dropped so far.
+What one sender can make the probe hold or publish is bounded too (:class:`SocketLimits`): an event
+datagram must be of a kind the in-job library sends about its job (``sdc_check``, ``hang_report``,
+``checkpoint``, ``job_start``, ``job_exit``: never an Xid or a lost GPU, which only the probe's own
+sources report; another kind is garbage, counted), and event datagrams pass a token bucket per
+job (``events_per_s``, ``event_burst``) and one for the node (``node_events_per_s``,
+``node_event_burst``), so inventing job names gets no more through; a step takes at most
+``max_ranks`` ranks, and so does a job on this node (the ranks it remembers as reporting within
+``forget_s``): a datagram for one more is dropped. Each overflow is counted (``stats``) and
+reported once per job and limit: a ``probe_error`` event on the bus (which the probe also logs as a
+warning) naming the job and the limit.
 
 :func:`pack` turns the batches of one drain (one probe interval) into as few messages as it can: one
 :class:`fleethealth.schema.StepBlock` per job and rank set, at most ``max_steps`` steps and
@@ -77,6 +80,10 @@ class SocketLimits:
     """Ranks one step of a job, and one job, may carry on this node (``probe.socket_max_ranks``)."""
     max_jobs: int = 1024
     """Jobs whose event buckets are remembered (the least recently used is forgotten)."""
+    event_kinds: frozenset[str] = frozenset({"sdc_check", "hang_report", "checkpoint", "job_start", "job_exit"})
+    """Event kinds a training process may send (``probe.socket_event_kinds``): what the in-job
+    library reports about its job. Node kinds (``xid``, ``gpu_lost``, ``selftest`` …) come from the
+    probe's own sources, never from the socket."""
 
     def __post_init__(self) -> None:
         if not (self.events_per_s > 0 and self.node_events_per_s > 0 and self.event_burst >= 1
@@ -220,6 +227,11 @@ class StepAggregator:
     def add(self, msg: WireMessage, now: float, wall: float | None = None) -> None:
         """Take one parsed datagram (``wall``: as in :meth:`feed`)."""
         if msg.kind == "e":
+            kind = (msg.event or {}).get("kind")
+            if kind not in self.limits.event_kinds:
+                self._drop(f"event kind {str(kind)[:40]!r} is not one a training process may send "
+                           f"(probe.socket_event_kinds: {', '.join(sorted(self.limits.event_kinds))})")
+                return
             if self._event_allowed(msg.job, now, wall):
                 self._add_event(msg, now if wall is None else wall)
             return

@@ -149,6 +149,17 @@ def test_events_are_limited_per_job_and_per_node_and_reported_once() -> None:
     assert len(relayed) <= 20 and len(notes) == 1 and notes[0].job is None
 
 
+def test_node_event_kinds_never_come_from_the_socket() -> None:
+    """A co-tenant of an admitted uid cannot report an Xid, a lost GPU or a self-test for its node."""
+    agg = StepAggregator("n0")
+    for kind in ("xid", "gpu_lost", "selftest", "health_watch", "probe_error", "interruption", "spool_dropped"):
+        agg.feed(orjson.dumps({"t": "e", "event": {"kind": kind, "code": 79, "job": "j", "ts": 1.0, "data": {}}}), 1.0)
+    agg.feed(_event("j"), 1.0)
+    out = agg.drain(1.0)
+    assert [e.kind for e in out.events] == [EventKind.SDC_CHECK]
+    assert agg.stats.garbage_total == 7 and "not one a training process may send" in (agg.last_garbage or "")
+
+
 def test_a_step_takes_at_most_max_ranks_and_the_overflow_is_counted_once() -> None:
     agg = StepAggregator("n0", timeout_s=1.0, limits=SocketLimits(max_ranks=8))
     for rank in range(10_000):
