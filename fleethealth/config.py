@@ -380,7 +380,10 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("serve.token_file", "str", None, "file holding the bearer token for write endpoints", optional=True),
     Key("serve.read_token_file", "str", None, "file holding the bearer token for reads", optional=True),
     Key("serve.open_reads", "bool", False, "serve reads without a token (logged as a warning)"),
-    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner"),
+    Key("serve.no_detect", "bool", False, "serve the API only; run no detector runner (the store's schema is "
+        "checked, not migrated)"),
+    Key("serve.query_store", "str", None, "store DSN analyst SQL runs on (server mode: the read-only user of "
+        "deploy/clickhouse/access/); none: the store's", optional=True),
     # act
     Key("act.scheduler", "str", None, "slurm or kubernetes", optional=True, choices=("slurm", "kubernetes")),
     Key("act.dry_run", "bool", False, "record what would be done; change nothing"),
@@ -400,11 +403,26 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("act.metrics_port", "int", 9404, "act's /metrics and /healthz port, 0 to disable"),
     Key("act.idle_exit", "float", None, "exit after this many seconds without a new recommendation", optional=True),
     # probe
-    Key("probe.source", "str", "nvml", "telemetry source", choices=("dcgm", "nvml", "sim")),
+    Key("probe.source", "str", "nvml", "telemetry source (none: relay the socket only, no GPU telemetry)",
+        choices=("dcgm", "nvml", "sim", "none")),
     Key("probe.interval_s", "float", 1.0, "seconds between samples"),
     Key("probe.socket", "str", "/run/fleethealth/probe.sock", "Unix socket for the in-job step timer",
         env="FLEETHEALTH_SOCKET"),
     Key("probe.no_socket", "bool", False, "do not listen for training processes"),
+    Key("probe.socket_group", "str", None, "group (name or gid) of the socket, mode 0660: the training processes' "
+        "group (none: the probe's own)", optional=True, env="FLEETHEALTH_SOCKET_GROUP"),
+    Key("probe.socket_uids", "str", "", "uids (numbers or names, comma-separated) whose datagrams are accepted; "
+        "with probe.socket_gids empty too: root, the probe's uid and the socket's group"),
+    Key("probe.socket_gids", "str", "", "gids (numbers or names, comma-separated) whose datagrams are accepted"),
+    Key("probe.socket_max_bytes", "int", 65536, "longest datagram read; longer ones are dropped and counted"),
+    Key("probe.socket_events_per_s", "float", 5.0, "event datagrams one job may send per second, sustained"),
+    Key("probe.socket_event_burst", "int", 50, "event datagrams one job may send at once"),
+    Key("probe.socket_node_events_per_s", "float", 20.0, "event datagrams all jobs together may send per second"),
+    Key("probe.socket_node_event_burst", "int", 200, "event datagrams all jobs together may send at once"),
+    Key("probe.socket_max_ranks", "int", 256, "ranks one step of a job may carry on this node; more are dropped"),
+    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,job_start,job_exit",
+        "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
+        "own sources)"),
     Key("probe.spool_dir", "str", "/var/lib/fleethealth/spool", "on-disk queue used while Kafka is unreachable"),
     Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
     Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),

@@ -25,10 +25,18 @@ import orjson
 if TYPE_CHECKING:
     from fleethealth.schema import Event
 
-__all__ = ["DEFAULT_SOCKET", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender", "WireMessage",
-           "event_datagram", "parse"]
+__all__ = ["DEFAULT_SOCKET", "default_socket", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender",
+           "WireMessage", "event_datagram", "parse"]
 
 DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
+"""The socket path as the environment said at import (kept for callers that name it); senders
+read :func:`default_socket` when they are made."""
+
+
+def default_socket() -> str:
+    """``$FLEETHEALTH_SOCKET`` as it is now, else ``/run/fleethealth/probe.sock``."""
+    return os.environ.get("FLEETHEALTH_SOCKET") or "/run/fleethealth/probe.sock"
+
 MAX_DATAGRAM = 200_000
 """Larger datagrams (a very deep stack dump) are dropped (and counted) by the sender, never split."""
 MAX_RANK = 2**31 - 1
@@ -103,8 +111,8 @@ class Sender:
     queue or an oversized payload all count as drops.
     """
 
-    def __init__(self, path: str = DEFAULT_SOCKET) -> None:
-        self.path = path
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path if path is not None else default_socket()
         self.sent_total = 0
         self.dropped_total = 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -7,6 +7,8 @@ punctuation and semicolons, skipping comments, and refuses before anything reach
 * anything but ``SELECT`` or ``WITH`` as the first word (after opening parentheses);
 * a second statement after a semicolon (one trailing semicolon is dropped);
 * a write or DDL keyword anywhere (``INSERT``, ``ALTER``, ``CREATE``, ``DROP``, ...);
+* ``APPLY`` (the column transformer: the parse does not show the function it applies, see
+  :mod:`fleethealth.api.sqlast`, which refuses it too);
 * ``INTO OUTFILE`` (chDB writes the file even in read-only mode), ``FORMAT`` and ``SETTINGS``
   clauses (the server chooses the output format and the limits);
 * table functions that reach outside the store (``file``, ``url``, ``s3``, ``remote``, ...).
@@ -41,7 +43,7 @@ MAX_SQL_CHARS = 100_000
 _FORBIDDEN_WORDS = frozenset({
     "INSERT", "ALTER", "CREATE", "DROP", "TRUNCATE", "RENAME", "ATTACH", "DETACH", "OPTIMIZE",
     "GRANT", "REVOKE", "KILL", "DELETE", "UPDATE", "EXCHANGE", "UNDROP", "BACKUP", "RESTORE",
-    "OUTFILE", "SETTINGS", "SET", "USE",
+    "OUTFILE", "SETTINGS", "SET", "USE", "APPLY",
 })
 """Words refused anywhere outside strings and quoted names."""
 

@@ -90,18 +90,29 @@ def store_dsn(store: str | None, data: str | Path) -> str:
     return embedded_store_dsn(data)
 
 
-def open_store_at(dsn: str, *, migrate: bool = True) -> Any:
+def open_store_at(dsn: str, *, migrate: bool = True, check: bool = False) -> Any:
     """The store behind ``dsn``, migrated to the current schema unless ``migrate`` is False (a
-    read-only client); the caller closes it (it is a context manager)."""
+    read-only client); with ``check`` (and ``migrate`` False) a store whose schema is behind is
+    refused with the migrations it lacks (a read-only user can check, not migrate). The caller
+    closes it (it is a context manager)."""
+    from fleethealth.errors import StoreError
     from fleethealth.store import open_store
+    from fleethealth.store.migrations import pending
 
     store = open_store(dsn)
-    if migrate:
-        try:
+    try:
+        if migrate:
             store.migrate()
-        except BaseException:
-            store.close()
-            raise
+        elif check:
+            missing = pending(store)
+            if missing:
+                raise StoreError(f"the store lacks {len(missing)} migration(s) "
+                                 f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}); this command "
+                                 "does not migrate: run `fleethealth detect` (or `fleethealth serve` without "
+                                 "--no-detect) once against it with a user that may create tables")
+    except BaseException:
+        store.close()
+        raise
     return store
 
 

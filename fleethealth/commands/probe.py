@@ -17,7 +17,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                                    "aggregate the training ranks' step timings from the Unix socket "
                                    "(fh.steps), forward events (fh.events), spool to disk while Kafka is "
                                    "unreachable, and serve Prometheus /metrics.")
-    add_setting(p, "--source", "probe.source", choices=("dcgm", "nvml", "sim"), help="telemetry source")
+    add_setting(p, "--source", "probe.source", choices=("dcgm", "nvml", "sim", "none"),
+                help="telemetry source: dcgm, nvml, sim (simulated GPUs, for trials: never on a real job), or "
+                     "none (a CPU box: no telemetry at all; the probe relays the training processes' steps and "
+                     "events from the socket)")
     add_setting(p, "--kafka", "kafka", metavar="DSN",
                 help="bus, kafka://host:port[,host:port] (default $FLEETHEALTH_KAFKA)")
     add_setting(p, "--node", "node.name",
@@ -29,6 +32,13 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="Unix socket for the in-job step timer (default $FLEETHEALTH_SOCKET or "
                      "/run/fleethealth/probe.sock)")
     add_setting(p, "--no-socket", "probe.no_socket", store_true=True, help="do not listen for training processes")
+    add_setting(p, "--socket-group", "probe.socket_group", metavar="GROUP",
+                help="group of the socket (mode 0660): the training processes' group (default: the probe's)")
+    add_setting(p, "--socket-uids", "probe.socket_uids", metavar="UIDS",
+                help="uids whose datagrams are accepted, comma-separated (default, with --socket-gids empty: "
+                     "root, the probe's uid and the socket's group; checked on every datagram)")
+    add_setting(p, "--socket-gids", "probe.socket_gids", metavar="GIDS",
+                help="gids whose datagrams are accepted, comma-separated")
     add_setting(p, "--spool-dir", "probe.spool_dir", metavar="DIR",
                 help="on-disk queue used while Kafka is unreachable")
     add_setting(p, "--spool-max-mb", "probe.spool_max_mb", type=float, metavar="MB",
@@ -75,13 +85,25 @@ def run(args: argparse.Namespace) -> int:
     interval, source_name = s["probe.interval_s"], s["probe.source"]
     source = make_source(source_name, node=node, rack=s["node.rack"], interval_s=interval,
                          scenario=s["probe.scenario"], dcgm_host=s["probe.dcgm_host"])
+    from fleethealth.probe.aggregator import SocketLimits
+    from fleethealth.probe.listener import parse_ids
+
+    kinds = frozenset(k.strip() for k in s["probe.socket_event_kinds"].split(",") if k.strip())
+    limits = SocketLimits(events_per_s=s["probe.socket_events_per_s"], event_burst=s["probe.socket_event_burst"],
+                          node_events_per_s=s["probe.socket_node_events_per_s"],
+                          node_event_burst=s["probe.socket_node_event_burst"], max_ranks=s["probe.socket_max_ranks"],
+                          event_kinds=kinds)
     config = ProbeConfig(node=node, rack=getattr(source, "rack", s["node.rack"]), interval_s=interval,
                          socket_path=None if s["probe.no_socket"] else s["probe.socket"],
                          spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),
                          metrics_port=s["probe.metrics_port"] or None, stall_timeout_s=s["probe.stall_timeout_s"],
                          step_timeout_s=s["probe.step_timeout_s"], steps_per_message=s["probe.steps_per_message"],
                          nic_root=None if s["probe.no_nic"] else s["probe.sysfs_root"],
-                         dcgm_exporter_compat=s["probe.dcgm_exporter_compat"])
+                         dcgm_exporter_compat=s["probe.dcgm_exporter_compat"],
+                         socket_group=s["probe.socket_group"],
+                         socket_uids=parse_ids(s["probe.socket_uids"], "--socket-uids"),
+                         socket_gids=parse_ids(s["probe.socket_gids"], "--socket-gids", groups=True),
+                         socket_max_bytes=s["probe.socket_max_bytes"], socket_limits=limits)
     on_connect = None
     if s["probe.ensure_topics"]:
         from fleethealth.bus import ensure_topics

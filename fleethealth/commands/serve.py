@@ -34,7 +34,13 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="serve reads without any token (a warning is logged: anyone who reaches the port "
                      "reads the store); for a trial on 127.0.0.1 only")
     add_setting(p, "--no-detect", "serve.no_detect", store_true=True,
-                help="serve the API only; run no detector runner")
+                help="serve the API only; run no detector runner, and check the store's schema instead of "
+                     "migrating it (so a read-only ClickHouse user will do; a store that lacks migrations is "
+                     "refused with their names)")
+    add_setting(p, "--query-store", "serve.query_store", metavar="DSN",
+                help="the store DSN analyst SQL (POST /v1/query) runs on, never migrated: in server mode the "
+                     "read-only user of deploy/clickhouse/access/fleethealth-api.xml, which has no FILE, URL "
+                     "or other source grants (default: the --store DSN)")
     add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
@@ -93,11 +99,13 @@ def run(args: argparse.Namespace) -> int:
 
             dsn = stack.enter_context(EmbeddedBroker()).dsn
         store_dsn = settings["store"] or embedded_store_dsn(settings["data"], create=True)
-        store = stack.enter_context(open_store_at(store_dsn))
+        no_detect = bool(settings["serve.no_detect"])
+        # without detectors the API only reads (and stamps acks): check the schema, never migrate it
+        store = stack.enter_context(open_store_at(store_dsn, migrate=not no_detect, check=no_detect))
         hook = None
         server: uvicorn.Server | None = None
         failed: list[BaseException] = []
-        if not settings["serve.no_detect"]:
+        if not no_detect:
             from fleethealth.bus import ensure_topics
 
             ensure_topics(dsn)
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             stack.callback(thread.join, 10.0)
             stack.callback(stop.set)
         # analyst SQL on a handle of its own: it neither queues the detector's writes nor waits behind them
-        query_store = stack.enter_context(open_store_at(store_dsn, migrate=False))
+        query_store = stack.enter_context(open_store_at(settings["serve.query_store"] or store_dsn, migrate=False))
         app = create_app(store, token=token, read_token=read_token, open_reads=open_reads,
                          registry=registry, on_breaker_reset=hook, query_store=query_store)
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)

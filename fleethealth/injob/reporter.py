@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from fleethealth.schema import Event
-from fleethealth.wire import DEFAULT_SOCKET, Sender, event_datagram
+from fleethealth.wire import Sender, default_socket, event_datagram
 
 __all__ = ["Reporter", "Sink"]
 
@@ -36,27 +36,39 @@ class Reporter:
     """Stamp identity on events and deliver them without ever raising on the step path.
 
     ``job`` defaults to ``$FLEETHEALTH_JOB``; ``rank`` and ``gpu`` default to torchrun's ``RANK`` and
-    ``LOCAL_RANK``. ``sink`` replaces the probe socket; ``socket_path`` selects another probe socket.
-    ``sent_total`` / ``failed_total`` count deliveries; the wire sender's own drop counter stays on
-    ``sender.dropped_total``.
+    ``LOCAL_RANK``. ``sink`` replaces the probe socket; ``socket_path`` selects another probe socket
+    (default ``$FLEETHEALTH_SOCKET`` as it is when the reporter is made, else
+    ``/run/fleethealth/probe.sock``). ``sent_total`` / ``failed_total`` count deliveries, and
+    :attr:`dropped_total` the events that did not reach the probe; a drop is logged as a warning the
+    first time, then at most once every ``warn_every_s`` with the count since.
     """
 
     def __init__(self, *, job: str | None = None, rank: int | None = None, gpu: int | None = None,
-                 sink: Sink | None = None, socket_path: str = DEFAULT_SOCKET,
-                 clock: Callable[[], float] = time.time) -> None:
+                 sink: Sink | None = None, socket_path: str | None = None,
+                 clock: Callable[[], float] = time.time, warn_every_s: float = 60.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.job = job if job is not None else os.environ.get("FLEETHEALTH_JOB", "") or None
         self.rank = rank if rank is not None else _env_int("RANK")
         self.gpu = gpu if gpu is not None else _env_int("LOCAL_RANK")
         self.clock = clock
         self.sender: Sender | None = None
         if sink is None:
-            self.sender = Sender(socket_path)
+            self.sender = Sender(socket_path if socket_path is not None else default_socket())
             sender = self.sender
             self._sink: Sink = lambda event: sender.send(event_datagram(event))
         else:
             self._sink = sink
         self.sent_total = 0
         self.failed_total = 0
+        self.warn_every_s = warn_every_s
+        self._monotonic = monotonic
+        self._warned_at: float | None = None
+        self._unwarned = 0
+
+    @property
+    def dropped_total(self) -> int:
+        """Events that did not reach the probe (or the sink) since the reporter was made."""
+        return self.failed_total
 
     def now(self) -> float:
         return float(self.clock())
@@ -77,9 +89,23 @@ class Reporter:
             ok = False
         if ok is False:
             self.failed_total += 1
+            self._warn_drop()
             return False
         self.sent_total += 1
         return True
+
+    def _warn_drop(self) -> None:
+        """One warning for the first drop, then at most one every ``warn_every_s`` (never raises)."""
+        self._unwarned += 1
+        now = self._monotonic()
+        if self._warned_at is not None and now - self._warned_at < self.warn_every_s:
+            return
+        where = self.sender.path if self.sender is not None else "the event sink"
+        _log.warning("fleethealth: %d event(s) dropped (%d in all): %s did not take them (no probe "
+                     "listening, its queue full, or an event over the size limit); training goes on",
+                     self._unwarned, self.failed_total, where)
+        self._warned_at = now
+        self._unwarned = 0
 
     def close(self) -> None:
         if self.sender is not None:

@@ -1,8 +1,9 @@
 """The node probe: the supervisor on each GPU node (telemetry sources, step aggregation, spool, metrics).
 
 ``fleethealth probe`` runs :class:`Probe`: a telemetry source (:mod:`.nvml`, :mod:`.dcgm` or the
-simulator, :mod:`.simsource`, chosen by name through :mod:`.sources`) sampled every interval under
-a stall guard; the training ranks' datagrams from the Unix socket aggregated
+simulator, :mod:`.simsource`, or none at all on a CPU box, :mod:`.nosource`, chosen by name through
+:mod:`.sources`) sampled every interval under a stall guard; the training ranks' datagrams from the
+Unix socket (:mod:`.listener`: mode 0660, each sender's credentials checked, sizes bounded) aggregated
 into one step batch per (job, step) (:mod:`.aggregator`); everything written ahead to a bounded
 on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); the node's NIC
 port counters read from sysfs into each telemetry sample (:mod:`.nic`); Prometheus ``/metrics``
@@ -27,7 +28,10 @@ _EXPORTS: dict[str, str] = {
     "create_source": "sources",
     "register_source": "sources",
     "StepAggregator": "aggregator",
-    "DatagramListener": "daemon",
+    "SocketLimits": "aggregator",
+    "DatagramListener": "listener",
+    "PeerPolicy": "listener",
+    "NoSource": "nosource",
     "Spool": "spool",
     "Delivery": "delivery",
     "ProbeMetrics": "metrics",

@@ -23,6 +23,17 @@ counted and dropped; nothing here raises on input: a datagram whose handling fai
 reason is counted as garbage too. Datagrams for a step already emitted are counted as ``late`` and dropped.
 Memory is bounded: at most ``max_open`` steps wait at once (the oldest is emitted early).
 
+What one sender can make the probe hold or publish is bounded too (:class:`SocketLimits`): an event
+datagram must be of a kind the in-job library sends about its job (``sdc_check``, ``hang_report``,
+``checkpoint``, ``job_start``, ``job_exit``: never an Xid or a lost GPU, which only the probe's own
+sources report; another kind is garbage, counted), and event datagrams pass a token bucket per
+job (``events_per_s``, ``event_burst``) and one for the node (``node_events_per_s``,
+``node_event_burst``), so inventing job names gets no more through; a step takes at most
+``max_ranks`` ranks, and so does a job on this node (the ranks it remembers as reporting within
+``forget_s``): a datagram for one more is dropped. Each overflow is counted (``stats``) and
+reported once per job and limit: a ``probe_error`` event on the bus (which the probe also logs as a
+warning) naming the job and the limit.
+
 :func:`pack` turns the batches of one drain (one probe interval) into as few messages as it can: one
 :class:`fleethealth.schema.StepBlock` per job and rank set, at most ``max_steps`` steps and
 ``MAX_MESSAGE_BYTES`` each (a block over the size is split in halves); a lone step stays a batch.
@@ -43,6 +54,7 @@ from fleethealth.schema import (
     MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
     Event,
+    EventKind,
     StepBatch,
     StepBlock,
     decode,
@@ -50,7 +62,49 @@ from fleethealth.schema import (
 )
 from fleethealth.wire import WireMessage, parse
 
-__all__ = ["StepAggregator", "Drained", "AggregatorStats", "pack"]
+__all__ = ["StepAggregator", "Drained", "AggregatorStats", "SocketLimits", "pack"]
+
+
+@dataclass(frozen=True)
+class SocketLimits:
+    """What the node's training processes may send (config keys ``probe.socket_*``)."""
+
+    events_per_s: float = 5.0
+    """Event datagrams a job may send per second, sustained (``probe.socket_events_per_s``)."""
+    event_burst: int = 50
+    """... and at once (``probe.socket_event_burst``)."""
+    node_events_per_s: float = 20.0
+    """Event datagrams all jobs together may send per second (``probe.socket_node_events_per_s``)."""
+    node_event_burst: int = 200
+    max_ranks: int = 256
+    """Ranks one step of a job, and one job, may carry on this node (``probe.socket_max_ranks``)."""
+    max_jobs: int = 1024
+    """Jobs whose event buckets are remembered (the least recently used is forgotten)."""
+    event_kinds: frozenset[str] = frozenset({"sdc_check", "hang_report", "checkpoint", "job_start", "job_exit"})
+    """Event kinds a training process may send (``probe.socket_event_kinds``): what the in-job
+    library reports about its job. Node kinds (``xid``, ``gpu_lost``, ``selftest`` …) come from the
+    probe's own sources, never from the socket."""
+
+    def __post_init__(self) -> None:
+        if not (self.events_per_s > 0 and self.node_events_per_s > 0 and self.event_burst >= 1
+                and self.node_event_burst >= 1 and self.max_ranks >= 1 and self.max_jobs >= 1):
+            raise SchemaError("probe", f"socket limits must be positive, got {self}")
+
+
+class _Bucket:
+    __slots__ = ("tokens", "at")
+
+    def __init__(self, burst: float, now: float) -> None:
+        self.tokens = float(burst)
+        self.at = now
+
+    def take(self, now: float, rate: float, burst: float) -> bool:
+        self.tokens = min(float(burst), self.tokens + max(0.0, now - self.at) * rate)
+        self.at = max(self.at, now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
 
 
 def pack(batches: Sequence[StepBatch], max_steps: int = 100, *,
@@ -109,6 +163,8 @@ class AggregatorStats:
     evicted_total: int
     events_total: int
     open_steps: int
+    events_limited_total: int = 0
+    ranks_limited_total: int = 0
 
 
 @dataclass
@@ -122,8 +178,13 @@ class StepAggregator:
     """Aggregate one node's rank datagrams. ``now`` is the probe's clock (seconds, monotonic or wall)."""
 
     def __init__(self, node: str, *, timeout_s: float = 5.0, forget_s: float = 300.0, max_open: int = 4096,
-                 remember_emitted: int = 65536) -> None:
+                 remember_emitted: int = 65536, limits: SocketLimits | None = None) -> None:
         self.node = node
+        self.limits = limits if limits is not None else SocketLimits()
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._node_bucket: _Bucket | None = None
+        self._events_limited = self._ranks_limited = 0
+        self._reported: set[tuple[str, str]] = set()  # (job, limit) already reported
         self.timeout_s = timeout_s
         self.forget_s = forget_s
         self.max_open = max_open
@@ -166,7 +227,13 @@ class StepAggregator:
     def add(self, msg: WireMessage, now: float, wall: float | None = None) -> None:
         """Take one parsed datagram (``wall``: as in :meth:`feed`)."""
         if msg.kind == "e":
-            self._add_event(msg, now if wall is None else wall)
+            kind = (msg.event or {}).get("kind")
+            if kind not in self.limits.event_kinds:
+                self._drop(f"event kind {str(kind)[:40]!r} is not one a training process may send "
+                           f"(probe.socket_event_kinds: {', '.join(sorted(self.limits.event_kinds))})")
+                return
+            if self._event_allowed(msg.job, now, wall):
+                self._add_event(msg, now if wall is None else wall)
             return
         if msg.kind == "c" and msg.value > MAX_COMPUTE_S:
             self._drop(f"compute time {msg.value} s is not a measurement")
@@ -184,6 +251,19 @@ class StepAggregator:
                 old_key, old = self._open.popitem(last=False)
                 self._evicted += 1
                 self._emit(old_key, old, complete=False)
+        known = self._known.get(msg.job, {})
+        cap = self.limits.max_ranks
+        if (msg.rank not in entry.compute and msg.rank not in entry.progress
+                and (max(len(entry.compute), len(entry.progress)) >= cap or (msg.rank not in known
+                                                                             and len(known) >= cap))):
+            self._ranks_limited += 1
+            self._report(msg.job, "max_ranks", wall if wall is not None else now,
+                         f"job {msg.job!r} already has {cap} ranks on this node (in step {msg.step}, or "
+                         f"reporting within {self.forget_s:g} s; probe.socket_max_ranks): further ranks' "
+                         "datagrams are dropped")
+            if not entry.compute and not entry.progress:
+                del self._open[key]
+            return
         if msg.kind == "c":
             entry.compute[msg.rank] = (msg.gpu, msg.value, msg.ts)
             self._known.setdefault(msg.job, {})[msg.rank] = now
@@ -206,6 +286,40 @@ class StepAggregator:
             self._drop(f"event: {exc}")
             return
         self._events.append(event)
+        self._events_total += 1
+
+    def _event_allowed(self, job: str, now: float, wall: float | None) -> bool:
+        lim = self.limits
+        if self._node_bucket is None:
+            self._node_bucket = _Bucket(lim.node_event_burst, now)
+        bucket = self._buckets.get(job)
+        if bucket is None:
+            bucket = self._buckets[job] = _Bucket(lim.event_burst, now)
+            if len(self._buckets) > lim.max_jobs:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(job)
+        if not bucket.take(now, lim.events_per_s, lim.event_burst):
+            which, detail = job, f"job {job!r} sent events faster than {lim.events_per_s:g}/s (burst {lim.event_burst})"
+        elif not self._node_bucket.take(now, lim.node_events_per_s, lim.node_event_burst):
+            which, detail = "", (f"this node's jobs sent events faster than {lim.node_events_per_s:g}/s "
+                                 f"(burst {lim.node_event_burst})")
+        else:
+            return True
+        self._events_limited += 1
+        self._report(which, "events_per_s", wall if wall is not None else now,
+                     f"{detail}: further events are dropped (probe.socket_events_per_s)")
+        return False
+
+    def _report(self, job: str, limit: str, ts: float, message: str) -> None:
+        """One ``probe_error`` event per job and limit (the node's, ``job`` empty), ever."""
+        if (job, limit) in self._reported:
+            return
+        if len(self._reported) >= 4 * self.limits.max_jobs:
+            return  # reported enough: the counters keep counting
+        self._reported.add((job, limit))
+        self._events.append(Event(node=self.node, ts=ts, kind=EventKind.PROBE_ERROR, job=job or None,
+                                  message=message[:2000], data={"source": "socket", "limit": limit}))
         self._events_total += 1
 
     def _drop(self, reason: str) -> None:
@@ -236,7 +350,8 @@ class StepAggregator:
     @property
     def stats(self) -> AggregatorStats:
         return AggregatorStats(self._datagrams, self._garbage, self._batches, self._incomplete, self._late,
-                               self._evicted, self._events_total, len(self._open))
+                               self._evicted, self._events_total, len(self._open), self._events_limited,
+                               self._ranks_limited)
 
     # ------------------------------------------------------------ internals
     def _complete(self, job: str, entry: _Open, now: float) -> bool:

@@ -16,10 +16,12 @@ directly with their own clock, so nothing in them sleeps on the probe's behalf.
 
 The socket end (:class:`DatagramListener`) binds ``SOCK_DGRAM`` at the configured path under the
 ``/run/fleethealth`` directory that the DaemonSet shares with training pods, replaces a stale
-socket file left by a previous probe, and is writable by every user so training processes need no
-privileges. The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the
-deploy files raise it), so a thread of its own reads them as they come; senders never block, they
-drop and count.
+socket file left by a previous probe, and is writable by its owner and group only (mode 0660,
+``socket_group``); each datagram's sender credentials are checked (``SCM_CREDENTIALS``) and its
+size bounded before it is buffered (:mod:`fleethealth.probe.listener`), and the aggregator limits
+events per job and ranks per step (``socket_limits``), each overflow counted and reported once.
+The kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default; the deploy files raise
+it), so a thread of its own reads them as they come; senders never block, they drop and count.
 
 After every interval :class:`~fleethealth.probe.logs.ProbeWatch` logs what an operator must know:
 the broker unreachable, the spool filling or dropping, a GPU off the bus, a bad NIC counter.
@@ -27,14 +29,10 @@ the broker unreachable, the spool filling or dropping, a GPU off the bus, a bad 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import selectors
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -42,15 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleethealth.errors import ConfigError
-from fleethealth.probe.aggregator import StepAggregator, pack
+from fleethealth.probe.aggregator import SocketLimits, StepAggregator, pack
 from fleethealth.probe.delivery import Delivery
+from fleethealth.probe.listener import DEFAULT_MAX_BYTES as DEFAULT_SOCKET_MAX_BYTES
+from fleethealth.probe.listener import DatagramListener, PeerPolicy
 from fleethealth.probe.logs import LOGGER, ProbeWatch
 from fleethealth.probe.metrics import DEFAULT_PORT, ProbeHealth, ProbeMetrics
 from fleethealth.probe.nic import NicReader
 from fleethealth.probe.sources import Source, StallGuard
 from fleethealth.probe.spool import DEFAULT_MAX_BYTES, Spool
 from fleethealth.schema import MAX_BLOCK_STEPS, Event, EventKind, Message, Telemetry
-from fleethealth.wire import DEFAULT_SOCKET, MAX_DATAGRAM
+from fleethealth.wire import DEFAULT_SOCKET
 
 __all__ = ["Probe", "ProbeConfig", "TickReport", "DatagramListener", "make_source"]
 
@@ -84,6 +84,13 @@ class ProbeConfig:
     nic_root: str | None = None
     dcgm_exporter_compat: bool = False
     warn_every_s: float = 60.0
+    socket_group: str | None = None
+    """The socket's group (name or gid): the training processes' (none: the probe's own)."""
+    socket_uids: frozenset[int] = frozenset()
+    """Senders admitted by uid (with ``socket_gids``; both empty: root, the probe's uid, the group)."""
+    socket_gids: frozenset[int] = frozenset()
+    socket_max_bytes: int = DEFAULT_SOCKET_MAX_BYTES
+    socket_limits: SocketLimits = SocketLimits()
 
     def __post_init__(self) -> None:
         if not self.node:
@@ -128,7 +135,7 @@ class Probe:
         self.nic = NicReader(config.nic_root) if config.nic_root is not None else None
         self.watch = ProbeWatch(every_s=config.warn_every_s, clock=monotonic)
         self.log = logging.getLogger(LOGGER)
-        self.aggregator = StepAggregator(config.node, timeout_s=config.step_timeout_s)
+        self.aggregator = StepAggregator(config.node, timeout_s=config.step_timeout_s, limits=config.socket_limits)
         self._clock = clock
         self._monotonic = monotonic
         self._guard: StallGuard | None = None
@@ -152,7 +159,9 @@ class Probe:
             self.metrics.driver_version = str(driver)
         self._guard = StallGuard(self.source, node=self.config.node, timeout_s=self.config.stall_timeout_s)
         if self.config.socket_path is not None:
-            self._listener = DatagramListener(self.config.socket_path)
+            self._listener = DatagramListener(self.config.socket_path, group=self.config.socket_group,
+                                              policy=PeerPolicy(self.config.socket_uids, self.config.socket_gids),
+                                              max_bytes=self.config.socket_max_bytes)
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._listener, selectors.EVENT_READ)
             self._receiver = threading.Thread(target=self._receive, name="fh-probe-socket", daemon=True)
@@ -276,6 +285,8 @@ class Probe:
                 if self._closing.wait(0.05):
                     return
                 continue
+            if not datagrams:
+                continue
             now, wall = self._monotonic(), self._clock()
             with self._agg_lock:
                 for datagram in datagrams:
@@ -304,6 +315,7 @@ class Probe:
     def health(self) -> ProbeHealth:
         with self._agg_lock:
             agg = self.aggregator.stats
+        sock = self._listener.stats if self._listener is not None else None
         delivery = self.delivery.stats
         guard = self._guard
         return ProbeHealth(
@@ -317,7 +329,10 @@ class Probe:
             spool_dropped_total=delivery.spool.dropped_total,
             spool_dropped_bytes_total=delivery.spool.dropped_bytes_total,
             delivered_total=delivery.delivered_total, delivery_failures_total=delivery.failures_total,
-            bus_connected=int(delivery.connected))
+            bus_connected=int(delivery.connected),
+            datagrams_refused_total=0 if sock is None else sock.refused_total,
+            datagrams_oversize_total=0 if sock is None else sock.oversize_total,
+            events_limited_total=agg.events_limited_total, ranks_limited_total=agg.ranks_limited_total)
 
     # ------------------------------------------------------------ internals
     def _drain(self) -> int:
@@ -354,53 +369,3 @@ def make_source(name: str, *, node: str, rack: str, interval_s: float = 1.0, sce
     if name == "dcgm":
         return create_source("dcgm", node=node, rack=rack, hostname=dcgm_host, interval_s=interval_s)
     return create_source(name, node=node, rack=rack)
-
-
-class DatagramListener:
-    """A bound, non-blocking Unix datagram socket. Use as a context manager; closing unlinks it."""
-
-    def __init__(self, path: str = DEFAULT_SOCKET, *, rcvbuf: int = 4 << 20) -> None:
-        self.path = path
-        folder = Path(path).parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the socket directory {folder}: {exc.strerror}") from exc
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)  # a stale socket from a previous probe
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            self._sock.bind(path)
-        except OSError as exc:
-            self._sock.close()
-            raise ConfigError(f"cannot bind the probe socket {path}: {exc.strerror}") from exc
-        os.chmod(path, 0o666)
-        with contextlib.suppress(OSError):
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self._sock.setblocking(False)
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def receive(self, max_datagrams: int = 100_000) -> list[bytes]:
-        """Every datagram queued now (up to ``max_datagrams``), without waiting."""
-        out: list[bytes] = []
-        recv = self._sock.recv
-        try:
-            while len(out) < max_datagrams:
-                out.append(recv(MAX_DATAGRAM + 1))
-        except (BlockingIOError, InterruptedError):
-            pass
-        return out
-
-    def close(self) -> None:
-        self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def __enter__(self) -> DatagramListener:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

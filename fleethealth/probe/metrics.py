@@ -92,6 +92,10 @@ class ProbeHealth:
     delivered_total: int = 0
     delivery_failures_total: int = 0
     bus_connected: int = 0
+    datagrams_refused_total: int = 0
+    datagrams_oversize_total: int = 0
+    events_limited_total: int = 0
+    ranks_limited_total: int = 0
 
 
 _HELP = {
@@ -113,6 +117,10 @@ _HELP = {
     "delivered_total": "records acknowledged by the broker",
     "delivery_failures_total": "failed delivery attempts (broker unreachable or refusing)",
     "bus_connected": "1 while a producer is connected to the broker",
+    "datagrams_refused_total": "datagrams refused for their sender's credentials (uid and gid not admitted)",
+    "datagrams_oversize_total": "datagrams dropped unread beyond probe.socket_max_bytes",
+    "events_limited_total": "event datagrams dropped beyond a job's (or the node's) event rate limit",
+    "ranks_limited_total": "step datagrams dropped beyond probe.socket_max_ranks ranks in one step",
 }
 
 

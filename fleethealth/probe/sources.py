@@ -46,8 +46,9 @@ class Source(Protocol):
         """Connect to the library or service; raise :class:`fleethealth.errors.DeviceError` naming
         what is missing and which ``--source`` would work."""
 
-    def sample(self, ts: float) -> Sample:
-        """Read every GPU now; ``ts`` is the event time stamped on the sample."""
+    def sample(self, ts: float) -> Sample | None:
+        """Read every GPU now; ``ts`` is the event time stamped on the sample (``None``: this source
+        has no telemetry, as ``none``; nothing is published for the interval)."""
 
     def close(self) -> None:
         """Release the library or service."""
@@ -57,6 +58,7 @@ SOURCES: dict[str, str] = {
     "nvml": "fleethealth.probe.nvml:NvmlSource",
     "dcgm": "fleethealth.probe.dcgm:DcgmSource",
     "sim": "fleethealth.probe.simsource:SimSource",
+    "none": "fleethealth.probe.nosource:NoSource",
 }
 """Source name -> ``module:Class``; the module is imported only when that source is created."""
 
@@ -163,7 +165,7 @@ class StallGuard:
                     return
                 ts, self._pending_ts = self._pending_ts, None
             try:
-                result: Sample | BaseException = self.source.sample(ts)
+                result: Sample | BaseException | None = self.source.sample(ts)
             except Exception as exc:  # reported through GuardResult.error; the probe keeps running
                 result = exc
             with self._lock:

@@ -30,7 +30,7 @@ from fleethealth.store.translate import first_line
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["Migration", "migration_files", "split_statements", "migrate", "statements", "raw_retention_days",
+__all__ = ["Migration", "migration_files", "split_statements", "migrate", "pending", "statements", "raw_retention_days",
            "DEFAULT_RAW_RETENTION_DAYS", "RETAINED_TABLES"]
 
 DEFAULT_RAW_RETENTION_DAYS = 14
@@ -149,6 +149,16 @@ def migrate(store: StoreLike, directory: str | os.PathLike[str] | None = None) -
     if days is not None and directory is None:
         set_raw_retention(store, int(days))
     return done
+
+
+def pending(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> list[str]:
+    """The migrations the store has not recorded, read-only (a store user with SELECT alone can ask):
+    every one when ``schema_migrations`` itself cannot be read."""
+    try:
+        applied = set(store.query("SELECT version FROM schema_migrations FINAL").column("version"))
+    except StoreError:
+        applied = set()
+    return [m.name for m in migration_files(directory) if m.version not in applied]
 
 
 def raw_retention_days(store: StoreLike, table: str = "gpu_samples") -> int | None:

@@ -29,7 +29,7 @@ def test_importing_the_probe_loads_no_gpu_library_or_simulator() -> None:
 
 
 def test_unknown_source_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="dcgm, nvml, sim"):
+    with pytest.raises(ConfigError, match="dcgm, none, nvml, sim"):
         create_source("ipmi", node="n0", rack="r0")
     with pytest.raises(ConfigError, match="package.module:Class"):
         register_source("x", "no-colon")
