@@ -474,3 +474,29 @@ def test_the_sweep_can_compile_its_kernels_on_a_read_only_root(rendered):
     mount = next(m for m in sweep["volumeMounts"] if m["mountPath"] == cache)
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     assert "emptyDir" in volume and not mount.get("readOnly"), tree
+
+
+def test_the_api_reads_with_the_shipped_token_story(rendered):
+    """The API manifest's story holds against the real app: with the read-token Secret's value the
+    reads answer 200, without a token 401; the write token reads too; /healthz needs nothing."""
+    from fastapi.testclient import TestClient
+
+    from fleethealth.api import create_app
+
+    tree, docs = rendered
+    (api,) = _pod_specs(docs)["fleethealth-api"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in api["env"] if "valueFrom" in e}
+    assert refs["FLEETHEALTH_READ_TOKEN"] == {"name": "fleethealth-api-read-token", "key": "token", "optional": True}
+    assert refs["FLEETHEALTH_API_TOKEN"]["name"] == "fleethealth-api-token"
+    args = build_parser().parse_args(api["args"])
+    assert not args.open_reads, "the manifest must not open reads to anyone in the cluster"
+
+    class _Empty:
+        def __getattr__(self, name):
+            return lambda *a, **k: []
+
+    client = TestClient(create_app(_Empty(), token="w" * 32, read_token="r" * 32))
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/v1/recommendations").status_code == 401
+    assert client.get("/v1/recommendations", headers={"Authorization": "Bearer " + "r" * 32}).status_code == 200
+    assert client.get("/v1/recommendations", headers={"Authorization": "Bearer " + "w" * 32}).status_code == 200
