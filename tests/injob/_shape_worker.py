@@ -2,11 +2,12 @@
 
 Run as ``python _shape_worker.py WORLD PORT SOCKET PREFIX SHAPES STEPS``: one process imports torch
 once and forks WORLD ranks (four interpreters each importing torch cost tens of seconds on a small
-loaded machine); it exits 0 when every rank did. For each shape in the comma-separated SHAPES (``plain``, ``ddp``, ``fsdp``, ``accum``, ``amp``) every rank trains STEPS
-steps of a small model whose ``_Work`` layer stands in for the compute: it sleeps ``FWD_S`` in the
-forward and ``BWD_S`` in the backward, so each rank's local compute is known and does not depend on
-how loaded the machine is. From step ``ONSET`` on, rank ``SLOW_RANK``'s forward sleeps ``EXTRA_S``
-more (a 25 % straggler). Two timers report each step to the probe socket SOCKET at once:
+loaded machine); it exits 0 when every rank did. For each shape in the comma-separated SHAPES
+(``plain``, ``ddp``, ``fsdp``, ``accum``, ``amp``) every rank trains STEPS steps of a small model
+whose ``_Work`` layer stands in for the compute: it sleeps ``FWD_S`` in the forward and ``BWD_S``
+in the backward, so each rank's local compute is known and does not depend on how loaded the
+machine is. From step ``ONSET`` on, rank ``SLOW_RANK``'s forward sleeps ``EXTRA_S`` more (a 30 %
+straggler). Two timers report each step to the probe socket SOCKET at once:
 
 - job ``PREFIX + shape``: :func:`fleethealth.injob.instrument` on the model the loop calls;
 - job ``PREFIX + shape + "-fwdbwd"``: a :class:`StepTimer` span around forward + backward (for
