@@ -36,6 +36,9 @@ from fleethealth.injob.timer import StepTimer
 
 FWD_S, BWD_S, EXTRA_S = 0.020, 0.020, 0.012
 SLOW_RANK, ONSET, MICRO = 1, 15, 2
+GAP_S = 0.01
+"""Between steps, outside every span (data loading): slack in which the ranks' gloo threads finish their
+share of the last collective, as they would on a machine with a core per thread."""
 _extra = {"s": 0.0}
 
 
@@ -100,6 +103,7 @@ def run_shape(shape: str, rank: int, world: int, sock: str, prefix: str, steps: 
         opt.zero_grad()
         timed.step_done(step)
         old.step_done(step)
+        time.sleep(GAP_S)
     timed.close()
     old.close()
     dist.barrier()
