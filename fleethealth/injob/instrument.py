@@ -32,11 +32,13 @@ waiting for it. How it is measured depends on what the model is wrapped in (``ti
     post-backward (reduce-scatter) and finalize calls is subtracted: on a CPU (gloo) those calls
     block while the collective runs, so that time is the wait plus FSDP's own copy-in / copy-out.
 
-Micro-steps: every forward that records autograd and is followed by a backward that accumulates
-gradients is one micro-step; ``step_done`` sends the sum of the micro-steps since the last
-``step_done`` (gradient accumulation, ``no_sync``). A forward never followed by such a backward
-(an evaluation under ``no_grad`` is not counted at all; the SDC guard's recomputations use
-``torch.autograd.grad``) adds nothing. A ``step_done`` with no micro-step sends a progress mark only.
+Micro-steps: a micro-step runs from the first forward that records autograd to the end of the
+backward that accumulates gradients (two forwards and one backward — two inputs, one loss — are one
+micro-step); ``step_done`` sends the sum of the micro-steps since the last ``step_done`` (gradient
+accumulation, ``no_sync``). A forward not followed by such a backward before ``step_done`` adds
+nothing: an evaluation under ``no_grad`` is not counted at all, and the SDC guard's recomputations,
+which use ``torch.autograd.grad`` after the step's last backward, are dropped at ``step_done``. A
+``step_done`` with no micro-step sends a progress mark only.
 
 Pipeline parallelism: pass ``group=`` (the pipeline stage) and the detectors compare each rank with
 the ranks of its own stage only.
@@ -127,6 +129,8 @@ class _CpuClock:
         self.micro = 0
 
     def mark_start(self, comm: float) -> None:
+        if self.start is not None and self.end is None:
+            return  # a second forward before the backward (two inputs, one loss): the micro-step goes on
         self.close_micro()
         self.start, self.end, self.comm_at_start = time.perf_counter(), None, comm
 
@@ -166,6 +170,8 @@ class _CudaClock:
         return self.free.pop() if self.free else self.make()
 
     def mark_start(self, comm: float) -> None:
+        if self.start is not None and self.end is None:
+            return  # a second forward before the backward: the micro-step goes on
         self.close_micro()
         self.start = self._event()
         self.start.record()

@@ -56,18 +56,21 @@ def test_plain_span_sums_micro_steps_and_leaves_out_what_is_not_local_compute(pr
         for _ in range(3):  # gradient accumulation: three micro-steps, data loading between them
             _micro(model)
             time.sleep(0.15)
-        with torch.no_grad():
-            model(torch.randn(3, 4))  # an evaluation forward: not counted
+            with torch.no_grad():
+                model(torch.randn(3, 4))  # an evaluation forward: not counted
         loss = model(torch.randn(3, 4)).sum()  # a recomputation as the SDC guard makes it: no .grad written
         torch.autograd.grad(loss, list(model.parameters()))
         timed.step_done(1)
         assert timed.last_micro_steps == 3
         timed.step_done(2)  # no micro-step: a progress mark
-    msgs = [parse(sock.recv(65536)) for _ in range(3)]
+        (model(torch.randn(3, 4)) - model(torch.randn(3, 4))).sum().backward()  # two forwards, one backward
+        timed.step_done(3)
+    msgs = [parse(sock.recv(65536)) for _ in range(4)]
     assert [(m.kind, m.job, m.rank, m.gpu, m.step) for m in msgs] == [
-        ("c", "j", 3, 1, 0), ("c", "j", 3, 1, 1), ("p", "j", 3, 1, 2)]
+        ("c", "j", 3, 1, 0), ("c", "j", 3, 1, 1), ("p", "j", 3, 1, 2), ("c", "j", 3, 1, 3)]
     assert FWD_S <= msgs[0].value < FWD_S + SLOP_S
-    assert 3 * FWD_S <= msgs[1].value < 3 * FWD_S + SLOP_S  # not the gaps, the evaluation or the recomputation
+    assert 3 * FWD_S <= msgs[1].value < 3 * FWD_S + SLOP_S  # not the gaps, the evaluations or the recomputation
+    assert 2 * FWD_S <= msgs[3].value < 2 * FWD_S + SLOP_S
 
 
 def test_hooks_are_removed_at_close(probe_socket) -> None:
