@@ -41,6 +41,7 @@ Importing this module does not import torch. The CUDA path imports torch only wh
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -53,6 +54,10 @@ from fleethealth.errors import ConfigError
 from fleethealth.wire import Sender
 
 __all__ = ["StepTimer", "TimerStats"]
+
+_log = logging.getLogger("fleethealth.injob")
+DROP_WARN_EVERY_S = 60.0
+"""At most one warning about dropped datagrams per timer in this many seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,7 @@ class StepTimer:
         self._step = 0
         self._held: tuple[int, float] | None = None  # CPU path: (step, seconds) awaiting step_done
         self._spans_dropped = 0
+        self._next_drop_warning = 0.0
         # The datagram prefix is fixed per timer; only step, seconds and ts change per step.
         self._compute_head: dict[str, Any] = {"t": "c", "job": job, "rank": rank, "gpu": gpu}
         if group is not None:
@@ -202,7 +208,8 @@ class StepTimer:
             self._send_held()
         if self.cuda:
             self._poll()
-        self._sender.send({**self._progress_head, "step": step, "ts": time.time()})
+        if not self._sender.send({**self._progress_head, "step": step, "ts": time.time()}):
+            self._dropped()
 
     def report(self, step: int, seconds: float, ts: float | None = None) -> None:
         """Send ``step``'s local compute measured elsewhere (``seconds``) as completed at ``ts``
@@ -242,7 +249,18 @@ class StepTimer:
         self._send_compute(step, seconds, time.time())
 
     def _send_compute(self, step: int, seconds: float, ts: float) -> None:
-        self._sender.send({**self._compute_head, "step": step, "s": seconds, "ts": ts})
+        if not self._sender.send({**self._compute_head, "step": step, "s": seconds, "ts": ts}):
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """Warn (at most once a minute) that step timings are being lost: no probe, or a full queue."""
+        now = time.monotonic()
+        if now < self._next_drop_warning:
+            return
+        self._next_drop_warning = now + DROP_WARN_EVERY_S
+        _log.warning("fleethealth: %d step timings of job %s rank %d dropped so far (probe socket %s absent or "
+                     "its queue full); stragglers cannot be scored without them",
+                     self._sender.dropped_total, self.job, self.rank, self._sender.path)
 
     def _take_events(self) -> tuple[Any, Any]:
         if self._free:

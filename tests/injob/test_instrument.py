@@ -199,7 +199,8 @@ def orjson_loads(data: bytes) -> dict:
     return orjson.loads(data)
 
 
-def test_reporting_never_blocks_without_a_probe(tmp_path) -> None:
+def test_reporting_never_blocks_without_a_probe_and_warns_once(tmp_path, caplog) -> None:
+    caplog.set_level("WARNING", logger="fleethealth.injob")
     model = torch.nn.Linear(4, 2)
     timed = instrument(model, job="j", rank=0, socket_path=str(tmp_path / "absent.sock"), log=False)
     t0 = time.perf_counter()
@@ -208,6 +209,8 @@ def test_reporting_never_blocks_without_a_probe(tmp_path) -> None:
         timed.step_done(step)
     assert time.perf_counter() - t0 < 5.0
     assert timed.stats.dropped_total == 100 and timed.stats.sent_total == 0
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warned) == 1 and "job j rank 0" in warned[0], warned  # once a minute, not once a step
     timed.close()
 
 
