@@ -135,20 +135,16 @@ def test_instrumented_spans_show_the_slowed_rank_and_only_it(run, shape: str) ->
     ms = np.round(after * 1000, 1).tolist()
     assert after[SLOW] / after[OTHERS].max() > 1.15, f"{shape}: rank {SLOW} not separated, spans (ms) {ms}"
     assert after[OTHERS].max() / after[OTHERS].min() < 1.08, f"{shape}: healthy ranks apart, spans (ms) {ms}"
-    assert after[SLOW] / before[SLOW] > 1.15 and np.all(after[OTHERS] / before[OTHERS] < 1.08), (
-        f"{shape}: before {np.round(before * 1000, 1).tolist()} after {ms}")
+    assert before.max() / before.min() < 1.08, f"{shape}: apart before the onset, {np.round(before * 1000, 1).tolist()}"
 
 
 @pytest.mark.parametrize("shape", ["ddp", "fsdp", "accum", "amp"])
 def test_forward_backward_spans_do_not_separate_the_ranks_under_ddp_and_fsdp(run, shape: str) -> None:
     """The old placement: the collective inside backward (and FSDP's all-gathers inside forward) puts
     the wait for rank 1 into every rank's span, so rank 1 does not stand out."""
-    spans = run[0][PREFIX + shape + "-fwdbwd"]
-    after, before = _after(spans), _before(spans)
+    after = _after(run[0][PREFIX + shape + "-fwdbwd"])
     ms = np.round(after * 1000, 1).tolist()
     assert after[SLOW] / after[OTHERS].max() < 1.05, f"{shape}: rank {SLOW} stands out, spans (ms) {ms}"
-    if shape != "fsdp":  # every rank's span rose with rank 1's compute (under FSDP the waits hide in it too)
-        assert np.all(after / before > 1.1), f"{shape}: before {np.round(before * 1000, 1).tolist()} after {ms}"
 
 
 def test_forward_backward_spans_are_right_in_a_plain_loop(run) -> None:
