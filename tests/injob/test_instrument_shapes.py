@@ -7,7 +7,7 @@ placement). The ranks send to a real probe socket read by the probe's own listen
 aggregator, as ``fleethealth probe`` does. The work is a known sleep in each rank's forward and
 backward (rank 1's forward sleeps 12 ms more from step ``ONSET``: 40 ms of compute becomes 52 ms),
 so the spans do not depend on how loaded this machine is; the statistics are per-rank lower
-quartiles over the steps after the onset, which scheduling delays (they only add time) barely move.
+20th percentiles over the steps after the onset, which scheduling delays (they only add time) barely move.
 
 - The instrumented spans show rank 1, and only rank 1, in every shape.
 - Forward + backward under DDP and FSDP does not separate the ranks: every rank's span includes the
@@ -41,6 +41,11 @@ WORKER = Path(__file__).with_name("_shape_worker.py")
 WORLD, STEPS, PREFIX, NODE = 4, 32, "shape-", "node-a"
 SHAPES = ("plain", "ddp", "fsdp", "accum", "amp")
 SLOW, OTHERS = W.SLOW_RANK, [r for r in range(WORLD) if r != W.SLOW_RANK]
+QUANTILE = 0.2
+"""Scheduling delays only ever add time: a low quantile of a rank's spans is its compute."""
+APART, ALIKE = 1.15, 1.10
+"""Rank 1 is 30 % slower: it must be more than APART times the slowest other rank; healthy ranks
+within ALIKE of each other (at load average 28 on two cores, a healthy rank's span moves by up to ~8 %)."""
 
 
 class _Probe:
@@ -120,12 +125,12 @@ def run(tmp_path_factory):
 
 
 def _after(spans: np.ndarray) -> np.ndarray:
-    """Each rank's lower-quartile span over the steps from two after the onset."""
-    return np.nanquantile(spans[:, W.ONSET + 2:], 0.25, axis=1)
+    """Each rank's 20th-percentile span over the steps from two after the onset."""
+    return np.nanquantile(spans[:, W.ONSET + 2:], QUANTILE, axis=1)
 
 
 def _before(spans: np.ndarray) -> np.ndarray:
-    return np.nanquantile(spans[:, 2:W.ONSET], 0.25, axis=1)
+    return np.nanquantile(spans[:, 2:W.ONSET], QUANTILE, axis=1)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -133,9 +138,9 @@ def test_instrumented_spans_show_the_slowed_rank_and_only_it(run, shape: str) ->
     spans = run[0][PREFIX + shape]
     after, before = _after(spans), _before(spans)
     ms = np.round(after * 1000, 1).tolist()
-    assert after[SLOW] / after[OTHERS].max() > 1.15, f"{shape}: rank {SLOW} not separated, spans (ms) {ms}"
-    assert after[OTHERS].max() / after[OTHERS].min() < 1.08, f"{shape}: healthy ranks apart, spans (ms) {ms}"
-    assert before.max() / before.min() < 1.08, f"{shape}: apart before the onset, {np.round(before * 1000, 1).tolist()}"
+    assert after[SLOW] / after[OTHERS].max() > APART, f"{shape}: rank {SLOW} not separated, spans (ms) {ms}"
+    assert after[OTHERS].max() / after[OTHERS].min() < ALIKE, f"{shape}: healthy ranks apart, spans (ms) {ms}"
+    assert before.max() / before.min() < ALIKE, f"{shape}: apart before the onset: {np.round(before * 1e3, 1).tolist()}"
 
 
 @pytest.mark.parametrize("shape", ["ddp", "fsdp", "accum", "amp"])
@@ -150,7 +155,7 @@ def test_forward_backward_spans_do_not_separate_the_ranks_under_ddp_and_fsdp(run
 def test_forward_backward_spans_are_right_in_a_plain_loop(run) -> None:
     """The placement was right only where the all-reduce runs after the span (a hand-rolled loop)."""
     after = _after(run[0][PREFIX + "plain-fwdbwd"])
-    assert after[SLOW] / after[OTHERS].max() > 1.15
+    assert after[SLOW] / after[OTHERS].max() > APART
 
 
 def test_end_to_end_the_detectors_find_the_straggler_and_no_other_rank(run, broker, tmp_path) -> None:
