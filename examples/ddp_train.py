@@ -3,10 +3,13 @@
     python examples/ddp_train.py --world 4 --steps 200        # spawns 4 local processes
     torchrun --nproc-per-node 4 examples/ddp_train.py         # or let torchrun start them
 
-The lines marked ``# fleethealth`` are the whole integration. With DDP the guard registers a
-communication hook that digests each gradient bucket *before* its all-reduce on check steps, so
-the self-check compares the training pass itself; every ``replay_every`` steps rank r and rank
-r + world/2 recompute the same microbatch, and a third rank votes on a mismatch.
+The lines marked ``# fleethealth`` are the whole integration. ``instrument(ddp)`` times each step
+from the forward to the last gradient ready (post-accumulate-grad hooks): DDP all-reduces inside
+``backward()``, so a span around forward + backward would hold every rank's wait for the slowest.
+With DDP the guard registers a communication hook that digests each gradient bucket *before* its
+all-reduce on check steps, so the self-check compares the training pass itself; every
+``replay_every`` steps rank r and rank r + world/2 recompute the same microbatch, and a third rank
+votes on a mismatch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fleethealth.injob import HangWatchdog, Reporter, SdcGuard  # fleethealth
+from fleethealth.injob import HangWatchdog, Reporter, SdcGuard, instrument  # fleethealth
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -41,6 +44,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     watchdog = HangWatchdog(timeout_s=args.timeout, reporter=reporter).start()                 # fleethealth
     guard = SdcGuard(ddp, loss_fn, every=args.every, replay_every=args.replay_every,            # fleethealth
                      reporter=reporter, watchdog=watchdog)
+    timed = instrument(ddp, job="example-ddp", rank=rank, gpu=rank)                            # fleethealth
+    if rank == 0:
+        print(timed.describe())
 
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):
@@ -51,8 +57,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         if not guard.after_backward(step, batch, loss).skip_update:                           # fleethealth
             opt.step()
         opt.zero_grad()
+        timed.step_done(step)                                                                 # fleethealth
 
     watchdog.stop()
+    timed.close()
     if rank == 0:
         print(f"{guard.checks_total} checks on rank 0, {guard.failures_total} failed; replay tolerance "
               f"{guard.calibration.tolerance:g}; last verified step {guard.watermark.last_verified_step}")

@@ -2,9 +2,10 @@
 
     python examples/train_loop.py --steps 300 --print-events
 
-The lines marked ``# fleethealth`` are the whole integration. Results go to the node probe's socket
-(``$FLEETHEALTH_SOCKET``, default ``/run/fleethealth/probe.sock``); without a probe they are dropped
-and counted, and training is never slowed or stopped by reporting.
+The lines marked ``# fleethealth`` are the whole integration: ``instrument`` times each step's local
+compute for the straggler detector, the guard checks for silent data corruption. Results go to the
+node probe's socket (``$FLEETHEALTH_SOCKET``, default ``/run/fleethealth/probe.sock``); without a
+probe they are dropped and counted, and training is never slowed or stopped by reporting.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 
 import torch
 
-from fleethealth.injob import HangWatchdog, Reporter, SdcGuard  # fleethealth
+from fleethealth.injob import HangWatchdog, Reporter, SdcGuard, instrument  # fleethealth
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -39,6 +40,8 @@ def main() -> None:
     watchdog = HangWatchdog(timeout_s=90.0, reporter=reporter).start()       # fleethealth
     guard = SdcGuard(model, loss_fn, every=args.every, reporter=reporter,    # fleethealth
                      watchdog=watchdog)
+    timed = instrument(model, job="example-train")                           # fleethealth
+    print(timed.describe())
 
     gen = torch.Generator().manual_seed(1)
     for step in range(args.steps):
@@ -50,6 +53,7 @@ def main() -> None:
         if not verdict.skip_update:                                          # fleethealth
             opt.step()
         opt.zero_grad()
+        timed.step_done(step)                                                # fleethealth
         if step % 100 == 99:  # a checkpoint records both verification marks and tells the detectors
             record = guard.checkpoint(step, f"file:///tmp/ckpt-{step}.pt")
             print(f"step {step}: loss {loss.item():.4f}, checkpoint verified through {record.last_verified_step} "
@@ -57,6 +61,9 @@ def main() -> None:
 
     watchdog.stop()
     guard.close()
+    timed.close()
+    stats = timed.stats
+    print(f"{stats.sent_total + stats.dropped_total} step timings, {stats.sent_total} sent to the probe")
     print(f"{guard.checks_total} checks, {guard.failures_total} failed, "
           f"{guard.invariants.anomalies_total} invariant anomalies; last verified step "
           f"{guard.watermark.last_verified_step}")

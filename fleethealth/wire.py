@@ -3,7 +3,8 @@
 Training processes send datagrams over a Unix socket (``SOCK_DGRAM``) to the probe on their node.
 A datagram is one JSON object with a ``"t"`` tag:
 
-- ``"c"`` compute: ``job, rank, gpu, step, s`` (pre-collective compute seconds), ``ts``
+- ``"c"`` compute: ``job, rank, gpu, step, s`` (pre-collective compute seconds), ``ts``, and
+  optionally ``g``: the rank's comparison group (its pipeline stage), a non-negative integer
 - ``"p"`` progress: ``job, rank, gpu, step, ts`` (the step completed)
 - ``"e"`` event: ``event`` (an :class:`fleethealth.schema.Event` object without the node: the probe
   fills it in)
@@ -25,8 +26,8 @@ import orjson
 if TYPE_CHECKING:
     from fleethealth.schema import Event
 
-__all__ = ["DEFAULT_SOCKET", "default_socket", "MAX_DATAGRAM", "MAX_GPU", "MAX_RANK", "MAX_STEP", "Sender",
-           "WireMessage", "event_datagram", "parse"]
+__all__ = ["DEFAULT_SOCKET", "default_socket", "MAX_DATAGRAM", "MAX_GPU", "MAX_GROUP", "MAX_RANK", "MAX_STEP",
+           "Sender", "WireMessage", "event_datagram", "parse"]
 
 DEFAULT_SOCKET = os.environ.get("FLEETHEALTH_SOCKET", "/run/fleethealth/probe.sock")
 """The socket path as the environment said at import (kept for callers that name it); senders
@@ -45,6 +46,8 @@ MAX_GPU = 2**15 - 1
 """The largest local GPU index a datagram may carry (step batches hold GPUs as int16)."""
 MAX_STEP = 2**63 - 1
 """The largest step a datagram may carry (int64 downstream)."""
+MAX_GROUP = 2**31 - 1
+"""The largest comparison group a datagram may carry (step batches hold groups as int32)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ class WireMessage:
     ts: float
     value: float = 0.0
     event: dict[str, Any] | None = None
+    group: int | None = None
 
 
 def event_datagram(event: Event) -> dict[str, Any]:
@@ -101,7 +105,10 @@ def parse(datagram: bytes) -> WireMessage:
     for name, v in (("ts", ts), ("s", value)):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 <= v < float("inf")):
             raise ValueError(f"{name} must be a finite non-negative number")
-    return WireMessage(kind, job, rank, gpu, step, float(ts), float(value))
+    group = obj.get("g")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or not 0 <= group <= MAX_GROUP):
+        raise ValueError(f"g (the rank's group) must be an integer from 0 to {MAX_GROUP}")
+    return WireMessage(kind, job, rank, gpu, step, float(ts), float(value), group=group)
 
 
 class Sender:

@@ -2,10 +2,12 @@
 
 Names are resolved lazily, so ``import fleethealth.injob`` (and the torch-free modules: reporter,
 watermark, invariants, replay, results, watchdog, timer) work on a node without torch; the torch
-modules (digest, recompute, selfcheck, crossrank, distributed, guard) load on first use of one of
+modules (digest, recompute, selfcheck, crossrank, distributed, guard, instrument) load on first use of one of
 their names. The check records on the wire live in :mod:`fleethealth.payloads`, which the streaming
 side reads too; they are re-exported here.
 
+- :func:`instrument` — times each step's local compute on the right side of the collective (plain,
+  DDP, FSDP2, gradient accumulation; CUDA events on a GPU) and reports it through a :class:`StepTimer`.
 - :class:`StepTimer` — pre-collective compute time per step, to the node probe.
 - :class:`SdcGuard` — bitwise self-check, cross-rank replay, invariants, watermark (seed 000 §7, R3, R6).
 - :class:`HangWatchdog` — progress watchdog with faulthandler stack dumps.
@@ -51,6 +53,8 @@ _EXPORTS: dict[str, str] = {
     "StartupReport": "results",
     "NondeterminismWarning": "results",
     # torch
+    "instrument": "instrument",
+    "Instrumented": "instrument",
     "SdcGuard": "guard",
     "FaultInjector": "faults",
     "BitDigest": "digest",

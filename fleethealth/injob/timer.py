@@ -1,19 +1,31 @@
 """Per-step compute timing inside a training process, sent out of band to the node probe.
 
-::
+Most loops should not use this class directly: :func:`fleethealth.injob.instrument` puts the span
+on the right side of the collective for a plain loop, DDP and FSDP2, sums gradient-accumulation
+micro-steps, and sends through a ``StepTimer``. Use ``StepTimer`` by hand only where the local
+compute has a clear end *before* any collective::
 
-    timer = StepTimer("train-1", rank, gpu=local_rank)
+    timer = StepTimer()                  # job from $FLEETHEALTH_JOB, rank from $RANK, gpu from $LOCAL_RANK
     for step in range(steps):
-        with timer.compute(step):      # forward + backward, measured *before* the collective
-            loss = model(batch).backward()
-        optimizer.step()                 # the all-reduce happens here, outside the span
+        with timer.compute(step):        # local compute only: no collective may run inside the span
+            loss = model(batch)
+            loss.backward()              # a plain model: its gradients are all-reduced below, by hand
+        all_reduce_gradients(model)
+        optimizer.step()
         timer.step_done(step)            # progress mark: the step completed
+
+Do **not** wrap forward + backward of a ``DistributedDataParallel`` model this way: DDP runs its
+all-reduce *inside* ``backward()``, so every rank's span would include waiting for the slowest and
+a straggler would make every rank look equally slow (measured: one of four ranks slowed 33 %, all
+four spans rose alike). FSDP is worse: its all-gathers run inside the forward too. ``instrument``
+ends the DDP span at the last gradient's post-accumulate hook and subtracts FSDP's collectives.
 
 Each step costs one datagram on the probe's Unix socket (:mod:`fleethealth.wire`): on the CPU path
 the span's seconds are held until ``step_done`` and go out as one ``"c"`` datagram (``job, rank,
-gpu, step, s, ts``) whose ``ts`` is the step's completion — the progress mark and the measurement
-in one send (a span never marked done goes out at the next span or at ``close``; a mark without a
-span is a ``"p"`` datagram). A send is a system call, the dominant cost, so one per step matters.
+gpu, step, s, ts``, and ``g``, the pipeline stage, when set) whose ``ts`` is the step's completion
+— the progress mark and the measurement in one send (a span never marked done goes out at the next
+span or at ``close``; a mark without a span is a ``"p"`` datagram). :meth:`StepTimer.report` sends
+a span measured elsewhere. A send is a system call, the dominant cost, so one per step matters.
 Nothing here blocks the step: the socket is non-blocking and drops (and counts) when the probe is
 absent or slow.
 
@@ -29,6 +41,7 @@ Importing this module does not import torch. The CUDA path imports torch only wh
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -38,9 +51,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
-from fleethealth.wire import DEFAULT_SOCKET, Sender
+from fleethealth.wire import Sender, default_socket
 
 __all__ = ["StepTimer", "TimerStats"]
+
+_log = logging.getLogger("fleethealth.injob")
+DROP_WARN_EVERY_S = 60.0
+"""At most one warning about dropped datagrams per timer in this many seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +118,17 @@ class StepTimer:
     Parameters
     ----------
     job, rank:
-        The job name and this process's global rank.
+        The job name and this process's global rank, read from the environment as
+        :class:`~fleethealth.injob.Reporter` reads them when omitted: ``$FLEETHEALTH_JOB``, and
+        ``$RANK`` (torchrun), else the default process group's rank when one is initialised, else 0.
     gpu:
         The local GPU index; defaults to ``$LOCAL_RANK`` (else 0).
+    group:
+        The rank's comparison group, e.g. its pipeline stage: the detectors compare a rank only
+        with the ranks of its group. ``None`` (default): one group for the whole job.
     socket_path:
-        The probe's Unix datagram socket (``$FLEETHEALTH_SOCKET``, else ``/run/fleethealth/probe.sock``).
+        The probe's Unix datagram socket; defaults to ``$FLEETHEALTH_SOCKET`` as set when the timer
+        is built, else ``/run/fleethealth/probe.sock``.
     cuda:
         ``True`` times with CUDA events, ``False`` with ``perf_counter``; ``None`` (default) uses
         CUDA events when torch is already imported and has a device.
@@ -119,30 +142,45 @@ class StepTimer:
         A :class:`fleethealth.wire.Sender` to reuse; built from ``socket_path`` when omitted.
     """
 
-    def __init__(self, job: str, rank: int, *, gpu: int | None = None, socket_path: str = DEFAULT_SOCKET,
-                 cuda: bool | None = None, event_factory: Callable[[], Any] | None = None,
-                 max_pending: int = 64, sender: Sender | None = None) -> None:
+    def __init__(self, job: str | None = None, rank: int | None = None, *, gpu: int | None = None,
+                 group: int | None = None, socket_path: str | None = None, cuda: bool | None = None,
+                 event_factory: Callable[[], Any] | None = None, max_pending: int = 64,
+                 sender: Sender | None = None) -> None:
+        if job is None:
+            job = os.environ.get("FLEETHEALTH_JOB", "")
+            if not job:
+                raise ConfigError("StepTimer: no job name: pass job= or set FLEETHEALTH_JOB")
         if not isinstance(job, str) or not job:
             raise ConfigError("StepTimer: job must be a non-empty string")
+        if rank is None:
+            rank = _env_rank()
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"StepTimer: rank must be a non-negative integer, got {rank!r}")
         if gpu is None:
-            gpu = int(os.environ.get("LOCAL_RANK", "0"))
-        if gpu < 0:
+            gpu = _env_int("LOCAL_RANK", 0)
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
             raise ConfigError(f"StepTimer: gpu must be a non-negative integer, got {gpu!r}")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
+            raise ConfigError(f"StepTimer: group must be a non-negative integer or None, got {group!r}")
         if max_pending < 1:
             raise ConfigError("StepTimer: max_pending must be >= 1")
+        if socket_path is None:
+            socket_path = default_socket()
         self.job = job
         self.rank = rank
         self.gpu = gpu
+        self.group = group
         self.max_pending = max_pending
         self._sender = sender if sender is not None else Sender(socket_path)
         self._own_sender = sender is None
         self._step = 0
         self._held: tuple[int, float] | None = None  # CPU path: (step, seconds) awaiting step_done
         self._spans_dropped = 0
+        self._next_drop_warning = 0.0
         # The datagram prefix is fixed per timer; only step, seconds and ts change per step.
-        self._compute_head = {"t": "c", "job": job, "rank": rank, "gpu": gpu}
+        self._compute_head: dict[str, Any] = {"t": "c", "job": job, "rank": rank, "gpu": gpu}
+        if group is not None:
+            self._compute_head["g"] = group
         self._progress_head = {"t": "p", "job": job, "rank": rank, "gpu": gpu}
         if event_factory is None and _want_cuda(cuda):
             event_factory = _torch_event_factory(gpu)
@@ -170,7 +208,15 @@ class StepTimer:
             self._send_held()
         if self.cuda:
             self._poll()
-        self._sender.send({**self._progress_head, "step": step, "ts": time.time()})
+        if not self._sender.send({**self._progress_head, "step": step, "ts": time.time()}):
+            self._dropped()
+
+    def report(self, step: int, seconds: float, ts: float | None = None) -> None:
+        """Send ``step``'s local compute measured elsewhere (``seconds``) as completed at ``ts``
+        (default: now) — the progress mark and the measurement in one datagram, as ``step_done`` does."""
+        if self._held is not None:
+            self._send_held()
+        self._send_compute(step, seconds, time.time() if ts is None else ts)
 
     def flush(self) -> int:
         """Read and send every finished CUDA span now (never waits); return how many were sent."""
@@ -203,7 +249,18 @@ class StepTimer:
         self._send_compute(step, seconds, time.time())
 
     def _send_compute(self, step: int, seconds: float, ts: float) -> None:
-        self._sender.send({**self._compute_head, "step": step, "s": seconds, "ts": ts})
+        if not self._sender.send({**self._compute_head, "step": step, "s": seconds, "ts": ts}):
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """Warn (at most once a minute) that step timings are being lost: no probe, or a full queue."""
+        now = time.monotonic()
+        if now < self._next_drop_warning:
+            return
+        self._next_drop_warning = now + DROP_WARN_EVERY_S
+        _log.warning("fleethealth: %d step timings of job %s rank %d dropped so far (probe socket %s absent or "
+                     "its queue full); stragglers cannot be scored without them",
+                     self._sender.dropped_total, self.job, self.rank, self._sender.path)
 
     def _take_events(self) -> tuple[Any, Any]:
         if self._free:
@@ -232,6 +289,31 @@ class StepTimer:
             self._send_compute(step, seconds, wall)
             sent += 1
         return sent
+
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"StepTimer: ${name} must be an integer, got {value!r}") from None
+
+
+def _env_rank() -> int:
+    if os.environ.get("RANK"):
+        return _env_int("RANK", 0)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank())
+        except Exception:  # noqa: BLE001 - a broken distributed install must not break training
+            return 0
+    return 0
 
 
 def _want_cuda(cuda: bool | None) -> bool:

@@ -172,6 +172,7 @@ class _Open:
     first_seen: float
     compute: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # rank -> (gpu, s, ts)
     progress: dict[int, float] = field(default_factory=dict)                    # rank -> ts
+    groups: dict[int, int] = field(default_factory=dict)                        # rank -> group, when sent
 
 
 class StepAggregator:
@@ -266,6 +267,8 @@ class StepAggregator:
             return
         if msg.kind == "c":
             entry.compute[msg.rank] = (msg.gpu, msg.value, msg.ts)
+            if msg.group is not None:
+                entry.groups[msg.rank] = msg.group
             self._known.setdefault(msg.job, {})[msg.rank] = now
             self._job_since.setdefault(msg.job, now)
         else:
@@ -377,8 +380,12 @@ class StepAggregator:
             gpus = np.fromiter((v[0] for v in values), dtype=np.int16, count=len(values))[order]
             secs = np.fromiter((v[1] for v in values), dtype=np.float64, count=len(values))[order]
             ts = max(entry.progress.values()) if entry.progress else max(v[2] for v in values)
+            groups = None  # a rank that sent no group (while others did) is a group of its own, -1
+            if entry.groups:
+                groups = np.fromiter((entry.groups.get(r, -1) for r in entry.compute), dtype=np.int32,
+                                     count=len(entry.compute))[order]
             batch = StepBatch(job=key[0], step=key[1], node=self.node, ts=float(ts), ranks=ranks[order],
-                              gpus=gpus, compute_s=secs)
+                              gpus=gpus, compute_s=secs, groups=groups)
         except (OverflowError, ValueError, TypeError, SchemaError) as exc:  # values parse() would refuse
             self._drop(f"step {key[1]} of job {key[0]!r} cannot be batched: {exc}")
             return
