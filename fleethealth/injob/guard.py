@@ -53,7 +53,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ from fleethealth.injob.crossrank import (
     replay_round_plan,
     run_replay,
 )
-from fleethealth.injob.distributed import gather_ints
+from fleethealth.injob.distributed import gather_ints, global_rank
 from fleethealth.injob.invariants import Invariants, InvariantVerdict, NonFiniteHook, default_on_nonfinite
 from fleethealth.injob.recompute import LossFn, Recompute, RngState
 from fleethealth.injob.replay import MIN_REPLAY_TOLERANCE, ReplayCalibration
@@ -78,11 +79,13 @@ from fleethealth.injob.selfcheck import SelfCheck, enable_determinism, restore_d
 from fleethealth.injob.watchdog import HangWatchdog
 from fleethealth.injob.watermark import Watermark
 from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
+from fleethealth.payloads.rollback import choose, deletable
 from fleethealth.payloads.sdc_check import Classification, classify
 
 __all__ = ["SdcGuard", "CheckResult", "StepVerdict", "StartupReport", "NondeterminismWarning"]
 
 _log = logging.getLogger("fleethealth.injob")
+_C = TypeVar("_C")
 _CODE_OK, _CODE_SPIKE, _CODE_NAN_LOSS, _CODE_NAN_GRAD = 0, 1, 2, 3
 _SC_NONE, _SC_PASS, _SC_FAIL = 0, 1, 2
 
@@ -146,6 +149,11 @@ class SdcGuard:
                                  compare_training_pass=compare_training_pass,
                                  margin=nondeterminism_margin, floor=nondeterminism_floor)
         self.startup_report: StartupReport | None = None
+        self.accumulation_seen = False
+        self.failure: StepVerdict | None = None
+        """The first step since the last rollback whose check failed (its agreed verdict)."""
+        self._last_step: int | None = None
+        self._forward_hook = self.module.register_forward_pre_hook(lambda _m, _a: self.checker.count_forward())
         self.checks_total = 0
         self.failures_total = 0
         self._det_prev: tuple[bool, bool] | None = None
@@ -188,7 +196,9 @@ class SdcGuard:
 
     # ------------------------------------------------------------------ setup
     def close(self) -> None:
-        """Restore the deterministic-algorithms setting found at construction."""
+        """Restore the deterministic-algorithms setting found at construction; remove the guard's
+        forward hook."""
+        self._forward_hook.remove()
         if self._det_prev is not None:
             restore_determinism(self._det_prev)
             self._det_prev = None
@@ -298,7 +308,19 @@ class SdcGuard:
     def checkpoint(self, step: int, uri: str) -> CheckpointRecord:
         """Record a checkpoint written at ``step`` to ``uri``: returns the record with both verification
         marks (store it beside the checkpoint) and, on the job's rank 0, emits the ``checkpoint`` event
-        the detectors and the policy choose rollback targets from. Never raises on delivery."""
+        the detectors and the policy choose rollback targets from. Never raises on delivery.
+
+        ``step`` is the step whose update the checkpoint includes (see
+        :mod:`fleethealth.payloads.rollback`): call it after :meth:`after_backward` of ``step`` and
+        its ``optimizer.step()`` (or skipped update). Any other step raises :class:`ConfigError`: a
+        checkpoint stamped one step off would make a rollback land one update early or late."""
+        if self._last_step is not None and step != self._last_step:
+            raise ConfigError(f"checkpoint step {step} is not the last step the guard saw ({self._last_step}): "
+                              "a checkpoint's step is the step whose update it includes, written after that "
+                              "step's after_backward and optimizer.step()")
+        if self.checker.forwards:
+            raise ConfigError(f"checkpoint at step {step} after a forward of the next step: write it after "
+                              f"step {step}'s update and before step {step + 1}'s forward")
         record = self.watermark.checkpoint(step, uri)
         if self.job_rank == 0:
             self.reporter.emit(checkpoint_event(ts=self.reporter.now(), step=step, uri=uri,
@@ -311,24 +333,36 @@ class SdcGuard:
                        loss_scale: float | None = None) -> StepVerdict:
         """Run everything due at ``step`` after the training backward; every rank calls it each step.
 
-        ``loss`` is the unscaled loss. With mixed precision pass ``loss_scale=scaler.get_scale()``:
-        recomputations scale their loss the same way (so the bits still match), the invariants see
-        the unscaled gradient norm, and a non-finite gradient with a finite loss counts as the
-        scaler's own overflow (``scaler_overflows_total``; the scaler skips that step itself).
+        ``batch`` is the step's microbatch, or with gradient accumulation its *last* microbatch (the
+        one the self-check recomputes); ``loss`` is the unscaled loss. With mixed precision pass
+        ``loss_scale=scaler.get_scale()``: recomputations scale their loss the same way (so the bits
+        still match), the invariants see the unscaled gradient norm, and a non-finite gradient with a
+        finite loss on every rank counts as the scaler's own overflow (``scaler_overflows_total``; the
+        scaler skips that step itself).
         """
+        try:
+            return self._after_backward(step, batch, loss, loss_scale)
+        finally:
+            self.checker.finish()
+
+    def _after_backward(self, step: int, batch: Any, loss: torch.Tensor | float,
+                        loss_scale: float | None) -> StepVerdict:
+        micro = max(1, self.checker.forwards)
+        if micro > 1 and not self.accumulation_seen:
+            self.accumulation_seen = True
+            _log.info("fleethealth: gradient accumulation seen (%d forwards before step %d's check): the self-check "
+                      "compares the last microbatch's own gradients", micro, step)
         scale = self.recompute.loss_scale = None if loss_scale is None else float(loss_scale)
         if self.startup_report is None:
             self.startup(batch)
+        self._last_step = step
         loss_value, norm = self._loss_and_norm(loss)
         norm /= scale or 1.0
-        if scale is not None and math.isfinite(loss_value) and not math.isfinite(norm):
-            self.scaler_overflows_total += 1
-            inv = InvariantVerdict(step, loss_value, norm, self.invariants.ceiling(), False, "")
+        fold = self.distributed and self.ddp and self.sync_invariants
+        if fold:
+            codes, inv = self._invariants_folded(step, loss_value, norm, scale)
         else:
-            inv = self.invariants.check(step, loss_value, norm)
-        code = {"": _CODE_OK, "grad_spike": _CODE_SPIKE, "nonfinite_loss": _CODE_NAN_LOSS,
-                "nonfinite_grad": _CODE_NAN_GRAD}[inv.reason]
-        codes = self._gather_ints([code], "invariants")[:, 0] if self.sync_invariants else np.array([code])
+            codes, inv = self._invariants_gathered(step, loss_value, norm, scale)
         anomaly = bool((codes != _CODE_OK).any())
         joint = anomaly and (self.sync_invariants or not self.distributed)  # every rank knows of it
         checks: list[CheckResult] = []
@@ -338,7 +372,15 @@ class SdcGuard:
             sc = self.selfcheck(step, batch)
             checks.append(sc)
             state = _SC_PASS if sc.passed else _SC_FAIL
-        states = self._gather_ints([state], "selfcheck")[:, 0] if (sc_step or joint) else np.array([state])
+        if fold and (sc_step or anomaly):  # the one gather of the step: every rank's code and check state
+            rows = self._gather_ints([int(codes[0]), state], "verdict")
+            codes, states = rows[:, 0], rows[:, 1]
+            anomaly = bool((codes != _CODE_OK).any())
+            joint = anomaly
+        elif sc_step or joint:
+            states = self._gather_ints([state], "selfcheck")[:, 0]
+        else:
+            states = np.array([state])
         if (states != _SC_NONE).any():
             self.watermark.record(step, bool((states != _SC_FAIL).all()))
         nan_ranks = [int(r) for r in np.flatnonzero(codes == _CODE_NAN_LOSS)]
@@ -352,15 +394,76 @@ class SdcGuard:
             replayed = self.replay(step, batch, replay_sources)  # type: ignore[arg-type]
             checks.extend(replayed)
             self.watermark.record(step, self._last_replay.all_agreed, "replay")
-        classification = self._classify_anomaly(codes, states, nan_ranks, joint) if anomaly else None
-        verdict = StepVerdict(step=step, skip_update=anomaly, invariants=inv, checks=tuple(checks),
-                              classification=classification)
-        self.checker.clear_norms()
+        failed_sc = [int(r) for r in np.flatnonzero(states == _SC_FAIL)]
+        replay_bad = [i for i in self._last_replay.incidents if not i.agreed] if replay_sources is not False else []
+        check, culprits, classification = None, (), None
+        if failed_sc:
+            check, culprits, classification = "selfcheck", tuple(failed_sc), Classification.TRANSIENT
+        elif replay_bad:
+            check = "replay"
+            culprits = tuple(sorted({i.culprit for i in replay_bad if i.culprit is not None}))
+            classification = (self._classify_anomaly(codes, states, nan_ranks, joint) if anomaly
+                              else replay_bad[0].classification)
+        elif anomaly:
+            check, culprits = "invariants", tuple(nan_ranks)
+            classification = self._classify_anomaly(codes, states, nan_ranks, joint)
+        culprits = tuple(global_rank(self.group, int(r)) for r in culprits)
+        verdict = StepVerdict(step=step, skip_update=anomaly or bool(failed_sc) or bool(replay_bad),
+                              invariants=inv, checks=tuple(checks), classification=classification,
+                              check=check, culprits=culprits, microbatches=micro)
+        if check in ("selfcheck", "replay") and self.failure is None:
+            self.failure = verdict
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if nan_ranks or (codes == _CODE_NAN_GRAD).any():
             self.on_nonfinite(inv, None if classification is None else classification.value)
         return verdict
+
+    def _code(self, reason: str) -> int:
+        return {"": _CODE_OK, "grad_spike": _CODE_SPIKE, "nonfinite_loss": _CODE_NAN_LOSS,
+                "nonfinite_grad": _CODE_NAN_GRAD}[reason]
+
+    def _invariants_gathered(self, step: int, loss_value: float, norm: float,
+                             scale: float | None) -> tuple[np.ndarray, InvariantVerdict]:
+        """Each rank judges its own loss and norm; the codes are all-gathered every step
+        (``sync_invariants``) so every rank skips, classifies and aborts together."""
+        if scale is not None and math.isfinite(loss_value) and not math.isfinite(norm):
+            self.scaler_overflows_total += 1
+            inv = InvariantVerdict(step, loss_value, norm, self.invariants.ceiling(), False, "")
+        else:
+            inv = self.invariants.check(step, loss_value, norm)
+        code = self._code(inv.reason)
+        codes = self._gather_ints([code], "invariants")[:, 0] if self.sync_invariants else np.array([code])
+        return codes, inv
+
+    def _invariants_folded(self, step: int, loss_value: float, norm: float,
+                           scale: float | None) -> tuple[np.ndarray, InvariantVerdict]:
+        """Under DDP the gradient norm is taken on the all-reduced gradients, identical on every rank,
+        so the decision whether anything is wrong needs no collective of its own: a rank's non-finite
+        loss makes every rank's reduced gradient non-finite, a spike on one rank shows in the reduced
+        norm. The invariants are judged on the reduced norm alone (so their state stays identical on
+        every rank); only when they fire, or on a check step, do the ranks gather their own codes
+        (:meth:`_after_backward`). A rank whose loss alone is non-finite while the reduced gradient is
+        finite is logged: the update it shares with every rank is finite."""
+        local_nan = not math.isfinite(loss_value)
+        ceiling = self.invariants.ceiling()
+        if scale is not None and not math.isfinite(norm):
+            # AMP: an overflow of the scaler, unless a rank's loss was non-finite (the gather decides)
+            rows = self._gather_ints([_CODE_NAN_LOSS if local_nan else _CODE_OK], "invariants")[:, 0]
+            if not (rows == _CODE_NAN_LOSS).any():
+                self.scaler_overflows_total += 1
+                return np.array([_CODE_OK]), InvariantVerdict(step, loss_value, norm, ceiling, False, "")
+        inv = self.invariants.check(step, 0.0, norm)
+        if local_nan:
+            if inv.reason == "":
+                _log.warning("fleethealth: non-finite loss %s on rank %d at step %d with a finite all-reduced "
+                             "gradient; the update is applied on every rank", loss_value, self.job_rank, step)
+            else:
+                inv = InvariantVerdict(step, loss_value, norm, inv.ceiling, True, "nonfinite_loss")
+        elif inv.loss != loss_value:
+            inv = InvariantVerdict(step, loss_value, norm, inv.ceiling, inv.skip_update, inv.reason)
+        code = self._code(inv.reason)
+        return np.array([code]), inv
 
     def _classify_anomaly(self, codes: np.ndarray, states: np.ndarray, nan_ranks: list[int],
                           joint: bool) -> Classification | None:
@@ -376,3 +479,29 @@ class SdcGuard:
             return classify(True, True)
         return bad[0].classification
 
+    # ------------------------------------------------------------------ rollback
+    def rollback_target(self, checkpoints: Sequence[_C]) -> _C | None:
+        """The checkpoint to roll back to after the first failed check since the last
+        :meth:`rolled_back` (``None``: no failure, or no clean checkpoint). The same rule as the
+        policy's (:func:`~fleethealth.payloads.rollback.choose`): the watermark's marks and each
+        checkpoint record's marks before the failing step, the bound for the agreed classification."""
+        if self.failure is None:
+            return None
+        cls = None if self.failure.classification is None else self.failure.classification.value
+        marks = [self.watermark.marks] + [c.marks for c in checkpoints if isinstance(c, CheckpointRecord)]
+        return choose(checkpoints, marks, cls, self.failure.step)[2]
+
+    def rolled_back(self, step: int) -> None:
+        """The loop restored the checkpoint of ``step`` (it includes that step's update): the
+        watermark resumes from it (:meth:`Watermark.reset`), the failure is forgotten, and the next
+        step the loop runs is ``step + 1``."""
+        self.watermark.reset(step)
+        self.failure = None
+        self._last_step = step
+
+    def prune(self, checkpoints: Sequence[_C]) -> list[_C]:
+        """The checkpoints the loop may delete now: none a rollback could need under the current marks
+        (:func:`~fleethealth.payloads.rollback.deletable`). Nothing while a failure awaits its rollback."""
+        if self.failure is not None or self.watermark.suspect:
+            return []
+        return deletable(checkpoints, self.watermark.marks)

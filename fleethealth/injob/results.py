@@ -52,13 +52,24 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What :meth:`SdcGuard.after_backward` decided. ``skip_update`` is the same on every rank."""
+    """What :meth:`SdcGuard.after_backward` decided.
+
+    ``skip_update``, ``check``, ``classification`` and ``culprits`` are the same on every rank (they
+    are derived from the integers every rank gathered and from the replay round, identical
+    everywhere). ``check`` names what failed: ``selfcheck``, ``replay``, ``invariants`` (a
+    non-finite value or a spike no check explained) or ``None``; ``culprits`` are the job ranks it
+    names; ``checks`` are this rank's own results. ``microbatches`` is the number of training
+    forwards the guard counted in the step (more than one: gradient accumulation).
+    """
 
     step: int
     skip_update: bool
     invariants: InvariantVerdict
     checks: tuple[CheckResult, ...] = ()
     classification: Classification | None = None
+    check: str | None = None
+    culprits: tuple[int, ...] = ()
+    microbatches: int = 1
 
     @property
     def failed(self) -> tuple[CheckResult, ...]:
