@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "Invariants": "invariants",
     "InvariantVerdict": "invariants",
     "NonFiniteLoss": "invariants",
+    "NonFiniteAction": "invariants",
     "ReplayCalibration": "replay",
     "HangWatchdog": "watchdog",
     "CheckResult": "results",
