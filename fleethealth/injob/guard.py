@@ -51,6 +51,7 @@ helpers) and :mod:`~fleethealth.injob.results` (what it returns).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ from fleethealth.injob.crossrank import (
     run_replay,
 )
 from fleethealth.injob.distributed import gather_ints, global_rank
+from fleethealth.injob.inbox import RollbackInbox
 from fleethealth.injob.invariants import Invariants, InvariantVerdict, NonFiniteHook, default_on_nonfinite
 from fleethealth.injob.recompute import LossFn, Recompute, RngState
 from fleethealth.injob.replay import MIN_REPLAY_TOLERANCE, ReplayCalibration
@@ -112,7 +114,8 @@ class SdcGuard:
                  watchdog: HangWatchdog | None = None, deterministic: bool = True,
                  compare_training_pass: bool = True, sync_invariants: bool = True,
                  nondeterminism_margin: float = 10.0, nondeterminism_floor: float = 1e-6,
-                 replay_floor: float = MIN_REPLAY_TOLERANCE) -> None:
+                 replay_floor: float = MIN_REPLAY_TOLERANCE, inbox: RollbackInbox | None = None,
+                 follow_advice: bool = True) -> None:
         if every < 0 or replay_every < 0:
             raise ConfigError("every and replay_every must be >= 0 (0 disables)")
         self.model = model
@@ -150,6 +153,11 @@ class SdcGuard:
                                  margin=nondeterminism_margin, floor=nondeterminism_floor)
         self.startup_report: StartupReport | None = None
         self.accumulation_seen = False
+        self.book: list[CheckpointRecord] = []
+        """The checkpoints recorded with :meth:`checkpoint` and not yet pruned or discarded (oldest first)."""
+        self.inbox = inbox if inbox is not None or not follow_advice or not self.reporter.job else RollbackInbox(
+            self.reporter.job)
+        self._handled: set[int] = set()  # failed steps whose rollback the loop carried out
         self.failure: StepVerdict | None = None
         """The first step since the last rollback whose check failed (its agreed verdict)."""
         self._last_step: int | None = None
@@ -322,6 +330,7 @@ class SdcGuard:
             raise ConfigError(f"checkpoint at step {step} after a forward of the next step: write it after "
                               f"step {step}'s update and before step {step + 1}'s forward")
         record = self.watermark.checkpoint(step, uri)
+        self.book = [c for c in self.book if c.step != step] + [record]
         if self.job_rank == 0:
             self.reporter.emit(checkpoint_event(ts=self.reporter.now(), step=step, uri=uri,
                                                 last_verified_step=record.last_verified_step,
@@ -372,15 +381,17 @@ class SdcGuard:
             sc = self.selfcheck(step, batch)
             checks.append(sc)
             state = _SC_PASS if sc.passed else _SC_FAIL
-        if fold and (sc_step or anomaly):  # the one gather of the step: every rank's code and check state
-            rows = self._gather_ints([int(codes[0]), state], "verdict")
-            codes, states = rows[:, 0], rows[:, 1]
+        advice = self._advice_ints() if sc_step else [-1, -1]
+        if fold and (sc_step or anomaly):  # the one gather of the step: every rank's code, check state, advice
+            rows = self._gather_ints([int(codes[0]), state, *advice], "verdict")
+            codes, states, advised = rows[:, 0], rows[:, 1], rows[:, 2:]
             anomaly = bool((codes != _CODE_OK).any())
             joint = anomaly
         elif sc_step or joint:
-            states = self._gather_ints([state], "selfcheck")[:, 0]
+            rows = self._gather_ints([state, *advice], "selfcheck")
+            states, advised = rows[:, 0], rows[:, 1:]
         else:
-            states = np.array([state])
+            states, advised = np.array([state]), np.array([advice])
         if (states != _SC_NONE).any():
             self.watermark.record(step, bool((states != _SC_FAIL).all()))
         nan_ranks = [int(r) for r in np.flatnonzero(codes == _CODE_NAN_LOSS)]
@@ -413,6 +424,9 @@ class SdcGuard:
                               check=check, culprits=culprits, microbatches=micro)
         if check in ("selfcheck", "replay") and self.failure is None:
             self.failure = verdict
+        rollback_to, why = self._rollback_decision(step, advised)
+        if rollback_to is not None or why:
+            verdict = dataclasses.replace(verdict, rollback_to=rollback_to, rollback_reason=why)
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if nan_ranks or (codes == _CODE_NAN_GRAD).any():
@@ -480,28 +494,79 @@ class SdcGuard:
         return bad[0].classification
 
     # ------------------------------------------------------------------ rollback
-    def rollback_target(self, checkpoints: Sequence[_C]) -> _C | None:
+    def _advice_ints(self) -> list[int]:
+        """This rank's newest policy advice not yet carried out: ``[target_step, failed_step]`` (-1: none)."""
+        if self.inbox is None:
+            return [-1, -1]
+        self.inbox.poll()
+        a = self.inbox.latest
+        if a is None or a.target_step is None or (a.failed_step is not None and a.failed_step in self._handled):
+            return [-1, -1]
+        return [a.target_step, -1 if a.failed_step is None else a.failed_step]
+
+    def _rollback_decision(self, step: int, advised: np.ndarray) -> tuple[int | None, str]:
+        """The checkpoint step every rank restores now, from values every rank holds: the guard's own
+        failure at this step (the policy's rule over the watermark and the book), else the newest
+        policy advice any rank has received (gathered on check steps)."""
+        if self.failure is not None and self.failure.step == step:
+            target = self.rollback_target()
+            cls = "unclassified" if self.failure.classification is None else self.failure.classification.value
+            if target is None:
+                return None, (f"{self.failure.check} failed at step {step} ({cls}) and no checkpoint at or before "
+                              "a passing check is known: needs a human")
+            return target.step, f"{self.failure.check} failed at step {step} ({cls})"
+        rows = advised[(advised[:, 0] >= 0)] if advised.size else advised
+        if not len(rows):
+            return None, ""
+        target_step, failed_step = (int(v) for v in max(map(tuple, rows.tolist()), key=lambda r: (r[1], r[0])))
+        if target_step >= step:
+            return None, ""
+        if not any(c.step == target_step for c in self.book):
+            self._handled.add(failed_step)
+            _log.error("fleethealth: the policy advises a rollback to step %d, which is not a checkpoint this "
+                       "job recorded (%s); ignored", target_step, [c.step for c in self.book])
+            return None, ""
+        return target_step, f"the policy's rollback for the failure at step {failed_step}"
+
+    def rollback_target(self, checkpoints: Sequence[_C] | None = None) -> _C | CheckpointRecord | None:
         """The checkpoint to roll back to after the first failed check since the last
         :meth:`rolled_back` (``None``: no failure, or no clean checkpoint). The same rule as the
         policy's (:func:`~fleethealth.payloads.rollback.choose`): the watermark's marks and each
-        checkpoint record's marks before the failing step, the bound for the agreed classification."""
+        checkpoint record's marks before the failing step, the bound for the agreed classification.
+        ``checkpoints`` default to the guard's own :attr:`book`."""
         if self.failure is None:
             return None
+        book: Sequence[Any] = self.book if checkpoints is None else checkpoints
         cls = None if self.failure.classification is None else self.failure.classification.value
-        marks = [self.watermark.marks] + [c.marks for c in checkpoints if isinstance(c, CheckpointRecord)]
-        return choose(checkpoints, marks, cls, self.failure.step)[2]
+        marks = [self.watermark.marks] + [c.marks for c in book if isinstance(c, CheckpointRecord)]
+        return choose(book, marks, cls, self.failure.step)[2]
 
-    def rolled_back(self, step: int) -> None:
+    def rolled_back(self, step: int) -> list[CheckpointRecord]:
         """The loop restored the checkpoint of ``step`` (it includes that step's update): the
         watermark resumes from it (:meth:`Watermark.reset`), the failure is forgotten, and the next
-        step the loop runs is ``step + 1``."""
+        step the loop runs is ``step + 1``. Returns the checkpoints of the abandoned steps (newer than
+        ``step``), dropped from the book: the loop deletes their files."""
+        if self.failure is not None:
+            self._handled.add(self.failure.step)
+        if self.inbox is not None and self.inbox.latest is not None and self.inbox.latest.failed_step is not None:
+            if self.inbox.latest.target_step == step:
+                self._handled.add(self.inbox.latest.failed_step)
         self.watermark.reset(step)
         self.failure = None
         self._last_step = step
+        dropped = [c for c in self.book if c.step > step]
+        self.book = [c for c in self.book if c.step <= step]
+        return dropped
 
-    def prune(self, checkpoints: Sequence[_C]) -> list[_C]:
+    def prune(self, checkpoints: Sequence[_C] | None = None) -> list[_C] | list[CheckpointRecord]:
         """The checkpoints the loop may delete now: none a rollback could need under the current marks
-        (:func:`~fleethealth.payloads.rollback.deletable`). Nothing while a failure awaits its rollback."""
+        (:func:`~fleethealth.payloads.rollback.deletable`). Nothing while a failure awaits its
+        rollback. Without ``checkpoints`` the guard's :attr:`book` is used and the returned records
+        leave it."""
         if self.failure is not None or self.watermark.suspect:
             return []
-        return deletable(checkpoints, self.watermark.marks)
+        if checkpoints is not None:
+            return deletable(checkpoints, self.watermark.marks)
+        gone = deletable(self.book, self.watermark.marks)
+        self.book = [c for c in self.book if all(c is not g for g in gone)]
+        return gone

@@ -60,7 +60,7 @@ def _run(rank: int, world: int, outdir: Path, phase: str) -> dict:
         if rank == FAULT_RANK:  # the self-check covers the last microbatch: the drill flips that one
             fault = FaultInjector("transient", step=FAULT_STEP, micro=ACCUM - 1).attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    verdicts, rollbacks, book, pruned = [], [], [], []
+    verdicts, rollbacks, pruned = [], [], []
     step = 0
     while step < steps:
         micro = _microbatches(rank, step)
@@ -76,30 +76,32 @@ def _run(rank: int, world: int, outdir: Path, phase: str) -> dict:
         if not v.skip_update:
             opt.step()
         opt.zero_grad()
-        if guard.failure is not None:  # the rollback loop: the same target on every rank
-            target = guard.rollback_target(book)
-            rollbacks.append({"at": step, "target": None if target is None else target.step})
-            if target is None:
-                break
+        if v.rollback_to is not None:  # the rollback loop: the same target on every rank
+            target = next(c for c in guard.book if c.step == v.rollback_to)
+            rollbacks.append({"at": step, "target": target.step, "reason": v.rollback_reason,
+                              "same_as_rollback_target": guard.rollback_target() == target})
             state = torch.load(target.uri)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
-            guard.rolled_back(target.step)
+            for c in guard.rolled_back(target.step):
+                Path(c.uri).unlink(missing_ok=True)
             step = target.step + 1
             continue
+        if v.check is not None:  # failed, and no clean checkpoint: a human must decide
+            rollbacks.append({"at": step, "target": None, "reason": v.rollback_reason})
+            break
         if step % CKPT_EVERY == 0:
             path = outdir / f"{phase}-r{rank}-{step}.pt"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-            book.append(guard.checkpoint(step, str(path)))
-            for c in guard.prune(book):
+            guard.checkpoint(step, str(path))
+            for c in guard.prune():
                 Path(c.uri).unlink()
-                book.remove(c)
                 pruned.append(c.step)
         step += 1
     guard.close()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     return {"events": events, "verdicts": verdicts, "rollbacks": rollbacks, "pruned": pruned,
-            "book": [c.step for c in book], "weights": digest,
+            "book": [c.step for c in guard.book], "weights": digest,
             "fired_at": None if fault is None else fault.fired_at,
             "accumulation_scale": guard.checker.accumulation_scale}
 

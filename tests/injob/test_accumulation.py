@@ -84,7 +84,8 @@ def test_transient_skips_the_update_everywhere_with_one_verdict(ranks: list[dict
 
 def test_loop_rolls_back_to_the_policys_target_by_itself(ranks: list[dict]) -> None:
     for r in ranks:
-        assert r["fault"]["rollbacks"] == [{"at": W.FAULT_STEP, "target": 4}]
+        assert r["fault"]["rollbacks"] == [{"at": W.FAULT_STEP, "target": 4, "same_as_rollback_target": True,
+                                            "reason": f"selfcheck failed at step {W.FAULT_STEP} (transient)"}]
         # re-run from step 5; steps 5..7 twice, each once per pass
         assert [v["step"] for v in r["fault"]["verdicts"]] == [0, 1, 2, 3, 4, 5, 6, 5, 6, 7]
         assert 4 not in r["fault"]["pruned"][:2] and r["fault"]["pruned"][:2] == [0, 2]  # kept until no longer needed
