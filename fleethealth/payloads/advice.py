@@ -45,14 +45,14 @@ class Advice:
     @classmethod
     def from_obj(cls, obj: Any) -> Advice:
         if not isinstance(obj, dict):
-            raise SchemaError(f"rollback advice must be a JSON object, got {type(obj).__name__}")
+            raise SchemaError("rollback advice", f"must be a JSON object, got {type(obj).__name__}")
         try:
             out = cls(id=str(obj["id"]), ts=float(obj["ts"]), job=str(obj["job"]),
                       target_step=_opt_int(obj.get("target_step")), target_uri=_opt_str(obj.get("target_uri")),
                       failed_step=_opt_int(obj.get("failed_step")), classification=_opt_str(obj.get("classification")),
                       guard=str(obj.get("guard", "")))
         except (KeyError, TypeError, ValueError) as exc:
-            raise SchemaError(f"rollback advice: {exc}") from exc
+            raise SchemaError("rollback advice", str(exc)) from exc
         return out
 
 
@@ -88,5 +88,5 @@ def read_advice(path: str | Path) -> Advice:
     try:
         obj = orjson.loads(Path(path).read_bytes())
     except orjson.JSONDecodeError as exc:
-        raise SchemaError(f"rollback advice {path}: {exc}") from exc
+        raise SchemaError(str(path), f"not JSON: {exc}") from exc
     return Advice.from_obj(obj)
