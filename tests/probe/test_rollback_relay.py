@@ -64,3 +64,64 @@ def test_needs_human_is_relayed_without_a_target(tmp_path) -> None:
     advice = RollbackInbox("j", tmp_path).poll()
     assert advice is not None and advice.target_step is None and advice.guard == "needs_human"
     assert relay.handle([_rollback("j", 4.0, 3)]) == 0  # older than what is there
+
+
+class _OneRecommendation:
+    """A consumer double that hands the relay one rollback, then nothing (the broker test above
+    covers the real consumer; this one covers the probe's hook)."""
+
+    def __init__(self, rec: Recommendation) -> None:
+        from fleethealth.bus import Record
+
+        self.records = [Record(Topic.RECOMMENDATIONS.value, 0, 0, None, rec)]
+        self.commits = 0
+
+    def poll(self, timeout_s: float) -> list:
+        out, self.records = self.records, []
+        if not out:
+            time.sleep(timeout_s)
+        return out
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def replay(recording):  # noqa: ANN001, ANN201 - as tests/probe/test_daemon.py builds it
+    from fleethealth.probe.recorded import NvmlReplay
+
+    return NvmlReplay(recording("nvml_h100_faults.json"))
+
+
+def test_probe_tells_the_relay_which_jobs_run_on_its_node(tmp_path, replay) -> None:
+    import orjson
+
+    from fleethealth.probe.daemon import Probe, ProbeConfig
+    from fleethealth.probe.delivery import Delivery
+    from fleethealth.probe.nvml import NvmlSource
+    from fleethealth.probe.spool import Spool
+
+    run = tmp_path / "run"
+    sock_path = str(run / "probe.sock")
+    relay = RollbackRelay(run, "n0003", consumer=_OneRecommendation(_rollback("job-a", time.time(), 40)), poll_s=0.05)
+    config = ProbeConfig(node="n0003", rack="r00", socket_path=sock_path, metrics_port=None)
+    probe = Probe(NvmlSource("n0003", "r00", nvml=replay, xid_events=False), config,
+                  delivery=Delivery("kafka://127.0.0.1:9", Spool(tmp_path / "spool")), relay=relay)
+    probe.open(background_delivery=False)
+    import socket
+
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        _wait(lambda: relay._consumer.commits == 1, "the relay to take the recommendation")
+        assert not advice_path(run, "job-a").exists()  # job-a has not been seen on this node yet
+        rank.sendto(orjson.dumps({"t": "e", "event": {"kind": "job_start", "job": "job-a", "rank": 0, "step": 0,
+                                                       "data": {}}}), sock_path)
+        _wait(lambda: probe.health().datagrams_total >= 1, "the datagram")
+        probe.tick()
+        assert read_advice(advice_path(run, "job-a")).target_step == 40
+    finally:
+        rank.close()
+        probe.close(drain_timeout_s=0.0)
