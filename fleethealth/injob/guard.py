@@ -164,7 +164,7 @@ class SdcGuard:
         self._forward_hook = self.module.register_forward_pre_hook(lambda _m, _a: self.checker.count_forward())
         self.checks_total = 0
         self.failures_total = 0
-        self._det_prev: tuple[bool, bool] | None = None
+        self._det_prev: tuple[bool, ...] | None = None
         self._last_replay = ReplayRound(incidents=(), duration_s=0.0)
         self.scaler_overflows_total = 0
         if deterministic:
