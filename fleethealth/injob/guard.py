@@ -2,20 +2,28 @@
 
 ::
 
-    guard = SdcGuard(model, loss_fn)              # loss_fn(module, batch) -> scalar loss
+    guard = SdcGuard(model, loss_fn)              # loss_fn(module, microbatch) -> scalar loss
     for step, batch in enumerate(loader):
-        guard.begin(step)                         # snapshots RNG on check steps
+        guard.begin(step)                         # arms the check-step capture
         loss = loss_fn(model, batch)
         loss.backward()
-        if not guard.after_backward(step, batch, loss).skip_update:
+        verdict = guard.after_backward(step, batch, loss)
+        if not verdict.skip_update:
             optimizer.step()
         optimizer.zero_grad()
+        if verdict.rollback_to is not None:       # the same on every rank; see the README's rollback loop
+            ...                                   # restore that checkpoint, guard.rolled_back(step)
 
 What runs where:
 
-- **every step**: the cheap invariants (:mod:`~fleethealth.injob.invariants`); in a distributed job
-  their outcome is all-gathered (one tiny collective) so every rank skips, classifies and aborts
-  together;
+- **every step**: the cheap invariants (:mod:`~fleethealth.injob.invariants`). Under DDP they judge
+  the all-reduced gradient norm, identical on every rank, so no collective of the guard's own runs
+  on an ordinary step; only when they fire do the ranks all-gather their codes (one tiny collective)
+  to skip, classify and act together. Without DDP (``sync_invariants``) the codes are all-gathered
+  every step;
+- **gradient accumulation**: a forward pre-hook counts training forwards; with more than one per
+  step the self-check compares the last backward's own gradients with a recomputation of the last
+  microbatch (:mod:`~fleethealth.injob.selfcheck`), never the accumulated sum;
 - **every ``every`` steps** (100): the bitwise self-check. The gradients of the training pass (``.grad``
   for a plain module; under DDP, each bucket captured by a communication hook before its all-reduce)
   are digested on the device and compared with ``==`` against a recomputation of the same microbatch
@@ -32,10 +40,10 @@ unless a sink is given) and feeds :attr:`SdcGuard.watermark`.
 
 Where the host waits for the device. ``skip_update`` must be known before ``optimizer.step()``, so
 :meth:`SdcGuard.after_backward` reads to the host, every step, one copy of ``[loss, total gradient
-norm]`` (one synchronisation) and, in a distributed job with ``sync_invariants``, the all-gather of
-one integer per rank (under NCCL a device collective read back: a second synchronisation; under gloo
-a CPU collective). Check steps add the digest copies (two integers per chunk) and the all-gather of
-the self-check outcome; replay steps the fingerprints and object collectives. Nothing else waits:
+norm]`` (one synchronisation); without DDP, in a distributed job with ``sync_invariants``, also the
+all-gather of one integer per rank. Check steps add the digest copies (two integers per chunk) and
+one all-gather of a few integers per rank (invariant code, self-check outcome, the policy's advice:
+the verdict every rank derives alike); replay steps the fingerprints and object collectives. Nothing else waits:
 the DDP per-bucket norms kept for re-checking after an anomaly stay on the device.
 
 A watchdog passed to the guard runs start-up, self-checks and replays under its wider
@@ -101,9 +109,12 @@ class SdcGuard:
     replay tolerance; without one the guard measures the replay pairs' own distances at start-up
     (robust 5 sigma, at least ``nondeterminism_margin`` x the largest and at least ``replay_floor``).
     ``domains``: failure domain per rank (e.g. node or rack index) for choosing the third rank.
-    ``compare_training_pass``: digest the training pass's gradients (needs one microbatch per step);
-    ``False`` compares two recomputations instead (for gradient accumulation). ``sync_invariants=False``
-    saves the per-step all-gather; anomalies are then handled by each rank alone (no replay).
+    ``compare_training_pass``: digest the training pass's gradients (with gradient accumulation, the
+    last backward's own; detected, nothing to set); ``False`` compares two recomputations instead.
+    ``sync_invariants=False`` handles anomalies on each rank alone (no gather, no replay; under DDP
+    there is no per-step gather either way). ``inbox``: where the policy's rollback advice is read
+    (default: :class:`~fleethealth.injob.inbox.RollbackInbox` for the reporter's job, ``follow_advice=False``
+    for none). ``on_nonfinite``: :class:`~fleethealth.injob.invariants.NonFiniteAction` by default.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn, *, every: int = 100,

@@ -10,13 +10,12 @@ clean checkpoint is known: a human must decide), ``failed_step``, ``classificati
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from fleethealth.errors import SchemaError
 
@@ -78,7 +77,7 @@ def write_advice(run_dir: str | Path, advice: Advice) -> Path:
     path = advice_path(run_dir, advice.job)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(orjson.dumps(advice.to_obj()))
+    tmp.write_text(json.dumps(advice.to_obj()), encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -86,7 +85,7 @@ def write_advice(run_dir: str | Path, advice: Advice) -> Path:
 def read_advice(path: str | Path) -> Advice:
     """Parse one advice file (:class:`SchemaError` when it is not one)."""
     try:
-        obj = orjson.loads(Path(path).read_bytes())
-    except orjson.JSONDecodeError as exc:
+        obj = json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SchemaError(str(path), f"not JSON: {exc}") from exc
     return Advice.from_obj(obj)
