@@ -12,7 +12,9 @@ step time is compared with the same round's un-instrumented blocks, on each rank
 (``timer_overhead``, ``guard_overhead``) and the rank process's CPU time (``*_cpu_overhead``, less
 disturbed by other work on a loaded machine). The JSON gives the median fraction and its spread
 (min, max, interquartile range) over both ranks' rounds, and whether the weights of the two ranks
-stayed bitwise equal.
+stayed bitwise equal. ``guard_calls_cpu_fraction`` is the CPU time spent inside ``begin`` and
+``after_backward`` per guard step (checks included) over the un-instrumented step's CPU time: the
+guard's own work, without its hooks inside the backward.
 
     python bench/injob_overhead.py                 # ~2-4 min on 2 loaded cores
     python bench/injob_overhead.py --rounds 4      # quicker, wider spread
@@ -99,7 +101,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     reporter = Reporter(job="bench", rank=rank, sink=lambda e: sent.append(1))
     guard = None
     timer = StepTimer("bench", rank, socket_path=args.socket, cuda=False)
-    state = {"i": 0, "guard_step": 0}
+    state = {"i": 0, "guard_step": 0, "inside": 0.0, "inside_steps": 0}
 
     def step(mode: str) -> None:
         i = state["i"]
@@ -109,10 +111,16 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
         if mode == "guard":
             g = state["guard_step"]
             state["guard_step"] += 1
+            c0 = time.process_time()
             guard.begin(g)
+            c1 = time.process_time()
             loss = loss_fn(ddp, batch)
             loss.backward()
-            if not guard.after_backward(g, batch, loss).skip_update:
+            c2 = time.process_time()
+            skip = guard.after_backward(g, batch, loss).skip_update
+            state["inside"] += (c1 - c0) + (time.process_time() - c2)
+            state["inside_steps"] += 1
+            if not skip:
                 opt.step()
         elif mode == "timer":
             with timer.compute(i):
@@ -137,6 +145,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
         step("off")
     guard = SdcGuard(ddp, loss_fn, reporter=reporter)  # default cadences
     step("guard")  # start-up probe, calibration, step 0's self-check and replay: once per job, not counted
+    state["inside"], state["inside_steps"] = 0.0, 0
     rows = []
     for r in range(args.rounds):
         order = MODES[r % 3:] + MODES[:r % 3]
@@ -146,7 +155,8 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     out = [None, None]
     dist.all_gather_object(out, {"rows": rows, "weights": digest, "checks": guard.checks_total,
-                                 "guard_steps": state["guard_step"], "timer_drops": timer.stats.dropped_total})
+                                 "guard_steps": state["guard_step"],
+                                 "inside_ms": 1e3 * state["inside"] / max(1, state["inside_steps"]), "timer_drops": timer.stats.dropped_total})
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     guard.close()
@@ -227,6 +237,9 @@ def main() -> None:
         "guard_overhead": _spread(fractions["guard"]),
         "timer_cpu_overhead": _spread(cpu["timer"]),
         "guard_cpu_overhead": _spread(cpu["guard"]),
+        "guard_calls_cpu_ms": round(statistics.median(r["inside_ms"] for r in ranks), 3),
+        "guard_calls_cpu_fraction": round(statistics.median(r["inside_ms"] for r in ranks)
+                                          / statistics.median(row["off"][1] * 1e3 for row in rows), 4),
         "guard_checks_in_blocks": ranks[0]["checks"] - 2,
         "guard_steps": ranks[0]["guard_steps"],
         "timer_datagrams_received": count[0],
