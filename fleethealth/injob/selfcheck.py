@@ -107,6 +107,7 @@ class SelfCheck:
         self._micro: list[torch.Tensor | None] = []
         self._micro_at: list[int] = []
         self.forwards = 0
+        self._fired: set[int] = set()  # the forward counts at which a backward's hooks fired (check steps)
         self.accumulation_scale: float | None = None
 
     @property
@@ -122,6 +123,7 @@ class SelfCheck:
         self._begun = step
         self._capture_step = step if capture else None
         self.forwards = 0
+        self._fired = set()
         self.release()
         if capture:
             self._micro = [None] * len(self.params)
@@ -137,6 +139,7 @@ class SelfCheck:
                 buf = self._micro[i] = torch.empty_like(grad)
             buf.copy_(grad.detach())
             self._micro_at[i] = self.forwards
+            self._fired.add(self.forwards)
         return hook
 
     def release(self) -> None:
@@ -160,12 +163,21 @@ class SelfCheck:
         """End of a step's checks: drop the capture hooks and the per-bucket norms; count afresh."""
         self.release()
         self._micro = []
+        self._fired = set()
         self._bucket_norms = []
         self.forwards = 0
 
+    def accumulated(self, step: int) -> bool:
+        """Whether ``.grad`` (and the DDP buckets) at ``step`` sum several backwards. Where the
+        backwards were watched (check steps) it is counted; elsewhere any step with more than one
+        training forward counts as one (the safe side: the check then recomputes twice)."""
+        if self._capture_step == step and self._fired:
+            return len(self._fired) > 1
+        return self.forwards > 1
+
     def count_forward(self) -> None:
         """A training forward began (the guard's forward pre-hook; recomputations do not count)."""
-        if not self.recompute.active and torch.is_grad_enabled():
+        if not self.recompute.active and torch.is_grad_enabled() and self.recompute.module.training:
             self.forwards += 1
             self.recompute.rng = self.recompute.snapshot_rng()  # this microbatch's dropout masks start here
 
@@ -267,10 +279,13 @@ class SelfCheck:
         is the job rank the result names."""
         t0 = time.perf_counter()
         tol = None
-        if self.tolerance is None and self.forwards > 1:
+        accumulated = self.accumulated(step)
+        if self.tolerance is None and accumulated:
             passed, digests, mismatched = self._run_accumulated(step, batch)
         elif self.tolerance is None:
             first = self._training_digest(step)
+            if first is None and not self._bucket_norms:  # e.g. DDP with two forwards and one backward
+                first = self._micro_digest(step)
             grads = self.recompute(batch)
             if first is None and self._bucket_norms and self._training_pass_known(step):
                 passed, digests, mismatched = self._compare_bucket_norms(grads)
@@ -281,7 +296,7 @@ class SelfCheck:
                 mismatched = tuple(first.mismatches(second))
                 passed, digests = not mismatched and first == second, (first.hex, second.hex)
         else:
-            grads = (None if self.forwards > 1 else self._training_grads()) or self.recompute(batch)
+            grads = (None if accumulated else self._training_grads()) or self.recompute(batch)
             fa, fb = fingerprint(grads), fingerprint(self.recompute(batch))
             tol = self.tolerance
             passed, mismatched = fingerprint_distance(fa, fb) <= tol, ()
@@ -307,7 +322,7 @@ class SelfCheck:
         if first is None:
             first, second = second, bit_digest(self._recompute_scaled(batch, self.accumulation_scale), self.names)
         elif first != second and self.accumulation_scale is None:
-            scale = 1.0 / self.forwards  # the loop divides its loss by the microbatch count; loss_fn does not
+            scale = 1.0 / len(self._fired)  # the loop divides its loss by the microbatch count; loss_fn does not
             again = bit_digest(self._recompute_scaled(batch, scale), self.names)
             if again == first:
                 self.accumulation_scale = scale

@@ -154,3 +154,46 @@ def test_one_rule_for_guard_and_policy_and_deletable_is_the_complement_of_retain
     m = Marks(60, 40)
     keep, gone = retained(book, m), deletable(book, m)
     assert [c.step for c in gone] == [20] and sorted(keep + gone, key=lambda c: c.step) == book
+
+
+def test_two_forwards_one_backward_and_eval_forwards_are_not_accumulation(tmp_path) -> None:
+    """A loss over two forwards with one backward (loss_fn does both), and a forward in eval mode
+    between steps, are not gradient accumulation: no false SDC, the training pass is still checked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+
+    def pair_loss(module: torch.nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
+        (xa, ya), (xb, yb) = batch
+        return loss_fn(module, (xa, ya)) + loss_fn(module, (xb, yb))
+
+    events: list = []
+    guard = SdcGuard(model, pair_loss, every=2, reporter=Reporter(job="pair", rank=0, sink=events.append),
+                     follow_advice=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flipped = {"done": False}
+
+    def flip(grad: torch.Tensor) -> torch.Tensor:
+        if guard.checker.recompute.active or flipped["done"] or step != 4:
+            return grad
+        flipped["done"] = True
+        grad = grad.clone()
+        grad.view(-1).view(torch.int32)[0] ^= 1 << 22
+        return grad
+
+    model[0].weight.register_hook(flip)
+    for step in range(6):
+        batch = (_batch(step), _batch(100 + step))
+        guard.begin(step)
+        loss = pair_loss(model, batch)
+        loss.backward()
+        v = guard.after_backward(step, batch, loss)
+        assert v.microbatches == 2
+        if not v.skip_update:
+            opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.enable_grad():
+            loss_fn(model, _batch(200 + step))  # an evaluation forward: not counted
+        model.train()
+    failed = [(e.step, e.data["passed"]) for e in events if e.kind.value == "sdc_check" and not e.data["passed"]]
+    assert failed == [(4, False)]  # only the flipped step; the two-forward steps pass bitwise
