@@ -50,7 +50,8 @@ def _model(vocab: int, seq: int, dim: int, layers: int):  # noqa: ANN202 - torch
             super().__init__()
             self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
             self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                           torch.nn.Linear(4 * dim, dim))
 
         def forward(self, x):  # noqa: ANN001, ANN202
             b, t, c = x.shape
@@ -156,7 +157,8 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     out = [None, None]
     dist.all_gather_object(out, {"rows": rows, "weights": digest, "checks": guard.checks_total,
                                  "guard_steps": state["guard_step"],
-                                 "inside_ms": 1e3 * state["inside"] / max(1, state["inside_steps"]), "timer_drops": timer.stats.dropped_total})
+                                 "inside_ms": 1e3 * state["inside"] / max(1, state["inside_steps"]),
+                                 "timer_drops": timer.stats.dropped_total})
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     guard.close()

@@ -64,7 +64,8 @@ def test_accumulation_at_defaults_reports_no_sdc(ranks: list[dict]) -> None:
         d = r["defaults"]
         checks = {(e["step"], e["data"]["check"]): e["data"]["passed"] for e in _sdc(d)}
         assert checks == {(0, "selfcheck"): True, (0, "replay"): True}, checks
-        assert [(v["step"], v["skip"], v["check"], v["microbatches"]) for v in d["verdicts"]] == [(0, False, None, W.ACCUM)]
+        verdicts = [(v["step"], v["skip"], v["check"], v["microbatches"]) for v in d["verdicts"]]
+        assert verdicts == [(0, False, None, W.ACCUM)]
         # the loop divides the loss by 40 and loss_fn does not: the recomputation learned the scale
         assert d["accumulation_scale"] == 1.0 / W.ACCUM
 
