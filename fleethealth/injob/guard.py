@@ -89,7 +89,7 @@ from fleethealth.injob.selfcheck import SelfCheck, enable_determinism, restore_d
 from fleethealth.injob.watchdog import HangWatchdog
 from fleethealth.injob.watermark import Watermark
 from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
-from fleethealth.payloads.rollback import choose, deletable
+from fleethealth.payloads.rollback import choose
 from fleethealth.payloads.sdc_check import Classification, classify
 
 __all__ = ["SdcGuard", "CheckResult", "StepVerdict", "StartupReport", "NondeterminismWarning"]
@@ -574,10 +574,10 @@ class SdcGuard:
         (:func:`~fleethealth.payloads.rollback.deletable`). Nothing while a failure awaits its
         rollback. Without ``checkpoints`` the guard's :attr:`book` is used and the returned records
         leave it."""
-        if self.failure is not None or self.watermark.suspect:
+        if self.failure is not None:
             return []
         if checkpoints is not None:
-            return deletable(checkpoints, self.watermark.marks)
-        gone = deletable(self.book, self.watermark.marks)
+            return self.watermark.deletable(checkpoints)
+        gone = self.watermark.deletable(self.book)
         self.book = [c for c in self.book if all(c is not g for g in gone)]
         return gone
