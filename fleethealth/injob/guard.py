@@ -169,6 +169,7 @@ class SdcGuard:
         self.inbox = inbox if inbox is not None or not follow_advice or not self.reporter.job else RollbackInbox(
             self.reporter.job)
         self._handled: set[int] = set()  # failed steps whose rollback the loop carried out
+        self._handled_ids: set[str] = set()  # advice ids carried out (or ignored)
         self.failure: StepVerdict | None = None
         """The first step since the last rollback whose check failed (its agreed verdict)."""
         self._last_step: int | None = None
@@ -511,7 +512,8 @@ class SdcGuard:
             return [-1, -1]
         self.inbox.poll()
         a = self.inbox.latest
-        if a is None or a.target_step is None or (a.failed_step is not None and a.failed_step in self._handled):
+        if (a is None or a.target_step is None or a.id in self._handled_ids
+                or (a.failed_step is not None and a.failed_step in self._handled)):
             return [-1, -1]
         return [a.target_step, -1 if a.failed_step is None else a.failed_step]
 
@@ -534,6 +536,8 @@ class SdcGuard:
             return None, ""
         if not any(c.step == target_step for c in self.book):
             self._handled.add(failed_step)
+            if self.inbox is not None and self.inbox.latest is not None:
+                self._handled_ids.add(self.inbox.latest.id)
             _log.error("fleethealth: the policy advises a rollback to step %d, which is not a checkpoint this "
                        "job recorded (%s); ignored", target_step, [c.step for c in self.book])
             return None, ""
@@ -559,9 +563,11 @@ class SdcGuard:
         ``step``), dropped from the book: the loop deletes their files."""
         if self.failure is not None:
             self._handled.add(self.failure.step)
-        if self.inbox is not None and self.inbox.latest is not None and self.inbox.latest.failed_step is not None:
-            if self.inbox.latest.target_step == step:
-                self._handled.add(self.inbox.latest.failed_step)
+        latest = None if self.inbox is None else self.inbox.latest
+        if latest is not None and latest.target_step == step:
+            self._handled_ids.add(latest.id)
+            if latest.failed_step is not None:
+                self._handled.add(latest.failed_step)
         self.watermark.reset(step)
         self.failure = None
         self._last_step = step

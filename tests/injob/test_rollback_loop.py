@@ -112,7 +112,7 @@ def test_policy_advice_through_the_inbox_is_carried_out_once(tmp_path) -> None:
     def advise(step: int) -> None:
         if step == 9:  # the policy decided (on evidence from elsewhere, about step 9) while step 9 ran
             write_advice(tmp_path, Advice(id="r1", ts=time.time(), job="loop", target_step=8, target_uri="mem://8",
-                                          failed_step=9, classification="transient", guard="allowed"))
+                                          failed_step=None, classification="transient", guard="allowed"))
 
     # read at the next check step (10), carried out once: the re-run of step 10 does not repeat it
     assert _run(guard, model, 14, on_step=advise) == [(10, 8)]
