@@ -423,6 +423,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,job_start,job_exit",
         "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
         "own sources)"),
+    Key("probe.rollback_relay", "bool", True, "write the policy's newest rollback for each job on this node to "
+        "DIR/rollback/JOB.json, DIR the socket's directory (fleethealth.injob.inbox reads it)"),
     Key("probe.spool_dir", "str", "/var/lib/fleethealth/spool", "on-disk queue used while Kafka is unreachable"),
     Key("probe.spool_max_mb", "float", 512.0, "spool bound; beyond it the oldest records are dropped and counted"),
     Key("probe.metrics_port", "int", 9402, "Prometheus port of the probe, 0 to disable"),

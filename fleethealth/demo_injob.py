@@ -13,10 +13,13 @@ its own. Everything after the training process is the production path:
    directory, records with both verification marks) and ``job_start`` / ``job_exit``; a fault of
    :class:`fleethealth.injob.FaultInjector` runs on one node (``transient``: one bit of one gradient
    element on one rank at one step; ``deterministic``: one rank's matmul output, every step from
-   one on). When a check fails the job halts.
-3. The launcher reads the ``sdc`` finding and the ``rollback`` recommendation **from the store**,
-   acts on it: restores the target checkpoint, replaces the culprit rank's node with a spare (the
-   quarantined device keeps its fault), and trains to the end.
+   one on). When a check fails every rank skips the step's update with the same verdict; a
+   ``transient`` fault is rolled back **by the job itself** (``StepVerdict.rollback_to``, the policy's
+   rule applied in the job) and the job trains on; any other class halts the job.
+3. The launcher reads the ``sdc`` finding and the ``rollback`` recommendation **from the store**.
+   After a transient it checks that the policy chose the checkpoint the job already rolled back to;
+   after a halt it acts on it: restores the target checkpoint, replaces the culprit rank's node with
+   a spare (the quarantined device keeps its fault), and trains to the end.
 4. The final weights are compared bit for bit with the clean run's.
 
 Cadences (steps): self-check every 10, replay every 40, checkpoint every 10, 120 steps; the
@@ -77,6 +80,8 @@ class InjobResult:
     rollback_uri: str | None = None
     rollback_guard: str | None = None
     halted_at_step: int | None = None
+    in_job_rollback: tuple[int, int] | None = None
+    """``(failed step, checkpoint step)`` of the rollback the job carried out by itself (transient)."""
     replaced_with: str | None = None
     steps_retrained: int = 0
     sdc_findings: int = 0
@@ -95,8 +100,10 @@ class InjobResult:
     def ok(self) -> bool:
         if self.fault == "none":
             return self.sdc_findings == 0 and self.final_bitwise_equal_to_clean
+        in_job_agrees = self.in_job_rollback is None or self.in_job_rollback[1] == self.rollback_step
         return (self.sdc_findings > 0 and self.rollback_step is not None and self.injected_at_step is not None
-                and self.rollback_step <= self.injected_at_step and self.final_bitwise_equal_to_clean)
+                and self.rollback_step <= self.injected_at_step and in_job_agrees
+                and self.final_bitwise_equal_to_clean)
 
     def to_obj(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok, "wall_s": round(self.wall_s, 2),
@@ -391,6 +398,11 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         if fired:
             result.injected_at_step, result.injected_rank = min(fired)
         result.halted_at_step = next((r.halted_at for r in run.values() if r.halted_at is not None), None)
+        in_job = {r.rolled_back for r in run.values()}
+        if len(in_job) != 1:
+            raise DemoFailed(f"the ranks rolled back differently: {sorted(in_job)}")
+        rolled = in_job.pop()
+        result.in_job_rollback = tuple(rolled[0]) if rolled else None
         t_detect = time.perf_counter()
         launcher.quiesce(deadline)
         result.detect_wait_s = time.perf_counter() - t_detect
@@ -411,6 +423,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                 result.rollback_step = rollback.evidence.get("target_step")
                 result.rollback_uri = rollback.evidence.get("target_uri")
             if (rollback is not None and rollback.guard.value == "allowed" and result.rollback_uri
+                    and result.halted_at_step is not None
                     and result.culprit_rank is not None and 0 <= result.culprit_rank < world):
                 # act on the recommendation: the culprit's node is quarantined, a spare takes its rank
                 new = list(placement)
@@ -451,6 +464,9 @@ def summary(result: InjobResult, *, as_json: bool = False) -> str:
         lines.append(f"  detected   step {r.detected_at_step} by {r.detected_by}: {r.classification}, culprit rank "
                      f"{r.culprit_rank} on {r.culprit_node}" + (" (quarantined)" if r.quarantined else ""))
         lines.append(f"  rollback   to checkpoint step {r.rollback_step} [{r.rollback_guard}]"
+                     + ("" if r.in_job_rollback is None else
+                        f"; the job rolled back by itself at step {r.in_job_rollback[0]} to step "
+                        f"{r.in_job_rollback[1]}")
                      + ("" if r.replaced_with is None else
                         f"; rank {r.culprit_rank} moved to {r.replaced_with}, {r.steps_retrained} steps retrained"))
     else:

@@ -9,11 +9,14 @@ torchrun). It runs the same job up to three times in one process group:
    steps (rank 0 writes the file, then :meth:`SdcGuard.checkpoint` emits the record with both marks,
    written beside it), ``job_start`` / ``job_exit`` from :class:`~fleethealth.injob.JobLife`, and the
    fault of :class:`~fleethealth.injob.FaultInjector` on the ranks placed on the faulty node. When a
-   check fails (the watermark turns suspect on every rank alike) the job halts;
+   check fails every rank gets the same verdict: the step's update is skipped and, for a
+   ``transient`` fault, the job rolls back by itself to ``verdict.rollback_to`` (the policy's rule,
+   applied by the guard), restores that checkpoint and trains on; for any other class (the device
+   keeps computing wrong, or there is no clean checkpoint) the job halts;
 3. **resume** — only when the launcher orders it (having read the rollback recommendation from the
-   store): restore the named checkpoint (weights, optimiser, data-order position), run on the new
-   placement (the culprit rank on a spare node: the fault stays with the quarantined device), train
-   to the end, save the final weights.
+   store, after a halt): restore the named checkpoint (weights, optimiser, data-order position), run
+   on the new placement (the culprit rank on a spare node: the fault stays with the quarantined
+   device), train to the end, save the final weights.
 
 Everything that makes two runs bitwise equal is fixed: seeds, deterministic algorithms (the guard
 turns them on), one thread per rank, the data order as a seeded permutation per epoch whose
@@ -83,6 +86,8 @@ class PhaseReport:
     failures: int
     events_sent: int
     events_dropped: int
+    rolled_back: tuple[tuple[int, int], ...] = ()
+    """``(failed step, checkpoint step)`` of each rollback the job carried out by itself."""
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> Path:
@@ -180,32 +185,44 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
         fault = FaultInjector(spec.fault, step=spec.fault_step, bit=spec.fault_bit, index=spec.fault_index,
                               target=spec.fault_target).attach(model)
     halted_at: int | None = None
-    suspect = torch.zeros(1, dtype=torch.int64)
+    rolled_back: list[tuple[int, int]] = []
     life = (JobLife(reporter, world=spec.world, first_step=first, resumed_from=resume_uri, placement=placement,
                     rank=rank) if record else contextlib.nullcontext())
     try:
         with life:
-            for step in range(first, spec.steps):
+            step = first
+            while step < spec.steps:
                 batch = data.next()
                 if fault is not None:
                     fault.begin(step)
                 guard.begin(step)
                 loss = _loss_fn(ddp, batch)
                 loss.backward()
-                if not guard.after_backward(step, batch, loss).skip_update:
+                verdict = guard.after_backward(step, batch, loss)  # the same verdict on every rank
+                if not verdict.skip_update:
                     opt.step()
                 opt.zero_grad()
                 if not isinstance(life, JobLife):
+                    step += 1
                     continue
                 life.step = step
-                suspect.fill_(int(guard.watermark.suspect))  # every rank halts at the same step
-                dist.all_reduce(suspect, op=dist.ReduceOp.MAX)
-                if suspect.item():
+                transient = verdict.classification is not None and verdict.classification.value == "transient"
+                if verdict.rollback_to is not None and transient:
+                    # a transient fault: this node computes correctly again; roll back in place to the
+                    # policy's target (the guard applies the policy's rule) and train on
+                    target = next(c for c in guard.book if c.step == verdict.rollback_to)
+                    _restore(target.uri, model, opt, data)
+                    guard.rolled_back(target.step)
+                    rolled_back.append((step, target.step))
+                    step = target.step + 1
+                    continue
+                if verdict.check is not None:  # persistent, data or code, or no clean checkpoint
                     halted_at = step
-                    life.halt(f"an SDC check failed at step {guard.watermark.failed_step}")
+                    life.halt(f"an SDC check failed at step {step} ({verdict.rollback_reason})")
                     break
                 if step % spec.ckpt_every == 0:
                     _checkpoint(rank, spec, guard, model, opt, data, step)
+                step += 1
             if halted_at is None:
                 if rank == 0:
                     _save_weights(model, Path(spec.out_dir) / f"{phase}-final.npz")
@@ -218,9 +235,16 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
                          last_step=halted_at if halted_at is not None else spec.steps - 1, halted_at=halted_at,
                          fault_fired_at=None if fault is None else fault.fired_at, checks=guard.checks_total,
                          failures=guard.failures_total, events_sent=reporter.sent_total,
-                         events_dropped=reporter.failed_total)
+                         events_dropped=reporter.failed_total, rolled_back=tuple(rolled_back))
     reporter.close()
     return report
+
+
+def _restore(uri: str, model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data) -> None:
+    state = torch.load(uri.removeprefix("file://"), weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    data.load(state["data"])
 
 
 def _checkpoint(rank: int, spec: JobSpec, guard: SdcGuard, model: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -116,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
             timer.daemon = True
             timer.start()
         started = time.monotonic()
-        with Probe(source, config, dsn=kafka, on_connect=on_connect) as probe:
+        relay = None
+        if s["probe.rollback_relay"] and config.socket_path is not None:
+            from pathlib import Path
+
+            from fleethealth.probe.rollback import RollbackRelay
+
+            relay = RollbackRelay(Path(config.socket_path).parent, node, dsn=kafka)
+        with Probe(source, config, dsn=kafka, on_connect=on_connect, relay=relay) as probe:
             print(f"fleethealth probe: node {config.node}, source {source_name}, bus {kafka}, "
                   f"socket {config.socket_path or 'off'}, metrics {config.metrics_port or 'off'}", file=sys.stderr)
             ticks = probe.run(stop)

@@ -1,7 +1,7 @@
 """The in-job library: runs inside training processes, imports nothing heavier than torch and the wire format.
 
 Names are resolved lazily, so ``import fleethealth.injob`` (and the torch-free modules: reporter,
-watermark, invariants, replay, results, watchdog, timer) work on a node without torch; the torch
+watermark, invariants, replay, results, watchdog, timer, inbox) work on a node without torch; the torch
 modules (digest, recompute, selfcheck, crossrank, distributed, guard, instrument) load on first use of one of
 their names. The check records on the wire live in :mod:`fleethealth.payloads`, which the streaming
 side reads too; they are re-exported here.
@@ -13,6 +13,7 @@ side reads too; they are re-exported here.
 - :class:`HangWatchdog` — progress watchdog with faulthandler stack dumps.
 - :class:`Watermark`, :func:`retention`, :func:`rollback_target` — verification watermark (R6).
 - :class:`JobLife` — ``job_start`` / ``job_exit`` events of the run.
+- :class:`RollbackInbox` — the policy's ``rollback`` for this job, relayed by the node's probe, read without blocking.
 - :class:`FaultInjector` — a transient or deterministic fault, off unless a loop attaches one (demos, drills).
 """
 
@@ -41,11 +42,14 @@ _EXPORTS: dict[str, str] = {
     "job_start_event": "fleethealth.payloads.job",
     "job_exit_event": "fleethealth.payloads.job",
     "Watermark": "watermark",
+    "RollbackInbox": "inbox",
+    "Advice": "fleethealth.payloads.advice",
     "Retention": "watermark",
     "retention": "watermark",
     "Invariants": "invariants",
     "InvariantVerdict": "invariants",
     "NonFiniteLoss": "invariants",
+    "NonFiniteAction": "invariants",
     "ReplayCalibration": "replay",
     "HangWatchdog": "watchdog",
     "CheckResult": "results",

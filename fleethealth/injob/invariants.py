@@ -2,7 +2,8 @@
 
 ::
 
-    if not isfinite(loss):              abort-and-report hook
+    if not isfinite(loss):              skip the update; the non-finite hook acts by classification
+                                        (:class:`NonFiniteAction`: skip a transient, raise otherwise)
     if grad_norm > 10 x running p99:    skip the update, count the anomaly
 
 The running p99 is taken over the last ``window`` accepted gradient norms (rejected ones never
@@ -12,6 +13,7 @@ norms have been seen.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +22,10 @@ import numpy as np
 
 from fleethealth.errors import ConfigError, FleetHealthError
 
-__all__ = ["NonFiniteLoss", "InvariantVerdict", "Invariants", "NonFiniteHook", "default_on_nonfinite"]
+__all__ = ["NonFiniteLoss", "InvariantVerdict", "Invariants", "NonFiniteHook", "NonFiniteAction",
+           "DEFAULT_NONFINITE_ACTIONS", "default_on_nonfinite"]
+
+_log = logging.getLogger("fleethealth.injob")
 
 
 class NonFiniteLoss(FleetHealthError):
@@ -117,10 +122,44 @@ class Invariants:
         return InvariantVerdict(step, loss, grad_norm, ceiling, False)
 
 
+NONFINITE_ACTIONS = ("skip", "raise")
+DEFAULT_NONFINITE_ACTIONS: dict[str, str] = {"transient": "skip", "persistent": "raise", "data_or_code": "raise",
+                                             "unclassified": "raise"}
+"""What the default hook does per classification of a non-finite step: a transient fault (a
+self-check on the suspect rank failed) has already been kept out of the weights by the skipped
+update, so training goes on; a persistent fault, data or code, or an unexplained one stops the job."""
+
+
+class NonFiniteAction:
+    """The non-finite hook, configurable per classification: ``skip`` (the update was skipped on
+    every rank; log and go on) or ``raise`` (:class:`NonFiniteLoss`, after the report went out).
+
+    ``actions`` overrides :data:`DEFAULT_NONFINITE_ACTIONS` by classification (``transient``,
+    ``persistent``, ``data_or_code``, ``unclassified``)."""
+
+    def __init__(self, **actions: str) -> None:
+        merged = {**DEFAULT_NONFINITE_ACTIONS, **actions}
+        for cls, action in merged.items():
+            if cls not in DEFAULT_NONFINITE_ACTIONS:
+                raise ConfigError(f"unknown classification {cls!r} (known: {', '.join(DEFAULT_NONFINITE_ACTIONS)})")
+            if action not in NONFINITE_ACTIONS:
+                raise ConfigError(f"non-finite action for {cls} must be one of {NONFINITE_ACTIONS}, got {action!r}")
+        self.actions = merged
+        self.skipped_total = 0
+
+    def __call__(self, verdict: InvariantVerdict, classification: str | None) -> None:
+        action = self.actions[classification or "unclassified"]
+        what = "loss" if verdict.reason == "nonfinite_loss" else "gradient"
+        if action == "raise":
+            raise NonFiniteLoss(verdict.step, verdict.loss, classification, what)
+        self.skipped_total += 1
+        _log.warning("fleethealth: non-finite %s at step %d classified %s: update skipped, training goes on",
+                     what, verdict.step, classification)
+
+
 def default_on_nonfinite(verdict: InvariantVerdict, classification: str | None) -> None:
-    """The default abort-and-report hook: raise :class:`NonFiniteLoss` (after the report went out)."""
-    what = "loss" if verdict.reason == "nonfinite_loss" else "gradient"
-    raise NonFiniteLoss(verdict.step, verdict.loss, classification, what)
+    """The default hook: :class:`NonFiniteAction` at its defaults (skip a transient, raise otherwise)."""
+    NonFiniteAction()(verdict, classification)
 
 
 NonFiniteHook = Callable[[InvariantVerdict, str | None], None]

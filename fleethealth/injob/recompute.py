@@ -30,6 +30,8 @@ class Recompute:
         self.device = self.params[0].device
         self.rng: RngState | None = None
         self.loss_scale: float | None = None
+        self.active = False
+        """True while a recomputation runs (hooks on the training pass ignore it)."""
 
     def snapshot_rng(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -45,6 +47,13 @@ class Recompute:
         """This rank's gradients for ``batch`` on its device, leaving RNG, buffers and ``.grad`` untouched.
 
         ``rng``: the RNG snapshot to replay under (default: the step's snapshot)."""
+        was, self.active = self.active, True
+        try:
+            return self._run(batch, rng)
+        finally:
+            self.active = was
+
+    def _run(self, batch: Any, rng: RngState | None) -> list[torch.Tensor]:
         rng = rng if rng is not None else self.rng
         buffers = [b.detach().clone() for b in self.module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []

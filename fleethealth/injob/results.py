@@ -52,13 +52,30 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What :meth:`SdcGuard.after_backward` decided. ``skip_update`` is the same on every rank."""
+    """What :meth:`SdcGuard.after_backward` decided.
+
+    ``skip_update``, ``check``, ``classification`` and ``culprits`` are the same on every rank (they
+    are derived from the integers every rank gathered and from the replay round, identical
+    everywhere). ``check`` names what failed: ``selfcheck``, ``replay``, ``invariants`` (a
+    non-finite value or a spike no check explained) or ``None``; ``culprits`` are the job ranks it
+    names; ``checks`` are this rank's own results. ``microbatches`` is the number of training
+    forwards the guard counted in the step (more than one: gradient accumulation).
+    ``rollback_to`` (same on every rank): the step of the checkpoint the loop must restore now —
+    after this step's own failed check (the policy's rule) or on the policy's advice received
+    through the probe — then call :meth:`SdcGuard.rolled_back`; ``rollback_reason`` says why (or,
+    with ``rollback_to`` ``None``, that no clean checkpoint exists and a human must decide).
+    """
 
     step: int
     skip_update: bool
     invariants: InvariantVerdict
     checks: tuple[CheckResult, ...] = ()
     classification: Classification | None = None
+    check: str | None = None
+    culprits: tuple[int, ...] = ()
+    microbatches: int = 1
+    rollback_to: int | None = None
+    rollback_reason: str = ""
 
     @property
     def failed(self) -> tuple[CheckResult, ...]:

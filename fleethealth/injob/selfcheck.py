@@ -4,6 +4,15 @@ compares the gradients' bits with the training pass's.
 The training pass's gradients are ``.grad`` for a plain module; under DDP each bucket is digested by a
 communication hook before its all-reduce (:meth:`SelfCheck.comm_hook`), and on other steps the hook
 keeps one gradient norm per bucket so the training pass can still be re-checked after an anomaly.
+
+Gradient accumulation (several forwards and backwards per optimizer step, with or without DDP's
+``no_sync``): ``.grad`` and the DDP buckets then hold the *sum* over the microbatches, which no
+recomputation of one microbatch reproduces. So on check steps tensor hooks on the parameters copy
+each backward's own gradient (before it is accumulated; the last backward's copy survives), and a
+step with more than one forward compares that copy with a recomputation of the last microbatch
+(the ``batch`` passed to the check). Where the loop divides each microbatch's loss by the number of
+microbatches and ``loss_fn`` does not, the recomputation is retried once with the loss scaled by
+``1 / forwards`` (the same root gradient, so the same bits); a scale that makes it pass is kept.
 Where the backward is not bitwise reproducible, :meth:`SelfCheck.probe` measures the spread of
 healthy recomputations and the check falls back to a relative tolerance (``tolerance``).
 """
@@ -40,20 +49,35 @@ _log = logging.getLogger("fleethealth.injob")
 _NONDET_OP = re.compile(r"(\S+) does not have a deterministic implementation")
 
 
-def enable_determinism() -> tuple[bool, bool]:
-    """Ask torch for deterministic algorithms; returns the previous setting for :func:`restore_determinism`."""
+def enable_determinism() -> tuple[bool, bool, bool]:
+    """Ask torch for deterministic algorithms; returns the previous setting for :func:`restore_determinism`.
+
+    ``torch.utils.deterministic.fill_uninitialized_memory`` (which deterministic mode turns on: every
+    ``torch.empty`` filled with NaN, a debugging aid) is switched off: it makes no well-defined op
+    more reproducible and cost 4 % of a small transformer's CPU step (``bench/injob_overhead.py``)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = _fill_module()
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            bool(getattr(fill, "fill_uninitialized_memory", False)))
     # warn_only: an op without a deterministic kernel warns (and start-up names it) instead of
     # making the training step raise
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if fill is not None:
+        fill.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return prev
 
 
-def restore_determinism(prev: tuple[bool, bool]) -> None:
+def _fill_module() -> Any:
+    return getattr(getattr(torch, "utils", None), "deterministic", None)
+
+
+def restore_determinism(prev: tuple[bool, ...]) -> None:
     torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    fill = _fill_module()
+    if fill is not None and len(prev) > 2:
+        fill.fill_uninitialized_memory = prev[2]
 
 
 class SelfCheck:
@@ -78,6 +102,13 @@ class SelfCheck:
         self._captured: list[tuple[list[int], PendingDigest]] = []
         self._bucket_norms: list[tuple[list[int], torch.Tensor]] = []
         self._index_of = {p.data_ptr(): i for i, p in enumerate(recompute.params)}
+        # gradient accumulation: each backward's own gradients on check steps (see the module docstring)
+        self._micro_handles: list[Any] = []
+        self._micro: list[torch.Tensor | None] = []
+        self._micro_at: list[int] = []
+        self.forwards = 0
+        self._fired: set[int] = set()  # the forward counts at which a backward's hooks fired (check steps)
+        self.accumulation_scale: float | None = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -91,9 +122,64 @@ class SelfCheck:
         self._bucket_norms = []
         self._begun = step
         self._capture_step = step if capture else None
+        self.forwards = 0
+        self._fired = set()
+        self.release()
+        if capture:
+            self._micro = [None] * len(self.params)
+            self._micro_at = [-1] * len(self.params)
+            self._micro_handles = [p.register_hook(self._micro_hook(i)) for i, p in enumerate(self.params)]
+
+    def _micro_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.recompute.active:  # the guard's own recomputation, not the training pass
+                return
+            buf = self._micro[i]
+            if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+                buf = self._micro[i] = torch.empty_like(grad)
+            buf.copy_(grad.detach())
+            self._micro_at[i] = self.forwards
+            self._fired.add(self.forwards)
+        return hook
+
+    def release(self) -> None:
+        """Remove the per-backward capture hooks (end of a check step)."""
+        for h in self._micro_handles:
+            h.remove()
+        self._micro_handles = []
+
+    def _micro_digest(self, step: int) -> BitDigest | None:
+        """The last backward's own gradients at ``step`` (``None`` if they were not captured)."""
+        if self._capture_step != step or not self._micro or not self._training_pass_known(step):
+            return None
+        grads = [torch.zeros_like(p) if g is None or at != self.forwards else g
+                 for g, at, p in zip(self._micro, self._micro_at, self.params, strict=True)]
+        return bit_digest(grads, self.names)
 
     def clear_norms(self) -> None:
         self._bucket_norms = []
+
+    def finish(self) -> None:
+        """End of a step's checks: drop the capture hooks and the per-bucket norms; count afresh."""
+        self.release()
+        self._micro = []
+        self._fired = set()
+        self._bucket_norms = []
+        self.forwards = 0
+
+    def accumulated(self, step: int) -> bool:
+        """Whether ``.grad`` (and the DDP buckets) at ``step`` sum several backwards. Where the
+        backwards were watched (check steps) it is counted; elsewhere any step with more than one
+        training forward counts as one (the safe side: the check then recomputes twice)."""
+        if self._capture_step == step and self._fired:
+            return len(self._fired) > 1
+        return self.forwards > 1
+
+    def count_forward(self) -> None:
+        """A training forward began (the guard's forward pre-hook; recomputations do not count)."""
+        if not self.recompute.active and torch.is_grad_enabled() and self.recompute.module.training:
+            self.forwards += 1
+            self.recompute.rng = self.recompute.snapshot_rng()  # this microbatch's dropout masks start here
 
     def comm_hook(self, group: Any, watchdog: HangWatchdog | None) -> Callable[..., Any]:
         """DDP communication hook: digest each bucket's local gradients (on check steps) before the
@@ -102,7 +188,7 @@ class SelfCheck:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def hook(state, bucket):  # noqa: ANN001, ANN202 - see the docstring
-            if self.compare_training_pass:
+            if self.compare_training_pass and self.forwards <= 1:  # accumulated buckets hold a sum
                 idx = [self._index_of[p.data_ptr()] for p in bucket.parameters()]
                 if self._capture_step is not None:
                     pending = bit_digest_async(bucket.gradients(), [self.names[i] for i in idx])
@@ -193,8 +279,13 @@ class SelfCheck:
         is the job rank the result names."""
         t0 = time.perf_counter()
         tol = None
-        if self.tolerance is None:
+        accumulated = self.accumulated(step)
+        if self.tolerance is None and accumulated:
+            passed, digests, mismatched = self._run_accumulated(step, batch)
+        elif self.tolerance is None:
             first = self._training_digest(step)
+            if first is None and not self._bucket_norms:  # e.g. DDP with two forwards and one backward
+                first = self._micro_digest(step)
             grads = self.recompute(batch)
             if first is None and self._bucket_norms and self._training_pass_known(step):
                 passed, digests, mismatched = self._compare_bucket_norms(grads)
@@ -205,7 +296,7 @@ class SelfCheck:
                 mismatched = tuple(first.mismatches(second))
                 passed, digests = not mismatched and first == second, (first.hex, second.hex)
         else:
-            grads = self._training_grads() or self.recompute(batch)
+            grads = (None if accumulated else self._training_grads()) or self.recompute(batch)
             fa, fb = fingerprint(grads), fingerprint(self.recompute(batch))
             tol = self.tolerance
             passed, mismatched = fingerprint_distance(fa, fb) <= tol, ()
@@ -213,6 +304,34 @@ class SelfCheck:
         return CheckResult(check=CheckKind.SELFCHECK, step=step, rank=rank, passed=passed,
                            classification=None if passed else Classification.TRANSIENT, digests=digests,
                            duration_s=time.perf_counter() - t0, tolerance=tol, mismatched=mismatched)
+
+    def _recompute_scaled(self, batch: Any, scale: float | None) -> list[torch.Tensor]:
+        prev = self.recompute.loss_scale
+        if scale is not None:
+            self.recompute.loss_scale = scale * (prev if prev is not None else 1.0)
+        try:
+            return self.recompute(batch)
+        finally:
+            self.recompute.loss_scale = prev
+
+    def _run_accumulated(self, step: int, batch: Any) -> tuple[bool, tuple[str, str], tuple[str, ...]]:
+        """A step of several microbatches: the last backward's own gradients against a recomputation
+        of the last microbatch (two recomputations when they were not captured)."""
+        first = self._micro_digest(step)
+        second = bit_digest(self._recompute_scaled(batch, self.accumulation_scale), self.names)
+        if first is None:
+            first, second = second, bit_digest(self._recompute_scaled(batch, self.accumulation_scale), self.names)
+        elif first != second and self.accumulation_scale is None:
+            scale = 1.0 / len(self._fired)  # the loop divides its loss by the microbatch count; loss_fn does not
+            again = bit_digest(self._recompute_scaled(batch, scale), self.names)
+            if again == first:
+                self.accumulation_scale = scale
+                _log.info("fleethealth: gradient accumulation over %d microbatches: the loop divides the loss by "
+                          "%d and loss_fn does not; recomputations scale their loss by 1/%d", self.forwards,
+                          self.forwards, self.forwards)
+                second = again
+        mismatched = tuple(first.mismatches(second))
+        return not mismatched and first == second, (first.hex, second.hex), mismatched
 
 
 def _merge(pieces: Sequence[tuple[list[int], BitDigest]], names: tuple[str, ...]) -> BitDigest | None:

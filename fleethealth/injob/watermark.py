@@ -10,8 +10,8 @@ on which check vouched for it (:mod:`fleethealth.payloads.rollback`):
 - the rollback target is the newest checkpoint at or before the mark that matches the failure's
   class: the last passing check for a transient fault, the last passing replay otherwise.
 - retention (:func:`retention`) keeps enough rolling checkpoints to reach back past the last
-  passing replay, and :meth:`Watermark.keep` names the clean ancestors that must survive whatever
-  the count is.
+  passing replay, :meth:`Watermark.keep` names the clean ancestors that must survive whatever
+  the count is, and :meth:`Watermark.deletable` the rest (what ``SdcGuard.prune`` hands the loop).
 
 Once a check fails both marks freeze: a later check can pass on weights that already hold the
 corruption (both recomputations start from the same bad weights), so only :meth:`Watermark.reset`
@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from fleethealth.errors import ConfigError
 from fleethealth.payloads.checkpoint import CheckpointRecord
-from fleethealth.payloads.rollback import Marks, bound_for, retained, rollback_target
+from fleethealth.payloads.rollback import Marks, bound_for, deletable, retained, rollback_target
 
 __all__ = ["Retention", "Watermark", "retention", "MILESTONE_EVERY_S"]
 
@@ -147,6 +147,12 @@ class Watermark:
         """The checkpoints a retention policy must never delete, whatever its count (oldest first):
         see :func:`~fleethealth.payloads.rollback.retained`."""
         return retained(checkpoints, self.marks)
+
+    def deletable(self, checkpoints: Sequence[_C]) -> list[_C]:
+        """The checkpoints no rollback can need under the current marks (the complement of
+        :meth:`keep`); none while a failure awaits its rollback (the marks are frozen then, and the
+        rollback's target must survive)."""
+        return [] if self.suspect else deletable(checkpoints, self.marks)
 
     def reset(self, step: int) -> None:
         """Resume tracking after rolling back to the checkpoint at ``step``: it is verified against

@@ -21,8 +21,15 @@ classification of the failing check         the checkpoint must be at or before
 A self-check that passes after a deterministic fault began vouches for nothing about it; rolling
 back to the last passing self-check would land on weights the fault already touched.
 
-The in-job watermark and the policy both choose the target through :func:`rollback_target` and
-:func:`bound_for`.
+The in-job guard (:meth:`~fleethealth.injob.guard.SdcGuard.rollback_target`) and the policy both
+choose the target through :func:`choose`: the marks as they stood before the failing step, the bound
+for the failure's class, the newest checkpoint at or before it.
+
+**Checkpoint step.** A checkpoint's ``step`` is the step whose update it includes: it is written
+after ``optimizer.step()`` (or the skipped update) of that step and before the next step's
+forward, so resuming from it starts at ``step + 1``. A mark at step ``s`` says the check of step
+``s``'s gradients passed, so the update of step ``s`` is vouched for and a checkpoint at ``s`` is a
+valid target (``checkpoint.step <= bound``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-__all__ = ["Marks", "bound_for", "merge", "retained", "rollback_target"]
+__all__ = ["Marks", "bound_for", "choose", "deletable", "merge", "retained", "rollback_target"]
 
 
 class _HasStep(Protocol):
@@ -99,6 +106,26 @@ def rollback_target(checkpoints: Iterable[_C], last_verified_step: int | None) -
     clean = [c for c in checkpoints if _step_of(c) <= last_verified_step]
     return max(clean, key=_step_of) if clean else None
 
+
+
+def choose(checkpoints: Iterable[_C], marks: Iterable[Marks], classification: str | None,
+           failed_step: int | None) -> tuple[Marks, int | None, _C | None]:
+    """The rollback rule: ``(marks, bound, target)`` for a failure of ``classification`` at ``failed_step``.
+
+    ``marks`` are every source of marks known (the job's own, each checkpoint record's); marks at or
+    after ``failed_step`` vouch for nothing (:meth:`Marks.before`) and the newest of the rest count
+    (:func:`merge`); the bound is the mark for the class (:func:`bound_for`); the target the newest
+    checkpoint at or before it (``None``: none is clean, a human must decide)."""
+    merged = merge(m.before(failed_step) for m in marks)
+    bound = bound_for(merged, classification)
+    return merged, bound, rollback_target(checkpoints, bound)
+
+
+def deletable(checkpoints: Iterable[_C], marks: Marks) -> list[_C]:
+    """The checkpoints no rollback can need (oldest first): everything :func:`retained` does not keep."""
+    book = list(checkpoints)
+    keep = {id(c) for c in retained(book, marks)}
+    return sorted((c for c in book if id(c) not in keep), key=_step_of)
 
 
 def retained(checkpoints: Iterable[_C], marks: Marks) -> list[_C]:

@@ -58,7 +58,7 @@ from fleethealth.evidence import EccEvidence, StragglerEvidence, XidEvidence
 from fleethealth.ids import derived
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
-from fleethealth.payloads.rollback import Marks, bound_for, merge, rollback_target
+from fleethealth.payloads.rollback import Marks, choose
 from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
@@ -364,12 +364,10 @@ class PolicyEngine:
         seen = [Marks(_step(self.last_pass_.get(job)), _step(self.last_replay_pass_.get(job))),
                 Marks(_step(ev.get("last_verified_step")), _step(ev.get("last_replay_step")))]
         seen += [c.marks for c in book]
-        marks = merge(m.before(f.step) for m in seen)  # a mark at or after the failure vouches for nothing
         classification = ev.get("classification") if isinstance(ev.get("classification"), str) else None
-        bound = bound_for(marks, classification)
+        marks, bound, target = choose(book, seen, classification, f.step)  # the in-job guard's rule too
         vouching = "check" if classification == "transient" else "replay"
         watermark = -1 if bound is None else bound
-        target = rollback_target(book, bound)
         if target is None:
             return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step} "
                               f"({classification or 'unclassified'}): no checkpoint at or before a passing "

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fleethealth.errors import ConfigError
 from fleethealth.probe.aggregator import SocketLimits, StepAggregator, pack
@@ -119,7 +120,7 @@ class Probe:
     def __init__(self, source: Source, config: ProbeConfig, *, dsn: str | None = None,
                  delivery: Delivery | None = None, metrics: ProbeMetrics | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
-                 on_connect: Callable[[str], None] | None = None) -> None:
+                 on_connect: Callable[[str], None] | None = None, relay: Any = None) -> None:
         if delivery is None:
             if dsn is None:
                 raise ConfigError("probe: --kafka DSN is required")
@@ -149,6 +150,8 @@ class Probe:
         self._agg_lock = threading.Lock()
         self._closing = threading.Event()
         self._receiver: threading.Thread | None = None
+        self.relay = relay
+        """A :class:`fleethealth.probe.rollback.RollbackRelay` (or ``None``): told the jobs seen here."""
 
     # ------------------------------------------------------------ lifecycle
     def open(self, *, background_delivery: bool = True) -> Probe:
@@ -170,10 +173,14 @@ class Probe:
             self._server = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         if background_delivery:
             self.delivery.start()
+        if self.relay is not None:
+            self.relay.start()
         return self
 
     def close(self, drain_timeout_s: float = 5.0) -> None:
         self._closing.set()
+        if self.relay is not None:
+            self.relay.close()
         if self._guard is not None:
             self._guard.close()
         if self._receiver is not None:
@@ -342,6 +349,8 @@ class Probe:
             self._submit(batch)
         for event in drained.events:
             self._submit_event(event)
+        if self.relay is not None and (drained.batches or drained.events):
+            self.relay.saw_jobs({b.job for b in drained.batches} | {e.job for e in drained.events})
         return len(drained.batches)
 
     def _submit(self, msg: Message) -> None:

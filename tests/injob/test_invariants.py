@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fleethealth.errors import ConfigError
-from fleethealth.injob.invariants import Invariants, NonFiniteLoss, default_on_nonfinite
+from fleethealth.injob.invariants import Invariants, NonFiniteAction, NonFiniteLoss, default_on_nonfinite
 
 
 def _warm(inv: Invariants, n: int = 200, seed: int = 0) -> np.ndarray:
@@ -44,8 +44,27 @@ def test_nonfinite_loss_and_grad() -> None:
     v = inv.check(8, 1.0, float("inf"))
     assert v.skip_update and v.reason == "nonfinite_grad"
     assert inv.nonfinite_total == 2 and inv.steps_total == 2
-    with pytest.raises(NonFiniteLoss, match="loss at step 7.*transient"):
-        default_on_nonfinite(inv.check(7, float("inf"), 1.0), "transient")
+    with pytest.raises(NonFiniteLoss, match="loss at step 7.*persistent"):
+        default_on_nonfinite(inv.check(7, float("inf"), 1.0), "persistent")
+
+
+def test_nonfinite_action_is_chosen_per_classification() -> None:
+    """A transient fault's update was skipped on every rank: by default training goes on; anything
+    else (or nothing known) stops the job; each is configurable."""
+    v = Invariants(warmup=1).check(7, float("nan"), 1.0)
+    default_on_nonfinite(v, "transient")  # no raise: skip and go on
+    for cls in ("persistent", "data_or_code", None):
+        with pytest.raises(NonFiniteLoss):
+            default_on_nonfinite(v, cls)
+    strict = NonFiniteAction(transient="raise", data_or_code="skip")
+    with pytest.raises(NonFiniteLoss, match="transient"):
+        strict(v, "transient")
+    strict(v, "data_or_code")
+    assert strict.skipped_total == 1
+    with pytest.raises(ConfigError, match="must be one of"):
+        NonFiniteAction(transient="ignore")
+    with pytest.raises(ConfigError, match="unknown classification"):
+        NonFiniteAction(cosmic="skip")
 
 
 def test_window_forgets_old_norms() -> None:
