@@ -80,6 +80,8 @@ _CODEC = "zlib"
 _LEVEL = 1
 """zlib's fastest level: the dump holds the stream up, the bytes are few either way."""
 _MIB = 1024 * 1024
+_PIECE = 4 * _MIB
+"""Inflation's step: the most that comes out of zlib at once."""
 
 
 class SnapshotError(FleetHealthError):
@@ -191,13 +193,7 @@ class Snapshots:
         head, body = self._open(blob)
         manifest_bytes, data_bytes = head["manifest_bytes"], head["data_bytes"]
         want = manifest_bytes + data_bytes
-        try:
-            inflate = zlib.decompressobj()
-            raw = inflate.decompress(body, want + 1)  # never more than the head says: no zlib bomb
-        except zlib.error as exc:
-            raise SnapshotError(f"snapshot body does not decompress: {exc}") from None
-        if len(raw) != want or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
-            raise SnapshotError(f"snapshot body does not decompress to the {want} bytes its head states")
+        raw = _inflate(body, want)
         view = memoryview(raw)
         try:
             manifest = orjson.loads(view[:manifest_bytes])
@@ -288,6 +284,30 @@ class Snapshots:
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"snapshot offsets unreadable: {exc}") from None
         return {**head, "version": version, "offsets": offsets}, body
+
+
+def _inflate(body: memoryview, want: int) -> bytearray:
+    """``body`` inflated into a buffer of exactly ``want`` bytes (already checked against the caps), a
+    piece at a time: never more than ``want`` bytes come out, and no piece is copied twice."""
+    out = bytearray(want)  # pages are taken as they are written
+    at = 0
+    inflate = zlib.decompressobj()
+    tail: bytes | memoryview = body
+    try:
+        while True:
+            piece = inflate.decompress(tail, min(_PIECE, want - at + 1))
+            if at + len(piece) > want:
+                raise SnapshotError(f"snapshot body inflates past the {want} bytes its head states")
+            out[at:at + len(piece)] = piece
+            at += len(piece)
+            tail = inflate.unconsumed_tail
+            if inflate.eof or not piece:
+                break
+    except zlib.error as exc:
+        raise SnapshotError(f"snapshot body does not decompress: {exc}") from None
+    if at != want or not inflate.eof or inflate.unused_data:
+        raise SnapshotError(f"snapshot body does not decompress to the {want} bytes its head states")
+    return out
 
 
 def check_offsets(offsets: Mapping[tuple[str, int], int], *, partition: int, topics: Iterable[str],
