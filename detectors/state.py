@@ -38,9 +38,10 @@ of the tree in the order written).
 Tree encoding: a JSON object is a dict with ``str`` keys; a JSON array is a tagged node
 ``[tag, ...]``: ``l`` list, ``t`` tuple, ``s`` set, ``z`` frozenset, ``q`` deque (``[q, maxlen,
 *items]``), ``d`` dict with other keys (``[d, [k, v], ...]``), ``f`` a non-finite float, ``i`` an
-int beyond 64 bits, ``n`` a NumPy scalar, ``a`` an array (index), ``x`` an array of Python strings,
-``y`` bytes (base64), ``e`` an enum member, ``o`` an object (``[o, name, {attr: value}]``), ``r`` a shared object,
-``@`` an object already written.
+int beyond 64 bits, ``n`` a NumPy scalar, ``a`` an array (index), ``c`` a dict of equal 1-D
+arrays packed as the rows of one array (``[c, index, *keys]``: a telemetry sample's columns),
+``x`` an array of Python strings, ``y`` bytes (base64), ``e`` an enum member, ``o`` an object
+(``[o, name, {attr: value}]``), ``r`` a shared object, ``@`` an object already written.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ class _Writer:
         if seen is not None:
             return ["@", seen]
         if t is dict:
+            packed = self._packed(v)
+            if packed is not None:
+                return packed
             self._mark(v)
             if all(type(k) is str for k in v):
                 return {k: self.write(x, f"{path}.{k}") for k, x in v.items()}
@@ -209,6 +213,29 @@ class _Writer:
             if hasattr(v, s):
                 attrs[s] = getattr(v, s)
         return ["o", name, {k: self.write(x, f"{path}.{k}") for k, x in attrs.items() if k not in skip}]
+
+    def _packed(self, v: dict) -> list | None:
+        """A dict of two or more distinct 1-D arrays of one dtype and length under ``str`` keys (a sample's
+        columns) as one matrix, a row per key: one array to write instead of one per column."""
+        if len(v) < 2:
+            return None
+        first = next(iter(v.values()))
+        if type(first) is not np.ndarray or first.ndim != 1 or first.dtype == object:
+            return None
+        ids = set()
+        for k, a in v.items():
+            if (type(k) is not str or type(a) is not np.ndarray or a.dtype != first.dtype or a.shape != first.shape
+                    or id(a) in self.memo or id(a) in ids or (self.shared and id(a) in self.shared)):
+                return None
+            ids.add(id(a))
+        dtype = first.dtype.newbyteorder("<") if first.dtype.byteorder == ">" else first.dtype
+        if not (dtype.str in ARRAY_DTYPES or _TEXT.fullmatch(dtype.str)):
+            return None
+        self._mark(v)
+        for a in v.values():
+            self._mark(a)
+        self.arrays.append(np.stack(list(v.values())).astype(dtype, copy=False))
+        return ["c", len(self.arrays) - 1, *v]
 
     def _array(self, a: np.ndarray, path: str) -> Any:
         self._mark(a)
@@ -331,6 +358,19 @@ class _Reader:
             a = self.arrays[rest[0]]
             self.made.append(a)
             return a
+        if tag == "c":
+            if (not rest or type(rest[0]) is not int or not 0 <= rest[0] < len(self.arrays)
+                    or not all(type(k) is str for k in rest[1:])):
+                raise StateError("state: packed columns that are not [array index, names...]")
+            matrix = self.arrays[rest[0]]
+            if matrix.ndim != 2 or matrix.shape[0] != len(rest) - 1:
+                raise StateError(f"state: packed columns of {len(rest) - 1} names in an array of shape {matrix.shape}")
+            columns: dict = {}
+            self.made.append(columns)
+            for k, row in zip(rest[1:], matrix, strict=True):
+                columns[k] = row
+                self.made.append(row)
+            return columns
         if tag == "x":
             if not rest or type(rest[0]) is not list or not all(type(n) is int and n >= 0 for n in rest[0]):
                 raise StateError("state: a text array without a shape")
