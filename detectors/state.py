@@ -423,6 +423,8 @@ class _Reader:
         for attr, value in rest[1].items():
             if not _NAME.fullmatch(attr) or attr.startswith("__"):
                 raise StateError(f"state: {attr!r} is not an attribute name of {rest[0]}")
+            if _behaviour(cls, attr):
+                raise StateError(f"state: {attr!r} would replace a method or property of {rest[0]}")
             decoded = self.read(value, getattr(like, attr, None) if like is not None else None, depth + 1)
             if attr in slots or not hasattr(obj, "__dict__"):
                 object.__setattr__(obj, attr, decoded)
@@ -436,6 +438,19 @@ class _Reader:
         if hook is not None:
             hook(obj, like)
         return obj
+
+
+def _behaviour(cls: type, attr: str) -> bool:
+    """Whether ``attr`` names a method, property or other descriptor of ``cls`` (which state may not shadow)."""
+    found = _BEHAVIOUR.get(cls)
+    if found is None:
+        found = _BEHAVIOUR[cls] = frozenset(
+            name for klass in cls.__mro__ if klass is not object for name, value in vars(klass).items()
+            if name not in _slots(cls) and (callable(value) or hasattr(value, "__get__")))
+    return attr in found
+
+
+_BEHAVIOUR: dict[type, frozenset[str]] = {}
 
 
 def from_state(state: State, *, like: object = None, shared: Mapping[str, object] | None = None,

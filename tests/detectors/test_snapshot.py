@@ -213,6 +213,8 @@ def forge(tree: object, arrays: list | None = None, data: bytes = b"", *, key: b
     (["e", "numpy.dtypes.Float64DType", "__getattribute__"], [], b"", "not a registered state class"),
     (["o", "fleethealth.detectors.pipeline.Pipeline", {"__class__": 1}], [], b"", "not an attribute name"),
     (["o", "fleethealth.detectors.pipeline.Pipeline", {"__dict__": {}}], [], b"", "not an attribute name"),
+    (["o", "fleethealth.detectors.pipeline.Pipeline", {"feed": ["l"]}], [], b"", "replace a method"),
+    (["o", "fleethealth.detectors.pipeline.Pipeline", {"_stragglers": 1}], [], b"", "replace a method"),
     (["a", 0], [["|O", [1], 0]], b"\0" * 8, "dtype '|O' is not one"),
     (["a", 0], [["V8", [1], 0]], b"\0" * 8, "dtype 'V8' is not one"),
     (["a", 0], [["<f8", [1 << 40], 0]], b"\0" * 8, "over max_array_bytes"),
@@ -227,7 +229,8 @@ def forge(tree: object, arrays: list | None = None, data: bytes = b"", *, key: b
     (["n", "|O", 1], [], b"", "is not one a state may hold"),
     (["r", "node_states"], [], b"", "shared object"),
 ], ids=["os.system", "eval", "unregistered-fleethealth", "store", "dtype-gadget", "set-class", "set-dict",
-        "object-dtype", "void-dtype", "huge-array", "huge-3d", "array-past-data", "offset-past-data", "aliased-arrays",
+        "shadow-method", "shadow-private-method", "object-dtype", "void-dtype", "huge-array", "huge-3d",
+        "array-past-data", "offset-past-data", "aliased-arrays",
         "array-index", "back-ref", "tag", "unhashable-key", "object-scalar", "shared-not-given"])
 def test_a_forged_state_signed_with_the_key_is_refused(tree, arrays, data, reason) -> None:
     with pytest.raises(SnapshotError, match=reason):
