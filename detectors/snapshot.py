@@ -162,7 +162,7 @@ class Snapshots:
             at += a.nbytes
         manifest = orjson.dumps({"tree": state.tree, "arrays": table})
         deflate = zlib.compressobj(_LEVEL)
-        body = b"".join([deflate.compress(manifest), *(deflate.compress(c) for c in chunks), deflate.flush()])
+        body = b"".join([deflate.compress(manifest), deflate.compress(b"".join(chunks)), deflate.flush()])
         head = orjson.dumps({"fleethealth": __version__, "schema": SCHEMA_VERSION, "codec": _CODEC,
                              "body_bytes": len(body), "manifest_bytes": len(manifest), "data_bytes": at,
                              "offsets": _offsets_list(offsets)})
@@ -193,19 +193,22 @@ class Snapshots:
         head, body = self._open(blob)
         manifest_bytes, data_bytes = head["manifest_bytes"], head["data_bytes"]
         want = manifest_bytes + data_bytes
-        raw = _inflate(body, want)
-        view = memoryview(raw)
+        inflate = zlib.decompressobj()
+        text = _inflate(inflate, body, bytearray(manifest_bytes), want)
+        data = _inflate(inflate, inflate.unconsumed_tail, bytearray(data_bytes), want, last=True)
         try:
-            manifest = orjson.loads(view[:manifest_bytes])
+            manifest = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
             raise SnapshotError(f"snapshot manifest unreadable: {exc}") from None
         if type(manifest) is not dict or set(manifest) != {"tree", "arrays"} or type(manifest["arrays"]) is not list:
             raise SnapshotError("snapshot manifest is not {tree, arrays}")
-        arrays = self._arrays(manifest["arrays"], view[manifest_bytes:], data_bytes)
+        del text
+        arrays = self._arrays(manifest["arrays"], data, data_bytes)
         return State(manifest["tree"], arrays), head["offsets"]
 
-    def _arrays(self, table: list, data: memoryview, data_bytes: int) -> list[np.ndarray]:
-        """The arrays of ``table``, each checked before any is made, copied out of ``data``."""
+    def _arrays(self, table: list, data: bytearray, data_bytes: int) -> list[np.ndarray]:
+        """The arrays of ``table``, each checked before any is made: views of ``data`` (inflated for them
+        alone, so writable and not shared with anything else)."""
         specs = []
         total = 0
         for i, entry in enumerate(table):
@@ -231,7 +234,7 @@ class Snapshots:
             specs.append((dtype, shape, offset, count))
         if total > data_bytes:
             raise SnapshotError(f"snapshot arrays add up to {total} bytes, more than the {data_bytes} bytes of data")
-        return [np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+        return [np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
                 for dtype, shape, offset, count in specs]
 
     def _open(self, blob: bytes) -> tuple[dict[str, Any], memoryview]:
@@ -286,17 +289,16 @@ class Snapshots:
         return {**head, "version": version, "offsets": offsets}, body
 
 
-def _inflate(body: memoryview, want: int) -> bytearray:
-    """``body`` inflated into a buffer of exactly ``want`` bytes (already checked against the caps), a
-    piece at a time: never more than ``want`` bytes come out, and no piece is copied twice."""
-    out = bytearray(want)  # pages are taken as they are written
-    at = 0
-    inflate = zlib.decompressobj()
+def _inflate(inflate: Any, body: bytes | memoryview, out: bytearray, want: int, *, last: bool = False) -> bytearray:
+    """Fill ``out`` from ``inflate`` fed ``body``, a piece at a time (pages are taken as they are
+    written); more than fits is a :class:`SnapshotError` (a zlib bomb stops at the size its signed head
+    states), and so is less, or, with ``last``, a stream that does not end there."""
+    at, size = 0, len(out)
     tail: bytes | memoryview = body
     try:
-        while True:
-            piece = inflate.decompress(tail, min(_PIECE, want - at + 1))
-            if at + len(piece) > want:
+        while at < size or last:
+            piece = inflate.decompress(tail, min(_PIECE, size - at + last))  # one byte more: is there more?
+            if at + len(piece) > size:
                 raise SnapshotError(f"snapshot body inflates past the {want} bytes its head states")
             out[at:at + len(piece)] = piece
             at += len(piece)
@@ -305,7 +307,7 @@ def _inflate(body: memoryview, want: int) -> bytearray:
                 break
     except zlib.error as exc:
         raise SnapshotError(f"snapshot body does not decompress: {exc}") from None
-    if at != want or not inflate.eof or inflate.unused_data:
+    if at != size or (last and (not inflate.eof or inflate.unused_data or inflate.unconsumed_tail)):
         raise SnapshotError(f"snapshot body does not decompress to the {want} bytes its head states")
     return out
 

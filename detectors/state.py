@@ -244,12 +244,14 @@ class _Writer:
             if not all(type(x) is str for x in flat):
                 raise StateError(f"{path}: an object array holding other than str cannot be in a state")
             return ["x", list(a.shape), *flat]
-        dtype = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-        try:
-            array_dtype(dtype.str)
-        except StateError as exc:
-            raise StateError(f"{path}: {exc}") from None
-        self.arrays.append(np.ascontiguousarray(a, dtype=dtype))
+        if a.dtype.str not in ARRAY_DTYPES:  # (the common case needs no more checks)
+            dtype = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+            try:
+                array_dtype(dtype.str)
+            except StateError as exc:
+                raise StateError(f"{path}: {exc}") from None
+            a = a.astype(dtype)
+        self.arrays.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
         return ["a", len(self.arrays) - 1]
 
     def _scalar(self, v: np.generic, path: str) -> Any:
