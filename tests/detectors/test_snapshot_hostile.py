@@ -11,6 +11,7 @@ snapshot, the control, is restored and moves the consumer to its offsets.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -104,13 +105,14 @@ _SYSTEM = pickle.dumps(_Call(os.system, f"touch {CANARY}"), protocol=5)
 _BYTEARRAY = b"\x80\x05" + _text("builtins") + _text("bytearray") + b"\x93\x94\x8a\x05\x00\x00\x00\x00\x01\x85R."
 
 
+@functools.cache
 def _zlib_bomb(size: int) -> bytes:
     deflate = zlib.compressobj(9)
     chunk = b"\0" * (1 << 20)
     return b"".join([*(deflate.compress(chunk) for _ in range(size >> 20)), deflate.flush()])
 
 
-_BOMB = _zlib_bomb(256 << 20)  # 256 MiB of zeros in ~250 KB
+_BOMB = 256 << 20  # a zlib bomb: 256 MiB of zeros in ~250 KB
 _PIPE = "fleethealth.detectors.pipeline.Pipeline"
 
 HOSTILE = {
@@ -141,9 +143,9 @@ HOSTILE = {
     "state-nesting": (lambda g: _v2(None, raw_manifest=b'{"tree":' + b'["l",' * 500 + b"null" + b"]" * 500
                                     + b',"arrays":[]}'), "nested"),
     # zlib bombs
-    "zlib-bomb-small-head": (lambda g: _v2(None, body=_BOMB, manifest_bytes=100, data_bytes=900),
+    "zlib-bomb-small-head": (lambda g: _v2(None, body=_zlib_bomb(_BOMB), manifest_bytes=100, data_bytes=900),
                              "inflates past the 1000 bytes"),
-    "zlib-bomb-stating-24MiB": (lambda g: _v2(None, body=_BOMB, manifest_bytes=1000, data_bytes=(24 << 20)),
+    "zlib-bomb-stating-24MiB": (lambda g: _v2(None, body=_zlib_bomb(_BOMB), manifest_bytes=1000, data_bytes=(24 << 20)),
                                 "inflates past the"),
     # forged offsets
     "offset-past-end": (lambda g: _genuine(g, [["fh.steps", PART, 10**12]]), "outside the partition's range"),
