@@ -50,6 +50,7 @@ import base64
 import binascii
 import dataclasses
 import enum
+import functools
 import math
 import re
 from collections import deque
@@ -448,7 +449,8 @@ def _behaviour(cls: type, attr: str) -> bool:
     if found is None:
         found = _BEHAVIOUR[cls] = frozenset(
             name for klass in cls.__mro__ if klass is not object for name, value in vars(klass).items()
-            if name not in _slots(cls) and (callable(value) or hasattr(value, "__get__")))
+            if name not in _slots(cls) and not isinstance(value, functools.cached_property)  # (its cache)
+            and (callable(value) or hasattr(value, "__get__")))
     return attr in found
 
 

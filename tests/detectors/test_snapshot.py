@@ -310,6 +310,16 @@ def test_a_predictor_with_its_model_takes_it_from_the_configuration() -> None:
     assert back.predictor.artifact_ is artifact  # loaded by the configured predictor, not from the state
 
 
+def test_a_step_block_with_its_cached_time_round_trips() -> None:
+    from fleethealth.schema import StepBlock
+
+    block = StepBlock(job="j", node="gpu-a", steps=np.arange(3), step_ts=T0 + np.arange(3.0), ranks=np.arange(8),
+                      gpus=np.arange(8, dtype=np.int16), compute_s=np.ones((3, 8)))
+    assert block.ts == T0 + 2  # cached in the instance
+    back = from_state(state_dict({"held": [block]}))["held"][0]
+    assert type(back) is StepBlock and back.ts == T0 + 2 and np.array_equal(back.compute_s, block.compute_s)
+
+
 def test_identity_and_every_registered_class_survive() -> None:
     shared_list = [1, 2]
     arr = np.arange(3.0)
