@@ -1,12 +1,13 @@
 """Detector snapshot size and time: one pipeline holding a 16,384-rank job after ~500 steps.
 
 Builds a :class:`~fleethealth.detectors.pipeline.Pipeline` in the state a job-stage partition
-holds, snapshots it with :func:`fleethealth.detectors.snapshot.dump` and restores it with
-:func:`~fleethealth.detectors.snapshot.load`, and prints one JSON object: the blob's bytes (and the
-pickle's before compression), the dump and load times (best of ``--repeat``, CPU seconds of this
-process, and per rank), the pickling alone against a plain ``pickle.dumps`` (the snapshot packs
-each telemetry sample's columns into one array), each part's plain pickle, and zlib levels 1
-(what :mod:`~fleethealth.detectors.snapshot` uses) and 6 on the snapshot's pickle.
+holds, snapshots it with :meth:`fleethealth.detectors.snapshot.Snapshots.dump` and restores it
+with :meth:`~fleethealth.detectors.snapshot.Snapshots.load`, and prints one JSON object: the blob's
+bytes (and the manifest's and arrays' before compression), the dump and load times (best of
+``--repeat``, CPU seconds of this process, and per rank), the explicit state alone
+(:func:`~fleethealth.detectors.state.state_dict`), each part's state size (manifest JSON and
+array bytes), zlib levels 1 (what :mod:`~fleethealth.detectors.snapshot` uses) and 6 on the
+uncompressed body, and the caps the loader applies against the sizes measured.
 
 The state is built on generated data (2 % lognormal compute jitter, 8 GPUs per node, telemetry
 every ``--telemetry-every`` steps: a 10-steps/s job sampled at 1 Hz). The first ``--fed-steps``
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import time
 import zlib
 
@@ -38,7 +38,8 @@ import numpy as np
 
 from fleethealth.detectors.assembly import AssembledStep
 from fleethealth.detectors.pipeline import Pipeline
-from fleethealth.detectors.snapshot import SNAPSHOT_VERSION, dump, info, load, pickled
+from fleethealth.detectors.snapshot import SNAPSHOT_VERSION, Snapshots
+from fleethealth.detectors.state import state_dict
 from fleethealth.schema import StepBatch, Telemetry
 
 T0 = 1_767_225_600.0
@@ -122,35 +123,47 @@ def main() -> None:
 
     pipe, nxt = build(args.ranks, args.steps, args.fed_steps, args.telemetry_every)
     offsets = {("fh.steps", 0): 1_000_000, ("fh.telemetry", 0): 2_000_000, ("fh.events", 0): 3_000}
-    dump_cpu, dump_wall, blob = _best(lambda: dump(pipe, offsets), args.repeat)
-    load_cpu, load_wall, loaded = _best(lambda: load(blob, expect=Pipeline), args.repeat)
+    snaps = Snapshots(key=os.urandom(32))
+    dump_cpu, dump_wall, blob = _best(lambda: snaps.dump(pipe, offsets), args.repeat)
+    load_cpu, load_wall, loaded = _best(lambda: snaps.load(blob, like=Pipeline(), expect=Pipeline), args.repeat)
     restored, back = loaded
     assert back == offsets
     same = pipe.feed(nxt["messages"]).findings == restored.feed(nxt["messages"]).findings
 
-    raw = bytes(pickled(pipe))
+    head = snaps.info(blob)
+    state_cpu, _, _ = _best(lambda: state_dict(pipe), args.repeat)
+    state, _ = snaps.open(blob)
+    raw = json.dumps(state.tree).encode() + b"".join(a.tobytes() for a in state.arrays)
     level1_cpu, _, level1 = _best(lambda: zlib.compress(raw, 1), args.repeat)
     level6_cpu, _, level6 = _best(lambda: zlib.compress(raw, 6), args.repeat)
-    pickle_cpu, _, _ = _best(lambda: pickled(pipe), args.repeat)
-    plain_cpu, _, plain = _best(lambda: pickle.dumps(pipe, protocol=5), args.repeat)
-    parts = {name: len(pickle.dumps(getattr(pipe, name), protocol=5)) for name in PARTS}
-    head = info(blob)
+
+    def size(part: object) -> dict[str, int]:
+        s = state_dict(part)
+        return {"manifest": len(json.dumps(s.tree)), "arrays": sum(a.nbytes for a in s.arrays)}
+
+    parts = {name: size(getattr(pipe, name)) for name in PARTS}
+    body = head["manifest_bytes"] + head["data_bytes"]
     print(json.dumps({
         "bench": "snapshot_size", "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
         "ranks": args.ranks, "nodes": args.ranks // GPUS, "steps": args.steps, "fed_steps": args.fed_steps,
         "telemetry_every_steps": args.telemetry_every, "snapshot_version": SNAPSHOT_VERSION,
         "build_cpu_s": nxt["build_cpu_s"],
-        "blob_bytes": len(blob), "pickle_bytes": head["raw_bytes"],
+        "blob_bytes": len(blob), "manifest_bytes": head["manifest_bytes"], "array_bytes": head["data_bytes"],
+        "arrays": len(state.arrays), "largest_array_bytes": max((a.nbytes for a in state.arrays), default=0),
         "blob_bytes_per_rank": round(len(blob) / args.ranks, 1),
-        "compression_ratio": round(head["raw_bytes"] / len(blob), 2),
+        "compression_ratio": round(body / len(blob), 2),
         "dump_cpu_s": round(dump_cpu, 4), "dump_wall_s": round(dump_wall, 4),
         "load_cpu_s": round(load_cpu, 4), "load_wall_s": round(load_wall, 4),
         "dump_us_per_rank": round(dump_cpu / args.ranks * 1e6, 2),
         "load_us_per_rank": round(load_cpu / args.ranks * 1e6, 2),
-        "pickle_cpu_s": round(pickle_cpu, 4), "plain_pickle_cpu_s": round(plain_cpu, 4),
-        "plain_pickle_bytes": len(plain), "zlib1_bytes": len(level1), "zlib1_cpu_s": round(level1_cpu, 4),
+        "state_dict_cpu_s": round(state_cpu, 4),
+        "zlib1_bytes": len(level1), "zlib1_cpu_s": round(level1_cpu, 4),
         "zlib6_bytes": len(level6), "zlib6_cpu_s": round(level6_cpu, 4),
-        "pickle_bytes_by_part": parts,
+        "caps": {"max_bytes": snaps.max_bytes, "max_manifest_bytes": snaps.max_manifest_bytes,
+                 "max_array_bytes": snaps.max_array_bytes,
+                 "max_bytes_over_body": round(snaps.max_bytes / body, 2),
+                 "max_manifest_over_manifest": round(snaps.max_manifest_bytes / head["manifest_bytes"], 2)},
+        "state_bytes_by_part": parts,
         "restored_findings_match": same,
     }, indent=2))
 

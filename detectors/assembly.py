@@ -36,6 +36,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.schema import StepBatch, StepBlock
 
 __all__ = ["EventTimeBuffer", "StepAssembler", "AssembledStep"]
@@ -43,7 +44,7 @@ __all__ = ["EventTimeBuffer", "StepAssembler", "AssembledStep"]
 T = TypeVar("T")
 
 
-class EventTimeBuffer(Generic[T]):
+class EventTimeBuffer(Stateful, Generic[T]):
     """Hold items until the low watermark over live input partitions passes their event time."""
 
     def __init__(self) -> None:
@@ -154,7 +155,7 @@ def _part_ranks(entry: _OpenStep) -> set[int]:
     return entry.ranks
 
 
-class StepAssembler:
+class StepAssembler(Stateful):
     """Join per-node :class:`StepBatch` messages into whole steps (see the module docstring).
 
     ``timeout_s`` is in the job's own event time: a step is emitted incomplete once a batch of

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from fleethealth.detectors.nodestate import THROTTLE_BITS, NodeStates, StateRule, node_state
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, Diagnosis, Finding, FindingKind, NodeState, Telemetry
@@ -222,7 +223,7 @@ def diagnose_state(state: NodeState, peers: Sequence[NodeState] = (), *, gpu: in
     return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
 
 
-class Diagnoser:
+class Diagnoser(Stateful):
     """Diagnoses stragglers on demand from the table of node states (:class:`NodeStates`).
 
     ``observe(samples)`` feeds telemetry (a single runner, or a node stage): the table derives each
@@ -286,7 +287,7 @@ class Diagnoser:
         return diagnose_state(state, peers, gpu=gpu, thresholds=self.thresholds)
 
 
-class RackEpisodes:
+class RackEpisodes(Stateful):
     """Fold ``ENVIRONMENTAL`` stragglers of one rack into one finding per (job, rack) episode.
 
     ``update(findings, rack_of)`` passes every other finding through unchanged. The first

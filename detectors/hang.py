@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
@@ -94,7 +95,7 @@ class _Job:
             setattr(self, name, arr)
 
 
-class HangDetector:
+class HangDetector(Stateful):
     """One ``hang`` finding per stalled job, naming the ranks behind and attaching their stacks.
 
     Parameters are keyword-only and checked on the first ``update`` (``ConfigError``):

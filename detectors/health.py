@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import EccEvidence, XidEvidence
 from fleethealth.params import check_number
@@ -70,7 +71,7 @@ def _col(sample: Telemetry, name: str) -> np.ndarray:
     return sample.columns[name]
 
 
-class HealthRules:
+class HealthRules(Stateful):
     """ECC / Xid / power-brake / PCIe / NVLink rules with episode debouncing (see the module docstring).
 
     Parameters (keyword-only, checked on the first ``update``): ``clear_after_s`` quiet event

@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import SchemaError
 from fleethealth.ids import interruption as interruption_id
 from fleethealth.params import check_int, check_number
@@ -172,7 +173,7 @@ class _Job:
     home: str = ""  # the node its lifecycle records come from (rank 0's)
 
 
-class LifecycleTracker:
+class LifecycleTracker(Stateful):
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
     Parameters (keyword-only, checked on first use, :class:`~fleethealth.errors.ConfigError`): a

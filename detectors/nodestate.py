@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
@@ -163,7 +164,7 @@ def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()
             or not _same(old.nic_port_down, new.nic_port_down))
 
 
-class NodeStates:
+class NodeStates(Stateful):
     """The table of published node states, and the per-node telemetry bookkeeping that derives them.
 
     ``observe(samples)`` (a node stage or a single runner): each sample newer than the node's last is

@@ -49,6 +49,7 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
+from fleethealth.detectors.state import Stateful
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.params import check_number
 from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, StepBlock, Telemetry
@@ -93,13 +94,18 @@ def _restart_marker(b: StepBatch) -> Event:
                  step=b.step, message="restart seen from the step counter", data={"world": 1, "first_step": b.step})
 
 
-class Pipeline:
+class Pipeline(Stateful):
     """All detectors of the streaming tier behind one ``feed(messages) -> Output``.
 
     Every part may be replaced by a keyword argument (tests pass small or seeded ones); the
     defaults are the production detectors. ``straggler`` builds one straggler detector per job
     (``StragglerDetector``, ``SeedRule`` or a ``functools.partial`` of either).
+
+    ``state_dict()`` / ``from_state(state, like=configured)``: every detector's state as plain data
+    (:mod:`fleethealth.detectors.state`); the straggler factory is configuration, taken from ``like``.
     """
+
+    _state_skip = ("straggler",)
 
     def __init__(self, *, straggler: Callable[[], StragglerLike] = StragglerDetector,
                  hang: HangDetector | None = None, diagnoser: Diagnoser | None = None,

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
@@ -71,8 +72,6 @@ _GATE_ANY = [FEATURES.index(n) for n in ("retired_pages_delta", "row_remap_delta
 
 MODEL_NAME = "failure_risk-v1"
 """Base name of the shipped artifact: ``models/<name>.joblib`` plus ``models/<name>.json`` metadata."""
-_RELOAD = "loaded again from the model file"
-"""What a pickled :class:`FailurePredictor` holds instead of a classifier it loaded from a file."""
 
 # counters kept per sample: index -> meaning
 _SBE, _RETIRED, _REMAP, _PENDING, _RPENDING, _DBE, _TEMP, _NVL, _PCIE, _DOWN = range(10)
@@ -130,7 +129,7 @@ class _NodeHistory:
         self.xids: deque[tuple[float, int, int]] = deque()  # (ts, gpu row or -1, class)
 
 
-class GpuFeatures:
+class GpuFeatures(Stateful):
     """Streaming per-GPU feature extractor (see the module docstring).
 
     ``recent_s`` / ``short_s`` / ``long_s`` are the window lengths (the corrected-error rate over
@@ -303,7 +302,7 @@ def load_model(path: str | Path | None = None, *, check_version: bool = True) ->
 
 
 # ---------------------------------------------------------------- detector
-class FailurePredictor:
+class FailurePredictor(Stateful):
     """``failure_risk`` findings from per-GPU features and a trained classifier.
 
     Parameters (keyword-only): ``model`` an artifact path, a :class:`ModelArtifact`, or None for
@@ -362,19 +361,22 @@ class FailurePredictor:
         self.horizon_s_ = float(meta.get("horizon_s", 86_400.0))
         self.model_name_ = str(meta.get("name", MODEL_NAME))
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled state (a detector snapshot) without a classifier loaded from a file: it is loaded
-        again on unpickling, so a snapshot carries no scikit-learn objects. An artifact passed in as
-        ``model`` stays (a snapshot names it as a shared object: :mod:`fleethealth.detectors.snapshot`)."""
-        state = self.__dict__.copy()
-        if state.get("artifact_") is not None and not isinstance(self.model, ModelArtifact):
-            state["artifact_"] = _RELOAD
-        return state
+    _state_skip = ("model", "artifact_")
+    """Not state: the model comes from the configuration (``like``) or its configured path, never
+    from a snapshot (:mod:`fleethealth.detectors.state`)."""
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        if isinstance(state.get("artifact_"), str):  # _RELOAD
-            self.artifact_ = load_model(self.model)
+    def _state_restored(self, like: FailurePredictor | None) -> None:
+        """After a restore: the model of ``like`` (the configured predictor), loaded from the
+        configured path when ``like`` has not loaded it yet; the shipped one without ``like``."""
+        self.model = like.model if like is not None else None
+        if not hasattr(self, "threshold_"):  # not started: it starts on its first update
+            return
+        if not self.use_model:
+            self.artifact_ = None
+        elif like is not None and getattr(like, "artifact_", None) is not None:
+            self.artifact_ = like.artifact_
+        else:
+            self.artifact_ = self.model if isinstance(self.model, ModelArtifact) else load_model(self.model)
 
     def _explain(self, x: np.ndarray, p: float) -> list[dict[str, Any]]:
         ref = self.artifact_.reference

@@ -36,7 +36,11 @@ A crash anywhere replays from the last commit: rows already written are rewritte
 keys, so after merges (or with ``FINAL``) each (job, step, rank) is in the store exactly once.
 The whole-tier runner's detector state lives in memory and restarts empty; findings keep stable
 ids. A node or job stage snapshots each partition's pipeline with the offsets it committed and
-restores it when the partition is assigned (see ``_snapshot`` / ``_restore``).
+restores it when the partition is assigned (see ``_snapshot`` / ``_restore``): signed explicit
+state (:mod:`fleethealth.detectors.snapshot`, ``snapshots``, the ``[detect.snapshot]`` keys);
+without a key none is written or restored. A snapshot refused (unsigned or wrongly signed, over a
+cap, offsets outside its partition's range) is logged with its reason and counted
+(``fleethealth_detect_snapshot_errors_total``), and the partition is rebuilt from the group's commit.
 
 Nothing decided is lost between store and bus: the outbox row of a finding or recommendation is
 written before the policy state that remembers the decision, and a runner publishes every pending
@@ -76,7 +80,7 @@ from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopi
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
-from fleethealth.detectors.snapshot import SnapshotError, dump, load
+from fleethealth.detectors.snapshot import SnapshotError, Snapshots, check_offsets
 from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
@@ -215,8 +219,9 @@ class _Metrics:
         self.snapshot_bytes = Gauge("fleethealth_detect_snapshot_bytes", "Size of the newest snapshot written",
                                     registry=registry)
         self.snapshot_errors = Counter("fleethealth_detect_snapshot_errors_total",
-                                       "Snapshots that could not be read (corrupt, another version): rebuilt "
-                                       "from the input instead", registry=registry)
+                                       "Snapshots refused (unsigned or wrongly signed, corrupt, over a cap, "
+                                       "offsets outside the partition, another version): rebuilt from the input "
+                                       "instead", registry=registry)
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)
@@ -255,7 +260,7 @@ class Runner:
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
                  stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
-                 snapshot_to: str = "store") -> None:
+                 snapshot_to: str = "store", snapshots: Snapshots | None = None) -> None:
         self.stage = Stage(stage)
         self.store = store
         if self.stage is Stage.ALL:
@@ -282,6 +287,11 @@ class Runner:
             raise ConfigError(f"snapshot_to must be 'store' (the detector_snapshots table) or 'bus' (the "
                               f"compacted topic fh.snapshots), got {snapshot_to!r}")
         self._snapshots: Any = SnapshotTopic(bus_dsn) if snapshot_to == "bus" else store
+        self.snapshot_format = snapshots if snapshots is not None else Snapshots()
+        if self.stage in (Stage.NODE, Stage.JOB) and snapshot_every_s is not None \
+                and not self.snapshot_format.enabled:
+            log.warning("no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no "
+                        "snapshots, a partition it is given is rebuilt from the group's commit", self.stage)
         self._snapshot_at: dict[int, float] = {}
         self._snapshot_offsets: dict[int, dict[tuple[str, int], int]] = {}
         self._seeks: set[int] = set()
@@ -388,7 +398,7 @@ class Runner:
     def _restore(self, partition: int) -> tuple[Pipeline, dict[tuple[str, int], int]]:
         """The partition's pipeline from its newest snapshot and the offsets to read from; a fresh one
         (and no offsets: the group's commit) when there is none or it cannot be read (reported)."""
-        if self.snapshot_every_s is None:
+        if self.snapshot_every_s is None or not self.snapshot_format.enabled:
             return self._new_pipeline(), {}
         try:
             found = self.retry.call("load a snapshot",
@@ -396,7 +406,11 @@ class Runner:
             if found is None:
                 return self._new_pipeline(), {}
             _, _, blob = found
-            state, offsets = load(blob, shared=self._shared, expect=Pipeline)
+            head = self.snapshot_format.info(blob)  # signed, sizes within the caps: nothing inflated yet
+            ranges = self.retry.call("read partition ranges", lambda: self.consumer.offset_range(head["offsets"]))
+            check_offsets(head["offsets"], partition=partition, topics=group_topics(self.stage), ranges=ranges)
+            state, offsets = self.snapshot_format.load(blob, like=self._new_pipeline(), shared=self._shared,
+                                                       expect=Pipeline)
         except SnapshotError as exc:
             self.metrics.snapshot_errors.inc()
             log.warning("the snapshot of group %r partition %d cannot be used (%s): rebuilding its state from "
@@ -411,7 +425,7 @@ class Runner:
         """Snapshot each pipeline whose interval is due, with the offsets this replica committed for its
         partition (what a restore reads from: the records the state folded in past them are taken again
         as duplicates)."""
-        if self.snapshot_every_s is None or self._make is None:
+        if self.snapshot_every_s is None or self._make is None or not self.snapshot_format.enabled:
             return
         now = time.monotonic()
         committed = self.consumer.committed()
@@ -422,7 +436,12 @@ class Runner:
             offsets = {tp: off for tp, off in committed.items() if tp[1] == p and tp in assigned}
             if not offsets or offsets == self._snapshot_offsets.get(p):
                 continue  # nothing committed here since the last one
-            blob = dump(pipeline, offsets, shared=self._shared)
+            try:
+                blob = self.snapshot_format.dump(pipeline, offsets, shared=self._shared)
+            except SnapshotError as exc:  # a state that is not plain data: a defect, reported, the stream goes on
+                log.error("group %r partition %d: no snapshot written: %s", self.consumer.group, p, exc)
+                self._snapshot_at[p] = now
+                continue
             seq = sum(offsets.values())  # commits only move forward: the newest snapshot has the greatest
             ts = pipeline.now_ if math.isfinite(pipeline.now_) else 0.0
             self.retry.call("save a snapshot", lambda p=p, o=offsets, b=blob, s=seq, t=ts:

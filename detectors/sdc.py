@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int
 from fleethealth.payloads.checkpoint import CheckpointRecord
@@ -35,7 +36,7 @@ from fleethealth.schema import Event, EventKind, Finding, FindingKind
 __all__ = ["SdcDetector"]
 
 
-class SdcDetector:
+class SdcDetector(Stateful):
     """Failing ``sdc_check`` events → ``sdc`` findings, one per (node, GPU, check) episode.
 
     Parameters: ``keep`` how many recent passing check steps of each kind to remember per job.

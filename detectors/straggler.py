@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import MAX_COMPUTE_S, Finding, FindingKind
@@ -122,7 +123,7 @@ def _as_index(r: np.ndarray) -> np.ndarray | slice:
 
 
 # ---------------------------------------------------------------- shared input handling
-class _StepDetector:
+class _StepDetector(Stateful):
     """Input validation and per-rank state growth shared by the straggler detectors."""
 
     name = "straggler"

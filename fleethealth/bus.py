@@ -43,7 +43,7 @@ import pathlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -721,6 +721,23 @@ class Consumer:
             if _is_kafka_error(exc):
                 raise _translate(exc, "seeking", self.dsn) from exc
             raise
+
+    def offset_range(self, pairs: Collection[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:
+        """The broker's ``(beginning, end)`` offsets of each ``(topic, partition)`` of ``pairs`` that exists
+        (what a restored snapshot's offsets are checked against before a seek)."""
+        from kafka.structs import TopicPartition
+
+        try:
+            known = {(t, p) for t in {t for t, _ in pairs} for p in (self._kc.partitions_for_topic(t) or ())}
+            tps = [TopicPartition(t, p) for t, p in pairs if (t, p) in known]
+            if not tps:
+                return {}
+            first, last = self._kc.beginning_offsets(tps), self._kc.end_offsets(tps)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                raise _translate(exc, "reading partition ranges", self.dsn) from exc
+            raise
+        return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
         """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""

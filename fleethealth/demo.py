@@ -14,6 +14,7 @@ ClickHouse server in production. Like :mod:`fleethealth.commands`, this module w
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ import orjson
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import ensure_topics
 from fleethealth.detectors.runner import Runner, Stage
+from fleethealth.detectors.snapshot import Snapshots
 from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
@@ -207,11 +209,12 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
 
     with contextlib.ExitStack() as stack:
         runners = []
+        snapshots = Snapshots(key=os.urandom(32))  # one key per demo run, shared by its replicas
         for _ in range(count):
             store = stack.enter_context(open_store(store_dsn))
             runners.append(stack.enter_context(Runner(
                 dsn, store, group=f"fleethealth-demo-{stage}", stage=stage, max_ahead_s=None, max_behind_s=None,
-                registry=CollectorRegistry())))
+                registry=CollectorRegistry(), snapshots=snapshots)))
         # join together, so the group assigns its partitions once, before anything is processed
         _in_threads([lambda r=r: r.consumer.wait_assigned(timeout_s=60.0) for r in runners])
         read = threading.Event()

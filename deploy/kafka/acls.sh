@@ -45,7 +45,8 @@ for probe in $PROBE_USERS; do   # a node only produces
 done
 
 # the detectors: read the inputs in group fh-detect (or, run as stages, fh-detect-node, -job, -policy),
-# write findings, recommendations, dead letters; the stages also write and read fh.nodestate, read
+# write findings, recommendations, dead letters; the stages also write and read fh.nodestate and
+# fh.snapshots (snapshot_to = "bus"; no other principal may read or write it), read
 # fh.findings (the job stage's table, the policy's input) and write fh.events (derived interruptions);
 # Create because `fleethealth detect` makes any topic that is missing
 acl fh-detect topic fh.telemetry Read Describe Create
@@ -53,6 +54,7 @@ acl fh-detect topic fh.steps Read Describe Create
 acl fh-detect topic fh.events Read Write Describe Create
 acl fh-detect topic fh.findings Read Write Describe Create
 acl fh-detect topic fh.nodestate Read Write Describe Create
+acl fh-detect topic fh.snapshots Read Write Describe Create   # detector snapshots: detector replicas only
 acl fh-detect topic fh.recommendations Write Describe Create
 acl fh-detect topic fh.deadletter Write Describe Create
 for group in fh-detect fh-detect-node fh-detect-job fh-detect-policy; do

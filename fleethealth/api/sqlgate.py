@@ -254,15 +254,20 @@ _CREATES = re.compile(r"CREATE\s+(?:TABLE|VIEW|MATERIALIZED\s+VIEW)\s+IF\s+NOT\s
                       re.IGNORECASE)
 
 
+NOT_ANALYST_TABLES = frozenset({"detector_snapshots"})
+"""Tables analyst SQL never reads: the detector snapshots are the detector replicas' own state."""
+
+
 def fleethealth_tables() -> frozenset[str]:
-    """The tables and views fleethealth's migrations create: what analyst SQL may read."""
+    """The tables and views fleethealth's migrations create, less :data:`NOT_ANALYST_TABLES`: what
+    analyst SQL may read."""
     from importlib import resources
 
     names: set[str] = set()
     for entry in resources.files("fleethealth.migrations").iterdir():
         if entry.name.endswith(".sql"):
             names.update(_CREATES.findall(entry.read_text()))
-    return frozenset(names)
+    return frozenset(names) - NOT_ANALYST_TABLES
 
 
 class SqlGate:

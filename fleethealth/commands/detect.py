@@ -74,6 +74,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     from fleethealth.detectors.predict import FailurePredictor, GpuFeatures
     from fleethealth.detectors.runner import Runner
     from fleethealth.detectors.sdc import SdcDetector
+    from fleethealth.detectors.snapshot import Snapshots
     from fleethealth.detectors.stages import Stage
     from fleethealth.detectors.straggler import StragglerDetector
     from fleethealth.policy.paging import Pager
@@ -116,7 +117,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging"))) \
         if stage in (Stage.ALL, Stage.POLICY) else None
     return Runner(bus_dsn, store, group=group, pipeline=pipelines, policy=policy, stage=stage,
-                  **{**of("detect.runner"), **kwargs})
+                  **{"snapshots": Snapshots(**of("detect.snapshot")), **of("detect.runner"), **kwargs})
 
 
 def stage_group(group: str, stage: Stage) -> str:

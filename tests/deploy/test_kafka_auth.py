@@ -40,6 +40,8 @@ EXPECTED = {
                   ("topic", Topic.EVENTS.value): {"Read", "Write", "Describe", "Create"},
                   ("topic", Topic.FINDINGS.value): {"Read", "Write", "Describe", "Create"},
                   ("topic", Topic.NODESTATE.value): {"Read", "Write", "Describe", "Create"},
+                  # detector snapshots (snapshot_to = "bus"): the detector replicas, and no one else
+                  ("topic", Topic.SNAPSHOTS.value): {"Read", "Write", "Describe", "Create"},
                   **{("group", g): {"Read", "Describe"} for g in ("fh-detect", "fh-detect-node", "fh-detect-job",
                                                                    "fh-detect-policy")}},
     "fh-act": {("topic", Topic.RECOMMENDATIONS.value): {"Read", "Describe"},

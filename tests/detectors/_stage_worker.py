@@ -37,13 +37,15 @@ def main(argv: list[str]) -> int:
     from prometheus_client import CollectorRegistry
 
     from fleethealth.detectors.runner import Runner
+    from fleethealth.detectors.snapshot import Snapshots
     from fleethealth.store import open_store
 
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
         with Runner(dsn, store, group=group, stage=stage, registry=CollectorRegistry(), snapshot_every_s=every,
                     snapshot_to="bus", session_timeout_s=3.0, max_poll_interval_s=6.0, max_ahead_s=None,
-                    max_behind_s=None, publish=False) as runner:
+                    max_behind_s=None, publish=False,
+                    snapshots=Snapshots(key=b"stage-crash-test-snapshot-key-0123")) as runner:
             print("started", flush=True)
             idle, restored = 0, 0
             admin = _Admin(dsn, group)

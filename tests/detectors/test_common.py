@@ -269,3 +269,29 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, StepBatch):
         return a.step == b.step and _same(a.compute_s, b.compute_s) and _same(a.ranks, b.ranks)
     return a == b
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_state_round_trip_gives_the_same_findings(case):
+    """``state_dict()`` mid-stream, through a signed snapshot's bytes, and ``from_state`` into a detector
+    built from the configuration: the rest of the input gives the same results as the original."""
+    from fleethealth.detectors.snapshot import Snapshots
+    from fleethealth.detectors.state import Stateful
+
+    calls = case.valid()
+    cut = len(calls) // 2
+    original = case.make()
+    assert isinstance(original, Stateful)
+    for call in calls[:cut]:
+        case.feed(original, call)
+    snaps = Snapshots(key=b"k" * 32)
+    state, _ = snaps.open(snaps.seal(original.state_dict(), {}))
+    restored = type(original).from_state(state, like=case.make())
+    assert type(restored) is type(original) and restored is not original
+    before, after = [], []
+    for call in calls[cut:]:
+        before += case.feed(original, call)
+        after += case.feed(restored, call)
+    assert _canon(after) == _canon(before)
+    if case.expect_valid:
+        assert _canon(_run(case, calls)) == _canon(_run(case, calls[:cut])) + _canon(after)
