@@ -194,7 +194,8 @@ def test_every_referenced_configmap_secret_account_and_priority_is_defined(rende
         assert account is None or account in defined["ServiceAccount"], f"{tree}: {name} account {account}"
         priority = spec.get("priorityClassName", "system-")
         assert priority.startswith("system-") or priority in defined["PriorityClass"], f"{tree}: {name}"
-    assert optional == {"fleethealth-api-token"}  # the only optional one: a token is never in a repository
+    # the only optional ones: a token is never in a repository
+    assert optional == {"fleethealth-api-token", "fleethealth-api-read-token"}
 
 
 def test_act_role_grants_the_adapters_verbs_and_no_more(rendered):
