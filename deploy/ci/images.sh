@@ -135,24 +135,25 @@ EOF
 }
 
 smoke_server() {
-  local t rc=0
+  local t ctr port up="" serve_pid
   t=$(now)
   broker
+  # one container for the three: serve --no-detect reads the store detect migrated (it never migrates)
+  ctr=$(buildah from -q localhost/fleethealth-server:ci)
+  in_server() { buildah run --isolation chroot --user 10001 "$ctr" -- "$@"; }
   # the simulator stamps its samples in simulated time: the event-time bounds against the broker's
   # clock would dead-letter them, so this replay turns them off (as the demo does)
-  run server detect --kafka "$DSN" --store chdb:///tmp/store --metrics-port 0 --until-caught-up \
+  in_server fleethealth detect --kafka "$DSN" --store chdb:///tmp/store --metrics-port 0 --until-caught-up \
     --set detect.runner.max_behind_s=none --set detect.runner.max_ahead_s=none \
     >"$WORK/detect.log" 2>&1 || { cat "$WORK/detect.log" >&2; fail "detect --until-caught-up in the server image"; }
   grep -Eq "caught up \([1-9]" "$WORK/detect.log" || fail "detect did not read the probe image's records"
-  run server act --scheduler slurm --dry-run --kafka "$DSN" --data /tmp/act --idle-exit 2 --metrics-port 0 \
+  in_server fleethealth act --scheduler slurm --dry-run --kafka "$DSN" --data /tmp/act --idle-exit 2 --metrics-port 0 \
     >"$WORK/act.log" 2>&1 || { cat "$WORK/act.log" >&2; fail "act --dry-run in the server image"; }
-  # serve --no-detect: up, /healthz answers, then stopped by its own timeout
-  local ctr port
+  # serve --no-detect on the store detect made: up, /healthz answers, then stopped
   port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-  ctr=$(buildah from -q localhost/fleethealth-server:ci)
-  (buildah run --isolation chroot --user 10001 "$ctr" -- timeout 60 fleethealth serve --no-detect --kafka "$DSN" \
-     --store chdb:///tmp/store --port "$port" >"$WORK/serve.log" 2>&1 || true) &
-  local serve_pid=$! up=""
+  (in_server timeout 60 fleethealth serve --no-detect --kafka "$DSN" --store chdb:///tmp/store --port "$port" \
+     >"$WORK/serve.log" 2>&1 || true) &
+  serve_pid=$!
   for _ in $(seq 150); do
     if "$PY" -c "import sys, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/healthz', timeout=2)" \
          "$port" 2>/dev/null; then up=1; break; fi
@@ -162,7 +163,7 @@ smoke_server() {
   wait "$serve_pid" || true
   buildah rm "$ctr" >/dev/null
   [[ -n "$up" ]] || { cat "$WORK/serve.log" >&2; fail "serve --no-detect never answered /healthz"; }
-  echo "server image: detect, act and serve --no-detect started and answered"
+  echo "server image: detect read the probe's records, act and serve --no-detect started and answered"
   SECONDS_TAKEN[smoke_server]=$(since "$t")
 }
 
