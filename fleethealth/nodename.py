@@ -15,11 +15,21 @@ import socket
 
 from fleethealth.errors import ConfigError
 
-__all__ = ["NAMINGS", "DEFAULT_NAMING", "node_name"]
+__all__ = ["NAMINGS", "DEFAULT_NAMING", "node_name", "UNKNOWN_RACK", "known_rack"]
 
 NAMINGS = ("short", "fqdn")
 """The two rules: the host name up to its first dot, or the fully qualified domain name."""
 DEFAULT_NAMING = "short"
+UNKNOWN_RACK = "unknown"
+"""What a probe reports as its rack when none is configured (``node.rack``, ``$FLEETHEALTH_RACK``)."""
+
+
+def known_rack(rack: object) -> str | None:
+    """A node's rack as the node (or a topology file) reported it, or None when unknown: no value,
+    an empty one or :data:`UNKNOWN_RACK`. A rack is never derived from a node's name."""
+    if not isinstance(rack, str) or not rack or rack == UNKNOWN_RACK:
+        return None
+    return rack
 
 
 def node_name(name: str | None = None, *, naming: str | None = None) -> str:
