@@ -5,7 +5,7 @@ Classify before evicting (R2): evicting a symptom whose cause is the aisle just 
 :class:`~fleethealth.schema.Telemetry` (and the one before it, for counter rates) and its rack
 peers' latest samples. The branches, in R2's order:
 
-1. **Thermal** — the GPU's temperature above *its own* slowdown temperature (the
+1. **Thermal** — the GPU's temperature at or above *its own* slowdown temperature (the
    ``slowdown_temp_c`` the GPU reports through NVML or DCGM; ``thermal_limit_c`` only where it does
    not say) or a thermal clock-event bit (``SW_THERMAL``/``HW_THERMAL``). Neither the power cap
    (a busy GPU sits at its limit in normal operation) nor the hardware power brake (an external
@@ -266,7 +266,7 @@ def diagnose_state(state: NodeState, peers: Sequence[NodeState] = (), *, gpu: in
     others = [p for p in peers if p.node != state.node]
     if others:
         evidence.update(_thermal_comparison(state, k, rows, others, th))
-    hot = temp > limit or bool(reasons & THERMAL_BITS)
+    hot = temp >= limit or bool(reasons & THERMAL_BITS)  # a GPU at its slowdown point is held there
     if hot:
         over_limit = np.array([_over_limit(p, th.thermal_limit_c) for p in others])
         peer_temps = np.array([_node_temp(p) for p in others])

@@ -93,7 +93,7 @@ def _diagnose(diag: Diagnoser, batch: list, out: dict, w0: float) -> None:
             worst["rack"] = max(worst["rack"], ev["rack_residual_c"])
     for s in batch:
         temp = s.columns["temp_c"]
-        hot = (temp > s.columns["slowdown_temp_c"]) | (s.columns["clock_reasons"].astype(np.int64) & 0x60 != 0)
+        hot = (temp >= s.columns["slowdown_temp_c"]) | (s.columns["clock_reasons"].astype(np.int64) & 0x60 != 0)
         for g in np.flatnonzero(hot).tolist():
             out.setdefault((s.node, g), []).append((ts, diag.diagnose(s.node, g, at=ts)))
 
