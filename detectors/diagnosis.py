@@ -32,8 +32,8 @@ peers' latest samples. The branches, in R2's order:
    The quantities compared are in the evidence of every diagnosis with rack peers: the GPU's
    temperature, power, load power and residual, the peers' median temperature and power, the peers'
    temperature at the GPU's power, the excess and the rack's residual, with their limits.
-2. **Links** — fewer NVLink links up than the GPU has, or CRC / replay / recovery counters rising
-   faster than ``nvlink_errors_per_s`` between the two samples, or a NIC port that went down
+2. **Links** — fewer NVLink links up than the GPU has, or a GPU's NVLink errors (CRC, replay,
+   recovery) rising faster than ``nvlink_errors_per_min`` between the two samples, or a NIC port that went down
    between them (up before, down now, or its ``link_downed`` counter rose) → ``NODE_LINK``.
 3. **NIC** — from the NIC port counters of the two samples (:class:`~fleethealth.schema.NicPorts`,
    real sysfs counters on a node, the same counters from the simulator): a port that waited for
@@ -85,8 +85,9 @@ class DiagnosisThresholds:
     (``slowdown_temp_c`` NaN: an old driver, a source without the field)."""
     peer_throttle_share: float = 0.5
     """Share of rack peers throttling thermally too that makes the cause environmental."""
-    nvlink_errors_per_s: float = 1.0
-    """NVLink CRC + replay + recovery errors per second, summed over the node, still in band."""
+    nvlink_errors_per_min: float = 10.0
+    """NVLink errors per GPU per minute (:func:`~fleethealth.detectors.nodestate.nvlink_errors`, the
+    node's worst GPU) still in band: the same rate and default as the health rule's."""
     nic_util_band: float = 0.85
     """Share of a NIC port's link rate, sent or received, above which the network is contended."""
     nic_xmit_wait_band: float = 0.10
@@ -133,7 +134,7 @@ class DiagnosisThresholds:
     def __post_init__(self) -> None:
         check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
         check_number("peer_throttle_share", self.peer_throttle_share, above=0, at_most=1.0, owner=self)
-        check_number("nvlink_errors_per_s", self.nvlink_errors_per_s, at_least=0, owner=self)
+        check_number("nvlink_errors_per_min", self.nvlink_errors_per_min, at_least=0, owner=self)
         check_number("nic_util_band", self.nic_util_band, at_least=0, at_most=1.0, owner=self)
         check_number("nic_xmit_wait_band", self.nic_xmit_wait_band, at_least=0, at_most=1.0, owner=self)
         check_number("nic_bytes_per_tick", self.nic_bytes_per_tick, above=0, owner=self)
@@ -146,7 +147,7 @@ class DiagnosisThresholds:
     def state_rule(self) -> StateRule:
         """When a node state is republished, with these bands (see :mod:`fleethealth.detectors.nodestate`)."""
         return StateRule(heartbeat_s=self.heartbeat_s, temp_step_c=self.temp_step_c, power_step_w=self.power_step_w,
-                         share_step=self.share_step, nvlink_errors_per_s=self.nvlink_errors_per_s,
+                         share_step=self.share_step, nvlink_errors_per_min=self.nvlink_errors_per_min,
                          nic_util_band=self.nic_util_band, nic_xmit_wait_band=self.nic_xmit_wait_band)
 
     def thermal(self) -> ThermalParams:
@@ -301,13 +302,13 @@ def diagnose_state(state: NodeState, peers: Sequence[NodeState] = (), *, gpu: in
         return DiagnosisResult(Diagnosis.UNKNOWN, evidence)
     up, top = state.nvlink_links_up, state.nvlink_links_max
     down = np.isfinite(up) & np.isfinite(top) & (up < top)
-    rate = state.nvlink_errors_per_s
+    rate = state.nvlink_errors_per_min
     ports_down = [p for p, d in zip(state.nic_port, state.nic_port_down, strict=True) if d]
     evidence.update(nvlink_links_up=_num(float(np.nansum(up))) if np.isfinite(up).any() else None,
                     nvlink_links_max=_num(float(np.nansum(top))) if np.isfinite(top).any() else None,
-                    nvlink_gpus_degraded=state.gpu[down].tolist(), nvlink_errors_per_s=_num(rate),
-                    nvlink_errors_per_s_band=th.nvlink_errors_per_s, nic_ports_down=ports_down)
-    if down.any() or rate > th.nvlink_errors_per_s or ports_down:
+                    nvlink_gpus_degraded=state.gpu[down].tolist(), nvlink_errors_per_min=_num(rate),
+                    nvlink_errors_per_min_band=th.nvlink_errors_per_min, nic_ports_down=ports_down)
+    if down.any() or rate > th.nvlink_errors_per_min or ports_down:
         return DiagnosisResult(Diagnosis.NODE_LINK, evidence)
     evidence.update(nic_util_band=th.nic_util_band)
     if not state.has_nic:  # an older probe: only the node's utilisation summary

@@ -7,7 +7,7 @@ published, so a single runner (which sees the samples itself) and the two stages
 same states.
 
 * :func:`node_state` — a pure function of a node's newest sample, the one before it (for counter
-  rates: NVLink errors, NIC bytes and credit waits, ports gone down) and its GPUs' load power and
+  rates: NVLink errors (:func:`nvlink_errors`, the worst GPU's per minute), NIC bytes and credit waits, ports gone down) and its GPUs' load power and
   thermal residual (:mod:`fleethealth.detectors.thermal`).
 * :func:`changed` — whether a new state differs from the last published one in anything the
   diagnosis compares against a threshold: any GPU's temperature by ``temp_step_c`` or more (NVML
@@ -33,7 +33,8 @@ from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
-__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS"]
+__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS",
+           "nvlink_errors"]
 
 THERMAL_BITS = int(ClockReason.thermal())
 """The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
@@ -44,15 +45,25 @@ NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlin
 _REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
 
 
+def nvlink_errors(columns: dict[str, np.ndarray]) -> np.ndarray:
+    """Each GPU's NVLink error count: its CRC flit, CRC data, replay and recovery counters summed (a
+    counter not reported counts 0). The one NVLink error measure: its growth per GPU per minute is
+    the NVLink error rate the health rule (over its window), the diagnosis (between two samples)
+    and, per hour, the failure predictor read."""
+    total = np.zeros(np.shape(columns[NVLINK_COUNTERS[0]]))
+    for name in NVLINK_COUNTERS:
+        total += np.nan_to_num(columns[name], nan=0.0)
+    return total
+
+
 def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
-    """NVLink error counters' growth per second over the node (NaN without a usable earlier sample)."""
+    """The node's worst GPU's NVLink errors per minute between the two samples (NaN without a usable
+    earlier sample)."""
     if previous is None or previous.ts >= sample.ts or previous.gpu.shape != sample.gpu.shape:
         return math.nan
-    total = 0.0
-    for name in NVLINK_COUNTERS:
-        delta = np.nan_to_num(sample.columns[name] - previous.columns[name], nan=0.0)
-        total += float(np.clip(delta, 0.0, None).sum())  # a counter reset is not a negative rate
-    return total / (sample.ts - previous.ts)
+    delta = nvlink_errors(sample.columns) - nvlink_errors(previous.columns)
+    grown = np.clip(delta, 0.0, None)  # a counter reset is not a negative rate
+    return float(grown.max(initial=0.0)) * 60.0 / (sample.ts - previous.ts)
 
 
 def _nic(sample: Telemetry, previous: Telemetry | None,
@@ -103,7 +114,7 @@ def node_state(sample: Telemetry, previous: Telemetry | None = None, *, load_pow
     return NodeState(node=sample.node, rack=sample.rack, ts=sample.ts, gpu=sample.gpu, temp_c=cols["temp_c"],
                      slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
                      nvlink_links_up=cols["nvlink_links_up"], nvlink_links_max=cols["nvlink_links_max"],
-                     reports=reports, nvlink_errors_per_s=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
+                     reports=reports, nvlink_errors_per_min=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
                      power_w=cols["power_w"], load_power_w=cols["power_w"] if load_power_w is None else load_power_w,
                      residual_c=np.full(sample.gpu.shape, np.nan) if residual_c is None else residual_c,
                      **nic)  # type: ignore[arg-type]
@@ -117,8 +128,8 @@ class StateRule:
     temp_step_c: float = 1.0
     power_step_w: float = 20.0
     share_step: float = 0.05
-    nvlink_errors_per_s: float = 1.0
-    """The diagnosis's NVLink band (``DiagnosisThresholds.nvlink_errors_per_s``)."""
+    nvlink_errors_per_min: float = 10.0
+    """The diagnosis's NVLink band (``DiagnosisThresholds.nvlink_errors_per_min``)."""
     nic_util_band: float = 0.85
     nic_xmit_wait_band: float = 0.10
 
@@ -161,8 +172,8 @@ def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()
             or not _same(old.nvlink_links_up, new.nvlink_links_up) \
             or not _same(old.nvlink_links_max, new.nvlink_links_max):
         return True
-    rates = np.array([old.nvlink_errors_per_s]), np.array([new.nvlink_errors_per_s])
-    if _crossed(*rates, rule.nvlink_errors_per_s) or _moved(*rates, 0.1 * rule.nvlink_errors_per_s):
+    rates = np.array([old.nvlink_errors_per_min]), np.array([new.nvlink_errors_per_min])
+    if _crossed(*rates, rule.nvlink_errors_per_min) or _moved(*rates, 0.1 * rule.nvlink_errors_per_min):
         return True
     if _moved(old.residual_c, new.residual_c, rule.temp_step_c) \
             or _moved(old.load_power_w, new.load_power_w, rule.power_step_w) \

@@ -919,8 +919,8 @@ class NodeState:
     (``fleethealth/detectors/nodestate.py``): per GPU (shape ``(g,)``) ``temp_c``, its own
     ``slowdown_temp_c`` (NaN where the GPU does not say), ``clock_reasons`` (the reported bits, NaN
     unknown), ``nvlink_links_up`` / ``nvlink_links_max`` and ``reports`` (the GPU reports any field the
-    diagnosis reads); per node the NVLink error rate between the two samples (errors/s, NaN without a
-    usable earlier sample), the NIC ports' utilisation, credit-wait share and whether each went down
+    diagnosis reads); per node the NVLink error rate between the two samples (its worst GPU's errors
+    per minute, ``detectors/nodestate.py`` ``nvlink_errors``; NaN without a usable earlier sample), the NIC ports' utilisation, credit-wait share and whether each went down
     between the samples (``nic_port`` empty and ``has_nic`` false for a sample without NIC ports,
     then ``nic_util`` is the probe's summary). Per GPU from the node's thermal model
     (``fleethealth/detectors/thermal.py``): ``power_w``, its power draw in the sample, ``load_power_w``,
@@ -940,7 +940,7 @@ class NodeState:
     nvlink_links_up: np.ndarray
     nvlink_links_max: np.ndarray
     reports: np.ndarray
-    nvlink_errors_per_s: float = math.nan
+    nvlink_errors_per_min: float = math.nan
     nic_util: float = math.nan
     has_nic: bool = False
     nic_port: tuple[str, ...] = ()
@@ -976,7 +976,7 @@ class NodeState:
                                "gpu": self.gpu.tolist(), "reports": self.reports.astype(bool).tolist()}
         for name in (*self.GPU_ARRAYS, *self.THERMAL_ARRAYS):
             obj[name] = _jsonable(getattr(self, name))
-        for name in ("nvlink_errors_per_s", "nic_util"):
+        for name in ("nvlink_errors_per_min", "nic_util"):
             value = getattr(self, name)
             obj[name] = None if math.isnan(value) else value
         if self.has_nic:
@@ -994,7 +994,7 @@ class NodeState:
                        for name in cls.THERMAL_ARRAYS if name in obj})
         reports = _bools(obj, "reports", gpu.size)
         scalars = {name: (math.nan if obj.get(name) is None else _float(obj, name, minimum=None))
-                   for name in ("nvlink_errors_per_s", "nic_util")}
+                   for name in ("nvlink_errors_per_min", "nic_util")}
         nic = obj.get("nic")
         ports: dict[str, Any] = {}
         if nic is not None:

@@ -84,10 +84,10 @@ def test_links_down_is_node_link():
 
 
 def test_rising_link_error_counters_need_the_previous_sample():
-    before, now = _sample(ts=100.0, crc=10.0), _sample(ts=102.0, crc=30.0)  # 8 GPUs x 20 / 2 s = 80/s
+    before, now = _sample(ts=100.0, crc=10.0), _sample(ts=102.0, crc=30.0)  # 20 per GPU in 2 s = 600/min
     assert diagnose_straggler(now, _peers()).diagnosis is Diagnosis.UNKNOWN
     res = diagnose_straggler(now, _peers(), previous=before)
-    assert res.diagnosis is Diagnosis.NODE_LINK and res.evidence["nvlink_errors_per_s"] == 80.0
+    assert res.diagnosis is Diagnosis.NODE_LINK and res.evidence["nvlink_errors_per_min"] == 600.0
     slow_growth = diagnose_straggler(_sample(ts=200.0, crc=10.1), _peers(), previous=before)
     assert slow_growth.diagnosis is Diagnosis.UNKNOWN
     reset = diagnose_straggler(_sample(ts=104.0, crc=0.0), _peers(), previous=now)
