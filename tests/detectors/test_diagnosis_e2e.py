@@ -168,3 +168,27 @@ def test_a_hot_aisle_at_a_job_start_is_environmental_and_a_failing_gpu_in_it_is_
     assert [r.node for r in recs if r.action is Action.ALERT_FACILITIES]
     assert not [r for r in recs if r.action is Action.EVICT and fleet.rack_of[r.node] == aisle
                 and r.node != failing[0]]
+
+
+def test_two_drains_in_one_reported_rack_of_data_centre_hosts_wait_for_a_human(own_broker, chdb) -> None:
+    """Host names that say nothing of a rack (``dc1-r11-gpu00.example.net``), racks reported by the nodes'
+    telemetry: an Xid 79 on a node, then on another node of the same rack, then on a node of another
+    rack. The first and third drains are allowed, the second waits for a human (``same_rack``); every
+    finding carries the rack its node reported."""
+    from fleethealth.schema import Event, EventKind, Guard
+
+    fleet = ThermalFleet(racks=3, nodes_per_rack=3, gpus=2, every_s=8.0, seed=SEED)
+    fleet.timeline.append(Change(0.0, busy={r: True for r in fleet.rack_names}))
+    samples = [dataclasses_replace_ts(s) for s in fleet.run(0.0, 200.0)]
+    a, b, c = fleet.nodes[0], fleet.nodes[2], fleet.nodes[4]  # a and b share a rack, c is in the next one
+    assert fleet.rack_of[a] == fleet.rack_of[b] != fleet.rack_of[c]
+    xids = [Event(node=node, ts=T_BASE + ts, kind=EventKind.XID, gpu=0, code=79)
+            for node, ts in ((a, 100.0), (b, 120.0), (c, 140.0))]
+    total = _publish(own_broker.dsn, [*samples, *xids])
+    _detect(own_broker.dsn, chdb, total)
+    findings = chdb.findings(kind="xid")
+    assert {f.node: f.evidence["rack"] for f in findings} == {n: fleet.rack_of[n] for n in (a, b, c)}
+    drains = {r.node: r for r in chdb.recommendations() if r.action is Action.DRAIN}
+    assert drains[a].guard is Guard.ALLOWED and drains[c].guard is Guard.ALLOWED
+    assert drains[b].guard is Guard.NEEDS_HUMAN and "same_rack" in drains[b].evidence["guards_fired"]
+    assert fleet.rack_of[a] in drains[b].reason
