@@ -326,6 +326,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("node.naming", "str", "short", "host name rule when node.name is empty: short or fqdn",
         choices=("short", "fqdn")),
     Key("node.rack", "str", "unknown", "this node's rack (the probe)", env="FLEETHEALTH_RACK"),
+    Key("node.topology", "str", "", "a fleet topology file (one 'NODE RACK' a line): this node's rack when "
+                                    "node.rack is unknown"),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),
