@@ -95,30 +95,34 @@ class ThermalModel:
             dt = 0.0
         else:
             dt = ts - self.ts_
+            have = np.isfinite(power_w)
+            watts = np.where(have, power_w, 0.0)
             for avg, tau in ((self.fast_, p.fast_s), (self.slow_, p.slow_s)):
                 alpha = 1.0 - math.exp(-dt / tau)
-                have = np.isfinite(power_w)
-                fresh = have & ~np.isfinite(avg)
-                avg[fresh] = power_w[fresh]
-                avg[have] += alpha * (power_w[have] - avg[have])
+                np.copyto(avg, watts, where=have & np.isnan(avg))
+                avg += np.where(have, alpha * (watts - avg), 0.0)
         self.ts_ = ts
         load = np.fmax(self.fast_, self.slow_)
-        with np.errstate(invalid="ignore"):
-            by_util = util_pct >= p.busy_util_pct
-            by_power = power_w >= p.busy_power_share * power_limit_w
-            busy = np.where(np.isfinite(util_pct), by_util, by_power)
-            settled = (np.abs(self.fast_ - self.slow_) <= p.settled_share * self.slow_) & (ts - self.since_ >= p.slow_s)
-        learn = busy & settled & ~thermal & np.isfinite(temp_c) & np.isfinite(load)
+        # comparisons with NaN are False: an unreported value is neither busy nor settled
+        busy = np.where(np.isnan(util_pct), power_w >= p.busy_power_share * power_limit_w,
+                        util_pct >= p.busy_util_pct)
+        settled = np.abs(self.fast_ - self.slow_) <= p.settled_share * self.slow_
         if dt > 0:
             self.sums_ *= math.exp(-dt / p.memory_s)
         a, b, known = self.coefficients()
-        with np.errstate(invalid="ignore"):
-            learn &= ~known | (np.abs(temp_c - (a + b * load)) <= p.learn_band_c)
-        if learn.any():
-            x, y = load[learn], temp_c[learn]
-            self.sums_[:, learn] += np.stack([np.ones_like(x), x, y, x * x, x * y])
-        a, b, known = self.coefficients()
-        residual = np.where(busy & known & np.isfinite(temp_c), temp_c - (a + b * load), np.nan)
+        expected = a + b * load
+        residual = np.where(busy & known, temp_c - expected, np.nan)  # NaN where temp_c is
+        if ts - self.since_ >= p.slow_s:
+            learn = busy & settled & ~thermal & (~known | (np.abs(residual) <= p.learn_band_c))
+            learn &= ~(np.isnan(temp_c) | np.isnan(load))
+            if learn.any():
+                x, y = load[learn], temp_c[learn]
+                sums = self.sums_
+                sums[0, learn] += 1.0
+                sums[1, learn] += x
+                sums[2, learn] += y
+                sums[3, learn] += x * x
+                sums[4, learn] += x * y
         return load, residual
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
