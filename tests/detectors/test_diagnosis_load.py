@@ -23,10 +23,10 @@ T = 900.0
 THERMAL = {Diagnosis.NODE_THERMAL, Diagnosis.ENVIRONMENTAL}
 
 
-def _fleet(moment: str) -> tuple[ThermalFleet, dict[str, object], tuple[float, float]]:
+def _fleet(moment: str, seed: int = 7) -> tuple[ThermalFleet, dict[str, object], tuple[float, float]]:
     """The fleet, its faults (``hot``: (node, gpu); ``aisle``: rack; ``second``: (node, gpu) failing
     in the aisle; ``also_hot``: another failing GPU) and the window in which stragglers are diagnosed."""
-    f = ThermalFleet(racks=4, nodes_per_rack=3, gpus=4, every_s=8.0)
+    f = ThermalFleet(racks=4, nodes_per_rack=3, gpus=4, every_s=8.0, seed=seed)
     r0, r1, r2, r3 = f.rack_names
     every = {r: True for r in f.rack_names}
     f.timeline.append(Change(0.0, busy=every))
