@@ -14,8 +14,9 @@ peers' latest samples. The branches, in R2's order:
    cannot explain (:mod:`fleethealth.detectors.thermal`):
 
    * **the GPU against its rack peers at the same power** — ``excess_c``, its temperature minus the
-     median of the peer GPUs' temperatures each moved to its power draw along ``slope_c_per_w`` (a
-     rack's GPUs share their load steps, so the comparison needs no model). At
+     median of the peer GPUs' temperatures each moved to its power draw (averaged over
+     ``thermal_fast_s``, so a brief power-cap dip does not count) along ``slope_c_per_w`` (a rack's
+     GPUs share their load steps, so the comparison needs no model). At
      least ``node_excess_c`` is a node signature: ``NODE_THERMAL`` (a fan or paste problem: evict),
      whatever the rack does, so a hot aisle never hides a failing GPU in it;
    * **the rack against its own thermal models** — ``rack_residual_c``, the median over the peer

@@ -98,11 +98,13 @@ def _nic(sample: Telemetry, previous: Telemetry | None,
     return ports, util, wait, went_down
 
 
-def node_state(sample: Telemetry, previous: Telemetry | None = None, *, load_power_w: np.ndarray | None = None,
-               residual_c: np.ndarray | None = None, nic_bytes_per_tick: float = 8.0) -> NodeState:
+def node_state(sample: Telemetry, previous: Telemetry | None = None, *, power_w: np.ndarray | None = None,
+               load_power_w: np.ndarray | None = None, residual_c: np.ndarray | None = None,
+               nic_bytes_per_tick: float = 8.0) -> NodeState:
     """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates);
-    ``load_power_w`` / ``residual_c`` its GPUs' load power and thermal residual (:class:`ThermalModel`;
-    the sample's power and NaN when not given)."""
+    ``power_w`` / ``load_power_w`` / ``residual_c`` its GPUs' power over the thermal model's fast
+    average, load power and thermal residual (:class:`ThermalModel`; the sample's power and NaN when
+    not given)."""
     cols = sample.columns
     reports = np.zeros(sample.gpu.shape, dtype=bool)
     for name in _REPORTED:
@@ -115,7 +117,8 @@ def node_state(sample: Telemetry, previous: Telemetry | None = None, *, load_pow
                      slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
                      nvlink_links_up=cols["nvlink_links_up"], nvlink_links_max=cols["nvlink_links_max"],
                      reports=reports, nvlink_errors_per_min=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
-                     power_w=cols["power_w"], load_power_w=cols["power_w"] if load_power_w is None else load_power_w,
+                     power_w=cols["power_w"] if power_w is None else power_w,
+                     load_power_w=cols["power_w"] if load_power_w is None else load_power_w,
                      residual_c=np.full(sample.gpu.shape, np.nan) if residual_c is None else residual_c,
                      **nic)  # type: ignore[arg-type]
 
@@ -224,8 +227,8 @@ class NodeStates:
                 continue
             self.samples_total_ += 1
             self.latest_[sample.node] = sample
-            load, residual = self._thermal(sample)
-            state = node_state(sample, last, load_power_w=load, residual_c=residual,
+            power, load, residual = self._thermal(sample)
+            state = node_state(sample, last, power_w=power, load_power_w=load, residual_c=residual,
                                nic_bytes_per_tick=self.nic_bytes_per_tick)
             old = self.published_.get(sample.node)
             if old is None or state.ts - old.ts >= self.rule.heartbeat_s or changed(old, state, self.rule):
@@ -258,14 +261,15 @@ class NodeStates:
             if not peers:
                 del self.racks_[rack]
 
-    def _thermal(self, sample: Telemetry) -> tuple[np.ndarray, np.ndarray]:
+    def _thermal(self, sample: Telemetry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         model = self.thermal_.get(sample.node)
         if model is None:
             model = self.thermal_[sample.node] = ThermalModel(self.thermal)
         cols = sample.columns
         thermal = (np.nan_to_num(cols["clock_reasons"], nan=0.0).astype(np.int64) & THERMAL_BITS) != 0
-        return model.update(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"], cols["power_limit_w"],
-                            thermal)
+        load, residual = model.update(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
+                                      cols["power_limit_w"], thermal)
+        return model.fast_.copy(), load, residual
 
     def forget(self, gone: Iterable[str]) -> None:
         """Drop every trace of ``gone`` nodes."""

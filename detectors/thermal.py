@@ -84,7 +84,8 @@ class ThermalModel:
     def update(self, ts: float, temp_c: np.ndarray, power_w: np.ndarray, util_pct: np.ndarray,
                power_limit_w: np.ndarray, thermal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Take one sample (per GPU arrays; ``thermal``: the GPU reports a thermal clock event) and
-        return ``(load_power_w, residual_c)`` at it (NaN where unknown)."""
+        return ``(load_power_w, residual_c)`` at it (NaN where unknown); ``fast_`` is then the power
+        averaged over ``fast_s``."""
         p = self.params
         g = temp_c.shape[0]
         if self.fast_.shape[0] != g or not ts > self.ts_:  # first sample, new GPU set, or a clock step back

@@ -923,7 +923,7 @@ class NodeState:
     per minute, ``detectors/nodestate.py`` ``nvlink_errors``; NaN without a usable earlier sample), the NIC ports' utilisation, credit-wait share and whether each went down
     between the samples (``nic_port`` empty and ``has_nic`` false for a sample without NIC ports,
     then ``nic_util`` is the probe's summary). Per GPU from the node's thermal model
-    (``fleethealth/detectors/thermal.py``): ``power_w``, its power draw in the sample, ``load_power_w``,
+    (``fleethealth/detectors/thermal.py``): ``power_w``, its power draw (averaged over seconds), ``load_power_w``,
     the power its temperature follows, and
     ``residual_c``, its temperature above what its own model predicts at that power (NaN where
     unknown: an idle GPU, one never seen busy, a state from an older node stage). ``ts`` is the
