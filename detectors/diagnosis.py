@@ -99,7 +99,7 @@ class DiagnosisThresholds:
     """How much hotter than its rack peers at the same power a GPU must run to be a node signature."""
     rack_residual_c: float = 5.0
     """Median thermal residual of a rack's other nodes (what load does not explain) that makes the
-    cause environmental."""
+    cause environmental; also the band beyond which a GPU's thermal model does not learn a sample."""
     max_age_s: float = 120.0
     """Telemetry older than this at the straggler's time is no evidence (a node whose probe went quiet)."""
     heartbeat_s: float = 5.0
@@ -107,7 +107,7 @@ class DiagnosisThresholds:
     temp_step_c: float = 1.0
     """A GPU temperature or thermal residual moving by this much republishes the node's state."""
     power_step_w: float = 20.0
-    """A GPU's load power moving by this much republishes the node's state."""
+    """A GPU's power or load power moving by this much republishes the node's state."""
     share_step: float = 0.05
     """A NIC port's utilisation or credit-wait share moving by this much republishes the node's state."""
     slope_c_per_w: float = 0.05
@@ -402,7 +402,9 @@ class RackEpisodes:
     (``detector="straggler.rack"``, ``rank``/``gpu`` None, ``evidence["rack"]``, the first
     straggler's rank, node and diagnosis evidence). Later ones in the same rack are absorbed
     (counted in ``episodes_``) until ``quiet_s`` of event time passes without one; then the next
-    opens a new episode. Findings whose rack is unknown pass through; a non-finite ``ts`` raises
+    opens a new episode. Only ``ENVIRONMENTAL`` stragglers fold: one whose GPU has a node signature
+    (hotter than its rack peers at the same power) is ``NODE_THERMAL`` and stays its own finding,
+    whatever episode its rack is in. Findings whose rack is unknown pass through; a non-finite ``ts`` raises
     :class:`~fleethealth.errors.SchemaError`.
     """
 
