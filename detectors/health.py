@@ -17,7 +17,8 @@ Rules (per GPU, on each node's telemetry and the node's events):
            thermal fault, whatever the temperature
 ``link``   PCIe link trained below its maximum generation or width (generation only while the
            GPU is busy: idle GPUs lower their PCIe generation to save power); and NVLink error
-           counters (CRC flit and data, replay, recovery) climbing at ``nvlink_errors_per_min``
+           counters (CRC flit and data, replay, recovery: ``nodestate.nvlink_errors``, the one
+           NVLink error measure the diagnosis and the predictor read too) climbing at ``nvlink_errors_per_min``
            or more over ``nvlink_window_s``, with hysteresis: the rule keeps holding until the
            rate falls below ``nvlink_clear_per_min``; one finding per node (``gpu`` set when a
            single GPU holds, ``evidence["gpus"]`` lists them), ``warning``, escalating to
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import EccEvidence, XidEvidence
@@ -206,8 +208,7 @@ class HealthRules(Stateful):
 
     def _nvlink(self, s: Telemetry) -> list[Finding]:
         """NVLink error counters climbing: the rate over the window, with hysteresis (see the module docstring)."""
-        errors = np.nan_to_num(_col(s, "nvlink_crc_flit") + _col(s, "nvlink_crc_data") + _col(s, "nvlink_replay")
-                               + _col(s, "nvlink_recovery"), nan=0.0)
+        errors = nvlink_errors(s.columns)
         hist = self.nvlink_.get(s.node)
         if hist is None or hist[-1][1].shape != errors.shape or (errors < hist[-1][1]).any():
             hist = self.nvlink_[s.node] = deque()  # a new GPU set or a counter reset (driver reload)

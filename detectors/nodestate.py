@@ -7,14 +7,14 @@ published, so a single runner (which sees the samples itself) and the two stages
 same states.
 
 * :func:`node_state` — a pure function of a node's newest sample, the one before it (for counter
-  rates: NVLink errors, NIC bytes and credit waits, ports gone down) and the node's temperature
-  baseline.
+  rates: NVLink errors (:func:`nvlink_errors`, the worst GPU's per minute), NIC bytes and credit waits, ports gone down) and its GPUs' load power and
+  thermal residual (:mod:`fleethealth.detectors.thermal`).
 * :func:`changed` — whether a new state differs from the last published one in anything the
   diagnosis compares against a threshold: any GPU's temperature by ``temp_step_c`` or more (NVML
   reports whole degrees), its limit, its thermal or power-brake clock bits, NVLink links up,
   the NVLink error rate crossing its band or moving by a tenth of it, a NIC port's utilisation or
-  credit-wait share by ``share_step`` or crossing its band, a port going down, the baseline by
-  ``baseline_step_c``, the rack, the GPUs or ports present.
+  credit-wait share by ``share_step`` or crossing its band, a port going down, a GPU's thermal
+  residual by ``temp_step_c`` or its power or load power by ``power_step_w``, the rack, the GPUs or ports present.
 * :class:`NodeStates` — the table of published states, fed either with samples (a node stage or a
   single runner: it derives, publishes what changed and a heartbeat every ``heartbeat_s`` of event
   time per node) or with the published states themselves (a job stage reading ``fh.nodestate``).
@@ -29,25 +29,42 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.thermal import ThermalModel, ThermalParams
+from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
-__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THROTTLE_BITS", "NVLINK_COUNTERS"]
+__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS",
+           "nvlink_errors"]
 
-THROTTLE_BITS = int(ClockReason.thermal() | ClockReason.HW_POWER_BRAKE)
+THERMAL_BITS = int(ClockReason.thermal())
+"""The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
+power brake is an external signal (a PSU or the rack's power controller), not a temperature."""
+STATE_BITS = THERMAL_BITS | int(ClockReason.HW_POWER_BRAKE)
+"""The bits whose change republishes a node's state (the diagnosis reports the brake in its evidence)."""
 NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 _REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
 
 
+def nvlink_errors(columns: dict[str, np.ndarray]) -> np.ndarray:
+    """Each GPU's NVLink error count: its CRC flit, CRC data, replay and recovery counters summed (a
+    counter not reported counts 0). The one NVLink error measure: its growth per GPU per minute is
+    the NVLink error rate the health rule (over its window), the diagnosis (between two samples)
+    and, per hour, the failure predictor read."""
+    total = np.zeros(np.shape(columns[NVLINK_COUNTERS[0]]))
+    for name in NVLINK_COUNTERS:
+        total += np.nan_to_num(columns[name], nan=0.0)
+    return total
+
+
 def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
-    """NVLink error counters' growth per second over the node (NaN without a usable earlier sample)."""
+    """The node's worst GPU's NVLink errors per minute between the two samples (NaN without a usable
+    earlier sample)."""
     if previous is None or previous.ts >= sample.ts or previous.gpu.shape != sample.gpu.shape:
         return math.nan
-    total = 0.0
-    for name in NVLINK_COUNTERS:
-        delta = np.nan_to_num(sample.columns[name] - previous.columns[name], nan=0.0)
-        total += float(np.clip(delta, 0.0, None).sum())  # a counter reset is not a negative rate
-    return total / (sample.ts - previous.ts)
+    delta = nvlink_errors(sample.columns) - nvlink_errors(previous.columns)
+    grown = np.clip(delta, 0.0, None)  # a counter reset is not a negative rate
+    return float(grown.max(initial=0.0)) * 60.0 / (sample.ts - previous.ts)
 
 
 def _nic(sample: Telemetry, previous: Telemetry | None,
@@ -82,9 +99,13 @@ def _nic(sample: Telemetry, previous: Telemetry | None,
     return ports, util, wait, went_down
 
 
-def node_state(sample: Telemetry, previous: Telemetry | None = None, *, baseline_temp_c: float = math.nan,
+def node_state(sample: Telemetry, previous: Telemetry | None = None, *, power_w: np.ndarray | None = None,
+               load_power_w: np.ndarray | None = None, residual_c: np.ndarray | None = None,
                nic_bytes_per_tick: float = 8.0) -> NodeState:
-    """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates)."""
+    """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates);
+    ``power_w`` / ``load_power_w`` / ``residual_c`` its GPUs' power over the thermal model's fast
+    average, load power and thermal residual (:class:`ThermalModel`; the sample's power and NaN when
+    not given)."""
     cols = sample.columns
     reports = np.zeros(sample.gpu.shape, dtype=bool)
     for name in _REPORTED:
@@ -96,8 +117,11 @@ def node_state(sample: Telemetry, previous: Telemetry | None = None, *, baseline
     return NodeState(node=sample.node, rack=sample.rack, ts=sample.ts, gpu=sample.gpu, temp_c=cols["temp_c"],
                      slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
                      nvlink_links_up=cols["nvlink_links_up"], nvlink_links_max=cols["nvlink_links_max"],
-                     reports=reports, nvlink_errors_per_s=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
-                     baseline_temp_c=float(baseline_temp_c), **nic)  # type: ignore[arg-type]
+                     reports=reports, nvlink_errors_per_min=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
+                     power_w=cols["power_w"] if power_w is None else power_w,
+                     load_power_w=cols["power_w"] if load_power_w is None else load_power_w,
+                     residual_c=np.full(sample.gpu.shape, np.nan) if residual_c is None else residual_c,
+                     **nic)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -106,16 +130,16 @@ class StateRule:
 
     heartbeat_s: float = 5.0
     temp_step_c: float = 1.0
-    baseline_step_c: float = 0.5
+    power_step_w: float = 20.0
     share_step: float = 0.05
-    nvlink_errors_per_s: float = 1.0
-    """The diagnosis's NVLink band (``DiagnosisThresholds.nvlink_errors_per_s``)."""
+    nvlink_errors_per_min: float = 10.0
+    """The diagnosis's NVLink band (``DiagnosisThresholds.nvlink_errors_per_min``)."""
     nic_util_band: float = 0.85
     nic_xmit_wait_band: float = 0.10
 
     def __post_init__(self) -> None:
         check_number("heartbeat_s", self.heartbeat_s, above=0, owner=self)
-        for name in ("temp_step_c", "baseline_step_c", "share_step"):
+        for name in ("temp_step_c", "power_step_w", "share_step"):
             check_number(name, getattr(self, name), above=0, owner=self)
 
 
@@ -137,7 +161,7 @@ def _crossed(a: np.ndarray, b: np.ndarray, band: float) -> bool:
 
 
 def _bits(reasons: np.ndarray) -> np.ndarray:
-    return np.nan_to_num(reasons, nan=0.0).astype(np.int64) & THROTTLE_BITS
+    return np.nan_to_num(reasons, nan=0.0).astype(np.int64) & STATE_BITS
 
 
 def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()) -> bool:
@@ -152,10 +176,12 @@ def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()
             or not _same(old.nvlink_links_up, new.nvlink_links_up) \
             or not _same(old.nvlink_links_max, new.nvlink_links_max):
         return True
-    rates = np.array([old.nvlink_errors_per_s]), np.array([new.nvlink_errors_per_s])
-    if _crossed(*rates, rule.nvlink_errors_per_s) or _moved(*rates, 0.1 * rule.nvlink_errors_per_s):
+    rates = np.array([old.nvlink_errors_per_min]), np.array([new.nvlink_errors_per_min])
+    if _crossed(*rates, rule.nvlink_errors_per_min) or _moved(*rates, 0.1 * rule.nvlink_errors_per_min):
         return True
-    if _moved(np.array([old.baseline_temp_c]), np.array([new.baseline_temp_c]), rule.baseline_step_c):
+    if _moved(old.residual_c, new.residual_c, rule.temp_step_c) \
+            or _moved(old.load_power_w, new.load_power_w, rule.power_step_w) \
+            or _moved(old.power_w, new.power_w, rule.power_step_w):
         return True
     utils = np.array([old.nic_util, *old.nic_port_util]), np.array([new.nic_util, *new.nic_port_util])
     waits = old.nic_port_wait, new.nic_port_wait
@@ -174,20 +200,21 @@ class NodeStates(Stateful):
     counted in ``stale_total_`` and ignored. ``apply(states)`` (a job stage): take published states
     as they come from ``fh.nodestate`` (an older one than the node's is ignored).
 
-    ``baseline_s`` is the time constant of each node's temperature baseline (a slow exponential
-    average of its median GPU temperature: what this node usually runs at, its slot's airflow and
-    its silicon included).
+    ``thermal`` sets each node's :class:`~fleethealth.detectors.thermal.ThermalModel` (kept in
+    ``thermal_``), which gives every state its GPUs' load power and thermal residual. ``racks_``
+    groups the nodes by the rack they report; a node whose rack is unknown
+    (:func:`~fleethealth.nodename.known_rack`) is in no group: it has no rack peers.
     """
 
-    def __init__(self, *, rule: StateRule = StateRule(), baseline_s: float = 1800.0,
+    def __init__(self, *, rule: StateRule = StateRule(), thermal: ThermalParams = ThermalParams(),
                  nic_bytes_per_tick: float = 8.0) -> None:
         self.rule = rule
-        self.baseline_s = check_number("baseline_s", baseline_s, above=0)
+        self.thermal = thermal
         self.nic_bytes_per_tick = nic_bytes_per_tick
         self.published_: dict[str, NodeState] = {}
         self.racks_: dict[str, set[str]] = {}
         self.latest_: dict[str, Telemetry] = {}
-        self.baseline_: dict[str, float] = {}
+        self.thermal_: dict[str, ThermalModel] = {}
         self.stale_total_ = 0
         self.samples_total_ = 0
         self.published_total_ = 0
@@ -201,8 +228,9 @@ class NodeStates(Stateful):
                 continue
             self.samples_total_ += 1
             self.latest_[sample.node] = sample
-            base = self._learn_baseline(sample, last)
-            state = node_state(sample, last, baseline_temp_c=base, nic_bytes_per_tick=self.nic_bytes_per_tick)
+            power, load, residual = self._thermal(sample)
+            state = node_state(sample, last, power_w=power, load_power_w=load, residual_c=residual,
+                               nic_bytes_per_tick=self.nic_bytes_per_tick)
             old = self.published_.get(sample.node)
             if old is None or state.ts - old.ts >= self.rule.heartbeat_s or changed(old, state, self.rule):
                 self._put(state)
@@ -220,33 +248,35 @@ class NodeStates(Stateful):
     def _put(self, state: NodeState) -> None:
         old = self.published_.get(state.node)
         if old is not None and old.rack != state.rack:
-            self.racks_.get(old.rack, set()).discard(state.node)
+            self._leave(state.node, old.rack)
         self.published_[state.node] = state
-        self.racks_.setdefault(state.rack, set()).add(state.node)
+        rack = known_rack(state.rack)
+        if rack is not None:
+            self.racks_.setdefault(rack, set()).add(state.node)
         self.published_total_ += 1
 
-    def _learn_baseline(self, sample: Telemetry, last: Telemetry | None) -> float:
-        temps = sample.columns["temp_c"]
-        if not np.isfinite(temps).any():
-            return self.baseline_.get(sample.node, math.nan)
-        temp = float(np.nanmedian(temps))
-        base = self.baseline_.get(sample.node)
-        if base is None or last is None:
-            self.baseline_[sample.node] = temp
-            return temp
-        weight = 1.0 - math.exp(-max(sample.ts - last.ts, 0.0) / self.baseline_s)
-        self.baseline_[sample.node] = base + weight * (temp - base)
-        return self.baseline_[sample.node]
+    def _leave(self, node: str, rack: str) -> None:
+        peers = self.racks_.get(rack)
+        if peers is not None:
+            peers.discard(node)
+            if not peers:
+                del self.racks_[rack]
+
+    def _thermal(self, sample: Telemetry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        model = self.thermal_.get(sample.node)
+        if model is None:
+            model = self.thermal_[sample.node] = ThermalModel(self.thermal)
+        cols = sample.columns
+        thermal = (np.nan_to_num(cols["clock_reasons"], nan=0.0).astype(np.int64) & THERMAL_BITS) != 0
+        load, residual = model.update(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
+                                      cols["power_limit_w"], thermal)
+        return model.fast_.copy(), load, residual
 
     def forget(self, gone: Iterable[str]) -> None:
         """Drop every trace of ``gone`` nodes."""
         for node in gone:
             self.latest_.pop(node, None)
-            self.baseline_.pop(node, None)
+            self.thermal_.pop(node, None)
             state = self.published_.pop(node, None)
             if state is not None:
-                peers = self.racks_.get(state.rack)
-                if peers is not None:
-                    peers.discard(node)
-                    if not peers:
-                        del self.racks_[state.rack]
+                self._leave(node, state.rack)

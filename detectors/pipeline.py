@@ -15,6 +15,7 @@ nodes of their newest message's event time. What it calls, in order, for each ``
 4. straggler findings wait (``diagnosis_wait_s`` of event time at most) until the node's and
    its rack peers' telemetry has caught up with the finding, then get their diagnosis; many
    ``ENVIRONMENTAL`` stragglers of one rack fold into one rack finding;
+   every finding carries ``evidence["rack"]``, the rack its node reports (None when unknown);
 5. interruption records restart the job's step assembly (a restarted run repeats step numbers);
 6. the job lifecycle (:class:`~fleethealth.detectors.lifecycle.LifecycleTracker`) follows each
    job's runs from its step batches, ``job_start`` / ``job_exit`` records and the hang and Xid
@@ -324,6 +325,7 @@ class Pipeline(Stateful):
         out.findings += self.predictor.update(telemetry, events)
         ready += self._diagnosable(final)
         out.findings += self.rack_episodes.update(ready, self.diagnoser.rack_of)
+        out.findings = [self._with_rack(f) for f in out.findings]
         for ev in events:
             if ev.kind is EventKind.INTERRUPTION and ev.job is not None and ev.id not in self.restarted_:
                 self.restarted_[ev.id] = ev.ts
@@ -334,6 +336,13 @@ class Pipeline(Stateful):
         out.steps, self.steps_ = self.steps_, []
         out.ended, self.ended_ = self.ended_, []
         return out
+
+    def _with_rack(self, f: Finding) -> Finding:
+        """``f`` with ``evidence["rack"]``: the rack its node reports (None when unknown), so the policy's
+        same-rack rule reads every finding that can remove a node the same way."""
+        if "rack" in f.evidence:
+            return f
+        return dataclasses.replace(f, evidence={**f.evidence, "rack": self.diagnoser.rack_of(f.node)})
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:
         self.steps_total_ += 1

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
@@ -85,7 +86,7 @@ def _counters(s: Telemetry) -> np.ndarray:
     cols = [c["ecc_sbe_volatile"], c["retired_sbe"] + c["retired_dbe"],
             c["remap_correctable"] + c["remap_uncorrectable"], c["remap_pending"], c["retired_pending"],
             c["ecc_dbe_volatile"], c["temp_c"],
-            c["nvlink_crc_flit"] + c["nvlink_crc_data"] + c["nvlink_replay"] + c["nvlink_recovery"],
+            nvlink_errors(c),
             c["pcie_replay"], c["nvlink_links_max"] - c["nvlink_links_up"]]
     out = np.stack(cols, axis=1)
     # a memory-repair field the GPU does not report stays NaN (Hopper retires no pages, Volta remaps

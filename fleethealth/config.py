@@ -370,6 +370,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("log.level", "str", "info", "log level of every long-running command (probe, detect, serve, act)",
         choices=("debug", "info", "warning", "error")),
     Key("log.format", "str", "text", "log lines as text or one JSON object each", choices=("text", "json")),
+    Key("node.topology", "str", "", "a fleet topology file (one 'NODE RACK' a line): this node's rack when "
+                                    "node.rack is unknown"),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),

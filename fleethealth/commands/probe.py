@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from fleethealth.nodename import node_name
+    from fleethealth.nodename import UNKNOWN_RACK, node_name, rack_from_topology
     from fleethealth.probe.daemon import Probe, ProbeConfig, make_source
     from fleethealth.probe.logs import configure_logging
 
@@ -83,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     kafka = require_bus(s["kafka"], "--kafka DSN is required (or set FLEETHEALTH_KAFKA)")
     node = node_name(s["node.name"], naming=s["node.naming"])
     interval, source_name = s["probe.interval_s"], s["probe.source"]
-    source = make_source(source_name, node=node, rack=s["node.rack"], interval_s=interval,
+    rack = s["node.rack"]
+    if rack == UNKNOWN_RACK and s["node.topology"]:
+        rack = rack_from_topology(s["node.topology"], node)
+    source = make_source(source_name, node=node, rack=rack, interval_s=interval,
                          scenario=s["probe.scenario"], dcgm_host=s["probe.dcgm_host"])
     from fleethealth.probe.aggregator import SocketLimits
     from fleethealth.probe.listener import parse_ids
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                           node_events_per_s=s["probe.socket_node_events_per_s"],
                           node_event_burst=s["probe.socket_node_event_burst"], max_ranks=s["probe.socket_max_ranks"],
                           event_kinds=kinds)
-    config = ProbeConfig(node=node, rack=getattr(source, "rack", s["node.rack"]), interval_s=interval,
+    config = ProbeConfig(node=node, rack=getattr(source, "rack", rack), interval_s=interval,
                          socket_path=None if s["probe.no_socket"] else s["probe.socket"],
                          spool_dir=s["probe.spool_dir"], spool_max_bytes=int(s["probe.spool_max_mb"] * (1 << 20)),
                          metrics_port=s["probe.metrics_port"] or None, stall_timeout_s=s["probe.stall_timeout_s"],

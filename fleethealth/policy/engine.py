@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.evidence import EccEvidence, StragglerEvidence, XidEvidence
 from fleethealth.ids import derived
+from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.rollback import Marks, choose
@@ -80,14 +80,12 @@ _REMOVING = {Action.EVICT, Action.DRAIN, Action.QUARANTINE}
 _STRAGGLER_EVICT = {Diagnosis.NODE_THERMAL, Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION, Diagnosis.UNKNOWN}
 
 
-def rack_of(node: str, nodes_per_rack: int) -> str:
-    """The rack of ``nNNNN`` per the identifiers of docs/architecture.md (node i in rack i // nodes_per_rack)."""
-    m = re.fullmatch(r"n(\d+)", node)
-    if m is None:
-        return f"?{node}"
-    return f"r{int(m.group(1)) // nodes_per_rack:02d}"
-
-
+def rack_of(f: Finding) -> str | None:
+    """The rack of a finding's node as the node reported it (``evidence["rack"]``: the detectors copy
+    it from the node's telemetry, which takes it from the probe's configuration or a topology file),
+    or None when unknown. Never derived from the node's name: an unknown rack is unknown, not a rack of
+    its own, so the same-rack rule neither holds nor clears on it."""
+    return known_rack(f.evidence.get("rack"))
 
 
 class PolicyEngine:
@@ -99,7 +97,7 @@ class PolicyEngine:
     ``prior_beta`` the Beta prior of P(healthy) (3, 1); ``rate_window_s`` one straggler eviction per
     job per window (3,600); ``stale_after_s`` staleness bound (900); ``breaker_share`` /
     ``breaker_min_nodes`` / ``breaker_window_s`` / ``fleet_nodes`` the circuit breaker (0.1, 5,
-    3,600, 0 = unknown); ``nodes_per_rack`` (8); ``facilities_episode_s`` a hot-aisle episode ends
+    3,600, 0 = unknown); ``facilities_episode_s`` a hot-aisle episode ends
     after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
     (0.5); ``dry_run`` marks every recommendation as not to be executed (False);
     ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
@@ -110,14 +108,13 @@ class PolicyEngine:
                  default_remaining_s: float = 86_400.0, prior_alpha: float = 3.0, prior_beta: float = 1.0,
                  rate_window_s: float = 3600.0, stale_after_s: float = 900.0, breaker_share: float = 0.1,
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
-                 nodes_per_rack: int = 8, facilities_episode_s: float = 3600.0,
+                 facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
                  outcome_recur_share: float = 0.5) -> None:
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
         self.stale_after_s = check_number("stale_after_s", stale_after_s, above=0)
-        self.nodes_per_rack = int(check_number("nodes_per_rack", nodes_per_rack, at_least=1))
         self.facilities_episode_s = check_number("facilities_episode_s", facilities_episode_s, above=0)
         self.failure_risk_threshold = check_number("failure_risk_threshold", failure_risk_threshold, at_least=0)
         if self.failure_risk_threshold > 1:
@@ -255,7 +252,7 @@ class PolicyEngine:
     def _straggler(self, f: Finding, now: float) -> list[Recommendation]:
         diag = f.diagnosis or Diagnosis.UNKNOWN
         facts = StragglerEvidence.from_evidence(f.evidence)
-        rack = facts.rack if facts.rack is not None else rack_of(f.node, self.nodes_per_rack)
+        rack = known_rack(facts.rack)
         if diag is Diagnosis.ENVIRONMENTAL:
             return [self._facilities(f, now, rack)]
         if diag not in _STRAGGLER_EVICT:
@@ -292,7 +289,7 @@ class PolicyEngine:
         if diag is Diagnosis.UNKNOWN and f.node in self.unknown_evicted_:
             fired.append(GuardName.UNKNOWN_ONCE)
             reason += "; cause UNKNOWN and this node was already evicted once: a human must decide"
-        if self.rack_.blocks(rack):
+        if rack is not None and self.rack_.blocks(rack):
             fired.append(GuardName.SAME_RACK)
             reason += f"; the last eviction ({self.rack_.last_node_}) was also in rack {rack}: needs a human"
         job = f.job or ""
@@ -306,7 +303,8 @@ class PolicyEngine:
         if recs[0].guard is Guard.ALLOWED:
             self.watch_.issue(recs[0])
             self.rate_.note(job, now)
-            self.rack_.note(rack, f.node)
+            if rack is not None:
+                self.rack_.note(rack, f.node)
             self.evicted_[f.node] = f.ts
             if diag is Diagnosis.UNKNOWN:
                 self.unknown_evicted_.add(f.node)
@@ -314,16 +312,18 @@ class PolicyEngine:
             self.held_[f.node] = (f.ts, recs[0].guard.value)
         return recs
 
-    def _facilities(self, f: Finding, now: float, rack: str) -> Recommendation:
+    def _facilities(self, f: Finding, now: float, rack: str | None) -> Recommendation:
         ev = {"diagnosis": Diagnosis.ENVIRONMENTAL.value, "rack": rack, "slowdown": f.slowdown}
-        alerted = self.facilities_.get(rack)
+        key = rack if rack is not None else f"?{f.node}"  # no rack reported: the episode is the node's own
+        place = f"rack {rack}" if rack is not None else f"the rack of {f.node} (not reported)"
+        alerted = self.facilities_.get(key)
         if alerted is not None and f.ts - alerted[1] < self.facilities_episode_s:
-            self.facilities_[rack] = (alerted[0], max(alerted[1], f.ts))
-            return self._rec(Action.NONE, f, now, f"rack {rack} environmental episode: facilities already "
+            self.facilities_[key] = (alerted[0], max(alerted[1], f.ts))
+            return self._rec(Action.NONE, f, now, f"{place} environmental episode: facilities already "
                              f"alerted at ts={alerted[0]:.0f}; evicting would not help",
                              {**ev, "alerted_ts": alerted[0]})
-        self.facilities_[rack] = (f.ts, f.ts)
-        return self._rec(Action.ALERT_FACILITIES, f, now, f"stragglers in rack {rack} share an environmental "
+        self.facilities_[key] = (f.ts, f.ts)
+        return self._rec(Action.ALERT_FACILITIES, f, now, f"stragglers in {place} share an environmental "
                          f"cause (hot aisle / cooling): alert facilities; evicting {f.node} would only move "
                          "the symptom", ev)
 
@@ -479,9 +479,8 @@ class PolicyEngine:
         out: list[Recommendation] = []
         rack = None
         if action is Action.DRAIN:
-            given = f.evidence.get("rack")
-            rack = given if isinstance(given, str) and given else rack_of(f.node, self.nodes_per_rack)
-            if self.rack_.blocks(rack):
+            rack = rack_of(f)
+            if rack is not None and self.rack_.blocks(rack):
                 fired.append(GuardName.SAME_RACK)
                 reason += (f"; the last node taken out ({self.rack_.last_node_}) was also in rack {rack}: "
                            "needs a human")

@@ -65,11 +65,16 @@ def test_hot_rack_is_environmental_by_temperature_or_by_throttling_share():
     assert aisle.diagnosis is Diagnosis.ENVIRONMENTAL and aisle.evidence["peer_throttle_share"] == 1.0
 
 
-def test_power_cap_alone_is_not_thermal_but_power_brake_is():
+def test_neither_the_power_cap_nor_the_power_brake_is_thermal():
     capped = diagnose_straggler(_sample(reasons=ClockReason.SW_POWER_CAP), _peers())
     assert capped.diagnosis is Diagnosis.UNKNOWN
     brake = diagnose_straggler(_sample(reasons=ClockReason.HW_POWER_BRAKE), _peers())
-    assert brake.diagnosis is Diagnosis.NODE_THERMAL
+    assert brake.diagnosis is Diagnosis.UNKNOWN and brake.evidence["power_brake"] is True
+    assert "not a thermal cause" in brake.evidence["reason"]
+    # a braked rack is not a hot rack either: a hot GPU among braked peers is still its own
+    hot = diagnose_straggler(_sample(hot_gpu=3, reasons=ClockReason.HW_THERMAL), _peers(reasons=ClockReason.HW_POWER_BRAKE),
+                             gpu=3)
+    assert hot.diagnosis is Diagnosis.NODE_THERMAL and hot.evidence["peer_throttle_share"] == 0.0
 
 
 def test_links_down_is_node_link():
@@ -79,10 +84,10 @@ def test_links_down_is_node_link():
 
 
 def test_rising_link_error_counters_need_the_previous_sample():
-    before, now = _sample(ts=100.0, crc=10.0), _sample(ts=102.0, crc=30.0)  # 8 GPUs x 20 / 2 s = 80/s
+    before, now = _sample(ts=100.0, crc=10.0), _sample(ts=102.0, crc=30.0)  # 20 per GPU in 2 s = 600/min
     assert diagnose_straggler(now, _peers()).diagnosis is Diagnosis.UNKNOWN
     res = diagnose_straggler(now, _peers(), previous=before)
-    assert res.diagnosis is Diagnosis.NODE_LINK and res.evidence["nvlink_errors_per_s"] == 80.0
+    assert res.diagnosis is Diagnosis.NODE_LINK and res.evidence["nvlink_errors_per_min"] == 600.0
     slow_growth = diagnose_straggler(_sample(ts=200.0, crc=10.1), _peers(), previous=before)
     assert slow_growth.diagnosis is Diagnosis.UNKNOWN
     reset = diagnose_straggler(_sample(ts=104.0, crc=0.0), _peers(), previous=now)
@@ -236,37 +241,43 @@ def test_results_are_frozen():
         res.diagnosis = Diagnosis.NODE_LINK  # type: ignore[misc]
 
 
-def _rack(temps_by_node: dict[str, float], *, ts: float, limit: float | None = None) -> list[Telemetry]:
+def _rack(temps_by_node: dict[str, float], *, ts: float, limit: float | None = None,
+          power: float | None = None) -> list[Telemetry]:
     out = []
     for node, temp in temps_by_node.items():
         cols = {"temp_c": np.full(8, temp)}
         if limit is not None:
             cols["slowdown_temp_c"] = np.full(8, limit)
+        if power is not None:  # busy GPUs at this power
+            cols.update(power_w=np.full(8, power), power_limit_w=np.full(8, 700.0), util_pct=np.full(8, 97.0))
         out.append(Telemetry.from_columns(node, "r02", ts, np.arange(8), **cols))
     return out
 
 
 def test_a_hot_aisle_where_only_part_of_the_rack_crosses_its_limit_is_environmental():
-    """Every node of the rack runs 12 °C above its own baseline; only two cross 85 °C. Judged by the
-    share that throttles (2 of 7) it looked like a bad node; judged by the rack's rise it is the aisle."""
+    """Every node of the rack runs 12 °C above what its GPUs' thermal models predict at their load;
+    only two cross 85 °C. Judged by the share that throttles (2 of 7) it looked like a bad node;
+    judged by the rack's residual it is the aisle."""
     diag = Diagnoser()
     base = {f"n{i:04d}": 68.0 + (i % 3) for i in range(16, 24)}  # per-slot offsets: warm and cool slots
-    for k in range(30):
-        diag.observe(_rack(base, ts=10.0 * k))
+    for k in range(60):  # ten minutes of one load: the thermal models learn
+        diag.observe(_rack(base, ts=10.0 * k, power=600.0))
     hot = {n: t + 12.0 for n, t in base.items()}
     hot["n0016"], hot["n0017"] = 88.0, 87.0  # these two crossed the limit, the rest run hot below it
-    diag.observe(_rack(hot, ts=400.0))
-    res = diag.diagnose("n0016", 3, at=400.0)
+    diag.observe(_rack(hot, ts=700.0, power=600.0))
+    res = diag.diagnose("n0016", 3, at=700.0)
     assert res.diagnosis is Diagnosis.ENVIRONMENTAL, res.evidence
-    assert res.evidence["rack_rise_c"] >= 10.0 and res.evidence["peer_throttle_share"] == 0.0
-    # one node heating alone in a rack that stays at its baseline is the node
+    assert res.evidence["rack_residual_c"] >= 10.0 and res.evidence["peer_throttle_share"] == 0.0
+    assert res.evidence["excess_c"] < res.evidence["node_excess_limit_c"]
+    # one node heating alone in a rack that stays as its load explains is the node
     alone = dict(base)
     alone["n0016"] = 92.0
     diag2 = Diagnoser()
-    for k in range(30):
-        diag2.observe(_rack(base, ts=10.0 * k))
-    diag2.observe(_rack(alone, ts=400.0))
-    assert diag2.diagnose("n0016", 3, at=400.0).diagnosis is Diagnosis.NODE_THERMAL
+    for k in range(60):
+        diag2.observe(_rack(base, ts=10.0 * k, power=600.0))
+    diag2.observe(_rack(alone, ts=700.0, power=600.0))
+    res2 = diag2.diagnose("n0016", 3, at=700.0)
+    assert res2.diagnosis is Diagnosis.NODE_THERMAL and abs(res2.evidence["rack_residual_c"]) < 1.0
 
 
 def test_each_gpu_is_judged_against_its_own_slowdown_temperature():

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from fleethealth.errors import ConfigError
-from fleethealth.nodename import node_name
+from fleethealth.nodename import known_rack, node_name, rack_from_topology
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +33,24 @@ def test_an_explicit_name_wins_then_the_environment(monkeypatch) -> None:
     assert node_name() == "n0042"
     assert node_name("n0007") == "n0007"
     assert node_name("") == "n0042"
+
+
+def test_a_rack_is_known_only_when_reported() -> None:
+    assert known_rack("row2-rack07") == "row2-rack07"
+    assert known_rack("unknown") is None and known_rack("") is None and known_rack(None) is None
+
+
+def test_a_fleet_topology_file_gives_a_node_its_rack(tmp_path) -> None:
+    topo = tmp_path / "topology.txt"
+    topo.write_text("# node rack\ngpu-017   row2-rack07\ngpu-018 row2-rack07  # same rack\n\ngpu-101 row3-rack01\n")
+    assert rack_from_topology(str(topo), "gpu-017") == "row2-rack07"
+    assert rack_from_topology(str(topo), "gpu-101") == "row3-rack01"
+    assert rack_from_topology(str(topo), "gpu-999") == "unknown"
+    topo.write_text("gpu-017 row2-rack07 extra\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        rack_from_topology(str(topo), "gpu-017")
+    topo.write_text("gpu-017 a\ngpu-017 b\n")
+    with pytest.raises(ConfigError, match="racks a and b"):
+        rack_from_topology(str(topo), "gpu-017")
+    with pytest.raises(ConfigError, match="topology file"):
+        rack_from_topology(str(tmp_path / "missing.txt"), "gpu-017")

@@ -140,13 +140,19 @@ def test_a_node_state_round_trips_and_a_bad_one_names_its_field() -> None:
         return Telemetry.from_columns("n1", "r1", ts, [0, 1], temp_c=[61.0, float("nan")],
                                       slowdown_temp_c=[87.0, 87.0], clock_reasons=[0.0, 32.0], nic=nic,
                                       nvlink_crc_flit=[0.0, 0.0])
-    state = node_state(sample(11.0, 25e9), sample(10.0, 0.0), baseline_temp_c=60.5)
+    state = node_state(sample(11.0, 25e9), sample(10.0, 0.0), load_power_w=np.array([610.0, np.nan]),
+                       residual_c=np.array([2.5, np.nan]))
     assert state.nic_port_util[0] == pytest.approx(0.5) and not state.nic_port_down[0]
     back = schema.decode(NodeState, schema.encode(state))
-    for name in (*NodeState.GPU_ARRAYS, "reports", "gpu", "nic_port_util", "nic_port_wait", "nic_port_down"):
+    for name in (*NodeState.GPU_ARRAYS, *NodeState.THERMAL_ARRAYS, "reports", "gpu", "nic_port_util",
+                 "nic_port_wait", "nic_port_down"):
         assert np.array_equal(getattr(back, name), getattr(state, name), equal_nan=True), name
-    assert (back.node, back.rack, back.ts, back.baseline_temp_c, back.nic_port) == ("n1", "r1", 11.0, 60.5,
-                                                                                     ("mlx5_0/1",))
+    assert (back.node, back.rack, back.ts, back.nic_port) == ("n1", "r1", 11.0, ("mlx5_0/1",))
+    assert back.residual_c[0] == 2.5 and back.load_power_w[0] == 610.0
+    older = orjson.loads(schema.encode(state))  # from a node stage before the thermal model: unknown
+    for name in NodeState.THERMAL_ARRAYS:
+        del older[name]
+    assert np.isnan(schema.decode(NodeState, orjson.dumps(older)).residual_c).all()
     bad = orjson.loads(schema.encode(state))
     bad["reports"] = [True]
     with pytest.raises(SchemaError) as err:

@@ -23,27 +23,45 @@ from fleethealth.schema import (
 T0 = 100_000.0
 
 
+def _rack(node: str) -> str:
+    """The rack these tests' nodes report (eight to a rack), as the detectors copy it into a finding."""
+    return f"r{int(node[1:]) // 8:02d}"
+
+
 def _straggler(node="n0013", ts=T0, *, diag=Diagnosis.NODE_THERMAL, slowdown=0.2, job="train-1", rank=None,
                **evidence):
     idx = int(node[1:])
     return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job=job, gpu=3,
                    rank=idx * 8 + 3 if rank is None else rank, step=100, diagnosis=diag, z=8.0,
-                   slowdown=slowdown, detector="straggler", evidence=dict(evidence))
+                   slowdown=slowdown, detector="straggler", evidence={"rack": _rack(node), **evidence})
 
 
 def _finding(kind, node="n0007", ts=T0, **kw):
+    evidence = {"rack": _rack(node), **kw.pop("evidence", {})}
     return Finding(kind=kind, node=node, ts=ts, job=kw.pop("job", "train-1"), gpu=kw.pop("gpu", 1),
-                   detector=kw.pop("detector", "test"), **kw)
+                   detector=kw.pop("detector", "test"), evidence=evidence, **kw)
 
 
 def _actions(recs, action=None, guard=None):
     return [r for r in recs if (action is None or r.action is action) and (guard is None or r.guard is guard)]
 
 
-def test_rack_of_follows_identifier_contract():
-    assert rack_of("n0013", 8) == "r01"
-    assert rack_of("n0016", 8) == "r02"
-    assert rack_of("gpu-host-7", 8) == "?gpu-host-7"
+def test_a_rack_is_what_the_node_reported_never_its_name():
+    def f(node, **evidence):
+        return Finding(kind=FindingKind.XID, node=node, ts=T0, evidence=evidence)
+
+    assert rack_of(f("dc1-r07-gpu03", rack="row2-rack07")) == "row2-rack07"
+    assert rack_of(f("n0013")) is None                              # no rack reported: unknown, not r01
+    assert rack_of(f("n0013", rack="unknown")) is None and rack_of(f("n0013", rack="")) is None
+    # two drains in a row on nodes whose racks are unknown: the same-rack rule neither holds nor clears
+    eng = PolicyEngine()
+    first = eng.decide([f("gpu-a", code=79, rack="row2-rack07")], now=T0)
+    assert _actions(first, Action.DRAIN)[0].guard is Guard.ALLOWED
+    unknown = eng.decide([Finding(kind=FindingKind.XID, node="gpu-b", ts=T0 + 1, evidence={"code": 79})], now=T0 + 1)
+    [drain] = _actions(unknown, Action.DRAIN)
+    assert drain.guard is Guard.ALLOWED and drain.evidence.get("rack") is None
+    again = eng.decide([f("gpu-c", code=79, rack="row2-rack07")], now=T0 + 2)
+    assert _actions(again, Action.DRAIN)[0].guard is Guard.NEEDS_HUMAN     # the unknown one did not clear it
 
 
 def test_payback_arithmetic_in_evidence():

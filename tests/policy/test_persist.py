@@ -21,14 +21,19 @@ from fleethealth.schema import Action, Diagnosis, Finding, FindingKind, Guard
 T0 = 1_800_000_000.0
 
 
+def _rack(node):  # the rack each test node reports, eight to a rack
+    return f"r{int(node[1:]) // 8:02d}"
+
+
 def _xid(node, ts):
     return Finding(kind=FindingKind.XID, node=node, ts=ts, job="train-1", gpu=0, detector="xid",
-                   evidence={"code": 79})
+                   evidence={"code": 79, "rack": _rack(node)})
 
 
 def _straggler(node, ts, slowdown=0.2):
     return Finding(kind=FindingKind.STRAGGLER, node=node, ts=ts, job="train-1", gpu=1, rank=9, step=300,
-                   diagnosis=Diagnosis.NODE_THERMAL, slowdown=slowdown, detector="straggler")
+                   diagnosis=Diagnosis.NODE_THERMAL, slowdown=slowdown, detector="straggler",
+                   evidence={"rack": _rack(node)})
 
 
 def test_restarted_engine_refuses_replay_and_keeps_guards(store):

@@ -14,7 +14,7 @@ from fleethealth.sim.scenario import Scenario
 
 def test_default_scenario_hot_aisle_sdc_and_guards():
     sim = FleetSim(Scenario.default())
-    policy = PolicyEngine(fleet_nodes=sim.n_nodes, nodes_per_rack=sim.scenario.fleet.nodes_per_rack)
+    policy = PolicyEngine(fleet_nodes=sim.n_nodes)
     pipe, stage = Pipeline(), PolicyStage(policy)
     recs, findings = [], []
     for s in sim.run():
