@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
             timer.daemon = True
             timer.start()
         started = time.monotonic()
-        with Probe(source, config, dsn=kafka, on_connect=on_connect) as probe:
+        from fleethealth.signing import load_signer
+
+        signer = load_signer(s["signing.key_file"], s["signing.key_id"] or node)  # this node's key only
+        with Probe(source, config, dsn=kafka, on_connect=on_connect, signer=signer) as probe:
             print(f"fleethealth probe: node {config.node}, source {source_name}, bus {kafka}, "
                   f"socket {config.socket_path or 'off'}, metrics {config.metrics_port or 'off'}", file=sys.stderr)
             ticks = probe.run(stop)
