@@ -313,7 +313,7 @@ class Pipeline:
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
         out.findings += self.hang.update(batches, [*events, *markers], now, alive=self.telemetry_ts_)
-        out.findings += self.sdc.update(events)
+        out.findings += self.sdc.update(events, owns=self.assembler.owns)
         out.findings += self.health.update(telemetry, events)
         out.findings += self.predictor.update(telemetry, events)
         ready += self._diagnosable(final)

@@ -31,7 +31,14 @@ def _straggler(node="n0013", ts=T0, *, diag=Diagnosis.NODE_THERMAL, slowdown=0.2
                    slowdown=slowdown, detector="straggler", evidence=dict(evidence))
 
 
+SUPPORTED = {"corroboration": {"by": ["prior_fault"]}}
+"""What a detector attaches to an Xid, ECC or SDC finding that the node's own stream supports."""
+
+
 def _finding(kind, node="n0007", ts=T0, **kw):
+    """A finding; an Xid, ECC or SDC one is corroborated unless its evidence says otherwise."""
+    if kind in (FindingKind.XID, FindingKind.ECC, FindingKind.SDC):
+        kw["evidence"] = {**SUPPORTED, **kw.get("evidence", {})}
     return Finding(kind=kind, node=node, ts=ts, job=kw.pop("job", "train-1"), gpu=kw.pop("gpu", 1),
                    detector=kw.pop("detector", "test"), **kw)
 

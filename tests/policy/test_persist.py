@@ -23,7 +23,7 @@ T0 = 1_800_000_000.0
 
 def _xid(node, ts):
     return Finding(kind=FindingKind.XID, node=node, ts=ts, job="train-1", gpu=0, detector="xid",
-                   evidence={"code": 79})
+                   evidence={"code": 79, "corroboration": {"by": ["gpu_off_bus"]}})
 
 
 def _straggler(node, ts, slowdown=0.2):
