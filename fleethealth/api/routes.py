@@ -190,13 +190,18 @@ def _breaker_obj(rec: persist.BreakerRecord | None, *, engine: bool) -> dict[str
 
 
 def _evidence(store: StoreLike, node: str, body: models.ReleaseIn) -> dict[str, Any]:
-    if (body.evidence is None) == (body.event_id is None):
-        raise HTTPException(422, detail="give exactly one of evidence (a self-test record) or event_id")
+    """The stored self-test result ``body.event_id`` names, of ``node``: release evidence is never a record
+    the caller supplies (issue 23 §3). What is stored came off ``fh.events`` through the detectors'
+    signature check (with ``signing.mode = require``, signed by the node itself) or from the sweep."""
     if body.evidence is not None:
-        return body.evidence
+        raise HTTPException(422, detail="release evidence must name a stored self-test result by event_id; "
+                                        "a record in the request body is not accepted")
+    if body.event_id is None:
+        raise HTTPException(422, detail="give event_id: the id of the node's stored passing full self-test")
     for event in store.events(kind=EventKind.SELFTEST.value, node=node):
         if event.id == body.event_id:
-            return {"node": event.node, "ts": event.ts, "kind": event.kind.value, "data": event.data}
+            return {"node": event.node, "ts": event.ts, "kind": event.kind.value, "data": event.data,
+                    "event_id": event.id}
     raise views.NotFound(f"no selftest event {body.event_id!r} for node {node!r}")
 
 
