@@ -195,7 +195,8 @@ class HealthRules:
                             and ep.opened_ts < f.ts and f.ts - ep.last_ts <= self.corroborate_window_s
                             for k, ep in self.episodes_.items()):
             by.append("prior_fault")
-        if f.kind is FindingKind.XID and age is not None and f.gpu is not None and _off_bus(self.previous_[f.node], f.gpu):
+        if (f.kind is FindingKind.XID and age is not None and f.gpu is not None
+                and _off_bus(self.previous_[f.node], f.gpu)):
             by.append("gpu_off_bus")
         if by:
             return [_with(f, by, age, "")]

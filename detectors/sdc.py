@@ -20,9 +20,9 @@ Corroboration (docs/architecture.md, "Corroboration"): a single failing check is
 sender, so its finding carries ``evidence["corroboration"]`` with ``by`` empty, and the policy takes the
 rollback but leaves the quarantine to a human — unless the job's own step stream places the reporting
 rank on that node (``rank_on_node``: the assembler's rank owners, passed to :meth:`SdcDetector.update`
-as ``owns``), which a report about a node that is not running the job cannot have. The second failing check of the same GPU and kind in
-the episode emits one more finding (its own episode time), ``by = ["second_check"]``, which the
-policy may act on alone.
+as ``owns``), which a report about a node that is not running the job cannot have. The second
+failing check of the same GPU and kind in the episode emits one more finding (its own episode
+time), ``by = ["second_check"]``, which the policy may act on alone.
 
 Events with malformed check records are counted in ``invalid_total_`` and skipped.
 """
@@ -82,7 +82,7 @@ class SdcDetector:
         transient = replay if selfcheck is None else selfcheck if replay is None else max(replay, selfcheck)
         return Marks(transient=transient, deterministic=replay)
 
-    def _check(self, e: Event) -> list[Finding]:
+    def _check(self, e: Event, owns: Callable[[str | None, str, int | None], bool] | None = None) -> list[Finding]:
         try:
             rec = SdcCheck.from_event(e)
         except SchemaError:
@@ -102,7 +102,6 @@ class SdcDetector:
             by, missing = ["second_check"], ""
         else:
             self.open_[key] = 1
-            owns = getattr(self, "_owns", None)
             placed = owns is not None and owns(e.job, e.node, e.rank)
             by, missing = (["rank_on_node"], "") if placed else ([], (
                 f"a single failing check, and job {e.job}'s step stream does not place rank {e.rank} on {e.node}; "
@@ -133,11 +132,10 @@ class SdcDetector:
         ``owns(job, node, rank)`` says whether the job's step stream places the rank on the node."""
         if not hasattr(self, "open_"):
             self._start()
-        self._owns = owns
         out: list[Finding] = []
         for e in sorted(events, key=lambda e: e.ts):
             if e.kind is EventKind.SDC_CHECK:
-                out += self._check(e)
+                out += self._check(e, owns)
             elif e.kind is EventKind.CHECKPOINT:
                 self._checkpoint(e)
         return out

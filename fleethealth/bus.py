@@ -489,6 +489,8 @@ class Consumer:
     and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
     at the earliest record, else at the latest. ``max_ahead_s`` / ``max_behind_s`` bound a
     message's event time against its record timestamp (None: no bound; see the module docstring).
+    ``verifier`` (a :class:`fleethealth.signing.Verifier`) checks each decoded record's signature
+    headers; the reason it gives dead-letters the record.
     """
 
     def __init__(self, dsn: str, topics: Sequence[str], group: str | None, *, producer: Producer | None = None,

@@ -283,7 +283,7 @@ def load_signer(key_file: str | None, kid: str) -> Signer | None:
 
 
 def load_verifier(mode: str, *, fleet_secret_file: str | None = None, key_dir: str | None = None) -> Verifier | None:
-    """The detectors' verifier for ``signing.mode`` (None when ``off``), keyed by the fleet secret or a key directory."""
+    """The detectors' verifier for ``signing.mode`` (None when ``off``): the fleet secret or a key directory."""
     if mode == SigningMode.OFF.value:
         return None
     ring = None

@@ -64,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
                else KubernetesAdapter(kubeconfig=s["act.kubeconfig"], in_cluster=s["act.in_cluster"]))
     group = s["act.group"] or f"fh-act-{scheduler}"
     idle_exit = s["act.idle_exit"]
-    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}") as producer, \
+    from fleethealth.signing import load_signer
+
+    signer = load_signer(s["signing.key_file"], s["signing.key_id"] or "svc:act")  # scheduler actions: a service's
+    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}", signer=signer) as producer, \
             Consumer(dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer) as consumer:
         def emit(record: ActionRecord) -> None:
             producer.publish(record.to_event())
