@@ -29,6 +29,12 @@ verify     a signed record is checked: a bad signature, an unknown signer, or a 
 require    as ``verify``, and an unsigned record is dead-lettered too
 =========  ========================================================================================
 
+A record that outlives the bus — the sweep's whole-suite self-test result, which the API's release
+route reads back from the store — carries its signature inside its ``data`` as well
+(:func:`sign_record`, key :data:`RECORD_SIGNATURE`), over the node, the time in milliseconds, the
+kind and the rest of ``data`` in canonical JSON, so whoever holds the keys can verify it where it is
+stored (:func:`verify_record`).
+
 Standard library only: this module is a contract (floor 1) that the probe, the sweeps, the bus and
 the detectors share.
 """
@@ -64,6 +70,9 @@ __all__ = [
     "load_signer",
     "load_verifier",
     "service_signer",
+    "RECORD_SIGNATURE",
+    "sign_record",
+    "verify_record",
 ]
 
 KID_HEADER = "fh-kid"
@@ -298,3 +307,44 @@ def service_signer(fleet_secret_file: str | None, name: str) -> Signer | None:
     if not fleet_secret_file:
         return None
     return Signer.for_service(read_key_file(fleet_secret_file), name)
+
+
+RECORD_SIGNATURE = "signature"
+"""The key in an event's ``data`` that holds its embedded signature: ``{"kid": ..., "hmac": hex}``."""
+_RECORD_DOMAIN = b"fleethealth-record-v1\n"
+
+
+def _record_bytes(node: str, ts: float, kind: str, data: Mapping[str, Any]) -> bytes:
+    import json
+
+    body = {k: v for k, v in data.items() if k != RECORD_SIGNATURE}
+    canonical = json.dumps({"node": node, "ts_ms": int(round(float(ts) * 1000.0)), "kind": kind, "data": body},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return _RECORD_DOMAIN + canonical.encode()
+
+
+def sign_record(signer: Signer, node: str, ts: float, kind: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with its embedded signature by ``signer`` (whose key id must be ``node``)."""
+    if signer.kid != node:
+        raise ConfigError(f"signer {signer.kid!r} cannot sign a record of node {node!r}")
+    mac = hmac.new(signer._key, _record_bytes(node, ts, kind, data), hashlib.sha256).hexdigest()
+    return {**{k: v for k, v in data.items() if k != RECORD_SIGNATURE}, RECORD_SIGNATURE: {"kid": node, "hmac": mac}}
+
+
+def verify_record(ring: KeyRing, node: str, ts: float, kind: str, data: Mapping[str, Any]) -> str | None:
+    """None when ``data`` carries a valid signature by ``node`` itself, else why not."""
+    sig = data.get(RECORD_SIGNATURE)
+    if not isinstance(sig, Mapping) or not isinstance(sig.get("kid"), str) or not isinstance(sig.get("hmac"), str):
+        return "the record carries no signature"
+    if sig["kid"] != node:
+        return f"the record of {node!r} is signed by {sig['kid']!r}"
+    key = ring.key(node)
+    if key is None:
+        return f"no key for node {node!r}"
+    try:
+        want = hmac.new(key, _record_bytes(node, ts, kind, data), hashlib.sha256).hexdigest()
+    except (TypeError, ValueError) as exc:
+        return f"the record cannot be put in canonical form: {exc}"
+    if not hmac.compare_digest(want, sig["hmac"]):
+        return f"bad signature for node {node!r}"
+    return None

@@ -191,6 +191,33 @@ def test_release_evidence_from_the_request_body_is_refused(client, store, auth):
     assert client.get("/v1/quarantine").json()["count"] == 1
 
 
+def test_with_signing_required_a_release_needs_the_nodes_own_signature(client, store, auth):
+    """signing.mode = require: the stored suite record must carry the node's signature (the sweep on the
+    node signs it); an unsigned one, or one a compromised node signed for another, releases nothing."""
+    from fleethealth.schema import Event, EventKind
+    from fleethealth.signing import KeyRing, Signer, sign_record
+
+    secret = b"k" * 32
+    client.app.state.release_keys = KeyRing(fleet_secret=secret)
+    url = "/v1/quarantine/n0001/release"
+    unsigned = client.post(url, json={"event_id": _stored(store, "n0001", T0 + 100)}, headers=auth)
+    assert unsigned.status_code == 409 and "carries no signature" in unsigned.json()["detail"]
+
+    def signed(signer, ts):
+        data = {k: v for k, v in _passing("n0001", ts).items() if k not in ("node", "ts")}
+        kid = signer.kid
+        data = sign_record(signer, kid, ts, "selftest", data)
+        ev = Event(node="n0001", ts=ts, kind=EventKind.SELFTEST, data=data)
+        store.insert_events([ev])
+        return ev.id
+
+    forged = client.post(url, json={"event_id": signed(Signer.for_node(secret, "evil"), T0 + 110)}, headers=auth)
+    assert forged.status_code == 409 and "signed by 'evil'" in forged.json()["detail"]
+    assert client.get("/v1/quarantine").json()["count"] == 1
+    ok = client.post(url, json={"event_id": signed(Signer.for_node(secret, "n0001"), T0 + 120)}, headers=auth)
+    assert ok.status_code == 200 and ok.json()["released"] is True
+
+
 def test_release_by_selftest_event_id(client, store, auth):
     url = "/v1/quarantine/n0001/release"
     ev = _stored(store, "n0001", T0 + 200.0)
