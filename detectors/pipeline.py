@@ -296,6 +296,8 @@ class Pipeline:
         for node in gone:
             h.previous_.pop(node, None)
         h.episodes_ = {k: v for k, v in h.episodes_.items() if k[0] not in gone}
+        if getattr(h, "pending_", None):  # findings still waiting for the node's corroboration
+            h.pending_ = {k: v for k, v in h.pending_.items() if k[0] not in gone}
         features = getattr(self.predictor, "features_", None)
         if features is not None:
             for node in gone:
