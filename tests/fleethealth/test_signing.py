@@ -92,3 +92,16 @@ def test_delivery_signs_every_record_it_hands_over(tmp_path):
     assert d.step(force=True) == 1
     ((topic, key, value, headers),) = sent
     assert Verifier("require", KeyRing(fleet_secret=SECRET)).check(topic, key, value, headers, ev) is None
+
+
+def test_the_probe_hands_its_node_key_to_its_delivery(tmp_path):
+    from fleethealth.probe.daemon import Probe, ProbeConfig, make_source
+
+    signer = Signer.for_node(SECRET, "n0001")
+    config = ProbeConfig(node="n0001", socket_path=None, spool_dir=str(tmp_path / "spool"), metrics_port=None)
+    probe = Probe(make_source("sim", node="n0001", rack="r00", interval_s=1.0, scenario=None, dcgm_host="x"),
+                  config, dsn="kafka://127.0.0.1:1", signer=signer)
+    try:
+        assert probe.delivery.signer is signer
+    finally:
+        probe.delivery.spool.close()
