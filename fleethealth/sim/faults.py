@@ -21,8 +21,7 @@ operators see on real fleets:
   model does not have (:mod:`fleethealth.sim.gpus`: the default H100 retires no pages).
 - ``hang``: the node's ranks stop reporting at ``step``; every rank's watchdog reports stacks;
   after ``duration_s`` the job is interrupted and restarts (``restart_s``).
-- ``xid``: one Xid event; for Xid 79 (fallen off the bus) the GPU then reads as NaN in every field
-  of the node's samples, as NVML answers for a GPU it has lost.
+- ``xid``: one Xid event.
 - ``sdc_transient`` / ``sdc_deterministic``: failing in-job check records (the self-check sees
   the transient one; only the cross-rank replay sees the deterministic one).
 """
@@ -161,10 +160,6 @@ def _hang(fault: FaultSpec, frame: Frame) -> None:
 
 
 def _xid(fault: FaultSpec, frame: Frame) -> None:
-    if fault["code"] == 79 and frame.step >= fault["step"]:
-        node = frame.node_index[fault["node"]]
-        for col in frame.cols.values():
-            col[node, fault["gpu"]] = np.nan
     if frame.step == fault["step"]:
         frame.events.append(Event(node=fault["node"], ts=frame.ts, kind=EventKind.XID, job=frame.job,
                                   gpu=fault["gpu"], step=frame.step, code=fault["code"],
