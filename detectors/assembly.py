@@ -382,6 +382,17 @@ class StepAssembler(Stateful):
         """Emit everything still open (end of input)."""
         return [self._emit(job, step, complete=False) for job, step in sorted(self._open, key=lambda k: k[1])]
 
+    def owns(self, job: str | None, node: str, rank: int | None = None) -> bool:
+        """Whether ``node``'s step batches of ``job`` carry ``rank`` (any rank of the job when None): the
+        job's own step stream placing a rank on a node, which supports a check result that node reports."""
+        owner = self._owner.get(job or "")
+        code = self._codes.get(node)
+        if owner is None or code is None:
+            return False
+        if rank is None:
+            return bool((owner == code).any())
+        return 0 <= rank < owner.size and int(owner[rank]) == code
+
     def restart(self, job: str) -> None:
         """The job was interrupted and restarts, perhaps from an earlier step and a new placement: its step
         numbers may repeat and its ranks may move to other nodes."""

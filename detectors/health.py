@@ -33,6 +33,15 @@ signal (a power-brake storm at 10 per second) therefore yields one finding, not 
 episode whose severity rises (a pending remap that becomes uncorrectable errors) emits once more,
 with ``evidence["escalated_from"]``.
 
+Corroboration (docs/architecture.md, "Corroboration"): a finding that would remove a node — a
+``critical`` ECC episode, an Xid that is critical or whose rulebook entry drains — carries
+``evidence["corroboration"]`` (:class:`~fleethealth.evidence.Corroboration`): what in the node's own
+stream supports it. When nothing does at once, the finding waits (at most ``corroborate_window_s``
+of event time) for the node's next sample (the GPU off the bus, its ECC counters, the condition
+still holding) or for the node to fall silent for ``silence_s`` while others report; then it is
+emitted with what was found, or with ``by`` empty and ``missing`` saying what was not. An Xid for a
+node with no telemetry in the window is emitted at once, uncorroborated.
+
 ``update(telemetry, events) -> list[Finding]``: pure, event time only. Samples of a node older
 than its newest one are ignored (``stale_total_``); NaN fields never satisfy a rule; an Xid event
 without a code is counted in ``invalid_events_total_`` and skipped.
@@ -51,7 +60,7 @@ import numpy as np
 from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError
-from fleethealth.evidence import EccEvidence, XidEvidence
+from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, Event, EventKind, Finding, FindingKind, Telemetry
 from fleethealth.xid import XidSeverity, lookup
@@ -59,6 +68,15 @@ from fleethealth.xid import XidSeverity, lookup
 __all__ = ["HealthRules"]
 
 _WARN, _CRIT = XidSeverity.WARNING, XidSeverity.CRITICAL
+
+
+_MAX_PENDING = 10_000
+
+
+@dataclass
+class _Pending:
+    finding: Finding
+    age_s: float | None   # seconds from the node's last sample before it to the finding (None: no sample)
 
 
 @dataclass
@@ -79,6 +97,8 @@ class HealthRules(Stateful):
     Parameters (keyword-only, checked on the first ``update``): ``clear_after_s`` quiet event
     time that closes an episode; ``pcie_busy_util_pct`` utilisation above which a lower PCIe
     generation counts as downtraining; ``min_xid_severity`` the least severe Xid reported;
+    ``corroborate_window_s`` how recent a node's telemetry must be, and how long a removing finding waits
+    for support; ``silence_s`` how long a reporting node must stay silent to support an Xid;
     ``nvlink_errors_per_min`` the NVLink error rate (all four counters summed, over
     ``nvlink_window_s``, measured once at least half the window is seen) that opens a ``link``
     episode and ``nvlink_clear_per_min`` the rate below which it stops holding; at
@@ -90,8 +110,11 @@ class HealthRules(Stateful):
     def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
                  min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,
                  nvlink_clear_per_min: float = 2.0, nvlink_critical_per_min: float = 100.0,
-                 nvlink_window_s: float = 300.0) -> None:
+                 nvlink_window_s: float = 300.0, corroborate_window_s: float = 600.0,
+                 silence_s: float = 30.0) -> None:
         self.clear_after_s = clear_after_s
+        self.corroborate_window_s = corroborate_window_s
+        self.silence_s = silence_s
         self.pcie_busy_util_pct = pcie_busy_util_pct
         self.min_xid_severity = min_xid_severity
         self.nvlink_errors_per_min = nvlink_errors_per_min
@@ -108,6 +131,8 @@ class HealthRules(Stateful):
         check_number("nvlink_critical_per_min", self.nvlink_critical_per_min, at_least=self.nvlink_errors_per_min,
                      owner=self)
         check_number("nvlink_window_s", self.nvlink_window_s, above=0, owner=self)
+        check_number("corroborate_window_s", self.corroborate_window_s, above=0, owner=self)
+        check_number("silence_s", self.silence_s, above=0, at_most=self.corroborate_window_s, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
         except ValueError:
@@ -122,6 +147,9 @@ class HealthRules(Stateful):
         self.suppressed_total_ = 0
         self.xid_below_min_total_ = 0
         self.invalid_events_total_ = 0
+        self.pending_: dict[tuple[str, int | None, str], _Pending] = {}
+        self.newest_ts_ = float("-inf")
+        self.sample_before_: float | None = None  # the previous sample's time of the node being read
 
     # ------------------------------------------------------------ episodes
     def _hit(self, key: tuple[str, int | None, str], ts: float, severity: XidSeverity) -> XidSeverity | None:
@@ -153,8 +181,74 @@ class HealthRules(Stateful):
         else:
             evidence = dataclasses.replace(facts, severity=severity.value, escalated_from=escalated).to_evidence()
         # the episode (at this severity) begins with this sample or event: an escalation is its own
-        return [Finding(kind=kind, node=node, ts=float(ts), job=job, gpu=gpu, step=step,
-                        detector=f"{self.name}.{kind.value}", evidence=evidence, episode_ts=float(ts))]
+        finding = Finding(kind=kind, node=node, ts=float(ts), job=job, gpu=gpu, step=step,
+                          detector=f"{self.name}.{kind.value}", evidence=evidence, episode_ts=float(ts))
+        if not _removes(kind, severity, facts):
+            return [finding]
+        return self._corroborate(finding, rule, escalated is not None)
+
+    # ------------------------------------------------------------ corroboration
+    def _corroborate(self, f: Finding, rule: str, escalated: bool) -> list[Finding]:
+        """``f`` with what supports it now, or nothing yet (held in ``pending_`` for the node's next signal)."""
+        last = self.sample_before_ if f.kind is FindingKind.ECC else (
+            self.previous_[f.node].ts if f.node in self.previous_ else None)
+        age = None if last is None or f.ts - last > self.corroborate_window_s else max(f.ts - last, 0.0)
+        by = []
+        if escalated or any(k[0] == f.node and k != (f.node, f.gpu, rule) and (k[2] == "ecc" or k[2].startswith("xid"))
+                            and ep.opened_ts < f.ts and f.ts - ep.last_ts <= self.corroborate_window_s
+                            for k, ep in self.episodes_.items()):
+            by.append("prior_fault")
+        if (f.kind is FindingKind.XID and age is not None and f.gpu is not None
+                and _off_bus(self.previous_[f.node], f.gpu)):
+            by.append("gpu_off_bus")
+        if by:
+            return [_with(f, by, age, "")]
+        if age is None and f.kind is FindingKind.XID:
+            return [_with(f, (), None, f"no telemetry from {f.node} in the {self.corroborate_window_s:.0f} s before "
+                          "the event")]
+        if len(self.pending_) >= _MAX_PENDING:
+            return [_with(f, (), age, "not held for corroboration: too many findings waiting")]
+        self.pending_[(f.node, f.gpu, rule)] = _Pending(f, age)
+        return []
+
+    def _resolve(self, s: Telemetry) -> list[Finding]:
+        """Findings of ``s.node`` waiting for its next sample, decided by ``s``."""
+        out: list[Finding] = []
+        for key, p in list(self.pending_.items()):
+            f = p.finding
+            if key[0] != s.node or s.ts <= f.ts:
+                continue
+            del self.pending_[key]
+            by: list[str] = []
+            if f.kind is FindingKind.XID:
+                if f.gpu is not None and _off_bus(s, f.gpu):
+                    by.append("gpu_off_bus")
+                if f.gpu is not None and _ecc_bad(s, f.gpu):
+                    by.append("ecc_counters")
+                missing = f"{s.node}'s next sample shows GPU {f.gpu} on the bus with sound ECC counters"
+            else:
+                if f.gpu is not None and _ecc_critical(s, f.gpu):
+                    by.append("counters_persist")
+                missing = f"{s.node}'s next sample does not show GPU {f.gpu}'s uncorrectable errors again"
+            out.append(_with(f, by, p.age_s, "" if by else missing))
+        return out
+
+    def _expire(self) -> list[Finding]:
+        """Held Xids of a node silent for ``silence_s`` (supported), and findings waiting past the window (not)."""
+        out: list[Finding] = []
+        for key, p in list(self.pending_.items()):
+            f = p.finding
+            waited = self.newest_ts_ - f.ts
+            last = self.previous_.get(f.node)
+            silent = last is None or last.ts <= f.ts
+            if f.kind is FindingKind.XID and p.age_s is not None and silent and waited >= self.silence_s:
+                del self.pending_[key]
+                out.append(_with(f, ["telemetry_silent"], p.age_s, ""))
+            elif waited > self.corroborate_window_s:
+                del self.pending_[key]
+                out.append(_with(f, (), p.age_s, f"nothing in {f.node}'s own stream supported it within "
+                                 f"{self.corroborate_window_s:.0f} s"))
+        return out
 
     # ------------------------------------------------------------ rules
     def _telemetry(self, s: Telemetry) -> list[Finding]:
@@ -163,7 +257,9 @@ class HealthRules(Stateful):
             self.stale_total_ += 1
             return []
         self.previous_[s.node] = s
-        out: list[Finding] = []
+        self.newest_ts_ = max(self.newest_ts_, s.ts)
+        self.sample_before_ = None if prev is None else prev.ts
+        out: list[Finding] = self._resolve(s) if self.pending_ else []
         dbe = _col(s, "ecc_dbe_volatile")
         failure = _col(s, "remap_failure") > 0
         pending = (_col(s, "remap_pending") > 0) | (_col(s, "retired_pending") > 0)
@@ -269,7 +365,49 @@ class HealthRules(Stateful):
         for event in sorted(events, key=lambda e: e.ts):
             if event.kind is EventKind.XID:
                 out += self._xid(event)
+        if self.pending_:
+            for node in {k[0] for k in self.pending_}:  # a sample already newer than a held event decides it
+                if node in self.previous_:
+                    out += self._resolve(self.previous_[node])
+            out += self._expire()
         return out
+
+
+def _removes(kind: FindingKind, severity: XidSeverity, facts: Any) -> bool:
+    """Whether the policy would take the node out for this finding (so it needs corroboration)."""
+    if kind is FindingKind.ECC:
+        return severity is _CRIT
+    if kind is FindingKind.XID:
+        return severity is _CRIT or (isinstance(facts, XidEvidence) and facts.code is not None
+                                     and lookup(facts.code).drains)
+    return False
+
+
+def _with(f: Finding, by: Sequence[str], age: float | None, missing: str) -> Finding:
+    c = Corroboration(by=tuple(by), missing=missing, telemetry_age_s=None if age is None else round(age, 3))
+    return dataclasses.replace(f, evidence={**f.evidence, "corroboration": c.to_evidence()})
+
+
+def _gpu_index(s: Telemetry, gpu: int) -> int | None:
+    hit = np.flatnonzero(s.gpu == gpu)
+    return int(hit[0]) if hit.size else None
+
+
+def _off_bus(s: Telemetry, gpu: int) -> bool:
+    """The GPU is missing from the sample, or reads as NaN in temperature and power (fallen off the bus)."""
+    i = _gpu_index(s, gpu)
+    return i is None or bool(np.isnan(_col(s, "temp_c")[i]) and np.isnan(_col(s, "power_w")[i]))
+
+
+def _ecc_critical(s: Telemetry, gpu: int) -> bool:
+    i = _gpu_index(s, gpu)
+    return i is not None and bool(_col(s, "ecc_dbe_volatile")[i] > 0 or _col(s, "remap_failure")[i] > 0)
+
+
+def _ecc_bad(s: Telemetry, gpu: int) -> bool:
+    i = _gpu_index(s, gpu)
+    return i is not None and bool(_ecc_critical(s, gpu) or _col(s, "remap_pending")[i] > 0
+                                  or _col(s, "retired_pending")[i] > 0)
 
 
 def _f(x: float) -> float | None:

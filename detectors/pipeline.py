@@ -303,6 +303,8 @@ class Pipeline(Stateful):
         for node in gone:
             h.previous_.pop(node, None)
         h.episodes_ = {k: v for k, v in h.episodes_.items() if k[0] not in gone}
+        if getattr(h, "pending_", None):  # findings still waiting for the node's corroboration
+            h.pending_ = {k: v for k, v in h.pending_.items() if k[0] not in gone}
         features = getattr(self.predictor, "features_", None)
         if features is not None:
             for node in gone:
@@ -320,7 +322,7 @@ class Pipeline(Stateful):
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
         out.findings += self.hang.update(batches, [*events, *markers], now, alive=self.telemetry_ts_)
-        out.findings += self.sdc.update(events)
+        out.findings += self.sdc.update(events, owns=self.assembler.owns)
         out.findings += self.health.update(telemetry, events)
         out.findings += self.predictor.update(telemetry, events)
         ready += self._diagnosable(final)

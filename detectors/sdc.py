@@ -16,16 +16,25 @@ of the job that passed, before the failing one: the mark for transient faults), 
 (the newest *replay* step that passed: the mark for deterministic faults, which a self-check cannot
 see) and the job's recent ``checkpoints`` (from ``checkpoint`` events, each with both marks).
 
+Corroboration (docs/architecture.md, "Corroboration"): a single failing check is one event from one
+sender, so its finding carries ``evidence["corroboration"]`` with ``by`` empty, and the policy takes the
+rollback but leaves the quarantine to a human — unless the job's own step stream places the reporting
+rank on that node (``rank_on_node``: the assembler's rank owners, passed to :meth:`SdcDetector.update`
+as ``owns``), which a report about a node that is not running the job cannot have. The second
+failing check of the same GPU and kind in the episode emits one more finding (its own episode
+time), ``by = ["second_check"]``, which the policy may act on alone.
+
 Events with malformed check records are counted in ``invalid_total_`` and skipped.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fleethealth.detectors.state import Stateful
 from fleethealth.errors import SchemaError
+from fleethealth.evidence import Corroboration
 from fleethealth.params import check_int
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.rollback import Marks, retained
@@ -74,7 +83,7 @@ class SdcDetector(Stateful):
         transient = replay if selfcheck is None else selfcheck if replay is None else max(replay, selfcheck)
         return Marks(transient=transient, deterministic=replay)
 
-    def _check(self, e: Event) -> list[Finding]:
+    def _check(self, e: Event, owns: Callable[[str | None, str, int | None], bool] | None = None) -> list[Finding]:
         try:
             rec = SdcCheck.from_event(e)
         except SchemaError:
@@ -89,15 +98,23 @@ class SdcDetector(Stateful):
         self.failures_total_ += 1
         if key in self.open_:
             self.open_[key] += 1
-            return []
-        self.open_[key] = 1
+            if self.open_[key] != 2:
+                return []
+            by, missing = ["second_check"], ""
+        else:
+            self.open_[key] = 1
+            placed = owns is not None and owns(e.job, e.node, e.rank)
+            by, missing = (["rank_on_node"], "") if placed else ([], (
+                f"a single failing check, and job {e.job}'s step stream does not place rank {e.rank} on {e.node}; "
+                "a second failing check of the GPU would support it"))
         marks = self._marks(e.job, e.step)
         evidence = SdcEvidence(record=rec, reporting_rank=e.rank, last_verified_step=marks.transient,
                                last_replay_step=marks.deterministic,
                                checkpoints=tuple(self.checkpoints_.get(e.job or "", ())))
+        found = {**evidence.to_evidence(), "corroboration": Corroboration(by=tuple(by), missing=missing).to_evidence()}
         return [Finding(kind=FindingKind.SDC, node=e.node, ts=e.ts, job=e.job, gpu=e.gpu,
                         rank=rec.culprit_rank if rec.culprit_rank is not None else e.rank, step=e.step,
-                        detector=f"{self.name}.{rec.check.value}", evidence=evidence.to_evidence(), episode_ts=e.ts)]
+                        detector=f"{self.name}.{rec.check.value}", evidence=found, episode_ts=e.ts)]
 
     def _checkpoint(self, e: Event) -> None:
         try:
@@ -110,14 +127,16 @@ class SdcDetector(Stateful):
         book = [*self.checkpoints_.get(e.job, ()), record]
         self.checkpoints_[e.job] = retained(book, self._marks(e.job, None))[-16 * self.keep:]
 
-    def update(self, events: Sequence[Event]) -> list[Finding]:
-        """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings."""
+    def update(self, events: Sequence[Event], *, owns: Callable[[str | None, str, int | None], bool] | None = None
+               ) -> list[Finding]:
+        """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings.
+        ``owns(job, node, rank)`` says whether the job's step stream places the rank on the node."""
         if not hasattr(self, "open_"):
             self._start()
         out: list[Finding] = []
         for e in sorted(events, key=lambda e: e.ts):
             if e.kind is EventKind.SDC_CHECK:
-                out += self._check(e)
+                out += self._check(e, owns)
             elif e.kind is EventKind.CHECKPOINT:
                 self._checkpoint(e)
         return out

@@ -386,9 +386,10 @@ class Producer:
                  connect_timeout_s: float = 10.0, max_block_s: float | None = None,
                  request_timeout_s: float | None = None, delivery_timeout_s: float | None = None,
                  reconnect_backoff_max_s: float | None = None,
-                 event_time_stamps: bool = False) -> None:
+                 event_time_stamps: bool = False, signer: Any = None) -> None:
         self.dsn = dsn
         self.event_time_stamps = bool(event_time_stamps)
+        self.signer = signer  # a fleethealth.signing.Signer: every record it publishes carries fh-kid / fh-sig
         backend = _backend(dsn)
         if compression is not None and compression not in {c for c, _ in _COMPRESSION_PREFERENCE}:
             raise ConfigError(f"unknown compression {compression!r} (known: zstd, lz4, gzip)")
@@ -413,11 +414,15 @@ class Producer:
         self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode(), timestamp_ms=stamp)
 
     def publish_raw(self, topic: str, value: bytes, key: bytes | None = None, *,
-                    timestamp_ms: int | None = None) -> None:
+                    timestamp_ms: int | None = None, headers: Sequence[tuple[str, bytes]] | None = None) -> None:
         """Queue raw bytes for delivery (tests and the dead-letter path use it); ``timestamp_ms`` is
-        the record timestamp (default: now, by the sender's clock)."""
+        the record timestamp (default: now, by the sender's clock); ``headers`` are given as they are,
+        else the producer's ``signer`` (if any) signs the record."""
+        if headers is None and self.signer is not None:
+            headers = self.signer.headers(str(topic), key, value)
         try:
-            future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms)
+            future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
+                                   **({"headers": list(headers)} if headers else {}))
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, f"publishing to {topic}", self.dsn) from exc
@@ -484,13 +489,16 @@ class Consumer:
     and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
     at the earliest record, else at the latest. ``max_ahead_s`` / ``max_behind_s`` bound a
     message's event time against its record timestamp (None: no bound; see the module docstring).
+    ``verifier`` (a :class:`fleethealth.signing.Verifier`) checks each decoded record's signature
+    headers; the reason it gives dead-letters the record.
     """
 
     def __init__(self, dsn: str, topics: Sequence[str], group: str | None, *, producer: Producer | None = None,
                  from_beginning: bool = True, client_id: str = "fleethealth",
                  max_poll_interval_s: float = 3.0, session_timeout_s: float = 6.0,
                  connect_timeout_s: float = 10.0, max_ahead_s: float | None = None,
-                 max_behind_s: float | None = None) -> None:
+                 max_behind_s: float | None = None, verifier: Any = None) -> None:
+        self.verifier = verifier  # a fleethealth.signing.Verifier: its reason dead-letters a record
         if isinstance(topics, str):
             topics = [topics]
         if not topics:
@@ -603,7 +611,9 @@ class Consumer:
                     self._dead_letter(rec, f"<message>: {type(exc).__name__}: {exc}")
                     out.append((None, tp, rec.offset + 1))
                 else:
-                    skew = self._skew(msg, rec)
+                    skew = None if self.verifier is None else self.verifier.check(
+                        rec.topic, rec.key, rec.value, getattr(rec, "headers", None), msg)
+                    skew = skew or self._skew(msg, rec)
                     if skew is None and isinstance(msg, schema.StepBlock) and self.max_behind_s is not None:
                         skew = self._skew(msg, rec, float(msg.step_ts.min()))  # its earliest step, too
                     if skew is not None:

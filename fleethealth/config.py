@@ -372,6 +372,16 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("log.format", "str", "text", "log lines as text or one JSON object each", choices=("text", "json")),
     Key("node.topology", "str", "", "a fleet topology file (one 'NODE RACK' a line): this node's rack when "
                                     "node.rack is unknown"),
+    # signatures binding a record to its node (fleethealth/signing.py; deploy/README.md "Signed messages")
+    Key("signing.mode", "str", "off", "detectors: off, verify (check signed records) or require (dead-letter "
+        "unsigned or mismatched ones too)", choices=("off", "verify", "require")),
+    Key("signing.fleet_secret_file", "str", None, "detectors: the fleet secret every node key is derived from",
+        optional=True),
+    Key("signing.key_dir", "str", None, "detectors: a directory of per-node key files (instead of the fleet secret)",
+        optional=True),
+    Key("signing.key_file", "str", None, "probe, sweep, selftest, act: this node's (or service's) own key",
+        optional=True, env="FLEETHEALTH_SIGNING_KEY_FILE"),
+    Key("signing.key_id", "str", "", "the signer's key id (empty: this node's name; a service: svc:NAME)"),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),

@@ -29,7 +29,7 @@ from typing import Any, Self
 
 from fleethealth.schema import Action
 
-__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence"]
+__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence", "Corroboration"]
 
 
 def _number(v: Any) -> float | None:
@@ -151,3 +151,40 @@ class StragglerEvidence:
         return cls(rack=rack if isinstance(rack, str) and rack else None,
                    remaining_s=remaining if remaining is not None and remaining >= 0 else None,
                    slowdown=_finite(m.get("slowdown")))
+
+
+@dataclass(frozen=True)
+class Corroboration:
+    """What in a node's own stream supports a finding that would remove the node (``evidence["corroboration"]``).
+
+    ``by`` names the supporting signals (empty: none, the finding stands alone); ``missing`` says in
+    words what was looked for and not found. The signals, per kind (docs/architecture.md, "Corroboration"):
+
+    ==========  ==============================================================================
+    ``xid``     ``prior_fault`` (another Xid or ECC episode on the node within the window),
+                ``gpu_off_bus`` (the node's next sample lacks the GPU or reads it as NaN),
+                ``ecc_counters`` (the next sample shows the GPU's uncorrectable, pending or failed
+                remap counters), ``telemetry_silent`` (a node that was reporting sends nothing
+                for ``silence_s`` while the rest of the fleet's samples move on)
+    ``ecc``     ``prior_fault`` (a lower-severity episode of the GPU before it), ``counters_persist``
+                (the condition holds in the node's next sample too)
+    ``sdc``     ``second_check`` (another failing check of the node's GPU), ``failed_selftest``
+                (a failing self-test result of the node)
+    ==========  ==============================================================================
+    """
+
+    by: tuple[str, ...] = ()
+    missing: str = ""
+    telemetry_age_s: float | None = None
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"by": list(self.by), "missing": self.missing, "telemetry_age_s": self.telemetry_age_s}
+
+    @classmethod
+    def from_evidence(cls, m: Mapping[str, Any]) -> Self:
+        c = m.get("corroboration")
+        if not isinstance(c, Mapping):
+            return cls(missing="the finding carries no corroboration")
+        by = c.get("by", ())
+        return cls(by=tuple(str(b) for b in by) if isinstance(by, list | tuple) else (),
+                   missing=str(c.get("missing", "")), telemetry_age_s=_finite(c.get("telemetry_age_s")))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fleethealth.errors import ConfigError
 from fleethealth.kernels.baseline import BaselineBook
 from fleethealth.schema import Event, EventKind
+from fleethealth.signing import sign_record
 from fleethealth.sweeps.launch import LocalLauncher, NodeRun, NodeStatus, SrunLauncher, run_node
 from fleethealth.sweeps.plan import NodeRisk, rank_nodes, risk_from_store
 from fleethealth.sweeps.release import ReleaseDecision, apply_release, release_decision
@@ -120,6 +121,7 @@ def run_sweep(nodes: Sequence[str] | None, *, launcher: LocalLauncher | SrunLaun
 def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer: Any, release: bool,
             scheduler: Any = None) -> NodeOutcome:
     events = [r.to_event(node_run.node) for r in node_run.results]
+    signer = getattr(producer, "signer", None)
     if producer is not None:
         for event in events:
             producer.publish(event)
@@ -128,8 +130,11 @@ def _record(risk: NodeRisk, node_run: NodeRun, store: StoreLike | None, producer
     if store is not None:
         decision = release_decision(node_run, quarantined=risk.quarantined)
         if decision.evidence:  # the whole-suite record too: an operator can release by its event id
+            data = dict(decision.evidence)
+            if signer is not None and signer.kid == node_run.node:  # the node's own key: verifiable where stored
+                data = sign_record(signer, node_run.node, decision.ts, EventKind.SELFTEST.value, data)
             events.append(Event(node=node_run.node, ts=decision.ts, kind=EventKind.SELFTEST,
-                                message=decision.reason, data=decision.evidence))
+                                message=decision.reason, data=data))
         if events:
             store.insert_events(events)
         if release and risk.quarantined:

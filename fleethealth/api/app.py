@@ -103,7 +103,7 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
                clock: Callable[[], float] = time.time, limits: QueryLimits | None = None,
-               query_store: StoreLike | None = None) -> FastAPI:
+               query_store: StoreLike | None = None, release_keys: Any = None) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
     ``token`` guards the write endpoints (``None``: writes refused); ``read_token`` (or ``token``)
@@ -114,7 +114,9 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     queues the detector's writes behind it nor waits behind them, and a cancel (on ``store``) does
     not queue behind the query it cancels. ``on_breaker_reset`` is called after a reset is stored, so a
     policy engine in the same process closes its breaker at once (others pick the reset up from
-    the ``breaker`` table). ``clock`` stamps acknowledgements and resets.
+    the ``breaker`` table). ``clock`` stamps acknowledgements and resets. ``release_keys`` (a
+    :class:`fleethealth.signing.KeyRing`): a release then also needs the stored self-test record to
+    carry the node's own signature (:func:`fleethealth.signing.verify_record`).
     """
     if max_rows < 1 or max_execution_s <= 0:
         raise ValueError(f"max_rows must be >= 1 and max_execution_s > 0, got {max_rows}, {max_execution_s}")
@@ -132,6 +134,7 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     metrics.query_running.set_function(lambda: app.state.analyst.running)
     app.state.on_breaker_reset = on_breaker_reset
     app.state.clock = clock
+    app.state.release_keys = release_keys
     require = _bearer((token,), metrics, scope="write")
     if open_reads:
         log.warning("reads are open: anyone who reaches this API can read the store (--open-reads)")

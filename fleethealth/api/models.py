@@ -143,9 +143,10 @@ class QuarantineList(BaseModel):
 
 
 class ReleaseIn(_Strict):
-    """The evidence for a release: a passing full self-test, given inline or by its event id."""
+    """The evidence for a release: the event id of the node's stored passing full self-test. A record in
+    the body (``evidence``) is refused with 422: release evidence is never what the caller supplies."""
 
-    evidence: dict[str, Any] | None = Field(default=None, description="a SELFTEST record or event object")
+    evidence: dict[str, Any] | None = Field(default=None, description="refused (422): name a stored result by event_id")
     event_id: str | None = Field(default=None, max_length=64, description="id of a selftest event in the store")
     by: str = Field(default="api", min_length=1, max_length=128)
 

@@ -160,7 +160,7 @@ def write_router(require: Callable[..., str]) -> APIRouter:
             if not views.node_exists(store, node):
                 raise views.NotFound(f"unknown node {node!r}")
             raise views.NotFound(f"node {node!r} is not in quarantine")
-        evidence = _evidence(store, node, body)
+        evidence = _evidence(store, node, body, request.app.state.release_keys)
         if not qb.release(store, node, request.app.state.clock(), evidence):
             why = qb.check_release(node, current.since, evidence) or "release refused"
             raise HTTPException(409, detail=f"node {node} stays in quarantine: {why}")
@@ -189,14 +189,26 @@ def _breaker_obj(rec: persist.BreakerRecord | None, *, engine: bool) -> dict[str
     return {**rec.to_obj(), "reset_by": rec.reset_by or None, "engine": engine}
 
 
-def _evidence(store: StoreLike, node: str, body: models.ReleaseIn) -> dict[str, Any]:
-    if (body.evidence is None) == (body.event_id is None):
-        raise HTTPException(422, detail="give exactly one of evidence (a self-test record) or event_id")
+def _evidence(store: StoreLike, node: str, body: models.ReleaseIn, keys: Any = None) -> dict[str, Any]:
+    """The stored self-test result ``body.event_id`` names, of ``node``: release evidence is never a record
+    the caller supplies (issue 23 §3). What is stored came off ``fh.events`` through the detectors'
+    signature check (with ``signing.mode = require``, signed by the node itself) or from the sweep."""
     if body.evidence is not None:
-        return body.evidence
+        raise HTTPException(422, detail="release evidence must name a stored self-test result by event_id; "
+                                        "a record in the request body is not accepted")
+    if body.event_id is None:
+        raise HTTPException(422, detail="give event_id: the id of the node's stored passing full self-test")
     for event in store.events(kind=EventKind.SELFTEST.value, node=node):
         if event.id == body.event_id:
-            return {"node": event.node, "ts": event.ts, "kind": event.kind.value, "data": event.data}
+            if keys is not None:
+                from fleethealth.signing import verify_record
+
+                why = verify_record(keys, node, event.ts, event.kind.value, event.data)
+                if why is not None:
+                    raise HTTPException(409, detail=f"node {node} stays in quarantine: self-test {event.id} is not "
+                                                    f"verified ({why}); signing.mode = require")
+            return {"node": event.node, "ts": event.ts, "kind": event.kind.value, "data": event.data,
+                    "event_id": event.id}
     raise views.NotFound(f"no selftest event {body.event_id!r} for node {node!r}")
 
 

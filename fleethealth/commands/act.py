@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
                                                             if n.strip())))
     group = s["act.group"] or f"fh-act-{scheduler}"
     idle_exit = s["act.idle_exit"]
-    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}") as producer, \
+    from fleethealth.signing import load_signer
+
+    signer = load_signer(s["signing.key_file"], s["signing.key_id"] or "svc:act")  # scheduler actions: a service's
+    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}", signer=signer) as producer, \
             Consumer(dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer) as consumer:
         metrics = ActMetrics()
         if s["act.metrics_port"]:

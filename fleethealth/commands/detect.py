@@ -116,8 +116,21 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
         pipelines = None
     policy = PolicyStage(load_engine(store, **of("policy")), pager=Pager(**of("policy.paging"))) \
         if stage in (Stage.ALL, Stage.POLICY) else None
-    return Runner(bus_dsn, store, group=group, pipeline=pipelines, policy=policy, stage=stage,
-                  **{"snapshots": Snapshots(**of("detect.snapshot")), **of("detect.runner"), **kwargs})
+    runner = Runner(bus_dsn, store, group=group, pipeline=pipelines, policy=policy, stage=stage,
+                    **{"snapshots": Snapshots(**of("detect.snapshot")), **of("detect.runner"), **kwargs})
+    _sign_and_verify(runner, settings)
+    return runner
+
+
+def _sign_and_verify(runner: Runner, settings: Settings) -> None:
+    """``signing.*``: the consumer checks each input record's signature (fleethealth/signing.py), and what the
+    runner publishes on fh.events (the job stage's interruptions) is signed as the service ``svc:detect``."""
+    from fleethealth.signing import load_signer, load_verifier, service_signer
+
+    secret, key_dir = settings["signing.fleet_secret_file"], settings["signing.key_dir"]
+    runner.consumer.verifier = load_verifier(settings["signing.mode"], fleet_secret_file=secret, key_dir=key_dir)
+    runner.producer.signer = (load_signer(settings["signing.key_file"], settings["signing.key_id"] or "svc:detect")
+                              or service_signer(secret, "detect"))
 
 
 def stage_group(group: str, stage: Stage) -> str:

@@ -126,7 +126,10 @@ def run(args: argparse.Namespace) -> int:
             from fleethealth.probe.rollback import RollbackRelay
 
             relay = RollbackRelay(Path(config.socket_path).parent, node, dsn=kafka)
-        with Probe(source, config, dsn=kafka, on_connect=on_connect, relay=relay) as probe:
+        from fleethealth.signing import load_signer
+
+        signer = load_signer(s["signing.key_file"], s["signing.key_id"] or node)  # this node's key only
+        with Probe(source, config, dsn=kafka, on_connect=on_connect, relay=relay, signer=signer) as probe:
             print(f"fleethealth probe: node {config.node}, source {source_name}, bus {kafka}, "
                   f"socket {config.socket_path or 'off'}, metrics {config.metrics_port or 'off'}", file=sys.stderr)
             ticks = probe.run(stop)

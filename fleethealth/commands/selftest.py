@@ -26,6 +26,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for fault positions")
     p.add_argument("--kafka", metavar="DSN", default=os.environ.get("FLEETHEALTH_KAFKA"),
                    help="publish each result to fh.events (default $FLEETHEALTH_KAFKA)")
+    p.add_argument("--key-file", metavar="FILE", default=os.environ.get("FLEETHEALTH_SIGNING_KEY_FILE"),
+                   help="this node's signing key: published results are signed as this node "
+                        "(default $FLEETHEALTH_SIGNING_KEY_FILE; deploy/README.md \"Signed messages\")")
     p.add_argument("--store", metavar="DSN", default=None,
                    help="store for fleet-median baselines; results are written there too")
     p.add_argument("--baseline", metavar="FILE", default=None,
@@ -91,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
         from fleethealth.errors import BusError
 
         try:
-            with Producer(args.kafka, client_id="fleethealth-selftest") as producer:
+            from fleethealth.signing import load_signer
+
+            with Producer(args.kafka, client_id="fleethealth-selftest",
+                          signer=load_signer(args.key_file, node)) as producer:
                 for event in events:
                     producer.publish(event)
                 producer.flush()

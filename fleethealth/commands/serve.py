@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from fleethealth.commands._common import embedded_store_dsn, open_store_at, stop_on_signals
 from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+
+if TYPE_CHECKING:
+    from fleethealth.config import Settings
+    from fleethealth.signing import KeyRing
 
 __all__ = ["add"]
 
@@ -128,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         # analyst SQL on a handle of its own: it neither queues the detector's writes nor waits behind them
         query_store = stack.enter_context(open_store_at(settings["serve.query_store"] or store_dsn, migrate=False))
         app = create_app(store, token=token, read_token=read_token, open_reads=open_reads,
-                         registry=registry, on_breaker_reset=hook, query_store=query_store)
+                         registry=registry, on_breaker_reset=hook, query_store=query_store,
+                         release_keys=_release_keys(settings))
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order
@@ -137,3 +143,14 @@ def run(args: argparse.Namespace) -> int:
             if not failed:
                 server.run()
     return 1 if failed else 0
+
+
+def _release_keys(settings: Settings) -> KeyRing | None:
+    """With ``signing.mode = require``, the keys a release checks the stored self-test's signature with."""
+    if settings["signing.mode"] != "require":
+        return None
+    from fleethealth.signing import load_verifier
+
+    verifier = load_verifier("require", fleet_secret_file=settings["signing.fleet_secret_file"],
+                             key_dir=settings["signing.key_dir"])
+    return None if verifier is None else verifier.ring

@@ -37,6 +37,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="store: node risk, quarantine book, results (default $FLEETHEALTH_STORE)")
     p.add_argument("--kafka", metavar="DSN", default=os.environ.get("FLEETHEALTH_KAFKA"),
                    help="publish results to fh.events (default $FLEETHEALTH_KAFKA)")
+    p.add_argument("--key-file", metavar="FILE", default=os.environ.get("FLEETHEALTH_SIGNING_KEY_FILE"),
+                   help="this node's signing key (--launcher local: the sweep runs on the node it tests); "
+                        "published results are signed as this node (default $FLEETHEALTH_SIGNING_KEY_FILE)")
     p.add_argument("--no-release", action="store_true", help="do not return passing quarantined nodes to the pool")
     p.add_argument("--maint-reservation", action="store_true",
                    help="with --launcher srun: test nodes fleethealth drained inside a MAINT,IGNORE_JOBS "
@@ -94,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     only = parse_only(args.only)
     with optional_store(args.store) as store, optional_producer(args.kafka, "fleethealth-sweep") as producer, \
             progress("sweep") as show:
+        if producer is not None and args.key_file:
+            from fleethealth.signing import load_signer
+
+            producer.signer = load_signer(args.key_file, node_name())  # only this node's results verify
         report = run_sweep(nodes or None, launcher=launcher, suite=args.suite, device=args.device, only=only,
                            store=store, producer=producer, release=not args.no_release,
                            timeout_s=args.timeout, parallel=args.parallel, progress=show)

@@ -68,6 +68,7 @@ from fleethealth.policy.guards import (
     RackGuard,
     SeenFindings,
     is_stale,
+    uncorroborated,
 )
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
 from fleethealth.xid import lookup as xid_lookup
@@ -101,7 +102,9 @@ class PolicyEngine:
     after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
     (0.5); ``dry_run`` marks every recommendation as not to be executed (False);
     ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
-    (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5).
+    (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5); ``corroborate``: an Xid, ECC or
+    SDC finding removes a node automatically only with a supporting signal from the node's own stream
+    (:func:`~fleethealth.policy.guards.uncorroborated`; True).
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
@@ -110,7 +113,8 @@ class PolicyEngine:
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
-                 outcome_recur_share: float = 0.5) -> None:
+                 outcome_recur_share: float = 0.5, corroborate: bool = True) -> None:
+        self.corroborate = bool(corroborate)
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
@@ -484,6 +488,10 @@ class PolicyEngine:
                 fired.append(GuardName.SAME_RACK)
                 reason += (f"; the last node taken out ({self.rack_.last_node_}) was also in rack {rack}: "
                            "needs a human")
+        alone = uncorroborated(f.kind.value, f.evidence) if self.corroborate and action in _REMOVING else None
+        if alone is not None:  # before the breaker: an event standing alone is never counted towards it
+            fired.append(GuardName.UNCORROBORATED)
+            reason += f"; not corroborated ({alone}): needs a human"
         if action in _REMOVING:
             if self.breaker_.open_:
                 fired.append(GuardName.BREAKER)

@@ -7,6 +7,9 @@ in the same rack without a human. Beyond the seed, from field reports of remedia
 * a fleet circuit breaker — more than a share of the fleet's nodes recommended for drain, evict or
   quarantine inside a window trips it, and only an explicit reset closes it;
 * idempotency — a finding id seen before yields nothing the second time;
+* corroboration — an automatic removal on an Xid, ECC or SDC finding needs a supporting signal in the
+  node's own stream (:func:`uncorroborated`); without one it waits for a human, and the breaker never
+  counts it, so forged events for other nodes can neither remove them nor trip it;
 * staleness — a finding older than a bound (against the decision time), or stamped further in the
   future than a clock-skew bound, is recorded, not acted on.
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleethealth.errors import ConfigError
+from fleethealth.evidence import Corroboration
 from fleethealth.params import check_number
 
 __all__ = [
@@ -33,6 +37,8 @@ __all__ = [
     "RackGuard",
     "CircuitBreaker",
     "BreakerStatus",
+    "CORROBORATED_KINDS",
+    "uncorroborated",
 ]
 
 
@@ -45,6 +51,24 @@ class GuardName:
     STALE = "stale"
     UNKNOWN_ONCE = "unknown_once"
     DRY_RUN = "dry_run"
+    UNCORROBORATED = "uncorroborated"
+
+
+CORROBORATED_KINDS = frozenset({"xid", "ecc", "sdc"})
+"""Finding kinds raised by one event or sample, whose removals need a supporting signal."""
+
+
+def uncorroborated(kind: str, evidence: Mapping[str, Any]) -> str | None:
+    """Why a removal on this finding may not be automatic (None: it may). A finding of
+    :data:`CORROBORATED_KINDS` needs ``evidence["corroboration"]["by"]`` to name a supporting signal
+    from the node's own stream (:class:`fleethealth.evidence.Corroboration`); other kinds are
+    judged from a stream already (a straggler's steps, a hang's silence, a risk's history)."""
+    if kind not in CORROBORATED_KINDS:
+        return None
+    c = Corroboration.from_evidence(evidence)
+    if c.by:
+        return None
+    return c.missing or "no supporting signal in the node's own stream"
 
 
 

@@ -51,6 +51,7 @@ from fleethealth.probe.nic import NicReader
 from fleethealth.probe.sources import Source, StallGuard
 from fleethealth.probe.spool import DEFAULT_MAX_BYTES, Spool
 from fleethealth.schema import MAX_BLOCK_STEPS, Event, EventKind, Message, Telemetry
+from fleethealth.signing import Signer
 from fleethealth.wire import DEFAULT_SOCKET
 
 __all__ = ["Probe", "ProbeConfig", "TickReport", "DatagramListener", "make_source"]
@@ -120,13 +121,14 @@ class Probe:
     def __init__(self, source: Source, config: ProbeConfig, *, dsn: str | None = None,
                  delivery: Delivery | None = None, metrics: ProbeMetrics | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
-                 on_connect: Callable[[str], None] | None = None, relay: Any = None) -> None:
+                 on_connect: Callable[[str], None] | None = None, relay: Any = None,
+                 signer: Signer | None = None) -> None:
         if delivery is None:
             if dsn is None:
                 raise ConfigError("probe: --kafka DSN is required")
             spool = Spool(Path(config.spool_dir), max_bytes=config.spool_max_bytes)
             delivery = Delivery(dsn, spool, client_id=f"fleethealth-probe-{config.node}", on_connect=on_connect,
-                                node=config.node)
+                                node=config.node, signer=signer)  # signer: this node's key (fleethealth.signing)
         self.source = source
         self.config = config
         self.delivery = delivery

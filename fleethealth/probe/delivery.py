@@ -82,6 +82,8 @@ class Delivery:
     the timeouts given here); ``on_connect(dsn)`` runs after every (re)connect, e.g.
     :func:`fleethealth.bus.ensure_topics` against a broker that forgets its topics on restart.
     ``node`` names the node in the ``spool_dropped`` reports (default: this host's node name).
+    ``signer`` (a :class:`fleethealth.signing.Signer` holding this node's key) signs every record as
+    it is handed to the producer: the spool keeps the bodies, the signature goes in the record's headers.
     """
 
     def __init__(self, dsn: str, spool: Spool, *, client_id: str = "fleethealth-probe",
@@ -90,7 +92,7 @@ class Delivery:
                  flush_timeout_s: float = 5.0, backoff_s: float = 0.5, max_backoff_s: float = 5.0,
                  request_timeout_s: float = 5.0, reconnect_backoff_max_s: float = 1.0,
                  delivery_timeout_s: float = math.inf, node: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, signer: Any = None) -> None:
         if batch_records < 1:
             raise ConfigError("delivery batch must hold at least one record")
         for name, value in (("request_timeout_s", request_timeout_s),
@@ -115,6 +117,7 @@ class Delivery:
 
             node = node_name()
         self.node = node
+        self.signer = signer
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -196,14 +199,24 @@ class Delivery:
         sent = 0
         try:
             if drops is not None:
-                self._producer.publish(drop_report(self.node, drops))
+                report = drop_report(self.node, drops)
+                if self.signer is None:
+                    self._producer.publish(report)
+                else:
+                    self._send(report.TOPIC.value, schema.encode(report), report.key.encode())
                 reported = True
             for record in batch:
-                self._producer.publish_raw(record.topic, record.value, record.key)
+                self._send(record.topic, record.value, record.key)
                 sent += 1
         finally:
             if reported or sent:
                 self._inflight = _InFlight(start, start + sent, drops if reported else None)
+
+    def _send(self, topic: str, value: bytes, key: bytes | None) -> None:
+        if self.signer is None:
+            self._producer.publish_raw(topic, value, key)
+        else:
+            self._producer.publish_raw(topic, value, key, headers=self.signer.headers(topic, key, value))
 
     def _connect(self) -> bool:
         try:

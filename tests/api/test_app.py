@@ -153,39 +153,80 @@ def _passing(node: str, ts: float) -> dict:
             "mismatches": [], "devices": ["cpu"], "covered": covered, "duration_s": 600.0}
 
 
-def test_quarantine_release_needs_token_and_a_full_passing_selftest(client, auth):
+def _stored(store, node: str, ts: float, **override) -> str:
+    """A passing full self-test of ``node`` stored as the sweep or the detectors store it; its event id."""
+    from fleethealth.schema import Event, EventKind
+
+    data = {k: v for k, v in {**_passing(node, ts), **override}.items() if k not in ("node", "ts")}
+    ev = Event(node=node, ts=ts, kind=EventKind.SELFTEST, data=data)
+    store.insert_events([ev])
+    return ev.id
+
+
+def test_quarantine_release_needs_token_and_a_full_passing_selftest(client, store, auth):
     assert [q["node"] for q in client.get("/v1/quarantine").json()["items"]] == ["n0001"]
     url = "/v1/quarantine/n0001/release"
-    assert client.post(url, json={"evidence": _passing("n0001", T0 + 100)},
-                       headers={"Authorization": ""}).status_code == 401
-    weak = {**_passing("n0001", T0 + 100), "suite": "quick"}
-    refused = client.post(url, json={"evidence": weak}, headers=auth)
+    good = _stored(store, "n0001", T0 + 100)
+    assert client.post(url, json={"event_id": good}, headers={"Authorization": ""}).status_code == 401
+    refused = client.post(url, json={"event_id": _stored(store, "n0001", T0 + 90, suite="quick")}, headers=auth)
     assert refused.status_code == 409 and "full" in refused.json()["detail"]
-    stale = client.post(url, json={"evidence": _passing("n0001", T0 + 1)}, headers=auth)
+    stale = client.post(url, json={"event_id": _stored(store, "n0001", T0 + 1)}, headers=auth)
     assert stale.status_code == 409 and "predates" in stale.json()["detail"]
     assert client.get("/v1/quarantine").json()["count"] == 1
     assert client.post(url, json={}, headers=auth).status_code == 422
-    ok = client.post(url, json={"evidence": _passing("n0001", T0 + 100), "by": "ops"}, headers=auth)
+    ok = client.post(url, json={"event_id": good, "by": "ops"}, headers=auth)
     assert ok.status_code == 200 and ok.json()["released"] is True
     assert client.get("/v1/quarantine").json()["count"] == 0
-    assert client.post(url, json={"evidence": _passing("n0001", T0 + 100)}, headers=auth).status_code == 404
-    assert client.post("/v1/quarantine/n0777/release", json={"evidence": _passing("n0777", T0)},
-                       headers=auth).status_code == 404
+    assert client.post(url, json={"event_id": good}, headers=auth).status_code == 404
+    assert client.post("/v1/quarantine/n0777/release", json={"event_id": good}, headers=auth).status_code == 404
+
+
+def test_release_evidence_from_the_request_body_is_refused(client, store, auth):
+    """Issue 23 §3: a passing record in the body, or another node's stored result, releases nothing."""
+    url = "/v1/quarantine/n0001/release"
+    body = client.post(url, json={"evidence": _passing("n0001", T0 + 100)}, headers=auth)
+    assert body.status_code == 422 and "stored self-test" in body.text
+    other = _stored(store, "n0000", T0 + 100)
+    assert client.post(url, json={"event_id": other}, headers=auth).status_code == 404
+    assert client.get("/v1/quarantine").json()["count"] == 1
+
+
+def test_with_signing_required_a_release_needs_the_nodes_own_signature(client, store, auth):
+    """signing.mode = require: the stored suite record must carry the node's signature (the sweep on the
+    node signs it); an unsigned one, or one a compromised node signed for another, releases nothing."""
+    from fleethealth.schema import Event, EventKind
+    from fleethealth.signing import KeyRing, Signer, sign_record
+
+    secret = b"k" * 32
+    client.app.state.release_keys = KeyRing(fleet_secret=secret)
+    url = "/v1/quarantine/n0001/release"
+    unsigned = client.post(url, json={"event_id": _stored(store, "n0001", T0 + 100)}, headers=auth)
+    assert unsigned.status_code == 409 and "carries no signature" in unsigned.json()["detail"]
+
+    def signed(signer, ts):
+        data = {k: v for k, v in _passing("n0001", ts).items() if k not in ("node", "ts")}
+        kid = signer.kid
+        data = sign_record(signer, kid, ts, "selftest", data)
+        ev = Event(node="n0001", ts=ts, kind=EventKind.SELFTEST, data=data)
+        store.insert_events([ev])
+        return ev.id
+
+    forged = client.post(url, json={"event_id": signed(Signer.for_node(secret, "evil"), T0 + 110)}, headers=auth)
+    assert forged.status_code == 409 and "signed by 'evil'" in forged.json()["detail"]
+    assert client.get("/v1/quarantine").json()["count"] == 1
+    ok = client.post(url, json={"event_id": signed(Signer.for_node(secret, "n0001"), T0 + 120)}, headers=auth)
+    assert ok.status_code == 200 and ok.json()["released"] is True
 
 
 def test_release_by_selftest_event_id(client, store, auth):
-    from fleethealth.schema import Event, EventKind
-
-    ev = Event(node="n0001", ts=T0 + 200.0, kind=EventKind.SELFTEST,
-               data={k: v for k, v in _passing("n0001", T0 + 200.0).items() if k not in ("node", "ts")})
-    store.insert_events([ev])
     url = "/v1/quarantine/n0001/release"
+    ev = _stored(store, "n0001", T0 + 200.0)
     assert client.post(url, json={"event_id": "0" * 24}, headers=auth).status_code == 404
-    assert client.post(url, json={"event_id": ev.id}, headers=auth).json()["released"] is True
+    assert client.post(url, json={"event_id": ev}, headers=auth).json()["released"] is True
 
 
-def test_one_passing_test_or_a_typed_verdict_does_not_release(client, store, auth):
-    """A per-test selftest event of the full suite, and a body with only suite and verdict, are 409."""
+def test_one_passing_test_or_an_incomplete_suite_does_not_release(client, store, auth):
+    """A per-test selftest event of the full suite, and a suite record missing a test, are 409."""
     from fleethealth.schema import Event, EventKind
 
     one = Event(node="n0001", ts=T0 + 200.0, kind=EventKind.SELFTEST,
@@ -195,13 +236,8 @@ def test_one_passing_test_or_a_typed_verdict_does_not_release(client, store, aut
     url = "/v1/quarantine/n0001/release"
     by_id = client.post(url, json={"event_id": one.id}, headers=auth)
     assert by_id.status_code == 409 and "one test" in by_id.json()["detail"]
-    typed = client.post(url, json={"evidence": {"suite": "full", "verdict": "pass"}}, headers=auth)
-    assert typed.status_code == 409 and "names no node" in typed.json()["detail"]
-    other = client.post(url, json={"evidence": _passing("n0000", T0 + 100)}, headers=auth)
-    assert other.status_code == 409 and "not 'n0001'" in other.json()["detail"]
-    partial = {**_passing("n0001", T0 + 100)}
-    partial["covered"] = partial["covered"][1:]
-    missing = client.post(url, json={"evidence": partial}, headers=auth)
+    partial = _passing("n0001", T0 + 100)["covered"][1:]
+    missing = client.post(url, json={"event_id": _stored(store, "n0001", T0 + 100, covered=partial)}, headers=auth)
     assert missing.status_code == 409 and "incomplete full suite" in missing.json()["detail"]
     assert client.get("/v1/quarantine").json()["count"] == 1
 

@@ -60,8 +60,43 @@ def test_ecc_rules_and_escalation():
     (worse,) = rules.update([_t(50.0, retired_sbe=(1, 4.0), remap_pending=(1, 1.0), ecc_dbe_volatile=(1, 2.0))])
     assert worse.evidence["severity"] == "critical" and worse.evidence["escalated_from"] == "warning"
     assert worse.evidence["uncorrectable"] == 2.0
-    (fail,) = rules.update([_t(60.0, node="n0009", remap_failure=(0, 1.0))])
+    assert worse.evidence["corroboration"]["by"] == ["prior_fault"]  # the warning episode before it
+    # a node's first sample claiming a failed remap waits for its next one: corroborated when it holds again
+    assert rules.update([_t(60.0, node="n0009", remap_failure=(0, 1.0))]) == []
+    (fail,) = rules.update([_t(61.0, node="n0009", remap_failure=(0, 1.0))])
     assert fail.evidence["remap_failure"] is True and fail.evidence["severity"] == "critical"
+    assert fail.ts == 60.0 and fail.evidence["corroboration"]["by"] == ["counters_persist"]
+
+
+def _live(ts, node, lost=None):
+    """A sample of a node whose GPUs all read (temperature and power), but GPU ``lost`` (NaN: off the bus)."""
+    s = _t(ts, node=node)
+    temp, power = np.full(4, 45.0), np.full(4, 300.0)
+    if lost is not None:
+        temp[lost] = power[lost] = np.nan
+    return Telemetry.from_columns(node, "r00", ts, np.arange(4), **{**s.columns, "temp_c": temp, "power_w": power})
+
+
+def test_a_removing_finding_needs_support_in_the_nodes_own_stream():
+    """docs/architecture.md "Corroboration": an Xid 79 for a node that never reported, or one whose GPU the
+    next sample still reads, stands alone; the GPU off the bus or the node falling silent supports it."""
+    rules = HealthRules(silence_s=30.0)
+    (ghost,) = rules.update([], [Event(node="ghost", ts=10.0, kind=EventKind.XID, gpu=0, code=79)])
+    assert ghost.evidence["corroboration"]["by"] == [] and "no telemetry" in ghost.evidence["corroboration"]["missing"]
+    rules.update([_live(100.0, "a"), _live(100.0, "b"), _live(100.0, "c")])
+    # forged for a healthy, reporting node: held, then refuted by its next sample
+    assert rules.update([], [Event(node="a", ts=100.5, kind=EventKind.XID, gpu=1, code=79)]) == []
+    (forged,) = rules.update([_live(101.0, "a")])
+    assert forged.evidence["corroboration"]["by"] == [] and forged.ts == 100.5
+    # genuine: the GPU reads as NaN in the next sample
+    assert rules.update([], [Event(node="b", ts=101.5, kind=EventKind.XID, gpu=2, code=79)]) == []
+    (lost,) = rules.update([_live(102.0, "b", lost=2)])
+    assert lost.evidence["corroboration"]["by"] == ["gpu_off_bus"]
+    # genuine: the node stops reporting while the others go on
+    assert rules.update([], [Event(node="c", ts=102.5, kind=EventKind.XID, gpu=0, code=79)]) == []
+    assert rules.update([_live(120.0, "a"), _live(120.0, "b")]) == []
+    (silent,) = rules.update([_live(140.0, "a")])
+    assert silent.node == "c" and silent.evidence["corroboration"]["by"] == ["telemetry_silent"]
 
 
 def test_ecc_rules_on_a_gpu_that_remaps_rows_and_retires_no_pages():

@@ -30,10 +30,13 @@ def test_failed_selfcheck_names_node_gpu_rank_check_and_classification():
 
 
 def test_deterministic_replay_failures_are_one_episode_until_a_pass():
+    """One finding standing alone, one more when a second check fails (corroborated), then none."""
     det = SdcDetector()
     fails = [_check(s, False, check="replay", culprit=9, classification="persistent") for s in (200, 400, 600)]
     found = det.update(fails)
-    assert len(found) == 1 and found[0].rank == 9 and found[0].evidence["culprit_rank"] == 9
+    assert len(found) == 2 and found[0].rank == 9 and found[0].evidence["culprit_rank"] == 9
+    assert [f.evidence["corroboration"]["by"] for f in found] == [[], ["second_check"]]
+    assert [f.step for f in found] == [200, 400] and found[0].id != found[1].id
     assert det.failures_total_ == 3
     det.update([_check(800, True, check="replay")])
     assert len(det.update([_check(1000, False, check="replay", culprit=9)])) == 1
@@ -67,5 +70,5 @@ def test_simulated_sdc_faults():
     for step in range(0, 420, 50):
         found += det.update(sim.step(step).events)
     got = sorted((f.node, f.gpu, f.evidence["check"], f.step) for f in found)
-    assert got == [("n0001", 5, "selfcheck", 150), ("n0003", 2, "replay", 200)]
+    assert got == [("n0001", 5, "selfcheck", 150), ("n0003", 2, "replay", 200), ("n0003", 2, "replay", 400)]
     assert {f.evidence["classification"] for f in found} == {"transient", "persistent"}

@@ -12,6 +12,8 @@ from fleethealth.schema import Action, Event, EventKind, Telemetry
 
 def test_an_xid_finding_keeps_its_wire_shape_and_reads_back_typed():
     [f] = HealthRules().update([], [Event(node="n0019", ts=5.0, kind=EventKind.XID, gpu=6, code=79, message="m")])
+    support = f.evidence.pop("corroboration")  # n0019 sent no telemetry: the event stands alone
+    assert support["by"] == [] and "no telemetry from n0019" in support["missing"]
     assert f.evidence == {"severity": "critical", "code": 79, "name": "GPU has fallen off the bus",
                           "action": "drain", "remedy": f.evidence["remedy"], "hardware": True, "message": "m"}
     facts = XidEvidence.from_evidence(f.evidence)
@@ -31,6 +33,7 @@ def test_an_ecc_finding_keeps_its_wire_shape_and_escalation():
                                    "retired_pages", "remapped_rows", "corrected_volatile"]
     facts = EccEvidence.from_evidence(crit.evidence)
     assert facts.severity == "critical" and facts.escalated_from == "warning" and facts.uncorrectable_seen
+    assert crit.evidence.pop("corroboration")["by"] == ["prior_fault"]  # the warning episode before it
     assert facts.reasons == ("uncorrectable", "pending") and facts.to_evidence() == crit.evidence
 
 

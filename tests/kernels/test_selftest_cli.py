@@ -86,21 +86,27 @@ def test_results_go_to_the_store_and_become_fleet_baselines(tmp_path, capsys: py
     assert len(events) == 3 and {e.data["test"] for e in events} == {"gemm_exact_fp32"}
 
 
-def test_results_are_published_to_fh_events(broker, capsys: pytest.CaptureFixture[str]) -> None:
+def test_results_are_published_to_fh_events(broker, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Signed with the node's key (``--key-file``): a consumer requiring signatures takes them."""
     from fleethealth.bus import Consumer
     from fleethealth.schema import EventKind, Topic
+    from fleethealth.signing import KeyRing, Verifier, node_key
 
     node = f"st-{uuid.uuid4().hex[:8]}"
+    secret = b"z" * 32
+    (tmp_path / "node-key").write_text(node_key(secret, node).hex())
     assert main(["selftest", "--device", "cpu", "--only", "gemm_exact_fp32,gemm_repeat_fp32", "--kafka",
-                 broker.dsn, "--node", node]) == 0
+                 broker.dsn, "--node", node, "--key-file", str(tmp_path / "node-key")]) == 0
     capsys.readouterr()
     seen = []
-    with Consumer(broker.dsn, [Topic.EVENTS], f"g-{node}", session_timeout_s=2.0, max_poll_interval_s=2.0) as cons:
+    with Consumer(broker.dsn, [Topic.EVENTS], f"g-{node}", session_timeout_s=2.0, max_poll_interval_s=2.0,
+                  verifier=Verifier("require", KeyRing(fleet_secret=secret))) as cons:
         deadline = time.monotonic() + 30
         while len(seen) < 2 and time.monotonic() < deadline:
             seen += [r.msg for r in cons.poll(timeout_s=0.5) if r.msg.node == node]
     assert sorted(e.data["test"] for e in seen) == ["gemm_exact_fp32", "gemm_repeat_fp32"]
     assert all(e.kind is EventKind.SELFTEST and e.data["verdict"] == "pass" for e in seen)
+    assert cons.verifier.verified_total >= 2
 
 
 def test_quick_suite_plan_is_small_on_a_cpu() -> None:

@@ -36,8 +36,15 @@ def _straggler(node="n0013", ts=T0, *, diag=Diagnosis.NODE_THERMAL, slowdown=0.2
                    slowdown=slowdown, detector="straggler", evidence={"rack": _rack(node), **evidence})
 
 
+SUPPORTED = {"corroboration": {"by": ["prior_fault"]}}
+"""What a detector attaches to an Xid, ECC or SDC finding that the node's own stream supports."""
+
+
 def _finding(kind, node="n0007", ts=T0, **kw):
+    """A finding; an Xid, ECC or SDC one is corroborated unless its evidence says otherwise."""
     evidence = {"rack": _rack(node), **kw.pop("evidence", {})}
+    if kind in (FindingKind.XID, FindingKind.ECC, FindingKind.SDC):
+        evidence = {**SUPPORTED, **evidence}
     return Finding(kind=kind, node=node, ts=ts, job=kw.pop("job", "train-1"), gpu=kw.pop("gpu", 1),
                    detector=kw.pop("detector", "test"), evidence=evidence, **kw)
 

@@ -27,7 +27,7 @@ def _rack(node):  # the rack each test node reports, eight to a rack
 
 def _xid(node, ts):
     return Finding(kind=FindingKind.XID, node=node, ts=ts, job="train-1", gpu=0, detector="xid",
-                   evidence={"code": 79, "rack": _rack(node)})
+                   evidence={"code": 79, "rack": _rack(node), "corroboration": {"by": ["gpu_off_bus"]}})
 
 
 def _straggler(node, ts, slowdown=0.2):

@@ -44,11 +44,15 @@ def test_default_scenario_hot_aisle_sdc_and_guards():
     assert all(r.evidence["target_step"] < starts[r.node] for r in rollbacks)
     # every recommendation explains itself
     assert all(r.reason and "guards_fired" in r.evidence for r in recs)
-    # six nodes leave the pool within the hour (evict, drain for failure risk and Xid 79, two
-    # quarantines, the hang's drain) on a 32-node fleet: the breaker trips on the sixth and pages once
+    # four nodes leave the pool (the eviction, the failure-risk drain, two quarantines), each removal
+    # corroborated by the node's own stream. The simulator's lone Xid 79 on n0019 comes with no other
+    # signal (its telemetry and steps go on as before), which is exactly what a forged one looks like:
+    # its drain waits for a human and is not counted by the breaker; the hang's drain of n0002 then
+    # follows n0007's in rack r00 and is held by the same-rack rule. Four of a limit of five: no trip.
     removing = [r for r in recs if r.action in (Action.EVICT, Action.DRAIN, Action.QUARANTINE)
                 and r.guard is Guard.ALLOWED]
-    assert len({r.node for r in removing}) == 5
-    assert policy.breaker_.status().open
-    pages = [r for r in recs if r.action is Action.PAGE]
-    assert len(pages) == 1 and pages[0].guard is Guard.NEEDS_HUMAN and "circuit breaker" in pages[0].reason
+    assert {r.node for r in removing} == {"n0007", "n0011", "n0013", "n0030"}
+    held = {(r.node, tuple(r.evidence["guards_fired"])) for r in recs
+            if r.action is Action.DRAIN and r.guard is Guard.NEEDS_HUMAN}
+    assert {("n0019", ("uncorroborated",)), ("n0002", ("same_rack",))} <= held
+    assert not policy.breaker_.status().open and not [r for r in recs if r.action is Action.PAGE]

@@ -140,3 +140,35 @@ def test_a_node_far_below_the_fleet_median_of_its_model_is_slow(store, fake_srun
     assert run.status.value == "slow" and report.exit_code == 1
     stored = store.events(kind="selftest", node="n0200")
     assert {e.data["test"]: e.data["verdict"] for e in stored}["gemm_exact_fp32"] == "slow"
+
+
+def test_the_sweep_on_a_node_signs_its_suite_record(store, fake_srun, replay, tmp_path) -> None:
+    """With the node's own key (``--key-file``), the whole-suite record in the store carries the node's
+    signature, which the API's release checks under signing.mode = require; another node's key signs nothing."""
+    from fleethealth.signing import KeyRing, Signer, verify_record
+
+    secret = b"q" * 32
+    node = f"sg{uuid.uuid4().hex[:6]}"
+    record_node(tmp_path, node)
+    quarantine.quarantine(store, node, "sdc", ts=1000.0)
+
+    class _Bus:
+        def __init__(self, signer):
+            self.signer, self.sent = signer, []
+
+        def publish(self, event):
+            self.sent.append(event)
+
+        def flush(self):
+            pass
+
+    launcher = SrunLauncher(srun=str(fake_srun), command=(str(replay),))
+    run_sweep([node], launcher=launcher, store=store, producer=_Bus(Signer.for_node(secret, node)))
+    (suite,) = [e for e in store.events(kind="selftest", node=node) if e.data["test"] == "suite"]
+    assert verify_record(KeyRing(fleet_secret=secret), node, suite.ts, "selftest", suite.data) is None
+    other = f"{node}x"
+    record_node(tmp_path, other)
+    quarantine.quarantine(store, other, "sdc", ts=1000.0)
+    run_sweep([other], launcher=launcher, store=store, producer=_Bus(Signer.for_node(secret, node)))
+    (unsigned,) = [e for e in store.events(kind="selftest", node=other) if e.data["test"] == "suite"]
+    assert "no signature" in verify_record(KeyRing(fleet_secret=secret), other, unsigned.ts, "selftest", unsigned.data)
