@@ -54,8 +54,8 @@ def _actions(recs, action=None, guard=None):
 
 
 def test_a_rack_is_what_the_node_reported_never_its_name():
-    def f(node, **evidence):
-        return Finding(kind=FindingKind.XID, node=node, ts=T0, evidence=evidence)
+    def f(node, **evidence):  # corroborated: the rack rule is what this test is about
+        return Finding(kind=FindingKind.XID, node=node, ts=T0, evidence={**SUPPORTED, **evidence})
 
     assert rack_of(f("dc1-r07-gpu03", rack="row2-rack07")) == "row2-rack07"
     assert rack_of(f("n0013")) is None                              # no rack reported: unknown, not r01
@@ -64,7 +64,8 @@ def test_a_rack_is_what_the_node_reported_never_its_name():
     eng = PolicyEngine()
     first = eng.decide([f("gpu-a", code=79, rack="row2-rack07")], now=T0)
     assert _actions(first, Action.DRAIN)[0].guard is Guard.ALLOWED
-    unknown = eng.decide([Finding(kind=FindingKind.XID, node="gpu-b", ts=T0 + 1, evidence={"code": 79})], now=T0 + 1)
+    unknown = eng.decide([Finding(kind=FindingKind.XID, node="gpu-b", ts=T0 + 1, evidence={**SUPPORTED, "code": 79})],
+                         now=T0 + 1)
     [drain] = _actions(unknown, Action.DRAIN)
     assert drain.guard is Guard.ALLOWED and drain.evidence.get("rack") is None
     again = eng.decide([f("gpu-c", code=79, rack="row2-rack07")], now=T0 + 2)
