@@ -29,7 +29,10 @@ telemetry, ranks all level with no watchdog report is a job that finished or is 
 ``idle_total_``). Not a hang either: a job that stopped for a known cause before the deadline (its
 ``job_exit`` record — a lost GPU, a planned restart — or an ``interruption`` record). After a
 ``job_exit``, a ``job_start`` or an ``interruption`` the job's rank state starts afresh with its next
-batch, since a restarted job may resume from an earlier step.
+batch, since a restarted job may resume from an earlier step — except, after a ``job_exit``, a batch
+of a step no newer than the exit's ``last_step``: the exited run's own last steps, which the ranks
+deliver in any order around rank 0's exit, reopen nothing (``late_after_exit_total_``; a restart the
+job lifecycle sees from such a step comes with its own ``job_start`` marker first).
 
 The clock never outruns the step input: ``now`` comes from all inputs, so a stalled steps
 partition lets it pass a job's deadline while the job is in fact progressing. A batch that
@@ -80,6 +83,7 @@ class _Job:
     timeout: float = math.nan  # cached step timeout; NaN when the durations changed since
     stacks: dict[int, RankStacks] = field(default_factory=dict)
     interrupted: bool = False
+    exit_step: int | None = None  # after a job_exit: the exited run's last step (its steps reopen nothing)
     reported: bool = False
     deadline: float = math.nan
 
@@ -126,6 +130,7 @@ class HangDetector:
         self.idle_total_ = 0
         self.clock_ahead_total_ = 0
         self.ignored_events_total_ = 0
+        self.late_after_exit_total_ = 0
         self.alive_: Mapping[str, float] = {}
 
     def timeout_s(self, job: str) -> float:
@@ -149,6 +154,9 @@ class HangDetector:
         if job is None:
             job = self.jobs_[b.job] = _Job()
         if job.interrupted:
+            if job.exit_step is not None and b.step <= job.exit_step:
+                self.late_after_exit_total_ += 1  # the exited run's own last steps, delivered after its exit
+                return
             self.jobs_[b.job] = job = _Job(durations=job.durations)
         ranks = np.asarray(b.ranks, dtype=np.int64)
         if ranks.size == 0:
@@ -268,6 +276,8 @@ class HangDetector:
         if e.kind not in _STOPS and e.kind is not EventKind.HANG_REPORT:
             return []
         job = self.jobs_.get(e.job) if e.job is not None else None
+        if job is None and e.kind is EventKind.JOB_EXIT and e.job is not None:
+            job = self.jobs_[e.job] = _Job()  # an exit before any of its run's steps: they end nothing later
         if job is None:
             self.ignored_events_total_ += 1
             return []
@@ -283,6 +293,7 @@ class HangDetector:
             return []
         out = self._report(e.job, job, e.ts, "interrupted") if self._pending(job) else []
         job.interrupted = True
+        job.exit_step = _exit_step(e, job.max_step) if e.kind is EventKind.JOB_EXIT else None
         return out
 
     # ------------------------------------------------------------ decision
@@ -434,3 +445,11 @@ class HangDetector:
     @staticmethod
     def _pending(job: _Job) -> bool:
         return not (job.reported or job.interrupted or math.isnan(job.deadline))
+
+
+def _exit_step(e: Event, max_step: int) -> int:
+    """The last step of the run a ``job_exit`` ended: its ``last_step``, else the newest step seen."""
+    last = e.data.get("last_step") if isinstance(e.data, dict) else None
+    if isinstance(last, int) and not isinstance(last, bool) and last >= 0:
+        return last
+    return max_step

@@ -63,7 +63,10 @@ seen is taken at its word (a failed one still opens a stop, at its ``last_step``
 duplicate, or a redelivery) is dropped (``duplicate_starts_total_``); a resumed start of a job
 whose earlier run was never seen derives nothing (``unseen_restarts_total_``); steps going back
 without a start are a restart (``rewinds_total_``); records older than the job's current run are
-stale (``stale_total_``); malformed ``job_start`` / ``job_exit`` data is counted in
+stale (``stale_total_``); a batch stamped after the job's exit with a step no newer than the
+exit's ``last_step`` is the exited run's own (its ranks' last steps and rank 0's exit arrive in any
+order) and never opens a new run — after a ``completed`` exit whenever it comes, after a failed one
+within ``rewind_gap_s`` of the exit (``late_after_exit_total_``); malformed ``job_start`` / ``job_exit`` data is counted in
 ``invalid_total_``; a stop whose steps then move past ``H`` with no restart was a stall that
 cleared, not an interruption (``stalls_cleared_total_``). Beyond ``max_jobs`` jobs, records naming a
 new job are ignored (``over_limit_total_``).
@@ -162,6 +165,7 @@ class _Job:
     progressed: bool = False  # a batch arrived since the current run's start
     exit: str | None = None  # the current run's exit status, once it exited
     exit_ts: float = math.nan
+    exit_step: int = -1  # the exited run's last step (the exit's ``last_step``, else the high-water step then)
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     nodes: set[str] = field(default_factory=set)
     stop: _Stop | None = None
@@ -217,6 +221,7 @@ class LifecycleTracker:
         self.invalid_total_ = 0
         self.stalls_cleared_total_ = 0
         self.duplicate_exits_total_ = 0
+        self.late_after_exit_total_ = 0
         self.over_limit_total_ = 0
 
     def _job(self, name: str) -> _Job | None:
@@ -299,6 +304,9 @@ class LifecycleTracker:
         if b.ts < job.run_ts:
             self.stale_total_ += 1  # a late batch of a run that was already restarted
             return False
+        if job.exit is not None and b.ts > job.exit_ts and self._late(job, b):
+            self.late_after_exit_total_ += 1  # the exited run's own step, stamped after the exit: no new run
+            return False
         restart = False
         stop = job.stop
         if job.exit is not None and b.ts > job.exit_ts:
@@ -340,6 +348,15 @@ class LifecycleTracker:
         elif b.step == job.top:
             job.top_ts = max(job.top_ts, b.ts)
         return restart
+
+    def _late(self, job: _Job, b: StepBatch) -> bool:
+        """Whether a batch stamped after its job's exit is the exited run's own: a step no newer than the
+        exit's last step, after a completed exit always (a finished job is not reopened by its ranks'
+        last batches, whatever order they and rank 0's exit arrive in), after a failed one when stamped
+        within ``rewind_gap_s`` of the exit (clock skew between nodes; later, an earlier step is a restart)."""
+        if b.step > job.exit_step:
+            return False
+        return job.exit == ExitStatus.COMPLETED.value or b.ts <= job.exit_ts + self.rewind_gap_s
 
     def _job_start(self, e: Event) -> bool:
         try:
@@ -406,6 +423,7 @@ class LifecycleTracker:
             self._close(name, job, stop)
             stop = None
         job.exit, job.exit_ts = rec.status.value, e.ts
+        job.exit_step = job.top if rec.last_step is None else rec.last_step
         if rec.status is ExitStatus.COMPLETED:
             if stop is not None:  # a stall that ended in a clean finish
                 self.stalls_cleared_total_ += 1
@@ -449,7 +467,7 @@ class LifecycleTracker:
     def _new_run(job: _Job, ts: float, *, started: bool, start_id: str = "") -> None:
         job.top, job.top_ts = -1, math.nan
         job.run_ts, job.started, job.start_id = ts, started, start_id
-        job.progressed, job.exit = False, None
+        job.progressed, job.exit, job.exit_step = False, None, -1
 
     # ------------------------------------------------------------------ findings
     def _finding(self, f: Finding) -> None:
