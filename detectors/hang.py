@@ -60,10 +60,31 @@ from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch, StepBlock
 
-__all__ = ["HangDetector"]
+__all__ = ["HangDetector", "StepTimeout"]
 
 _STOPS = (EventKind.INTERRUPTION, EventKind.JOB_EXIT, EventKind.JOB_START)
 """Events that end a job's current run: after one its rank state starts afresh with the next batch."""
+
+
+@dataclass(frozen=True)
+class StepTimeout:
+    """The step timeout of a job, the one rule both the hang detector and the job lifecycle use:
+    ``factor`` × the ``quantile`` of the job's last ``window`` step durations, at least ``floor_s``
+    (seed: 3 × p99, floored at 30 s). Its settings are the hang detector's keys
+    (``detect.hang.timeout_factor``, ``quantile``, ``min_timeout_s``, ``window``);
+    :meth:`HangDetector.step_timeout` builds it and the pipeline hands it to the lifecycle."""
+
+    factor: float = 3.0
+    quantile: float = 0.99
+    floor_s: float = 30.0
+    window: int = 512
+
+    def of(self, durations: np.ndarray) -> float:
+        """The timeout for step durations ``durations`` (shape ``(n,)``, the newest ``window``); the floor
+        when there are none."""
+        if durations.size == 0:
+            return float(self.floor_s)
+        return max(float(self.floor_s), self.factor * float(np.quantile(durations, self.quantile)))
 
 
 @dataclass
@@ -126,6 +147,8 @@ class HangDetector:
         check_int("window", self.window, at_least=1, owner=self)
         check_number("stack_grace_s", self.stack_grace_s, at_least=0, owner=self)
         check_int("max_listed", self.max_listed, at_least=1, owner=self)
+        self.rule_ = StepTimeout(factor=float(self.timeout_factor), quantile=float(self.quantile),
+                                 floor_s=float(self.min_timeout_s), window=int(self.window))
         self.jobs_: dict[str, _Job] = {}
         self.idle_total_ = 0
         self.clock_ahead_total_ = 0
@@ -139,9 +162,14 @@ class HangDetector:
         if state is None or not state.durations:
             return float(self.min_timeout_s)
         if math.isnan(state.timeout):
-            q = float(np.quantile(np.fromiter(state.durations, dtype=np.float64), self.quantile))
-            state.timeout = max(float(self.min_timeout_s), self.timeout_factor * q)
+            state.timeout = self.rule_.of(np.fromiter(state.durations, dtype=np.float64))
         return state.timeout
+
+    def step_timeout(self) -> StepTimeout:
+        """The step-timeout rule of this detector's parameters (checked), for the job lifecycle to share."""
+        if not hasattr(self, "jobs_"):
+            self._start()
+        return self.rule_
 
     def forget(self, job: str) -> None:
         """Drop a job that ended (a scheduler said so); it will not be reported as hung."""

@@ -87,7 +87,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleethealth.errors import SchemaError
+from fleethealth.detectors.hang import StepTimeout
+from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.ids import interruption as interruption_id
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.job import ExitStatus, JobExit, JobStart
@@ -166,7 +167,7 @@ class _Job:
     exit: str | None = None  # the current run's exit status, once it exited
     exit_ts: float = math.nan
     exit_step: int = -1  # the exited run's last step (the exit's ``last_step``, else the high-water step then)
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=512))
     nodes: set[str] = field(default_factory=set)
     stop: _Stop | None = None
     closing: list[_Stop] = field(default_factory=list)  # complete, emitted once this batch's findings are in
@@ -180,9 +181,10 @@ class LifecycleTracker:
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
     Parameters (keyword-only, checked on first use, :class:`~fleethealth.errors.ConfigError`): a
-    job's step timeout is ``timeout_factor`` × the p99 of its last 64 step times, at least
-    ``timeout_s`` (the hang detector's rule and defaults, on the tracker's own step times, so it
-    does not depend on how the input was batched); ``rewind_gap_s`` how far after the last good step an earlier
+    job's step timeout is ``step_timeout`` (:class:`~fleethealth.detectors.hang.StepTimeout`, the hang
+    detector's rule: one definition, set by the ``detect.hang`` keys; the pipeline hands its hang
+    detector's rule over, and refuses a different one), applied to the tracker's own step times, so it
+    does not depend on how the input was batched; ``rewind_gap_s`` how far after the last good step an earlier
     step must arrive to be a restart (clock skew between nodes stays below it); ``cause_window_s``
     how long before the last good step a draining Xid still diagnoses the stop; ``restart_wait_s``
     how long after the stop was known to wait for a restart; ``max_jobs`` jobs tracked at once.
@@ -190,10 +192,9 @@ class LifecycleTracker:
 
     name = "lifecycle"
 
-    def __init__(self, *, timeout_factor: float = 3.0, timeout_s: float = 30.0, rewind_gap_s: float = 1.0,
+    def __init__(self, *, step_timeout: StepTimeout | None = None, rewind_gap_s: float = 1.0,
                  cause_window_s: float = 60.0, restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000) -> None:
-        self.timeout_factor = timeout_factor
-        self.timeout_s = timeout_s
+        self.step_timeout = step_timeout
         self.rewind_gap_s = rewind_gap_s
         self.cause_window_s = cause_window_s
         self.restart_wait_s = restart_wait_s
@@ -201,8 +202,10 @@ class LifecycleTracker:
 
     # ------------------------------------------------------------------ state
     def _start(self) -> None:
-        check_number("timeout_factor", self.timeout_factor, above=0, owner=self)
-        check_number("timeout_s", self.timeout_s, above=0, owner=self)
+        if self.step_timeout is None:
+            self.step_timeout = StepTimeout()
+        if not isinstance(self.step_timeout, StepTimeout):
+            raise ConfigError(f"LifecycleTracker: step_timeout must be a StepTimeout, got {self.step_timeout!r}")
         check_number("rewind_gap_s", self.rewind_gap_s, at_least=0, owner=self)
         check_number("cause_window_s", self.cause_window_s, at_least=0, owner=self)
         check_number("restart_wait_s", self.restart_wait_s, above=0, owner=self)
@@ -230,15 +233,15 @@ class LifecycleTracker:
             if len(self.jobs_) >= self.max_jobs:
                 self.over_limit_total_ += 1
                 return None
-            job = self.jobs_[name] = _Job()
+            job = self.jobs_[name] = _Job(durations=deque(maxlen=self.step_timeout.window))
         return job
 
     def _timeout(self, name: str) -> float:
         job = self.jobs_.get(name)
-        if job is None or not job.durations:
-            return float(self.timeout_s)
-        p99 = float(np.quantile(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations)), 0.99))
-        return max(float(self.timeout_s), self.timeout_factor * p99)
+        rule = self.step_timeout
+        if job is None:
+            return float(rule.floor_s)
+        return rule.of(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations)))
 
     @staticmethod
     def _step_s(job: _Job) -> float:

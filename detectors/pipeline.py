@@ -50,6 +50,7 @@ from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
+from fleethealth.errors import ConfigError
 from fleethealth.params import check_number
 from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, StepBlock, Telemetry
 
@@ -117,7 +118,13 @@ class Pipeline:
         self.sdc = sdc if sdc is not None else SdcDetector()
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
-        self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker()
+        rule = self.hang.step_timeout()  # one step-timeout rule: the hang detector's, shared with the lifecycle
+        self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker(step_timeout=rule)
+        if self.lifecycle.step_timeout is None:
+            self.lifecycle.step_timeout = rule
+        elif self.lifecycle.step_timeout != rule:
+            raise ConfigError(f"the lifecycle's step timeout {self.lifecycle.step_timeout} differs from the hang "
+                              f"detector's {rule}: a job has one step timeout (the detect.hang keys)")
         self.diagnosis_wait_s = diagnosis_wait_s
         self.job_idle_s = check_number("job_idle_s", job_idle_s, above=0)
         self.node_idle_s = check_number("node_idle_s", node_idle_s, above=0)

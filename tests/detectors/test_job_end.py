@@ -167,3 +167,24 @@ def test_through_the_broker_and_fleethealth_detect_on_chdb(broker, tmp_path) -> 
         assert s.query("SELECT count() FROM events FINAL WHERE kind = 'interruption'").rows[0][0] == 0
         assert s.query("SELECT count() FROM recommendations FINAL WHERE action = 'page'").rows[0][0] == 0
         assert s.query("SELECT count() FROM events FINAL WHERE kind = 'job_exit'").rows[0][0] == 1
+
+
+def test_one_step_timeout_rule_for_the_hang_detector_and_the_lifecycle() -> None:
+    """The hang window and the lifecycle's were 512 and 64: now one rule, set by the detect.hang keys."""
+    from fleethealth.commands import build_parser
+    from fleethealth.commands._settings import load_settings
+    from fleethealth.detectors.hang import HangDetector, StepTimeout
+    from fleethealth.detectors.lifecycle import LifecycleTracker
+    from fleethealth.errors import ConfigError
+
+    pipe = Pipeline()
+    assert pipe.lifecycle.step_timeout == pipe.hang.step_timeout() == StepTimeout(3.0, 0.99, 30.0, 512)
+    pipe = Pipeline(hang=HangDetector(window=64, min_timeout_s=10.0))
+    assert pipe.lifecycle.step_timeout == StepTimeout(3.0, 0.99, 10.0, 64)
+    conclude(pipe, None, [_batch(0, k, T0 + 9.0 * k) for k in range(80)])
+    assert pipe.lifecycle._timeout("j") == pipe.hang.timeout_s("j") == pytest.approx(27.0)
+    assert pipe.lifecycle.jobs_["j"].durations.maxlen == 64
+    with pytest.raises(ConfigError, match="one step timeout"):
+        Pipeline(hang=HangDetector(window=64), lifecycle=LifecycleTracker(step_timeout=StepTimeout(window=32)))
+    keys = load_settings(build_parser().parse_args(["detect"])).schema.keys
+    assert "detect.hang.window" in keys and not [k for k in keys if k.startswith("detect.lifecycle.timeout")]
