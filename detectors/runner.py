@@ -82,7 +82,8 @@ from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.policy.eviction import EvictionOutcome
-from fleethealth.policy.persist import load_engine, record_outcome, save_engine
+from fleethealth.policy.persist import load_engine, record_outcome, save_engine, sync_quarantine
+from fleethealth.policy.quarantine import book_decisions
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
     Action,
@@ -582,6 +583,8 @@ class Runner:
 
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         ready = [rec for _, rec in released]
+        if self.policy is not None:  # a node released from the book since the last batch is decided afresh
+            self.retry.call("read the quarantine book", lambda: sync_quarantine(self.store, self.policy.engine))
         out, ready = self._conclude(ready, final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
@@ -617,6 +620,8 @@ class Runner:
         self._insert("e", events, store.insert_events, token, bad_input)
         findings = self._insert("f", out.findings, store.insert_findings, token, bad_output)
         recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
+        if self.policy is not None and recs:  # the book, before the engine state that remembers these
+            self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
         outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
         if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived
             outgoing += [_outbox_row(e) for e in out.events]
