@@ -82,6 +82,9 @@ class Output:
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
     states: list[NodeState] = field(default_factory=list)
     """Node states the telemetry changed (or whose heartbeat was due): what a node stage publishes."""
+    unscored: list[tuple[str, int]] = field(default_factory=list)
+    """``(job, ranks)``: jobs newly found too small for the straggler detector to score (fewer comparable
+    ranks than its ``min_group``; ``ranks`` the largest group it saw), once each: the runner logs them."""
 
 
 _LIFECYCLE = (EventKind.JOB_START, EventKind.JOB_EXIT)
@@ -145,6 +148,8 @@ class Pipeline:
         self.pending_: list[Finding] = []
         self.waiting_racks_: set[str | None] = set()
         self.steps_total_ = 0
+        self.unscored_jobs_: dict[str, int] = {}  # job -> its largest group, for jobs too small to score
+        self.unscored_new_: list[tuple[str, int]] = []
 
     # ------------------------------------------------------------------ feeding
     def feed(self, messages: Sequence[Message]) -> Output:
@@ -273,6 +278,7 @@ class Pipeline:
         for job in idle:
             del self.job_seen_[job]
             self.stragglers_.pop(job, None)
+            self.unscored_jobs_.pop(job, None)
             self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
@@ -334,6 +340,7 @@ class Pipeline:
             out.events += self.lifecycle.drain()
         out.steps, self.steps_ = self.steps_, []
         out.ended, self.ended_ = self.ended_, []
+        out.unscored, self.unscored_new_ = self.unscored_new_, []
         return out
 
     def _stragglers(self, step: AssembledStep) -> list[Finding]:
@@ -342,7 +349,15 @@ class Pipeline:
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
-        return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+        found = detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+        if step.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0):
+            self._unscored(step.job, detector)
+        return found
+
+    def _unscored(self, job: str, detector: StragglerLike) -> None:
+        """``job`` has steps the straggler detector left unscored for a group below its ``min_group``."""
+        self.unscored_jobs_[job] = int(getattr(detector, "unscored_group_", 0))
+        self.unscored_new_.append((job, self.unscored_jobs_[job]))
 
     def _stragglers_many(self, steps: list[AssembledStep]) -> None:
         """:meth:`_stragglers` (and :meth:`_wait`) of each step in order; a run of steps of one job on the
@@ -364,6 +379,8 @@ class Pipeline:
                 self.steps_ += [(a.job, a.ts) for a in run]
                 self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
                                 placements=run))
+                if first.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0):
+                    self._unscored(first.job, detector)
             else:
                 for step in steps[i:j]:
                     self._wait(self._stragglers(step))

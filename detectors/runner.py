@@ -125,6 +125,8 @@ class Conclusions:
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     states: list[NodeState] = field(default_factory=list)
     """Node states to publish on ``fh.nodestate`` (the node stage)."""
+    unscored: list[tuple[str, int]] = field(default_factory=list)
+    """Jobs newly found too small to score for stragglers, with their largest group (logged once)."""
 
     def extend(self, other: Conclusions) -> None:
         """Add what ``other`` (a later part of the same batch, or another partition's) concluded."""
@@ -132,6 +134,7 @@ class Conclusions:
         self.recommendations += other.recommendations
         self.events += other.events
         self.states += other.states
+        self.unscored += other.unscored
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
@@ -169,19 +172,20 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
         return out
     out = pipeline.feed(messages)
     findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
+    unscored = list(out.unscored)
     tail = pipeline.drain() if final else None
     if tail is not None:
         findings += tail.findings
         derived_events += tail.events
     if policy is None:
         return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
-                           kept=list(out.kept), rejected=list(out.rejected), states=states)
+                           kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
     decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
     if tail is not None:
         decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       kept=list(out.kept), rejected=list(out.rejected), states=states)
+                       kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
 
 
 class _Metrics:
@@ -204,6 +208,9 @@ class _Metrics:
                            registry=registry)
         self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
                             "acknowledged by the broker", registry=registry)
+        self.unscored_jobs = Gauge("fleethealth_detect_unscored_jobs", "Jobs whose steps the straggler detector "
+                                   "does not score: fewer comparable ranks than detect.straggler.min_group",
+                                   registry=registry)
         self.over_limit = Gauge("fleethealth_detect_over_limit_records",
                                 "Records dead-lettered for naming a new job or node beyond the cardinality limits",
                                 ["what"], registry=registry)
@@ -655,6 +662,10 @@ class Runner:
         self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
         self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))
         self.metrics.early.set(self.released_early_total)
+        for job, ranks in out.unscored:
+            log.warning("job %s is not scored for stragglers: %d comparable rank(s), fewer than "
+                        "detect.straggler.min_group (hangs, SDC and node health are still watched)", job, ranks)
+        self.metrics.unscored_jobs.set(sum(len(p.unscored_jobs_) for p in pipelines))
         for what in ("jobs", "nodes"):
             self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
         self.findings_total += len(out.findings)
