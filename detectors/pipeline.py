@@ -350,12 +350,14 @@ class Pipeline:
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
         found = detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
-        if step.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0):
+        if (step.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
+                and not getattr(detector, "scored_steps_", 0)):
             self._unscored(step.job, detector)
         return found
 
     def _unscored(self, job: str, detector: StragglerLike) -> None:
-        """``job`` has steps the straggler detector left unscored for a group below its ``min_group``."""
+        """``job`` has steps the straggler detector left unscored for a group below its ``min_group``, and
+        none scored (a step with a rank missing in a job of enough ranks does not make it small)."""
         self.unscored_jobs_[job] = int(getattr(detector, "unscored_group_", 0))
         self.unscored_new_.append((job, self.unscored_jobs_[job]))
 
@@ -379,7 +381,8 @@ class Pipeline:
                 self.steps_ += [(a.job, a.ts) for a in run]
                 self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
                                 placements=run))
-                if first.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0):
+                if (first.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
+                        and not getattr(detector, "scored_steps_", 0)):
                     self._unscored(first.job, detector)
             else:
                 for step in steps[i:j]:

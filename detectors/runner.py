@@ -81,6 +81,7 @@ from fleethealth.detectors.stages import Stage, group_topics, table_topics, take
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
+from fleethealth.payloads.progress import job_end_events, job_progress_events
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine, sync_quarantine
 from fleethealth.policy.quarantine import book_decisions
@@ -127,6 +128,9 @@ class Conclusions:
     """Node states to publish on ``fh.nodestate`` (the node stage)."""
     unscored: list[tuple[str, int]] = field(default_factory=list)
     """Jobs newly found too small to score for stragglers, with their largest group (logged once)."""
+    progress: list[Event] = field(default_factory=list)
+    """``job_progress`` and ``job_end`` events for the policy (:mod:`fleethealth.payloads.progress`): a job
+    stage publishes them on ``fh.events``; :func:`conclude` hands them to a policy in process."""
 
     def extend(self, other: Conclusions) -> None:
         """Add what ``other`` (a later part of the same batch, or another partition's) concluded."""
@@ -135,6 +139,7 @@ class Conclusions:
         self.events += other.events
         self.states += other.states
         self.unscored += other.unscored
+        self.progress += other.progress
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
@@ -169,20 +174,29 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
             out.recommendations += decided.recommendations
             out.outcomes += decided.outcomes
             out.policy_changed = out.policy_changed or decided.changed
+        if final:
+            flushed = policy.flush()
+            out.recommendations += flushed.recommendations
         return out
     out = pipeline.feed(messages)
     findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
     unscored = list(out.unscored)
+    # what the policy learns of the jobs' steps and ends: the same messages a job stage publishes
+    progress = [*job_progress_events(out.steps), *job_end_events(out.ended, out.now)]
     tail = pipeline.drain() if final else None
+    tail_progress: list[Event] = []
     if tail is not None:
         findings += tail.findings
         derived_events += tail.events
+        tail_progress = [*job_progress_events(tail.steps), *job_end_events(tail.ended, tail.now)]
     if policy is None:
         return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
-                           kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
-    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
+                           kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored,
+                           progress=[*progress, *tail_progress])
+    decided = policy.update(out.findings, [*events, *out.events, *progress], out.now)
     if tail is not None:
-        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
+        decided.extend(policy.update(tail.findings, [*tail.events, *tail_progress], tail.now))
+        decided.extend(policy.flush())
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
                        kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
@@ -630,8 +644,8 @@ class Runner:
         if self.policy is not None and recs:  # the book, before the engine state that remembers these
             self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
         outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
-        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived
-            outgoing += [_outbox_row(e) for e in out.events]
+        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
+            outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends
         if outgoing:  # before the engine state that remembers these decisions: none is lost
             self.retry.call("write the outbox", lambda: store.write_outbox(
                 outgoing, published=False, dedup_token=derived("o", token)))

@@ -35,7 +35,8 @@ Defined behaviour on bad input (tested in ``tests/detectors``):
 * A group with fewer than ``min_group`` valid ranks (e.g. a one-rank step, or a job of fewer than
   eight ranks) is not scored: no peer median and spread can be trusted on so few (a robust z needs
   its MAD). Its rank-steps are counted in ``unscored_small_total_`` and the largest such group in
-  ``unscored_group_``; the pipeline lists the job as not scored (``Pipeline.unscored_jobs_``), the
+  ``unscored_group_`` (``scored_steps_`` counts the steps that were scored); a job with steps left
+  out and none scored is listed as not scored by the pipeline (``Pipeline.unscored_jobs_``), the
   runner logs it once and counts it (``fleethealth_detect_unscored_jobs``), and the job's report
   says so. Such a job is reported as not scored rather than scored against a calibration that
   does not hold for it.
@@ -143,6 +144,7 @@ class _StepDetector:
         self.steps_seen_ = 0
         self.unscored_small_total_ = 0
         self.unscored_group_ = 0
+        self.scored_steps_ = 0
 
     def _grow(self, top: int) -> None:
         if top < self.capacity_:
@@ -528,6 +530,7 @@ class StragglerDetector(_StepDetector):
         r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
         if r.size == 0:
             return []
+        self.scored_steps_ += 1
         return self._score(step, r, _as_index(r), lr, med, xscale, placement)
 
     def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
@@ -558,6 +561,7 @@ class StragglerDetector(_StepDetector):
                     for f in self.update(step, ranks, t[k], groups, placement=places[k])]
         self.last_step_[r] = steps[-1]
         self.steps_seen_ += n
+        self.scored_steps_ += n
         x = np.log(t.astype(np.float64))
         med = np.median(x, axis=1)
         mad = np.median(np.abs(x - med[:, None]), axis=1)

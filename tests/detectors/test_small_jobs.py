@@ -44,7 +44,9 @@ def test_a_small_job_is_counted_as_not_scored_and_a_large_one_is_scored() -> Non
     assert (grouped.unscored_small_total_, grouped.unscored_group_) == (3, 3)
     large = StragglerDetector()
     large.update_many(list(range(20)), np.arange(8), np.ones((20, 8)))
-    assert large.unscored_small_total_ == 0
+    assert large.unscored_small_total_ == 0 and large.scored_steps_ == 20
+    large.update(20, np.arange(7), np.ones(7))  # one rank missing from a step: left out, the job is not small
+    assert large.unscored_small_total_ == 7 and large.scored_steps_ == 20
     pipe = Pipeline()
     pipe.feed(_steps("tiny", 2, 30, slow_rank=1) + _steps("big", 4, 30))
     assert pipe.unscored_jobs_ == {"tiny": 4}
