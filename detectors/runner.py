@@ -83,8 +83,8 @@ from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.payloads.progress import job_end_events, job_progress_events
 from fleethealth.policy.eviction import EvictionOutcome
-from fleethealth.policy.persist import load_engine, record_outcome, save_engine, sync_quarantine
-from fleethealth.policy.quarantine import book_decisions
+from fleethealth.policy.persist import load_engine, record_outcome, save_engine
+from fleethealth.policy.quarantine import book_decisions, released
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
     Action,
@@ -282,6 +282,9 @@ class Runner:
             self._make = pipeline if pipeline is not None else _default_factory(self.stage)
         has_policy = self.stage in (Stage.ALL, Stage.POLICY)
         self.policy = (policy if policy is not None else PolicyStage(load_engine(store))) if has_policy else None
+        if self.policy is not None and self.policy.book is None:  # quarantine's one home: the store's book
+            self.policy.book = lambda nodes: self.retry.call("read the quarantine book",
+                                                             lambda: released(self.store, nodes))
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
@@ -604,8 +607,6 @@ class Runner:
 
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         ready = [rec for _, rec in released]
-        if self.policy is not None:  # a node released from the book since the last batch is decided afresh
-            self.retry.call("read the quarantine book", lambda: sync_quarantine(self.store, self.policy.engine))
         out, ready = self._conclude(ready, final)
         token = _token(ready, out)
         telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]

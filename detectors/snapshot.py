@@ -64,7 +64,7 @@ from fleethealth.schema import SCHEMA_VERSION, Telemetry
 
 __all__ = ["SNAPSHOT_VERSION", "MAGIC", "MAX_RAW_BYTES", "SnapshotError", "dump", "load", "info", "allowed", "pickled"]
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: the lifecycle shares the hang rule, late steps after an exit, unscored jobs
 """The layout of a snapshot and of the detector state inside it; a blob of another version is refused."""
 MAGIC = b"FHSNAP\r\n"
 """The first 8 bytes of every snapshot (the CR LF catches a blob mangled by a text transfer)."""

@@ -11,8 +11,9 @@ change writes the whole row again with a higher ``version`` and reads use ``FINA
 The book is the one home of quarantine: the policy engine's allowed quarantines and drains are
 written here by the runner that decided them (:func:`book_decisions`), the API and the sweeps release
 nodes here, and the runner reconciles the engine's memory with the book before each batch it decides
-(:func:`fleethealth.policy.persist.sync_quarantine`), so a released node hit by a new fault is
-decided afresh instead of "already quarantined".
+(:func:`released`, asked by the policy stage for the nodes of the findings it is about to decide
+that the engine remembers; :func:`fleethealth.policy.persist.sync_quarantine` reconciles all at once),
+so a released node hit by a new fault is decided afresh instead of "already quarantined".
 :func:`check_release` is the pure rule; the other functions do the store I/O through the store's
 named queries (:mod:`fleethealth.store.queries`).
 """
@@ -46,6 +47,7 @@ __all__ = [
     "add_run",
     "history",
     "book_decisions",
+    "released",
     "BOOKED_ACTIONS",
 ]
 
@@ -288,3 +290,11 @@ def book_decisions(store: StoreLike, recommendations: Iterable[Recommendation]) 
             out.append(quarantine(store, rec.node, f"{rec.action.value}: {rec.reason}", rec.ts,
                                   finding_id=rec.finding_id, runs=(rec.job,) if rec.job else ()))
     return out
+
+
+def released(store: StoreLike, nodes: Iterable[str]) -> set[str]:
+    """Which of ``nodes`` the book does not hold now (released, or never booked)."""
+    wanted = set(nodes)
+    if not wanted:
+        return set()
+    return wanted - {row["node"] for row in store.quarantined_rows()}

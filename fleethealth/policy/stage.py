@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,16 +79,20 @@ class PolicyStage:
     """The policy engine, the pager and the goodput they read, behind one ``update``.
 
     ``engine`` defaults to a :class:`PolicyEngine` with its defaults (a runner passes one loaded
-    from the store); ``pager`` to a :class:`Pager`. State: ``interruptions_`` (the stop's
+    from the store); ``pager`` to a :class:`Pager`; ``book`` asks the quarantine book which of some
+    nodes it no longer holds (a runner passes one reading its store; none: the engine's memory stands).
+    State: ``interruptions_`` (the stop's
     ``data.interruption_id`` when the detectors derived it, else the event id → record, within
     the pager's windows), ``step_ends_`` (job → event times of its steps in the last two hours),
     ``job_first_`` (job → its first step's time) and ``goodput_`` (stop → the goodput figure of its
     job the pager read when it was evaluated; None without one).
     """
 
-    def __init__(self, engine: PolicyEngine | None = None, *, pager: Pager | None = None) -> None:
+    def __init__(self, engine: PolicyEngine | None = None, *, pager: Pager | None = None,
+                 book: Callable[[set[str]], set[str]] | None = None) -> None:
         self.engine = engine if engine is not None else PolicyEngine()
         self.pager = pager if pager is not None else Pager()
+        self.book = book
         self.interruptions_: dict[str, Interruption] = {}
         self.step_ends_: dict[str, deque[float]] = {}
         self.job_first_: dict[str, float] = {}
@@ -109,6 +113,7 @@ class PolicyStage:
         noted = self.engine.observe(events)
         out.outcomes += self.engine.judge(findings, now)
         if findings:
+            self._reconcile(findings)
             out.recommendations += self.engine.decide(findings, now)
         out.changed = bool(findings or out.outcomes or noted)
         for ev in events:
@@ -132,6 +137,15 @@ class PolicyStage:
             self._progress((), gone)
             out.changed = True
         return out
+
+    def _reconcile(self, findings: Sequence[Finding]) -> None:
+        """Before deciding on nodes the engine remembers as quarantined or drained, ask the quarantine book
+        (``book``: nodes -> those it no longer holds) and forget the ones released since (through the API
+        or a sweep), so a new fault on them is decided afresh. Without a book, the engine's memory stands."""
+        held = {f.node for f in findings} & (self.engine.quarantined_ | self.engine.drained_)
+        if held and self.book is not None:
+            for node in sorted(self.book(held)):
+                self.engine.release(node)
 
     def flush(self) -> Decisions:
         """End of input: evaluate every stop still waiting for the clock to reach its time."""
@@ -177,7 +191,9 @@ class PolicyStage:
         ends = self.step_ends_.get(job)
         if not ends:
             return None
-        ts = np.sort(np.fromiter(ends, dtype=np.float64, count=len(ends)))
+        # each step's time once: a job_progress republished after a crash, or derived again by a replay
+        # that batched the steps differently, repeats step times and must not count them twice
+        ts = np.unique(np.fromiter(ends, dtype=np.float64, count=len(ends)))
         ts = ts[(ts <= now) & (ts > now - GOODPUT_WINDOW_S)]  # the steps known by the stop's time
         window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
         if ts.size < 3 or window < GOODPUT_MIN_WINDOW_S:

@@ -71,3 +71,13 @@ def test_a_job_end_or_a_completed_exit_makes_the_engine_forget_the_job() -> None
                              job_exit_event(ts=T0 + 10.0, status="failed", last_step=50, node="n0", job="c")],
                         T0 + 10.0)
     assert done.changed and set(stage.engine.checkpoints_) == {"c"} and set(stage.step_ends_) == {"c"}
+
+
+def test_progress_delivered_twice_counts_each_step_once() -> None:
+    before = [("j", T0 + 2.0 * k) for k in range(600)]
+    stop = _stop(T0 + 1230.0, T0 + 1230.0, 100)
+    once, twice = PolicyStage(), PolicyStage()
+    once.update([], [*job_progress_events(before), stop], stop.ts)
+    again = job_progress_events(before[:300]) + job_progress_events(before[300:])  # batched differently
+    twice.update([], [*job_progress_events(before), *again, stop], stop.ts)
+    assert once.goodput_ == twice.goodput_ and once.goodput_["stop-1"] is not None
