@@ -644,6 +644,8 @@ class Runner:
         recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
         if self.policy is not None and recs:  # the book, before the engine state that remembers these
             self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
+        if self.policy is not None:
+            self.policy.unbooked_.clear()
         outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
         if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
             outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends

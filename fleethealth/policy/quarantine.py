@@ -293,8 +293,11 @@ def book_decisions(store: StoreLike, recommendations: Iterable[Recommendation]) 
 
 
 def released(store: StoreLike, nodes: Iterable[str]) -> set[str]:
-    """Which of ``nodes`` the book does not hold now (released, or never booked)."""
-    wanted = set(nodes)
-    if not wanted:
-        return set()
-    return wanted - {row["node"] for row in store.quarantined_rows()}
+    """Which of ``nodes`` the book has released (a row that is no longer quarantined); a node it never
+    held is not released (its booking may still be on its way)."""
+    out = set()
+    for node in sorted(set(nodes)):
+        row = store.quarantine_row(node)
+        if row is not None and not row["quarantined"]:
+            out.add(node)
+    return out

@@ -93,6 +93,7 @@ class PolicyStage:
         self.engine = engine if engine is not None else PolicyEngine()
         self.pager = pager if pager is not None else Pager()
         self.book = book
+        self.unbooked_: set[str] = set()  # nodes the engine took out since its runner last wrote the book
         self.interruptions_: dict[str, Interruption] = {}
         self.step_ends_: dict[str, deque[float]] = {}
         self.job_first_: dict[str, float] = {}
@@ -114,7 +115,9 @@ class PolicyStage:
         out.outcomes += self.engine.judge(findings, now)
         if findings:
             self._reconcile(findings)
+            held = self.engine.quarantined_ | self.engine.drained_
             out.recommendations += self.engine.decide(findings, now)
+            self.unbooked_ |= (self.engine.quarantined_ | self.engine.drained_) - held
         out.changed = bool(findings or out.outcomes or noted)
         for ev in events:
             if ev.kind is not EventKind.INTERRUPTION:
@@ -142,7 +145,7 @@ class PolicyStage:
         """Before deciding on nodes the engine remembers as quarantined or drained, ask the quarantine book
         (``book``: nodes -> those it no longer holds) and forget the ones released since (through the API
         or a sweep), so a new fault on them is decided afresh. Without a book, the engine's memory stands."""
-        held = {f.node for f in findings} & (self.engine.quarantined_ | self.engine.drained_)
+        held = {f.node for f in findings} & (self.engine.quarantined_ | self.engine.drained_) - self.unbooked_
         if held and self.book is not None:
             for node in sorted(self.book(held)):
                 self.engine.release(node)
