@@ -29,7 +29,10 @@ telemetry, ranks all level with no watchdog report is a job that finished or is 
 ``idle_total_``). Not a hang either: a job that stopped for a known cause before the deadline (its
 ``job_exit`` record — a lost GPU, a planned restart — or an ``interruption`` record). After a
 ``job_exit``, a ``job_start`` or an ``interruption`` the job's rank state starts afresh with its next
-batch, since a restarted job may resume from an earlier step.
+batch, since a restarted job may resume from an earlier step — except, after a ``job_exit``, a batch
+of a step no newer than the exit's ``last_step``: the exited run's own last steps, which the ranks
+deliver in any order around rank 0's exit, reopen nothing (``late_after_exit_total_``; a restart the
+job lifecycle sees from such a step comes with its own ``job_start`` marker first).
 
 The clock never outruns the step input: ``now`` comes from all inputs, so a stalled steps
 partition lets it pass a job's deadline while the job is in fact progressing. A batch that
@@ -58,10 +61,31 @@ from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, StepBatch, StepBlock
 
-__all__ = ["HangDetector"]
+__all__ = ["HangDetector", "StepTimeout"]
 
 _STOPS = (EventKind.INTERRUPTION, EventKind.JOB_EXIT, EventKind.JOB_START)
 """Events that end a job's current run: after one its rank state starts afresh with the next batch."""
+
+
+@dataclass(frozen=True)
+class StepTimeout:
+    """The step timeout of a job, the one rule both the hang detector and the job lifecycle use:
+    ``factor`` × the ``quantile`` of the job's last ``window`` step durations, at least ``floor_s``
+    (seed: 3 × p99, floored at 30 s). Its settings are the hang detector's keys
+    (``detect.hang.timeout_factor``, ``quantile``, ``min_timeout_s``, ``window``);
+    :meth:`HangDetector.step_timeout` builds it and the pipeline hands it to the lifecycle."""
+
+    factor: float = 3.0
+    quantile: float = 0.99
+    floor_s: float = 30.0
+    window: int = 512
+
+    def of(self, durations: np.ndarray) -> float:
+        """The timeout for step durations ``durations`` (shape ``(n,)``, the newest ``window``); the floor
+        when there are none."""
+        if durations.size == 0:
+            return float(self.floor_s)
+        return max(float(self.floor_s), self.factor * float(np.quantile(durations, self.quantile)))
 
 
 @dataclass
@@ -81,6 +105,7 @@ class _Job:
     timeout: float = math.nan  # cached step timeout; NaN when the durations changed since
     stacks: dict[int, RankStacks] = field(default_factory=dict)
     interrupted: bool = False
+    exit_step: int | None = None  # after a job_exit: the exited run's last step (its steps reopen nothing)
     reported: bool = False
     deadline: float = math.nan
 
@@ -123,10 +148,13 @@ class HangDetector(Stateful):
         check_int("window", self.window, at_least=1, owner=self)
         check_number("stack_grace_s", self.stack_grace_s, at_least=0, owner=self)
         check_int("max_listed", self.max_listed, at_least=1, owner=self)
+        self.rule_ = StepTimeout(factor=float(self.timeout_factor), quantile=float(self.quantile),
+                                 floor_s=float(self.min_timeout_s), window=int(self.window))
         self.jobs_: dict[str, _Job] = {}
         self.idle_total_ = 0
         self.clock_ahead_total_ = 0
         self.ignored_events_total_ = 0
+        self.late_after_exit_total_ = 0
         self.alive_: Mapping[str, float] = {}
 
     def timeout_s(self, job: str) -> float:
@@ -135,9 +163,14 @@ class HangDetector(Stateful):
         if state is None or not state.durations:
             return float(self.min_timeout_s)
         if math.isnan(state.timeout):
-            q = float(np.quantile(np.fromiter(state.durations, dtype=np.float64), self.quantile))
-            state.timeout = max(float(self.min_timeout_s), self.timeout_factor * q)
+            state.timeout = self.rule_.of(np.fromiter(state.durations, dtype=np.float64))
         return state.timeout
+
+    def step_timeout(self) -> StepTimeout:
+        """The step-timeout rule of this detector's parameters (checked), for the job lifecycle to share."""
+        if not hasattr(self, "jobs_"):
+            self._start()
+        return self.rule_
 
     def forget(self, job: str) -> None:
         """Drop a job that ended (a scheduler said so); it will not be reported as hung."""
@@ -150,6 +183,9 @@ class HangDetector(Stateful):
         if job is None:
             job = self.jobs_[b.job] = _Job()
         if job.interrupted:
+            if job.exit_step is not None and b.step <= job.exit_step:
+                self.late_after_exit_total_ += 1  # the exited run's own last steps, delivered after its exit
+                return
             self.jobs_[b.job] = job = _Job(durations=job.durations)
         ranks = np.asarray(b.ranks, dtype=np.int64)
         if ranks.size == 0:
@@ -269,6 +305,8 @@ class HangDetector(Stateful):
         if e.kind not in _STOPS and e.kind is not EventKind.HANG_REPORT:
             return []
         job = self.jobs_.get(e.job) if e.job is not None else None
+        if job is None and e.kind is EventKind.JOB_EXIT and e.job is not None:
+            job = self.jobs_[e.job] = _Job()  # an exit before any of its run's steps: they end nothing later
         if job is None:
             self.ignored_events_total_ += 1
             return []
@@ -284,6 +322,7 @@ class HangDetector(Stateful):
             return []
         out = self._report(e.job, job, e.ts, "interrupted") if self._pending(job) else []
         job.interrupted = True
+        job.exit_step = _exit_step(e, job.max_step) if e.kind is EventKind.JOB_EXIT else None
         return out
 
     # ------------------------------------------------------------ decision
@@ -435,3 +474,11 @@ class HangDetector(Stateful):
     @staticmethod
     def _pending(job: _Job) -> bool:
         return not (job.reported or job.interrupted or math.isnan(job.deadline))
+
+
+def _exit_step(e: Event, max_step: int) -> int:
+    """The last step of the run a ``job_exit`` ended: its ``last_step``, else the newest step seen."""
+    last = e.data.get("last_step") if isinstance(e.data, dict) else None
+    if isinstance(last, int) and not isinstance(last, bool) and last >= 0:
+        return last
+    return max_step

@@ -63,7 +63,10 @@ seen is taken at its word (a failed one still opens a stop, at its ``last_step``
 duplicate, or a redelivery) is dropped (``duplicate_starts_total_``); a resumed start of a job
 whose earlier run was never seen derives nothing (``unseen_restarts_total_``); steps going back
 without a start are a restart (``rewinds_total_``); records older than the job's current run are
-stale (``stale_total_``); malformed ``job_start`` / ``job_exit`` data is counted in
+stale (``stale_total_``); a batch stamped after the job's exit with a step no newer than the
+exit's ``last_step`` is the exited run's own (its ranks' last steps and rank 0's exit arrive in any
+order) and never opens a new run — after a ``completed`` exit whenever it comes, after a failed one
+within ``rewind_gap_s`` of the exit (``late_after_exit_total_``); malformed ``job_start`` / ``job_exit`` data is counted in
 ``invalid_total_``; a stop whose steps then move past ``H`` with no restart was a stall that
 cleared, not an interruption (``stalls_cleared_total_``). Beyond ``max_jobs`` jobs, records naming a
 new job are ignored (``over_limit_total_``).
@@ -84,8 +87,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleethealth.detectors.hang import StepTimeout
 from fleethealth.detectors.state import Stateful
-from fleethealth.errors import SchemaError
+from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.ids import interruption as interruption_id
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.job import ExitStatus, JobExit, JobStart
@@ -163,7 +167,8 @@ class _Job:
     progressed: bool = False  # a batch arrived since the current run's start
     exit: str | None = None  # the current run's exit status, once it exited
     exit_ts: float = math.nan
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    exit_step: int = -1  # the exited run's last step (the exit's ``last_step``, else the high-water step then)
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=512))
     nodes: set[str] = field(default_factory=set)
     stop: _Stop | None = None
     closing: list[_Stop] = field(default_factory=list)  # complete, emitted once this batch's findings are in
@@ -177,9 +182,10 @@ class LifecycleTracker(Stateful):
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
     Parameters (keyword-only, checked on first use, :class:`~fleethealth.errors.ConfigError`): a
-    job's step timeout is ``timeout_factor`` × the p99 of its last 64 step times, at least
-    ``timeout_s`` (the hang detector's rule and defaults, on the tracker's own step times, so it
-    does not depend on how the input was batched); ``rewind_gap_s`` how far after the last good step an earlier
+    job's step timeout is ``step_timeout`` (:class:`~fleethealth.detectors.hang.StepTimeout`, the hang
+    detector's rule: one definition, set by the ``detect.hang`` keys; the pipeline hands its hang
+    detector's rule over, and refuses a different one), applied to the tracker's own step times, so it
+    does not depend on how the input was batched; ``rewind_gap_s`` how far after the last good step an earlier
     step must arrive to be a restart (clock skew between nodes stays below it); ``cause_window_s``
     how long before the last good step a draining Xid still diagnoses the stop; ``restart_wait_s``
     how long after the stop was known to wait for a restart; ``max_jobs`` jobs tracked at once.
@@ -187,10 +193,9 @@ class LifecycleTracker(Stateful):
 
     name = "lifecycle"
 
-    def __init__(self, *, timeout_factor: float = 3.0, timeout_s: float = 30.0, rewind_gap_s: float = 1.0,
+    def __init__(self, *, step_timeout: StepTimeout | None = None, rewind_gap_s: float = 1.0,
                  cause_window_s: float = 60.0, restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000) -> None:
-        self.timeout_factor = timeout_factor
-        self.timeout_s = timeout_s
+        self.step_timeout = step_timeout
         self.rewind_gap_s = rewind_gap_s
         self.cause_window_s = cause_window_s
         self.restart_wait_s = restart_wait_s
@@ -198,8 +203,10 @@ class LifecycleTracker(Stateful):
 
     # ------------------------------------------------------------------ state
     def _start(self) -> None:
-        check_number("timeout_factor", self.timeout_factor, above=0, owner=self)
-        check_number("timeout_s", self.timeout_s, above=0, owner=self)
+        if self.step_timeout is None:
+            self.step_timeout = StepTimeout()
+        if not isinstance(self.step_timeout, StepTimeout):
+            raise ConfigError(f"LifecycleTracker: step_timeout must be a StepTimeout, got {self.step_timeout!r}")
         check_number("rewind_gap_s", self.rewind_gap_s, at_least=0, owner=self)
         check_number("cause_window_s", self.cause_window_s, at_least=0, owner=self)
         check_number("restart_wait_s", self.restart_wait_s, above=0, owner=self)
@@ -218,6 +225,7 @@ class LifecycleTracker(Stateful):
         self.invalid_total_ = 0
         self.stalls_cleared_total_ = 0
         self.duplicate_exits_total_ = 0
+        self.late_after_exit_total_ = 0
         self.over_limit_total_ = 0
 
     def _job(self, name: str) -> _Job | None:
@@ -226,15 +234,15 @@ class LifecycleTracker(Stateful):
             if len(self.jobs_) >= self.max_jobs:
                 self.over_limit_total_ += 1
                 return None
-            job = self.jobs_[name] = _Job()
+            job = self.jobs_[name] = _Job(durations=deque(maxlen=self.step_timeout.window))
         return job
 
     def _timeout(self, name: str) -> float:
         job = self.jobs_.get(name)
-        if job is None or not job.durations:
-            return float(self.timeout_s)
-        p99 = float(np.quantile(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations)), 0.99))
-        return max(float(self.timeout_s), self.timeout_factor * p99)
+        rule = self.step_timeout
+        if job is None:
+            return float(rule.floor_s)
+        return rule.of(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations)))
 
     @staticmethod
     def _step_s(job: _Job) -> float:
@@ -300,6 +308,9 @@ class LifecycleTracker(Stateful):
         if b.ts < job.run_ts:
             self.stale_total_ += 1  # a late batch of a run that was already restarted
             return False
+        if job.exit is not None and b.ts > job.exit_ts and self._late(job, b):
+            self.late_after_exit_total_ += 1  # the exited run's own step, stamped after the exit: no new run
+            return False
         restart = False
         stop = job.stop
         if job.exit is not None and b.ts > job.exit_ts:
@@ -341,6 +352,15 @@ class LifecycleTracker(Stateful):
         elif b.step == job.top:
             job.top_ts = max(job.top_ts, b.ts)
         return restart
+
+    def _late(self, job: _Job, b: StepBatch) -> bool:
+        """Whether a batch stamped after its job's exit is the exited run's own: a step no newer than the
+        exit's last step, after a completed exit always (a finished job is not reopened by its ranks'
+        last batches, whatever order they and rank 0's exit arrive in), after a failed one when stamped
+        within ``rewind_gap_s`` of the exit (clock skew between nodes; later, an earlier step is a restart)."""
+        if b.step > job.exit_step:
+            return False
+        return job.exit == ExitStatus.COMPLETED.value or b.ts <= job.exit_ts + self.rewind_gap_s
 
     def _job_start(self, e: Event) -> bool:
         try:
@@ -407,6 +427,7 @@ class LifecycleTracker(Stateful):
             self._close(name, job, stop)
             stop = None
         job.exit, job.exit_ts = rec.status.value, e.ts
+        job.exit_step = job.top if rec.last_step is None else rec.last_step
         if rec.status is ExitStatus.COMPLETED:
             if stop is not None:  # a stall that ended in a clean finish
                 self.stalls_cleared_total_ += 1
@@ -450,7 +471,7 @@ class LifecycleTracker(Stateful):
     def _new_run(job: _Job, ts: float, *, started: bool, start_id: str = "") -> None:
         job.top, job.top_ts = -1, math.nan
         job.run_ts, job.started, job.start_id = ts, started, start_id
-        job.progressed, job.exit = False, None
+        job.progressed, job.exit, job.exit_step = False, None, -1
 
     # ------------------------------------------------------------------ findings
     def _finding(self, f: Finding) -> None:

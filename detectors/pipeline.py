@@ -52,6 +52,7 @@ from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
 from fleethealth.detectors.state import Stateful
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
+from fleethealth.errors import ConfigError
 from fleethealth.params import check_number
 from fleethealth.schema import Event, EventKind, Finding, Message, NodeState, StepBatch, StepBlock, Telemetry
 
@@ -83,6 +84,9 @@ class Output:
     """Messages not processed at all, with why (a new job or node beyond the cardinality limits)."""
     states: list[NodeState] = field(default_factory=list)
     """Node states the telemetry changed (or whose heartbeat was due): what a node stage publishes."""
+    unscored: list[tuple[str, int]] = field(default_factory=list)
+    """``(job, ranks)``: jobs newly found too small for the straggler detector to score (fewer comparable
+    ranks than its ``min_group``; ``ranks`` the largest group it saw), once each: the runner logs them."""
 
 
 _LIFECYCLE = (EventKind.JOB_START, EventKind.JOB_EXIT)
@@ -124,7 +128,13 @@ class Pipeline(Stateful):
         self.sdc = sdc if sdc is not None else SdcDetector()
         self.predictor = predictor if predictor is not None else FailurePredictor()
         self.assembler = assembler if assembler is not None else StepAssembler()
-        self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker()
+        rule = self.hang.step_timeout()  # one step-timeout rule: the hang detector's, shared with the lifecycle
+        self.lifecycle = lifecycle if lifecycle is not None else LifecycleTracker(step_timeout=rule)
+        if self.lifecycle.step_timeout is None:
+            self.lifecycle.step_timeout = rule
+        elif self.lifecycle.step_timeout != rule:
+            raise ConfigError(f"the lifecycle's step timeout {self.lifecycle.step_timeout} differs from the hang "
+                              f"detector's {rule}: a job has one step timeout (the detect.hang keys)")
         self.diagnosis_wait_s = diagnosis_wait_s
         self.job_idle_s = check_number("job_idle_s", job_idle_s, above=0)
         self.node_idle_s = check_number("node_idle_s", node_idle_s, above=0)
@@ -145,6 +155,8 @@ class Pipeline(Stateful):
         self.pending_: list[Finding] = []
         self.waiting_racks_: set[str | None] = set()
         self.steps_total_ = 0
+        self.unscored_jobs_: dict[str, int] = {}  # job -> its largest group, for jobs too small to score
+        self.unscored_new_: list[tuple[str, int]] = []
 
     # ------------------------------------------------------------------ feeding
     def feed(self, messages: Sequence[Message]) -> Output:
@@ -273,6 +285,7 @@ class Pipeline(Stateful):
         for job in idle:
             del self.job_seen_[job]
             self.stragglers_.pop(job, None)
+            self.unscored_jobs_.pop(job, None)
             self.ended_.append(job)
             self.assembler.forget(job)
             self.hang.forget(job)
@@ -337,6 +350,7 @@ class Pipeline(Stateful):
             out.events += self.lifecycle.drain()
         out.steps, self.steps_ = self.steps_, []
         out.ended, self.ended_ = self.ended_, []
+        out.unscored, self.unscored_new_ = self.unscored_new_, []
         return out
 
     def _with_rack(self, f: Finding) -> Finding:
@@ -352,7 +366,17 @@ class Pipeline(Stateful):
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
-        return detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+        found = detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+        if (step.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
+                and not getattr(detector, "scored_steps_", 0)):
+            self._unscored(step.job, detector)
+        return found
+
+    def _unscored(self, job: str, detector: StragglerLike) -> None:
+        """``job`` has steps the straggler detector left unscored for a group below its ``min_group``, and
+        none scored (a step with a rank missing in a job of enough ranks does not make it small)."""
+        self.unscored_jobs_[job] = int(getattr(detector, "unscored_group_", 0))
+        self.unscored_new_.append((job, self.unscored_jobs_[job]))
 
     def _stragglers_many(self, steps: list[AssembledStep]) -> None:
         """:meth:`_stragglers` (and :meth:`_wait`) of each step in order; a run of steps of one job on the
@@ -374,6 +398,9 @@ class Pipeline(Stateful):
                 self.steps_ += [(a.job, a.ts) for a in run]
                 self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
                                 placements=run))
+                if (first.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
+                        and not getattr(detector, "scored_steps_", 0)):
+                    self._unscored(first.job, detector)
             else:
                 for step in steps[i:j]:
                     self._wait(self._stragglers(step))

@@ -85,8 +85,10 @@ from fleethealth.detectors.stages import Stage, group_topics, table_topics, take
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
+from fleethealth.payloads.progress import job_end_events, job_progress_events
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
+from fleethealth.policy.quarantine import book_decisions, released
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
     Action,
@@ -128,6 +130,11 @@ class Conclusions:
     rejected: list[tuple[Message, str]] = field(default_factory=list)
     states: list[NodeState] = field(default_factory=list)
     """Node states to publish on ``fh.nodestate`` (the node stage)."""
+    unscored: list[tuple[str, int]] = field(default_factory=list)
+    """Jobs newly found too small to score for stragglers, with their largest group (logged once)."""
+    progress: list[Event] = field(default_factory=list)
+    """``job_progress`` and ``job_end`` events for the policy (:mod:`fleethealth.payloads.progress`): a job
+    stage publishes them on ``fh.events``; :func:`conclude` hands them to a policy in process."""
 
     def extend(self, other: Conclusions) -> None:
         """Add what ``other`` (a later part of the same batch, or another partition's) concluded."""
@@ -135,6 +142,8 @@ class Conclusions:
         self.recommendations += other.recommendations
         self.events += other.events
         self.states += other.states
+        self.unscored += other.unscored
+        self.progress += other.progress
         self.outcomes += other.outcomes
         self.policy_changed = self.policy_changed or other.policy_changed
         self.refused += other.refused
@@ -169,22 +178,32 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
             out.recommendations += decided.recommendations
             out.outcomes += decided.outcomes
             out.policy_changed = out.policy_changed or decided.changed
+        if final:
+            flushed = policy.flush()
+            out.recommendations += flushed.recommendations
         return out
     out = pipeline.feed(messages)
     findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
+    unscored = list(out.unscored)
+    # what the policy learns of the jobs' steps and ends: the same messages a job stage publishes
+    progress = [*job_progress_events(out.steps), *job_end_events(out.ended, out.now)]
     tail = pipeline.drain() if final else None
+    tail_progress: list[Event] = []
     if tail is not None:
         findings += tail.findings
         derived_events += tail.events
+        tail_progress = [*job_progress_events(tail.steps), *job_end_events(tail.ended, tail.now)]
     if policy is None:
         return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
-                           kept=list(out.kept), rejected=list(out.rejected), states=states)
-    decided = policy.update(out.findings, [*events, *out.events], out.now, steps=out.steps, ended=out.ended)
+                           kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored,
+                           progress=[*progress, *tail_progress])
+    decided = policy.update(out.findings, [*events, *out.events, *progress], out.now)
     if tail is not None:
-        decided.extend(policy.update(tail.findings, tail.events, tail.now, steps=tail.steps, ended=tail.ended))
+        decided.extend(policy.update(tail.findings, [*tail.events, *tail_progress], tail.now))
+        decided.extend(policy.flush())
     return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
                        outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       kept=list(out.kept), rejected=list(out.rejected), states=states)
+                       kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
 
 
 class _Metrics:
@@ -207,6 +226,9 @@ class _Metrics:
                              registry=registry)
         self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
                             "acknowledged by the broker", registry=registry)
+        self.unscored_jobs = Gauge("fleethealth_detect_unscored_jobs", "Jobs whose steps the straggler detector "
+                                   "does not score: fewer comparable ranks than detect.straggler.min_group",
+                                   registry=registry)
         self.over_limit = Gauge("fleethealth_detect_over_limit_records",
                                 "Records dead-lettered for naming a new job or node beyond the cardinality limits",
                                 ["what"], registry=registry)
@@ -275,6 +297,9 @@ class Runner:
             self._make = pipeline if pipeline is not None else _default_factory(self.stage)
         has_policy = self.stage in (Stage.ALL, Stage.POLICY)
         self.policy = (policy if policy is not None else PolicyStage(load_engine(store))) if has_policy else None
+        if self.policy is not None and self.policy.book is None:  # quarantine's one home: the store's book
+            self.policy.book = lambda nodes: self.retry.call("read the quarantine book",
+                                                             lambda: released(self.store, nodes))
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
@@ -646,9 +671,13 @@ class Runner:
         self._insert("e", events, store.insert_events, token, bad_input)
         findings = self._insert("f", out.findings, store.insert_findings, token, bad_output)
         recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
+        if self.policy is not None and recs:  # the book, before the engine state that remembers these
+            self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
+        if self.policy is not None:
+            self.policy.unbooked_.clear()
         outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
-        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived
-            outgoing += [_outbox_row(e) for e in out.events]
+        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
+            outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends
         if outgoing:  # before the engine state that remembers these decisions: none is lost
             self.retry.call("write the outbox", lambda: store.write_outbox(
                 outgoing, published=False, dedup_token=derived("o", token)))
@@ -681,6 +710,10 @@ class Runner:
         self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
         self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))
         self.metrics.advance("early", self.released_early_total)
+        for job, ranks in out.unscored:
+            log.warning("job %s is not scored for stragglers: %d comparable rank(s), fewer than "
+                        "detect.straggler.min_group (hangs, SDC and node health are still watched)", job, ranks)
+        self.metrics.unscored_jobs.set(sum(len(p.unscored_jobs_) for p in pipelines))
         for what in ("jobs", "nodes"):
             self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
         self.findings_total += len(out.findings)

@@ -67,7 +67,8 @@ __all__ = ["SNAPSHOT_VERSION", "MAGIC", "SnapshotError", "Snapshots", "check_off
 log = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 2
-"""The layout of a snapshot (2: explicit state, signed; 1 was a pickle): a blob of another version is refused."""
+"""The layout of a snapshot and of the detector state inside it (2: explicit state, signed; 1 was a
+pickle): a blob of another version is refused."""
 MAGIC = b"FHSNAP\r\n"
 """The first 8 bytes of every snapshot (the CR LF catches a blob mangled by a text transfer)."""
 

@@ -11,7 +11,9 @@ one replica per group), or the tier runs as three stages that scale apart:
 * ``job`` — a consumer group over ``fh.steps`` and ``fh.events`` (steps keyed by job, and the
   events a training job sends — checks, checkpoints, hang reports, start and exit — keyed by job
   too, :data:`fleethealth.schema.JOB_EVENT_KINDS`): step assembly, stragglers, hangs, SDC results,
-  the job lifecycle and diagnosis. Each replica also reads the whole of ``fh.nodestate`` and the
+  the job lifecycle and diagnosis; it publishes the derived interruptions and each job's progress
+  and end (``job_progress``, ``job_end``: :mod:`fleethealth.payloads.progress`) for the policy
+  stage. Each replica also reads the whole of ``fh.nodestate`` and the
   node stage's findings on ``fh.findings`` (the Xid findings the lifecycle names a stop's cause
   by) as tables, outside the group. N replicas; one pipeline per partition, all sharing the
   replica's node-state table.
@@ -53,6 +55,8 @@ _GROUP = {
     Stage.POLICY: (Topic.FINDINGS, Topic.EVENTS),
 }
 _TABLES = {Stage.JOB: (Topic.NODESTATE, Topic.FINDINGS)}
+_DERIVED = frozenset({EventKind.JOB_PROGRESS, EventKind.JOB_END})
+"""What the job stage publishes for the policy stage about a job's steps and end (never stored)."""
 
 
 def group_topics(stage: Stage) -> tuple[str, ...]:
@@ -69,8 +73,9 @@ def takes_event(stage: Stage, event: Event) -> bool:
     """Whether the stage processes (and stores, unless it is the policy) this input event."""
     if stage is Stage.NODE:
         return not is_job_event(event)
-    if stage is Stage.JOB:  # not the stops it derived itself and published for the policy stage
-        return is_job_event(event) and not (event.kind is EventKind.INTERRUPTION and "interruption_id" in event.data)
+    if stage is Stage.JOB:  # not the stops, progress and ends it derived itself and published for the policy stage
+        return is_job_event(event) and event.kind not in _DERIVED and not (
+            event.kind is EventKind.INTERRUPTION and "interruption_id" in event.data)
     return True
 
 

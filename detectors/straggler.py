@@ -32,7 +32,14 @@ Defined behaviour on bad input (tested in ``tests/detectors``):
 * NaN, infinite, zero, negative or absurd (> :data:`~fleethealth.schema.MAX_COMPUTE_S`) times:
   those ranks are left out of that step (no statistics, no state update) and counted in
   ``rejected_total_``.
-* A group with fewer than ``min_group`` valid ranks (e.g. a one-rank step) is not scored.
+* A group with fewer than ``min_group`` valid ranks (e.g. a one-rank step, or a job of fewer than
+  eight ranks) is not scored: no peer median and spread can be trusted on so few (a robust z needs
+  its MAD). Its rank-steps are counted in ``unscored_small_total_`` and the largest such group in
+  ``unscored_group_`` (``scored_steps_`` counts the steps that were scored); a job with steps left
+  out and none scored is listed as not scored by the pipeline (``Pipeline.unscored_jobs_``), the
+  runner logs it once and counts it (``fleethealth_detect_unscored_jobs``), and the job's report
+  says so. Such a job is reported as not scored rather than scored against a calibration that
+  does not hold for it.
 * A rank whose step is not newer than the last step it reported (duplicate or out-of-order
   delivery) is left out and counted in ``stale_total_``.
 * Mismatched array lengths, duplicate ranks within one call, negative or huge rank ids, a
@@ -49,6 +56,7 @@ import numpy as np
 
 from fleethealth.detectors.state import Stateful
 from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.evidence import MIN_COMPARABLE_RANKS
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import MAX_COMPUTE_S, Finding, FindingKind
 
@@ -135,6 +143,9 @@ class _StepDetector(Stateful):
         self.rejected_total_ = 0
         self.stale_total_ = 0
         self.steps_seen_ = 0
+        self.unscored_small_total_ = 0
+        self.unscored_group_ = 0
+        self.scored_steps_ = 0
 
     def _grow(self, top: int) -> None:
         if top < self.capacity_:
@@ -191,6 +202,14 @@ class _StepDetector(Stateful):
 
     def _validate_params(self) -> None:
         check_int("max_rank", self.max_rank, at_least=0, owner=self)
+
+    def _small(self, groups: np.ndarray | None, left: np.ndarray) -> None:
+        """Count the ranks ``left`` out of a step (mask) because their group is below ``min_group``
+        (a NaN z also comes from a non-finite time, already rejected before, so only the group size)."""
+        n = int(np.count_nonzero(left))
+        self.unscored_small_total_ += n
+        size = n if groups is None else int(np.bincount(np.unique(groups[left], return_inverse=True)[1]).max())
+        self.unscored_group_ = max(self.unscored_group_, size)
 
     def _finding(self, rank: int, step: int, z: float, slowdown: float, evidence: dict[str, Any],
                  placement: Placement | None, since: float = math.nan) -> Finding:
@@ -404,7 +423,7 @@ class StragglerDetector(_StepDetector):
                  false_rate: float = 3.5e-11, shares: tuple[float, ...] = (0.45, 0.45, 0.001, 0.01),
                  thresholds: tuple[float, ...] | None = None, clip: float = 4.0,
                  clip_margin: float = 2.25, sigma_prior_steps: int = 64,
-                 min_group: int = 8, min_scale: float = 0.002, min_effect: float = 0.005, min_peer_effect: float = 0.0,
+                 min_group: int = MIN_COMPARABLE_RANKS, min_scale: float = 0.002, min_effect: float = 0.005, min_peer_effect: float = 0.0,
                  baseline_steps: int = 4096, init_steps: int = 5, freeze_at: float = 0.5,
                  persistent_min: float = 0.03, persistent_threshold: float = 15.0,
                  max_rank: int = 1 << 22) -> None:
@@ -507,9 +526,12 @@ class StragglerDetector(_StepDetector):
         x = np.log(t)
         z, med, xscale = robust_z(x, g, min_group=self.min_group, min_scale=self.min_scale)
         scored = ~np.isnan(z)
+        if not scored.all():
+            self._small(g, ~scored)
         r, lr, med, xscale = r[scored], (x - med)[scored], med[scored], xscale[scored]
         if r.size == 0:
             return []
+        self.scored_steps_ += 1
         return self._score(step, r, _as_index(r), lr, med, xscale, placement)
 
     def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
@@ -540,6 +562,7 @@ class StragglerDetector(_StepDetector):
                     for f in self.update(step, ranks, t[k], groups, placement=places[k])]
         self.last_step_[r] = steps[-1]
         self.steps_seen_ += n
+        self.scored_steps_ += n
         x = np.log(t.astype(np.float64))
         med = np.median(x, axis=1)
         mad = np.median(np.abs(x - med[:, None]), axis=1)

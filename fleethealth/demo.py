@@ -32,7 +32,7 @@ from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
 from fleethealth.report.scorecard import Scorecard, score
-from fleethealth.schema import Finding, Recommendation, Topic
+from fleethealth.schema import EventKind, Finding, Recommendation, Topic
 from fleethealth.sim import FleetSim, Scenario
 from fleethealth.sim.closedloop import LoopResult, account, acts_from, seed_rule_acts
 from fleethealth.store import StoreLike, open_store
@@ -75,11 +75,14 @@ class DemoResult:
 
 
 def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recommendation]]:
-    """Write the store's findings and recommendations as JSON lines (docs/architecture.md's contract)."""
+    """Write the store's findings, recommendations and derived interruptions as JSON lines
+    (docs/architecture.md's contract)."""
     out.mkdir(parents=True, exist_ok=True)
     findings = sorted(store.findings(), key=lambda f: (f.ts, f.kind.value, f.node, -1 if f.rank is None else f.rank))
     recs = sorted(store.recommendations(), key=lambda r: (r.ts, r.node, r.action.value))
-    for name, rows in (("findings.jsonl", findings), ("recommendations.jsonl", recs)):
+    stops = sorted(store.events(kind=EventKind.INTERRUPTION.value), key=lambda e: (e.ts, e.job or "", e.id))
+    for name, rows in (("findings.jsonl", findings), ("recommendations.jsonl", recs),
+                       ("interruptions.jsonl", stops)):
         with open(out / name, "wb") as fh:
             for row in rows:
                 fh.write(orjson.dumps(row.to_obj()) + b"\n")
@@ -147,12 +150,15 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
             delivery.close()
         t1 = time.perf_counter()
         stages: dict[str, object] = {}
+        goodput: dict[str, float | None] = {}
         if replicas is None:
-            dead = _detect_all(broker.dsn, store, published, progress)
+            dead = _detect_all(broker.dsn, store, published, progress, goodput)
         else:
-            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress, stages)
+            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress, stages, goodput)
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
+        # the goodput figure the pager read for each interruption (the same in both forms of the tier)
+        (out / "goodput.json").write_bytes(orjson.dumps(goodput, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         # the ground truth, read only now that the detectors have finished
         card = score(scenario, findings, recs)
         (out / "scorecard.json").write_bytes(orjson.dumps(card.to_obj(), option=orjson.OPT_INDENT_2))
@@ -167,7 +173,8 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
                       report_note=note, closed_loop=tuple(loop), stages=stages)
 
 
-def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress | None) -> int:
+def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress | None,
+                goodput: dict[str, float | None]) -> int:
     """One runner of the whole tier over everything published; returns the dead letters."""
     # the simulator replays hours of event time in seconds: no bound against the broker's clock
     with Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None) as runner:
@@ -183,11 +190,13 @@ def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress |
             if progress is not None:
                 progress("detect", consumed, published)
         runner.drain()
+        if runner.policy is not None:
+            goodput.update(runner.policy.goodput_)
         return runner.consumer.dead_lettered_total
 
 
 def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replicas: int,
-                   progress: Progress | None, stats: dict[str, object]) -> int:
+                   progress: Progress | None, stats: dict[str, object], goodput: dict[str, float | None]) -> int:
     """The node stage's replicas over the telemetry and events, then the job stage's over the steps
     and events (reading the node states the first published), then the policy: one stage after the
     other, since the demo replays a finished timeline (in a fleet they run side by side). Each
@@ -197,12 +206,13 @@ def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replica
             (Stage.JOB, replicas, by_topic[Topic.STEPS] + by_topic[Topic.EVENTS]),
             (Stage.POLICY, 1, None))
     for stage, count, expected in plan:
-        dead += _run_group(dsn, store_dsn, stage, count, expected, progress, stats)
+        dead += _run_group(dsn, store_dsn, stage, count, expected, progress, stats, goodput)
     return dead
 
 
 def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int | None,
-               progress: Progress | None, stats: dict[str, object] | None = None) -> int:
+               progress: Progress | None, stats: dict[str, object] | None = None,
+               goodput: dict[str, float | None] | None = None) -> int:
     """``count`` replicas of ``stage`` in one group until they have read ``expected`` records between
     them (or, with None, until every partition is read to its end), then each drains."""
     from prometheus_client import CollectorRegistry
@@ -259,6 +269,10 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
             stats[str(stage)] = {"replicas": count, "records": [r.consumer.consumed_total for r in runners],
                                  "partitions": [sorted({p for _, p in r.consumer.assignment()}) for r in runners],
                                  "node_states": sum(r.states_published_total for r in runners)}
+        if goodput is not None:
+            for r in runners:
+                if r.policy is not None:
+                    goodput.update(r.policy.goodput_)
         return sum(r.consumer.dead_lettered_total for r in runners)
 
 

@@ -29,7 +29,12 @@ from typing import Any, Self
 
 from fleethealth.schema import Action
 
-__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence", "Corroboration"]
+__all__ = ["XidEvidence", "EccEvidence", "StragglerEvidence", "Corroboration", "MIN_COMPARABLE_RANKS"]
+
+MIN_COMPARABLE_RANKS = 8
+"""The fewest comparable ranks (one group of a step) the straggler detector scores by default
+(``detect.straggler.min_group``); a smaller job is reported as not scored (the detector, the runner's
+log and metric, the report)."""
 
 
 def _number(v: Any) -> float | None:

@@ -145,6 +145,8 @@ class EventKind(StrEnum):
     SCHEDULER_ACTION = "scheduler_action"
     JOB_START = "job_start"
     JOB_EXIT = "job_exit"
+    JOB_PROGRESS = "job_progress"  # derived by the job stage: the event times of the steps it assembled
+    JOB_END = "job_end"  # derived by the job stage: it forgot the job (idle past detect.pipeline.job_idle_s)
 
 
 class ClockReason(IntFlag):
@@ -736,8 +738,10 @@ class StepBlock:
 
 
 JOB_EVENT_KINDS = frozenset({EventKind.SDC_CHECK, EventKind.HANG_REPORT, EventKind.CHECKPOINT, EventKind.JOB_START,
-                             EventKind.JOB_EXIT, EventKind.INTERRUPTION})
-"""Kinds a training job (or the detectors, for ``interruption``) sends about itself: keyed by job when
+                             EventKind.JOB_EXIT, EventKind.INTERRUPTION, EventKind.JOB_PROGRESS,
+                             EventKind.JOB_END})
+"""Kinds a training job (or the detectors, for ``interruption``, ``job_progress`` and ``job_end``) sends
+about itself: keyed by job when
 they name one, so they share a partition number with the job's step batches."""
 
 

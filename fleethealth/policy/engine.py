@@ -191,6 +191,12 @@ class PolicyEngine:
     def p_healthy(self, diagnosis: Diagnosis | str) -> float:
         return self.posterior_.mean(diagnosis)
 
+    def release(self, node: str) -> None:
+        """``node`` left the quarantine book (a release through the API or a sweep, after a passing full
+        self-test): forget that it was quarantined or drained, so a new fault on it is decided afresh."""
+        self.quarantined_.discard(node)
+        self.drained_.discard(node)
+
     def forget_job(self, job: str) -> None:
         """Drop what the engine keeps per job once detection forgot the job as ended: checkpoints,
         verification marks, remaining time and its rollbacks (node-level memory is kept)."""

@@ -31,6 +31,7 @@ __all__ = [
     "breaker_record",
     "reset_breaker",
     "sync_breaker",
+    "sync_quarantine",
 ]
 
 _BREAKER = "fleet"
@@ -105,6 +106,20 @@ def sync_breaker(store: StoreLike, engine: PolicyEngine) -> None:
                            reset_by="")
     elif rec is not None and rec.open:
         b.trip(rec.tripped_ts or 0.0, rec.reason)
+
+
+def sync_quarantine(store: StoreLike, engine: PolicyEngine) -> list[str]:
+    """Reconcile the engine's memory of quarantined and drained nodes with the quarantine book (the book
+    wins: a node released through the API or a sweep is forgotten by the engine). Reads the book only
+    while the engine remembers a node. Returns the nodes released."""
+    held = engine.quarantined_ | engine.drained_
+    if not held:
+        return []
+    booked = {row["node"] for row in store.quarantined_rows()}
+    released = sorted(held - booked)
+    for node in released:
+        engine.release(node)
+    return released
 
 
 def save_engine(store: StoreLike, engine: PolicyEngine, ts: float, *, key: str = "engine") -> None:

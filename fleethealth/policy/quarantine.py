@@ -7,6 +7,13 @@ written to ``quarantine_log`` with the reason, so an operator can see why a node
 
 Table ``quarantine`` (migration ``003_policy.sql``) is a ReplacingMergeTree keyed by node; each
 change writes the whole row again with a higher ``version`` and reads use ``FINAL``.
+
+The book is the one home of quarantine: the policy engine's allowed quarantines and drains are
+written here by the runner that decided them (:func:`book_decisions`), the API and the sweeps release
+nodes here, and the runner reconciles the engine's memory with the book before each batch it decides
+(:func:`released`, asked by the policy stage for the nodes of the findings it is about to decide
+that the engine remembers; :func:`fleethealth.policy.persist.sync_quarantine` reconciles all at once),
+so a released node hit by a new fault is decided afresh instead of "already quarantined".
 :func:`check_release` is the pure rule; the other functions do the store I/O through the store's
 named queries (:mod:`fleethealth.store.queries`).
 """
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from fleethealth.errors import ConfigError
+from fleethealth.schema import Action, Guard, Recommendation
 
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
@@ -38,6 +46,9 @@ __all__ = [
     "record",
     "add_run",
     "history",
+    "book_decisions",
+    "released",
+    "BOOKED_ACTIONS",
 ]
 
 FULL_SUITE = "full"
@@ -264,3 +275,29 @@ def history(store: StoreLike, node: str) -> list[QuarantineLogEntry]:
     return [QuarantineLogEntry(node=r["node"], ts=float(r["ts"]), action=r["action"], detail=r["detail"],
                                evidence=orjson.loads(r["evidence"]) if r["evidence"] else {})
             for r in store.quarantine_log_rows(node)]
+
+
+BOOKED_ACTIONS = (Action.QUARANTINE, Action.DRAIN)
+"""The engine's decisions that take a node out of the pool until a full self-test returns it."""
+
+
+def book_decisions(store: StoreLike, recommendations: Iterable[Recommendation]) -> list[QuarantineRecord]:
+    """Write the allowed quarantines and drains among ``recommendations`` into the book (a dry run's are
+    not carried out, so not booked); idempotent, as :func:`quarantine` is. Returns the records written."""
+    out = []
+    for rec in recommendations:
+        if rec.action in BOOKED_ACTIONS and rec.guard is Guard.ALLOWED and not rec.dry_run:
+            out.append(quarantine(store, rec.node, f"{rec.action.value}: {rec.reason}", rec.ts,
+                                  finding_id=rec.finding_id, runs=(rec.job,) if rec.job else ()))
+    return out
+
+
+def released(store: StoreLike, nodes: Iterable[str]) -> set[str]:
+    """Which of ``nodes`` the book has released (a row that is no longer quarantined); a node it never
+    held is not released (its booking may still be on its way)."""
+    out = set()
+    for node in sorted(set(nodes)):
+        row = store.quarantine_row(node)
+        if row is not None and not row["quarantined"]:
+            out.add(node)
+    return out

@@ -14,19 +14,34 @@ the findings:
   rule reads) → the :class:`~fleethealth.policy.paging.Pager` (seed 000 R5): a page when a pattern
   is found, a counted report otherwise.
 
-Step times come from detection as ``steps`` — (job, event time) of each step it assembled, in
-order — and ``ended``, the jobs it forgot as idle, so both stages agree on which jobs exist.
+Step times and job ends come from detection as events (:mod:`fleethealth.payloads.progress`): a
+``job_progress`` carries the event times of the steps of a job it assembled, a ``job_end`` says it
+forgot the job as idle. The job stage publishes them on ``fh.events`` and the staged policy reads them
+there; a runner of the whole tier hands the same events over in process, so both forms compute the
+same goodput and forget the same jobs. A job's end — its ``job_end``, or its own ``job_exit``
+``completed`` — makes the engine forget it (:meth:`PolicyEngine.forget_job`). The older ``steps`` /
+``ended`` arguments of :meth:`PolicyStage.update` still work.
+
+Each interruption is evaluated by the pager once the stage's clock reaches the time its record was
+complete (the newest of its known, diagnosed, restart and passed times, so the downtime it cost is in
+the window), with its job's goodput over the hour before from the steps at or before that time: the
+same figure and pages whether the steps after it arrived in the same batch (the whole tier) or later
+(a policy stage reading in event-time order). :meth:`PolicyStage.flush` evaluates what still waits at
+the end of input.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fleethealth.errors import SchemaError
+from fleethealth.payloads.job import ExitStatus
+from fleethealth.payloads.progress import JobProgress
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.goodput import Interruption, ideal_step_time, window_goodput
@@ -64,18 +79,27 @@ class PolicyStage:
     """The policy engine, the pager and the goodput they read, behind one ``update``.
 
     ``engine`` defaults to a :class:`PolicyEngine` with its defaults (a runner passes one loaded
-    from the store); ``pager`` to a :class:`Pager`. State: ``interruptions_`` (the stop's
+    from the store); ``pager`` to a :class:`Pager`; ``book`` asks the quarantine book which of some
+    nodes it no longer holds (a runner passes one reading its store; none: the engine's memory stands).
+    State: ``interruptions_`` (the stop's
     ``data.interruption_id`` when the detectors derived it, else the event id → record, within
-    the pager's windows), ``step_ends_`` (job → event times of its steps in the last hour) and
-    ``job_first_`` (job → its first step's time).
+    the pager's windows), ``step_ends_`` (job → event times of its steps in the last two hours),
+    ``job_first_`` (job → its first step's time) and ``goodput_`` (stop → the goodput figure of its
+    job the pager read when it was evaluated; None without one).
     """
 
-    def __init__(self, engine: PolicyEngine | None = None, *, pager: Pager | None = None) -> None:
+    def __init__(self, engine: PolicyEngine | None = None, *, pager: Pager | None = None,
+                 book: Callable[[set[str]], set[str]] | None = None) -> None:
         self.engine = engine if engine is not None else PolicyEngine()
         self.pager = pager if pager is not None else Pager()
+        self.book = book
+        self.unbooked_: set[str] = set()  # nodes the engine took out since its runner last wrote the book
         self.interruptions_: dict[str, Interruption] = {}
         self.step_ends_: dict[str, deque[float]] = {}
         self.job_first_: dict[str, float] = {}
+        self.goodput_: dict[str, float | None] = {}
+        self.pending_: list[tuple[float, str, str]] = []  # (time to evaluate at, stop id, job), not evaluated yet
+        self.clock_ = float("-inf")
 
     def update(self, findings: Sequence[Finding], events: Sequence[Event], now: float, *,
                steps: Sequence[tuple[str, float]] = (), ended: Sequence[str] = ()) -> Decisions:
@@ -83,15 +107,18 @@ class PolicyStage:
         Findings are decided in the order of their time and id, so a runner of the whole tier and a
         policy stage that reads them from ``fh.findings`` (in another order) decide alike."""
         findings = sorted(findings, key=lambda f: (f.ts, f.id))
-        self._progress(steps, ended)
+        self._progress(steps, ())
+        self._progress([(p.job, ts) for ev in events if ev.kind is EventKind.JOB_PROGRESS
+                        for p in _progress(ev) for ts in p.step_ts], ())
         out = Decisions()
         noted = self.engine.observe(events)
         out.outcomes += self.engine.judge(findings, now)
         if findings:
+            self._reconcile(findings)
+            held = self.engine.quarantined_ | self.engine.drained_
             out.recommendations += self.engine.decide(findings, now)
+            self.unbooked_ |= (self.engine.quarantined_ | self.engine.drained_) - held
         out.changed = bool(findings or out.outcomes or noted)
-        fresh: set[str] = set()
-        at = now  # an interruption record is itself evidence that its job's time has reached it
         for ev in events:
             if ev.kind is not EventKind.INTERRUPTION:
                 continue
@@ -101,45 +128,93 @@ class PolicyStage:
                     self.interruptions_[key] = Interruption.from_event(ev)
                 except SchemaError:
                     continue  # an interruption record without a job cannot be attributed; it is stored anyway
-                fresh.add(ev.job or "")
-                at = max(at, ev.ts)
-        if fresh:
-            horizon = at - self.pager.recent_s - self.pager.rate_window_s
-            self.interruptions_ = {k: i for k, i in self.interruptions_.items() if i.ts >= horizon}
-            report = self.pager.evaluate(self.interruptions_.values(), at, goodput_1h=self._worst_goodput(fresh, at))
+                self.pending_.append((_settled(ev), key, ev.job or ""))
+        # an interruption record is itself evidence that its job's time has reached it
+        self.clock_ = max(self.clock_, float(now),
+                          *(ev.ts for ev in events if ev.kind is EventKind.INTERRUPTION))
+        gone = [*ended, *(ev.job for ev in events if ev.job and (
+            ev.kind is EventKind.JOB_END
+            or (ev.kind is EventKind.JOB_EXIT and ev.data.get("status") == ExitStatus.COMPLETED.value)))]
+        out.extend(self._evaluate(set(gone)))
+        if gone:  # after their stops were evaluated, so a job's last stop still had its goodput figure
+            self._progress((), gone)
+            out.changed = True
+        return out
+
+    def _reconcile(self, findings: Sequence[Finding]) -> None:
+        """Before deciding on nodes the engine remembers as quarantined or drained, ask the quarantine book
+        (``book``: nodes -> those it no longer holds) and forget the ones released since (through the API
+        or a sweep), so a new fault on them is decided afresh. Without a book, the engine's memory stands."""
+        held = {f.node for f in findings} & (self.engine.quarantined_ | self.engine.drained_) - self.unbooked_
+        if held and self.book is not None:
+            for node in sorted(self.book(held)):
+                self.engine.release(node)
+
+    def flush(self) -> Decisions:
+        """End of input: evaluate every stop still waiting for the clock to reach its time."""
+        return self._evaluate(set(), everything=True)
+
+    def _evaluate(self, ending: set[str], *, everything: bool = False) -> Decisions:
+        """Evaluate the waiting stops whose time the clock has reached (or of ``ending`` jobs, or all), each
+        at its own time in (time, id) order with its own job's goodput from the steps at or before it:
+        the same evaluations whether the stops and steps arrive together (the whole tier) or apart, in
+        event-time order (a policy stage)."""
+        out = Decisions()
+        due = sorted(p for p in self.pending_ if everything or p[0] <= self.clock_ or p[2] in ending)
+        if not due:
+            return out
+        self.pending_ = [p for p in self.pending_ if p not in due]
+        for at, key, job in due:
+            figure = self._goodput(job, at)
+            self.goodput_[key] = figure
+            report = self.pager.evaluate(self.interruptions_.values(), at, goodput_1h=figure)
             out.reports.append(report)
             out.recommendations += report.to_recommendations(at)
+        waiting = {k for _, k, _ in self.pending_}
+        horizon = max(at for at, _, _ in due) - self.pager.recent_s - self.pager.rate_window_s
+        self.interruptions_ = {k: i for k, i in self.interruptions_.items() if i.ts >= horizon or k in waiting}
+        self.goodput_ = {k: g for k, g in self.goodput_.items() if k in self.interruptions_}
         return out
 
     def _progress(self, steps: Sequence[tuple[str, float]], ended: Sequence[str]) -> None:
         for job, ts in steps:
             ends = self.step_ends_.setdefault(job, deque())
             ends.append(ts)
-            while ends and ends[0] < ts - GOODPUT_WINDOW_S:
+            while ends and ends[0] < ts - 2 * GOODPUT_WINDOW_S:  # (a stop's window ends before the newest step)
                 ends.popleft()
-            self.job_first_.setdefault(job, ts)
+            self.job_first_[job] = min(self.job_first_.get(job, ts), ts)
         for job in ended:
             self.step_ends_.pop(job, None)
             self.job_first_.pop(job, None)
             self.engine.forget_job(job)
 
-    def _worst_goodput(self, jobs: set[str], now: float) -> float | None:
-        """The lowest goodput over the last hour (or the job's life, from 10 minutes on) among ``jobs``."""
-        values = []
-        for job in jobs:
-            ends = self.step_ends_.get(job)
-            if not ends or len(ends) < 3:
-                continue
-            window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
-            if window < GOODPUT_MIN_WINDOW_S:
-                continue
-            ts = np.fromiter(ends, dtype=np.float64, count=len(ends))
-            gaps = np.diff(ts)
-            gaps = gaps[gaps > 0]  # steps reported at one instant (a replay) carry no duration
-            if gaps.size:
-                mine = [i for i in self.interruptions_.values() if i.job == job]
-                values.append(window_goodput(ts, ideal_step_time(gaps), mine, now, window))
-        return min(values, default=None)
+    def _goodput(self, job: str, now: float) -> float | None:
+        """``job``'s goodput over the last hour (or its life, from 10 minutes on) up to event time ``now``,
+        from its steps at or before ``now``; None without enough of them."""
+        ends = self.step_ends_.get(job)
+        if not ends:
+            return None
+        # each step's time once: a job_progress republished after a crash, or derived again by a replay
+        # that batched the steps differently, repeats step times and must not count them twice
+        ts = np.unique(np.fromiter(ends, dtype=np.float64, count=len(ends)))
+        ts = ts[(ts <= now) & (ts > now - GOODPUT_WINDOW_S)]  # the steps known by the stop's time
+        window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
+        if ts.size < 3 or window < GOODPUT_MIN_WINDOW_S:
+            return None
+        gaps = np.diff(ts)
+        gaps = gaps[gaps > 0]  # steps reported at one instant (a replay) carry no duration
+        if not gaps.size:
+            return None
+        mine = [i for i in self.interruptions_.values() if i.job == job]
+        return window_goodput(ts, ideal_step_time(gaps), mine, now, window)
+
+
+def _settled(ev: Event) -> float:
+    """When a stop's record was complete — the newest of its known, diagnosed, restart and passed times —
+    the time its pages and its job's goodput are evaluated at (the downtime it cost is in that window)."""
+    times = [ev.ts] + [v for k in ("diagnosed_ts", "restart_ts", "passed_ts")
+                       if isinstance(v := ev.data.get(k), int | float) and not isinstance(v, bool) and math.isfinite(v)]
+    return float(max(times))
 
 
 def _stop_id(ev: Event) -> str:
@@ -147,3 +222,11 @@ def _stop_id(ev: Event) -> str:
     or less known, is one interruption), else the event's own id."""
     sid = ev.data.get("interruption_id")
     return sid if isinstance(sid, str) and sid else ev.id
+
+
+def _progress(ev: Event) -> list[JobProgress]:
+    """The typed view of a ``job_progress`` event, or nothing for a malformed one (it is not stored)."""
+    try:
+        return [JobProgress.from_event(ev)]
+    except SchemaError:
+        return []

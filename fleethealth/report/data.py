@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleethealth.errors import ConfigError, SchemaError
+from fleethealth.evidence import MIN_COMPARABLE_RANKS
 from fleethealth.policy.goodput import Interruption, distinct_stops, ideal_step_time
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Recommendation
 
@@ -122,8 +123,10 @@ def pick_job(store: StoreLike, job: str | None) -> str:
     return job
 
 
-def load(store: StoreLike, job: str | None = None) -> ReportData:
-    """Read everything the report shows about ``job`` (default: the job with the most steps)."""
+def load(store: StoreLike, job: str | None = None, *, min_group: int = MIN_COMPARABLE_RANKS) -> ReportData:
+    """Read everything the report shows about ``job`` (default: the job with the most steps). A job with
+    fewer ranks than ``min_group`` (``detect.straggler.min_group``) gets ``extra["unscored"]``, the note
+    that its steps were not scored for stragglers."""
     job = pick_job(store, job)
     span = store.report_job_span(job)
     if span is None:  # pick_job saw steps; a concurrent delete is the only way here
@@ -182,7 +185,11 @@ def load(store: StoreLike, job: str | None = None) -> ReportData:
         compute=compute, racks=racks, time_bin_s=time_bin, temp_max=temp, reasons=reasons, steps=steps,
         step_s=step_s, step_end_ts=ends, findings=findings, recommendations=recs, checks=checks,
         checkpoints=checkpoints, interruptions=interruptions, breaker=store.breaker_history(_BREAKER),
-        goodput=goodput_buckets(step_s, interruptions))
+        goodput=goodput_buckets(step_s, interruptions),
+        extra={} if len(order) >= min_group else {"unscored": (
+            f"Not scored for stragglers: this job has {len(order)} rank(s), fewer than the {min_group} comparable "
+            "ranks the straggler detector needs (detect.straggler.min_group); its hangs, SDC checks and node "
+            "health are still watched.")})
 
 
 def goodput_buckets(step_s: np.ndarray, interruptions: list[Interruption]) -> Goodput:
