@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from fleethealth.bus import Producer, ensure_topics
@@ -15,7 +16,7 @@ from fleethealth.kernels.suite import expected_tests
 from fleethealth.payloads.sdc_check import sdc_check_event
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.policy.quarantine import history, record, release
-from fleethealth.schema import Action, Guard
+from fleethealth.schema import Action, Guard, StepBatch
 
 T0 = 1_800_000_000.0
 NODE = "dc2-r14-gpu031"
@@ -30,6 +31,12 @@ def _full_pass(ts: float) -> dict:
 def _sdc(ts: float, step: int, *, passed: bool = False):
     return sdc_check_event(ts=ts, check="selfcheck", passed=passed, classification=None if passed else "transient",
                            node=NODE, job="train-7", rank=3, gpu=3, step=step)
+
+
+def _steps(ts: float, step: int) -> StepBatch:
+    """The job's step stream placing rank 3 on the node: what corroborates a single failing check."""
+    return StepBatch(job="train-7", step=step, node=NODE, ts=ts, ranks=np.array([2, 3], dtype=np.int32),
+                     gpus=np.array([2, 3], dtype=np.int16), compute_s=np.array([1.0, 1.0]))
 
 
 def _run(runner: Runner, producer: Producer, events: list) -> None:
@@ -50,7 +57,7 @@ def test_a_released_node_hit_by_a_new_sdc_is_quarantined_again(broker, store) ->
     with Producer(broker.dsn, event_time_stamps=True) as producer, \
             Runner(broker.dsn, store, group=f"q-{uuid.uuid4().hex[:8]}", publish=False, registry=CollectorRegistry(),
                    session_timeout_s=2.0, max_poll_interval_s=2.0, max_ahead_s=None, max_behind_s=None) as runner:
-        _run(runner, producer, [_sdc(T0, 100)])
+        _run(runner, producer, [_steps(T0, 99), _sdc(T0, 100)])
         booked = record(store, NODE)
         assert booked is not None and booked.reason.startswith("quarantine: silent data corruption")
         assert booked.runs_affected == ("train-7",) and NODE in runner.policy.engine.quarantined_
@@ -59,7 +66,8 @@ def test_a_released_node_hit_by_a_new_sdc_is_quarantined_again(broker, store) ->
         assert record(store, NODE) is None
         # back in a job, its checks pass; a new fault on it an hour later: quarantined again, not "already
         # quarantined"
-        _run(runner, producer, [_sdc(T0 + 3000.0, 800, passed=True), _sdc(T0 + 3600.0, 900)])
+        _run(runner, producer, [_sdc(T0 + 3000.0, 800, passed=True), _steps(T0 + 3600.0, 899),
+                                _sdc(T0 + 3600.0, 900)])
     quarantines = sorted((r for r in store.query(
         "SELECT action, guard, reason, ts FROM recommendations FINAL WHERE node = {n:String} ORDER BY ts",
         {"n": NODE}).dicts() if r["action"] == Action.QUARANTINE.value), key=lambda r: r["ts"])
