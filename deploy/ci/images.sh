@@ -98,14 +98,14 @@ cleanup() { [[ -n "$BROKER_PID" ]] && kill "$BROKER_PID" 2>/dev/null; true; }
 trap cleanup EXIT
 broker() {
   [[ -n "$BROKER_PID" ]] && return
-  "$PY" -m fleethealth broker >"$WORK/broker.out" 2>"$WORK/broker.err" &
+  "$PY" -m fleethealth broker >"$WORK/broker.$$.out" 2>"$WORK/broker.$$.err" &
   BROKER_PID=$!
-  for _ in $(seq 100); do
-    DSN=$(grep -ho 'kafka://[0-9.:]*' "$WORK/broker.out" 2>/dev/null | head -1 || true)
+  for _ in $(seq 300); do
+    DSN=$(grep -ho 'kafka://[0-9.:]*' "$WORK/broker.$$.out" 2>/dev/null | head -1 || true)
     [[ -n "$DSN" ]] && return
     sleep 0.2
   done
-  fail "the embedded broker did not start ($(cat "$WORK/broker.err"))"
+  fail "the embedded broker did not start ($(cat "$WORK/broker.$$.err"))"
 }
 
 smoke_probe() {
