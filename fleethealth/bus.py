@@ -711,11 +711,12 @@ class Consumer:
             self._kc.commit(offsets=offsets)
         except Exception as exc:
             if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError"):
-                # the group rebalanced under us (a slow poll on a loaded machine, a new member): the
-                # partitions may have moved, so nothing is committed and the records since the last
-                # commit are redelivered to their owner, whose idempotent writes absorb them
+                # the group rebalanced under us (a slow poll on a loaded machine, a new member): nothing is
+                # committed now. A partition that moved is dropped from what is pending at the next commit
+                # (its records are redelivered to its owner, whose idempotent writes absorb them); one that
+                # stayed keeps its pending offset — the group may keep its read position, and then nothing
+                # would be returned again to commit past records this consumer has already finished
                 self.commit_failed_total += 1
-                self._pending.clear()
                 _log.warning("commit for group %r refused after a rebalance; %d partition(s) will be re-read "
                              "from their last commit", self.group, len(offsets))
                 return
