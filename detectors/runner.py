@@ -10,11 +10,11 @@ A consumer group over the stage's input topics (all of ``fh.steps``, ``fh.teleme
 3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
    detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
    recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs (the step batches the assembler accepted, the events, and with them the
-   ``interruption`` events detection derived), findings and recommendations to the store —
-   idempotently: every table is a ReplacingMergeTree on its natural key and every insert
-   carries a deduplication token derived from the offsets it covers — then what is to be
-   published to the **outbox** (pending), then eviction outcomes and the policy engine's state;
+4. writes inputs (telemetry, the step batches the assembler accepted) to the store, then what is
+   to be published to the **outbox** (pending), then the events (with the ``interruption``
+   events detection derived), findings and recommendations, then eviction outcomes and the
+   policy engine's state — idempotently: every table is a ReplacingMergeTree on its natural key
+   and every insert carries a deduplication token derived from the offsets it covers;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
    published (a failed publish leaves them pending: they go out again on the next batch);
 6. commits offsets — only now, never past a record still held in the buffer, and never past
@@ -43,11 +43,12 @@ cap, offsets outside its partition's range) is logged with its reason and counte
 (``fleethealth_detect_snapshot_errors_total``), and the partition is rebuilt from the group's commit.
 
 Nothing decided is lost between store and bus: the outbox row of a finding or recommendation is
-written before the policy state that remembers the decision, and a runner publishes every pending
-row when it starts. A crash between publishing and marking published sends a row again with the
-same id (derived from the finding and the action), which consumers drop (``fleethealth act``
-journals ids). Published are findings, and of the recommendations only those asking for an action
-(``action`` other than ``none``); a ``none`` (already recommended, not worth it, stale) is kept in
+written before its table and the policy state that remember the decision, and a runner stores
+again and publishes every pending row when it starts (its replay need not conclude them again).
+A crash between publishing and marking published sends a row again with the same id (derived
+from the finding and the action), which consumers drop (``fleethealth act`` journals ids).
+Published are findings, and of the recommendations only those asking for an action (``action``
+other than ``none``); a ``none`` (already recommended, not worth it, stale) is kept in
 the store for the audit trail only, so a scheduler reads decisions, not repetitions.
 
 Scaling out (:mod:`fleethealth.detectors.stages`): ``stage="all"`` (the default) is one group over
@@ -91,6 +92,7 @@ from fleethealth.policy.persist import load_engine, record_outcome, save_engine
 from fleethealth.policy.quarantine import book_decisions, released
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
+    TOPIC_TYPES,
     Action,
     Event,
     Finding,
@@ -101,6 +103,7 @@ from fleethealth.schema import (
     StepBlock,
     Telemetry,
     Topic,
+    decode,
     encode,
 )
 from fleethealth.store import StoreLike
@@ -217,8 +220,7 @@ class _Metrics:
                                     registry=registry)
         self.lag = Gauge("fleethealth_detect_lag_records", "Records not yet read, over assigned partitions",
                          registry=registry)
-        self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order",
-                          registry=registry)
+        self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order", registry=registry)
         self.dropped = Gauge("fleethealth_detect_unscored_batches", "Step batches stored but not scored, by reason",
                              ["reason"], registry=registry)
         self.early = Counter("fleethealth_detect_released_early_records_total",
@@ -358,7 +360,7 @@ class Runner:
     def process_once(self, timeout_s: float = 1.0) -> int:
         """Poll, detect, write, publish, commit. Returns the number of records polled."""
         if not self._recovered:
-            self.pending_ = self.store.pending_outbox() + self.pending_
+            self.pending_ = self._recover_outbox() + self.pending_
             self._recovered = True
         if self.pending_:
             self._publish_pending()
@@ -668,19 +670,20 @@ class Runner:
         store = self.store
         self._insert("t", telemetry, store.insert_telemetry, token, bad_input)
         self._insert("s", batches, store.insert_steps, token, bad_input)
+        # the outbox first: a decision stored anywhere is in it, and a restart stores it again and publishes it
+        outgoing = [_outbox_row(m) for m in (*out.findings, *out.recommendations) if self.publish and publishable(m)]
+        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
+            outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends
+        if outgoing:
+            self.retry.call("write the outbox", lambda: store.write_outbox(
+                outgoing, published=False, dedup_token=derived("o", token)))
         self._insert("e", events, store.insert_events, token, bad_input)
-        findings = self._insert("f", out.findings, store.insert_findings, token, bad_output)
+        self._insert("f", out.findings, store.insert_findings, token, bad_output)
         recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
         if self.policy is not None and recs:  # the book, before the engine state that remembers these
             self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
         if self.policy is not None:
             self.policy.unbooked_.clear()
-        outgoing = [_outbox_row(m) for m in (*findings, *recs) if publishable(m)] if self.publish else []
-        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
-            outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends
-        if outgoing:  # before the engine state that remembers these decisions: none is lost
-            self.retry.call("write the outbox", lambda: store.write_outbox(
-                outgoing, published=False, dedup_token=derived("o", token)))
         for outcome in out.outcomes:  # before the engine state that no longer watches them
             self.retry.call("record an eviction outcome", lambda o=outcome: record_outcome(store, o))
         if out.policy_changed:
@@ -742,9 +745,7 @@ class Runner:
 
     def _now(self) -> float:
         """Event time "now": the pipeline's (a runner of the whole tier), the newest input's (a stage)."""
-        if self.stage is Stage.ALL:
-            return self.pipelines[None].now_
-        return self.now_
+        return self.pipelines[None].now_ if self.stage is Stage.ALL else self.now_
 
     def _publish_states(self, states: Sequence[NodeState]) -> None:
         """Publish the node states this batch changed, before its offsets commit (a crash re-derives
@@ -757,6 +758,18 @@ class Runner:
         self.retry.call("publish node states", send)
         self.states_published_total += len(states)
         self.metrics.states.inc(len(states))
+
+    def _recover_outbox(self) -> list[OutboxRow]:
+        """The outbox rows an earlier run left pending, their findings, recommendations and events stored
+        again first (a kill can fall between the outbox and those tables, which keep one row per id)."""
+        rows, store = self.retry.call("read the outbox", self.store.pending_outbox), self.store
+        for topic, insert in ((Topic.FINDINGS, store.insert_findings), (Topic.EVENTS, store.insert_events),
+                              (Topic.RECOMMENDATIONS, store.insert_recommendations)):
+            mine = [r for r in rows if r[0] == topic.value]  # (one unreadable raises: only this runner wrote it)
+            token = derived("x" + topic.value, _digest_token(r[1] for r in mine))
+            msgs = [decode(TOPIC_TYPES[topic], r[4]) for r in mine]
+            self.retry.call("store the outbox", lambda m=msgs, i=insert, t=token: m and i(m, dedup_token=t))
+        return rows
 
     def _publish_pending(self) -> bool:
         """Publish every pending outbox row and, once the broker acknowledged them all, mark them

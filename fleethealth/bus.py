@@ -282,19 +282,42 @@ class _KafkaBackend:
                 parts += [kafka.TopicPartition(topic, p) for p in sorted(known)]
             kc.assign(parts)
             return kc
-        return kafka.KafkaConsumer(
+        kc = kafka.KafkaConsumer(
             *topics, bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
             enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
             max_poll_interval_ms=max_poll_interval_ms, session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
                 30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100,
             **self.options)
+        _never_leave(kc)
+        return kc
 
     def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
         kafka = self._kafka()
         return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,
                                       request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms,
                                       **self.options)
+
+
+def _never_leave(kc: Any) -> None:
+    """Make a group member leave only by its session expiring, never by a LeaveGroup request (as a Kafka
+    static member does): on close, and when ``max_poll_interval_ms`` passed without a poll, it forgets its
+    membership here and the group drops it ``session_timeout_ms`` later. Tansu 0.6 loses the group's
+    leader when the leader sends LeaveGroup while another member is joining: every later JoinGroup
+    succeeds, no member is told to assign, every SyncGroup fails, and the partitions stay unowned for good."""
+    coordinator = getattr(kc, "_coordinator", None)
+    if coordinator is None or not hasattr(coordinator, "maybe_leave_group"):
+        raise BusError("this kafka-python's consumer has no group coordinator where fleethealth expects one")
+
+    def forget(*_: object, **__: object) -> None:
+        coordinator.reset_generation()
+
+    async def forget_async(*_: object, **__: object) -> None:
+        coordinator.reset_generation()
+
+    coordinator.maybe_leave_group = forget  # close() (2.x and 3.x)
+    if hasattr(coordinator, "maybe_leave_group_async"):
+        coordinator.maybe_leave_group_async = forget_async  # the heartbeat thread's poll timeout (3.x)
 
 
 _BACKENDS: dict[str, Callable[..., _KafkaBackend]] = {"kafka": _KafkaBackend}
@@ -698,11 +721,12 @@ class Consumer:
             self._kc.commit(offsets=offsets)
         except Exception as exc:
             if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError"):
-                # the group rebalanced under us (a slow poll on a loaded machine, a new member): the
-                # partitions may have moved, so nothing is committed and the records since the last
-                # commit are redelivered to their owner, whose idempotent writes absorb them
+                # the group rebalanced under us (a slow poll on a loaded machine, a new member): nothing is
+                # committed now. A partition that moved is dropped from what is pending at the next commit
+                # (its records are redelivered to its owner, whose idempotent writes absorb them); one that
+                # stayed keeps its pending offset — the group may keep its read position, and then nothing
+                # would be returned again to commit past records this consumer has already finished
                 self.commit_failed_total += 1
-                self._pending.clear()
                 _log.warning("commit for group %r refused after a rebalance; %d partition(s) will be re-read "
                              "from their last commit", self.group, len(offsets))
                 return

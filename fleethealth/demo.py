@@ -67,7 +67,7 @@ class DemoResult:
     """With ``closed_loop``: the run under fleethealth's policy, the seed rule alone, no detection."""
     stages: dict[str, object] = field(default_factory=dict)
     """With ``replicas``: per stage, its replicas, the records each read, the partitions each held at
-    the end and the node states published."""
+    some time in the run (the group may move them when a replica is slow) and the node states published."""
 
     @property
     def messages_per_s(self) -> float:
@@ -229,15 +229,19 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
         _in_threads([lambda r=r: r.consumer.wait_assigned(timeout_s=60.0) for r in runners])
         read = threading.Event()
         errors: list[BaseException] = []
+        held: dict[int, set[int]] = {id(r): set() for r in runners}  # partitions each replica held at some time
 
         def work(runner: Runner) -> None:
+            mine = held[id(runner)]
             try:
                 while not read.is_set():
                     got = runner.process_once(0.5)
+                    mine.update(p for _, p in runner.consumer.assignment())
                     if expected is None and runner.caught_up(got):
                         break
                 while not runner.caught_up(runner.process_once(0.2)) and runner.consumer.assignment():
-                    pass  # (a replica the group gave no partition has nothing to finish)
+                    mine.update(p for _, p in runner.consumer.assignment())  # (a replica the group gave no
+                    # partition has nothing to finish)
                 runner.drain()
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
@@ -267,7 +271,7 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
             raise errors[0]
         if stats is not None:
             stats[str(stage)] = {"replicas": count, "records": [r.consumer.consumed_total for r in runners],
-                                 "partitions": [sorted({p for _, p in r.consumer.assignment()}) for r in runners],
+                                 "partitions": [sorted(held[id(r)]) for r in runners],
                                  "node_states": sum(r.states_published_total for r in runners)}
         if goodput is not None:
             for r in runners:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,7 @@ from fleethealth.commands._settings import add_config_flags, add_log_flags, add_
 if TYPE_CHECKING:
     from fleethealth.config import Settings
     from fleethealth.detectors.pipeline import Pipeline
+    from fleethealth.detectors.retry import Retry
     from fleethealth.detectors.runner import Runner
     from fleethealth.detectors.stages import Stage
     from fleethealth.store.protocol import StoreLike
@@ -138,6 +141,19 @@ def stage_group(group: str, stage: Stage) -> str:
     return group if stage == "all" else f"{group}-{stage}"
 
 
+def _startup_retry(stop: threading.Event) -> Retry:
+    """The start-up's policy: an unreachable broker (or store) is retried with backoff up to 5 s, a
+    line on stderr for each failure, until it answers or the process is stopped."""
+    from fleethealth.detectors.retry import Retry
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    retry_log = logging.getLogger("fleethealth.detectors.retry")
+    if not retry_log.handlers:
+        retry_log.addHandler(handler)
+    return Retry(backoff_s=0.5, max_backoff_s=5.0, log_every_s=0.0, stopping=stop.is_set)
+
+
 def run(args: argparse.Namespace) -> int:
     from fleethealth.bus import ensure_topics
     from fleethealth.detectors.runner import tune_gc
@@ -156,11 +172,15 @@ def run(args: argparse.Namespace) -> int:
             from prometheus_client import start_http_server
 
             start_http_server(port)
-        ensure_topics(kafka)
-        with open_store_at(store_dsn) as store, build_runner(kafka, store, settings) as runner:
+        # a broker restarting (or not up yet) while detect starts is waited out, with backoff and a log line
+        startup = _startup_retry(stop)
+        startup.call("fleethealth detect: creating the topics", lambda: ensure_topics(kafka))
+        with open_store_at(store_dsn) as store, \
+                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings)) as runner:
             group = runner.consumer.group
             print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
-            runner.consumer.wait_assigned(timeout_s=60.0)
+            startup.call(f"fleethealth detect: joining group {group!r}",
+                         lambda: runner.consumer.wait_assigned(timeout_s=60.0))
             starts = ", ".join(f"{topic}/{part}@{offset}"
                                for (topic, part), offset in sorted(runner.consumer.positions().items()))
             print(f"fleethealth detect: joined group {group!r}; reading from {starts}", file=sys.stderr, flush=True)

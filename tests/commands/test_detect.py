@@ -82,3 +82,41 @@ def test_until_caught_up_logs_the_join_and_start_offsets_then_exits_once_read_to
         assert "caught up (0 records" in second.stderr
     with open_store(store) as s:
         assert s.query("SELECT count() FROM rank_steps FINAL WHERE job = 'batch'").rows[0][0] == 80
+
+
+def test_a_broker_that_comes_up_after_detect_started_is_waited_for_with_a_log_line(tmp_path) -> None:
+    """``fleethealth detect`` started against an address where no broker answers yet (one restarting):
+    it logs that the broker is unreachable and retries with backoff instead of exiting; once the broker
+    is up on that address it creates the topics, joins its group and runs (here: to the end of the
+    empty topics, exit 0)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from fleethealth.broker import EmbeddedBroker, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "fleethealth", "detect", "--kafka", f"kafka://127.0.0.1:{port}", "--store",
+            f"chdb://{tmp_path}/store", "--group", "fh-late", "--metrics-port", "0", "--until-caught-up"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("unreachable" in line for line in lines):
+            assert proc.poll() is None, "detect exited while the broker was down: " + "".join(lines)[-2000:]
+            assert time.monotonic() < deadline, "detect logged no retry within 120 s: " + "".join(lines)[-2000:]
+            time.sleep(0.1)
+        with EmbeddedBroker(port=port):
+            assert proc.wait(timeout=120) == 0, "".join(lines)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(5)
+    out = "".join(lines)
+    assert "fleethealth detect: creating the topics: store or broker unreachable" in out, out[-2000:]
+    assert "joined group 'fh-late'" in out and "caught up (0 records" in out, out[-2000:]

@@ -39,16 +39,21 @@ def _arm(runner: Any, point: str, after: int) -> None:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             out = real(*args, **kwargs)
-            if when is None or when(kwargs):
+            if when is None or when(args, kwargs):
                 hit()
             return out
         setattr(obj, name, wrapped)
 
     store, producer = runner.store, runner.producer
+    from fleethealth.schema import Action
+
+    # a kill after storing recommendations falls where one asks for an action: the replay of the restarted
+    # runner (its detectors empty) need not decide it again, so only the outbox can still publish it
     targets = {"findings": (store, "insert_findings", None),
-               "recommendations": (store, "insert_recommendations", None),
-               "outbox_pending": (store, "write_outbox", lambda kw: not kw["published"]),
-               "outbox_published": (store, "write_outbox", lambda kw: kw["published"]),
+               "recommendations": (store, "insert_recommendations",
+                                   lambda args, _: any(r.action is not Action.NONE for r in args[0])),
+               "outbox_pending": (store, "write_outbox", lambda _, kw: not kw["published"]),
+               "outbox_published": (store, "write_outbox", lambda _, kw: kw["published"]),
                "policy_state": (store, "write_policy_state", None),
                "publish": (producer, "publish_raw", None),
                "flush": (producer, "flush", None)}

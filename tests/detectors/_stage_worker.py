@@ -1,39 +1,86 @@
 """One replica of a detector stage in a process of its own, for the stage crash test (which SIGKILLs it).
 
-Usage: ``python _stage_worker.py BUS_DSN STORE_DIR GROUP STAGE SNAPSHOT_EVERY_S FINISH_FILE``. The process
-owns its chDB data path while it runs (chDB allows one process per path; in a fleet the replicas
-share a ClickHouse server). It processes until FINISH_FILE exists, what it holds is read to its end and
-the group has committed every partition of its topics to the end, then concludes what it holds,
-prints ``done`` and exits 0.
+Usage: ``python _stage_worker.py BUS_DSN STORE_DIR GROUP STAGE SNAPSHOT_EVERY_S FINISH_FILE [POINT:N]``.
+The process owns its chDB data path while it runs (chDB allows one process per path; in a fleet the
+replicas share a ClickHouse server). It processes until FINISH_FILE exists, what it holds is read to its
+end and the group has committed every partition to the end FINISH_FILE names, then concludes what it
+holds, prints ``done`` and exits 0.
+
+FINISH_FILE holds the log end of every partition (JSON, ``{"topic/partition": offset}``), which the test
+reads from a fetch's high watermark: Tansu 0.6 answers a ListOffsets request for the latest offset with
+the last record batch's base offset plus one, short of the end when that batch holds several records,
+so a check against it would find the group done while a partition's last records are unread.
+
+With ``POINT:N`` it SIGKILLs itself right after the N-th call of one step of the write path
+(:data:`KILL_POINTS`): after a write of step rows, after an offset commit, after a snapshot save.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+KILL_POINTS = ("steps", "commit", "snapshot")
+"""Where a worker may kill itself: after storing step rows (not committed yet), after committing offsets
+(not snapshotted yet), after saving a snapshot."""
 
 
-class _Admin:
-    """The group's committed offsets against the topics' ends: a consumer of the group that never
-    subscribes (so never joins it) only fetches offsets."""
+def _arm(runner: Any, point: str, after: int) -> None:
+    """Make this process SIGKILL itself right after the ``after``-th call at ``point``."""
+    from fleethealth.bus import SnapshotTopic
+
+    calls = 0
+
+    def hit() -> None:
+        nonlocal calls
+        calls += 1
+        if calls >= after:
+            print(f"killed at {point}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(obj: Any, name: str, did: Any) -> None:
+        real = getattr(obj, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            before = runner.consumer.committed()
+            out = real(*args, **kwargs)
+            if did(args, before):
+                hit()
+            return out
+        setattr(obj, name, wrapped)
+
+    targets = {"steps": (runner.store, "insert_steps", lambda args, _: len(args[0]) > 0),
+               "commit": (runner.consumer, "commit", lambda _, before: runner.consumer.committed() != before),
+               "snapshot": (SnapshotTopic, "save_snapshot", lambda *_: True)}
+    wrap(*targets[point])
+
+
+class _Offsets:
+    """The group's committed offsets: a consumer of the group that never subscribes (so never joins it)."""
 
     def __init__(self, dsn: str, group: str) -> None:
         from kafka import KafkaConsumer
 
         self.kc = KafkaConsumer(bootstrap_servers=dsn.split("://", 1)[1], group_id=group, enable_auto_commit=False)
 
+    def done(self, ends: dict[str, int]) -> bool:
+        """Whether the group has committed every partition to its end."""
+        from kafka import TopicPartition
 
-def _group_done(admin: _Admin, group: str) -> bool:
-    from kafka import TopicPartition
-
-    kc = admin.kc
-    parts = [TopicPartition(t, p) for t in ("fh.steps", "fh.events") for p in kc.partitions_for_topic(t) or ()]
-    ends = kc.end_offsets(parts)
-    return all(end == 0 or (kc.committed(tp) or 0) >= end for tp, end in ends.items())
+        for name, end in ends.items():
+            topic, partition = name.rsplit("/", 1)
+            if end and (self.kc.committed(TopicPartition(topic, int(partition))) or 0) < end:
+                return False
+        return True
 
 
 def main(argv: list[str]) -> int:
     dsn, store_dir, group, stage, every, finish = argv[0], argv[1], argv[2], argv[3], float(argv[4]), Path(argv[5])
+    kill = argv[6].split(":") if len(argv) > 6 else None
     from prometheus_client import CollectorRegistry
 
     from fleethealth.detectors.runner import Runner
@@ -46,9 +93,11 @@ def main(argv: list[str]) -> int:
                     snapshot_to="bus", session_timeout_s=3.0, max_poll_interval_s=6.0, max_ahead_s=None,
                     max_behind_s=None, publish=False,
                     snapshots=Snapshots(key=b"stage-crash-test-snapshot-key-0123")) as runner:
+            if kill is not None:
+                _arm(runner, kill[0], int(kill[1]))
             print("started", flush=True)
             idle, restored = 0, 0
-            admin = _Admin(dsn, group)
+            offsets = _Offsets(dsn, group)
             while idle < 3:
                 polled = runner.process_once(0.3)
                 if polled:
@@ -58,8 +107,9 @@ def main(argv: list[str]) -> int:
                     print(f"restored {restored}", flush=True)
                 # done: what it holds is read to its end (or it holds nothing), and the group has committed
                 # every partition to its end — so no replica leaves partitions unread to one that left
+                ends = json.loads(finish.read_text()) if finish.exists() else None
                 mine = runner.caught_up(polled) or not runner.consumer.assignment()
-                idle = idle + 1 if finish.exists() and mine and _group_done(admin, group) else 0
+                idle = idle + 1 if ends is not None and mine and offsets.done(ends) else 0
             runner.drain()
             print(f"done restored={runner.restored_total} snapshots={runner.snapshots_total}", flush=True)
     return 0

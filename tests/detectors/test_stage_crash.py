@@ -2,6 +2,10 @@
 every finding is in the store once, and a straggler that began before the kills is found with the
 id and at the step the uninterrupted detectors find it.
 
+The kills fall 0.2–0.4 s after a replica first read records, and at arranged points: right after a
+write of step rows (not yet committed), after an offset commit (not yet snapshotted) and after a
+snapshot save (``_stage_worker.KILL_POINTS``).
+
 The real parts: the Tansu broker over TCP, replicas in processes of their own (``_stage_worker.py``)
 in one consumer group, snapshots of each partition's pipeline in chDB. Each replica writes to a
 chDB store of its own (chDB allows one process per data path); what a shared ClickHouse would hold
@@ -10,6 +14,9 @@ is their union, deduplicated by each table's key as its ReplacingMergeTree does.
 
 from __future__ import annotations
 
+import json
+import random
+import runpy
 import signal
 import subprocess
 import sys
@@ -27,6 +34,11 @@ from fleethealth.store import open_store
 
 OWN_BROKER_PARTITIONS = 4
 WORKER = Path(__file__).with_name("_stage_worker.py")
+KILL_POINTS = runpy.run_path(str(WORKER))["KILL_POINTS"]
+KILLS = 10
+PLAN = [None if k % 4 == 0 else f"{KILL_POINTS[k % 4 - 1]}:2" for k in range(KILLS)]
+"""How each kill falls: None, 0.2–0.4 s after the victim first read records; ``POINT:N``, the victim
+kills itself right after the N-th call at POINT."""
 NODES_PER_JOB, RANKS_PER_NODE, STEPS, CHUNKS = 2, 8, 1000, 10
 SLOW_JOB, SLOW_RANK, SLOW_FROM, SLOW_BY = 0, 5, 250, 1.20
 T0 = 1_767_225_600.0
@@ -80,24 +92,44 @@ def _reference(chunks: list[list[StepBlock]]) -> dict[str, int]:
 class _Worker:
     """A replica process and the lines it printed (read by a thread, so the test never blocks on it)."""
 
-    def __init__(self, dsn: str, slot: int, tmp: Path, finish: Path) -> None:
+    def __init__(self, dsn: str, slot: int, tmp: Path, finish: Path, kill_at: str | None = None) -> None:
+        self.kill_at = kill_at
         self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(tmp / f"store-{slot}"), "crash-job", "job",
-                                      "0.3", str(finish)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                      "0.3", str(finish), *([kill_at] if kill_at else [])],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout or ()), daemon=True)
         self._reader.start()
 
-    def working(self, timeout_s: float) -> None:
-        """Wait until it has read records (it joined the group and got partitions) or ``timeout_s`` passed."""
+    def _wait(self, seen: object, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not any(line.startswith("polled") for line in self.lines):
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if any(seen(line) for line in self.lines):  # type: ignore[operator]
+                return True
             time.sleep(0.05)
+        return any(seen(line) for line in self.lines)  # type: ignore[operator]
+
+    def working(self, timeout_s: float) -> None:
+        """Wait until its store is migrated (a kill is meant for the runner, not the migration: that
+        fault is the migrator's own test) and then until it has read records (it joined the group and
+        got partitions) or ``timeout_s`` passed."""
+        started = self._wait(lambda line: line.startswith("started"), 120.0)
+        assert started or self.proc.poll() is not None, "a replica did not start: " + "".join(self.lines)[-3000:]
+        self._wait(lambda line: line.startswith("polled"), timeout_s)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
         self._reader.join(5)
+
+    def killed_itself(self, timeout_s: float) -> bool:
+        """Wait for an armed replica to reach its kill point; False if it has not within ``timeout_s``."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        self._reader.join(5)
+        return any(line.startswith("killed at") for line in self.lines)
 
     def finish(self, timeout_s: float = 120.0) -> str:
         try:
@@ -111,6 +143,25 @@ class _Worker:
         return out
 
 
+def _log_ends(dsn: str, topics: tuple[str, ...]) -> dict[str, int]:
+    """Each partition's log end from a fetch's high watermark (``"topic/partition"``: offset). Not from
+    ListOffsets: Tansu 0.6 answers it with the last record batch's base offset plus one."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    kc = KafkaConsumer(bootstrap_servers=dsn.split("://", 1)[1], group_id=None, enable_auto_commit=False,
+                       auto_offset_reset="earliest", fetch_max_wait_ms=100)
+    try:
+        parts = [TopicPartition(t, p) for t in topics for p in sorted(kc.partitions_for_topic(t))]
+        kc.assign(parts)
+        deadline = time.monotonic() + 30.0
+        while any(kc.highwater(tp) is None for tp in parts):
+            assert time.monotonic() < deadline, "the broker did not answer a fetch of every partition in 30 s"
+            kc.poll(timeout_ms=200)
+        return {f"{tp.topic}/{tp.partition}": int(kc.highwater(tp)) for tp in parts}
+    finally:
+        kc.close(autocommit=False)
+
+
 @pytest.mark.slow
 def test_three_job_replicas_killed_ten_times_store_each_rank_step_and_finding_once(own_broker, tmp_path: Path):
     jobs = _jobs()
@@ -118,7 +169,7 @@ def test_three_job_replicas_killed_ten_times_store_each_rank_step_and_finding_on
     reference = _reference(chunks)
     assert len(reference) == 1, reference  # the slow rank, nothing else
     finish = tmp_path / "finish"
-    workers = [_Worker(own_broker.dsn, slot, tmp_path, finish) for slot in range(3)]
+    workers = [_Worker(own_broker.dsn, slot, tmp_path, finish, PLAN[slot]) for slot in range(3)]
     everyone = list(workers)
     try:
         _kill_and_check(own_broker.dsn, tmp_path, finish, jobs, chunks, reference, workers, everyone)
@@ -129,21 +180,29 @@ def test_three_job_replicas_killed_ten_times_store_each_rank_step_and_finding_on
 
 
 def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, everyone) -> None:  # noqa: ANN001
-    kills = 0
+    rng = random.Random(20261201)
+    kills, points = 0, []
     with Producer(dsn, client_id="crash-test", event_time_stamps=True) as producer:
         for c, chunk in enumerate(chunks):
             for block in chunk:
                 producer.publish(block)
             producer.flush(30.0)
             victim = c % 3  # every replica is killed, three or four times, whatever partitions it holds then
-            workers[victim].working(20.0)  # (it had joined and read: a kill of a replica that holds partitions)
-            time.sleep(0.8)  # the others go on reading, snapshotting, committing, rebalancing meanwhile
-            workers[victim].kill()
+            if workers[victim].kill_at is not None and workers[victim].killed_itself(30.0):
+                points.append(workers[victim].kill_at.split(":")[0])  # it reached its point: a write, commit, snapshot
+            else:  # a timed kill (or an armed replica that held nothing to write within 30 s)
+                workers[victim].working(20.0)  # (it had joined and read: a kill of a replica that holds partitions)
+                time.sleep(rng.uniform(0.2, 0.4))  # the others go on reading, snapshotting, committing, rebalancing
+                workers[victim].kill()
             kills += 1
-            workers[victim] = _Worker(dsn, victim, tmp_path, finish)
+            workers[victim] = _Worker(dsn, victim, tmp_path, finish, PLAN[c + 3] if c + 3 < KILLS else None)
             everyone.append(workers[victim])
-    assert kills == 10
-    finish.touch()
+        ends = _log_ends(dsn, ("fh.steps", "fh.events"))
+    assert kills == KILLS
+    assert set(points) == set(KILL_POINTS), f"replicas killed themselves at {points} only"
+    written = finish.with_suffix(".tmp")
+    written.write_text(json.dumps(ends))
+    written.rename(finish)  # the replicas see the whole file or none
     outputs = [w.finish() for w in workers]
     # partitions were taken over from their snapshots, by replicas killed later or by the last ones
     assert any(line.startswith("restored") for w in everyone for line in w.lines), outputs

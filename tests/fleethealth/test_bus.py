@@ -152,6 +152,36 @@ def test_uncommitted_records_are_delivered_again(broker: EmbeddedBroker) -> None
         assert sorted(r.msg.step for r in _drain(second, lambda k: len(k) >= 3, mine)) == [0, 1, 2]
 
 
+def test_a_member_closing_while_another_joins_leaves_the_group_its_partitions(broker: EmbeddedBroker) -> None:
+    """The group's only member (its leader) closes just as a second one is joining. On Tansu 0.6 a
+    LeaveGroup from the leader then loses the group's leader for good: the second member's joins
+    succeed, no one assigns, every SyncGroup fails and no partition is ever read again. Members leave
+    by their session expiring instead, so the second one gets every partition within a bound."""
+    import threading
+
+    ensure_topics(broker.dsn)
+    group = _uid("group")
+    first = Consumer(broker.dsn, [Topic.STEPS], group, **FAST)
+    first.wait_assigned(timeout_s=30)
+    joined: list[BaseException | None] = []
+    with Consumer(broker.dsn, [Topic.STEPS], group, **FAST) as second:
+        joining = threading.Thread(target=lambda: joined.append(_assigned(second)), daemon=True)
+        joining.start()  # its JoinGroup starts a rebalance the first member's leader must answer
+        first.poll(0.5)  # (the first member sees the rebalance begin)
+        first.close()
+        joining.join(60)
+        assert joined == [None], joined
+        assert len(second.assignment()) == 4  # every partition of fh.steps
+
+
+def _assigned(consumer: Consumer) -> BaseException | None:
+    try:
+        consumer.wait_assigned(timeout_s=30)
+    except BaseException as exc:  # reported by the test's thread
+        return exc
+    return None
+
+
 def test_commit_covers_only_what_poll_returned(broker: EmbeddedBroker) -> None:
     job, group = _uid("job"), _uid("group")
     mine = lambda r: r.msg.job == job  # noqa: E731

@@ -52,11 +52,13 @@ def test_three_replicas_of_each_stage_find_and_decide_what_one_runner_does(singl
     stages = out["stages"]
     assert set(stages) == {"node", "job", "policy"}
     # the node and job stages' replicas split the four partitions between them (64 nodes' records land on
-    # all of them; four jobs' keys on as many as their hashes give); the policy is one writer
+    # all of them; four jobs' keys on as many as their hashes give); the policy is one writer. Each replica
+    # held partitions at some time: a replica slow past its poll interval on a loaded machine may lose them
+    # to a rebalance before the end, so the partitions held at the end are not what this checks
     for stage in ("node", "job"):
         assert stages[stage]["replicas"] == 3, stages[stage]
-        held = [p for parts in stages[stage]["partitions"] for p in parts]
-        assert sorted(held) == [0, 1, 2, 3] and all(stages[stage]["partitions"]), stages[stage]
+        held = {p for parts in stages[stage]["partitions"] for p in parts}
+        assert held == {0, 1, 2, 3} and all(stages[stage]["partitions"]), stages[stage]
     assert all(stages["node"]["records"]) and sum(stages["job"]["records"]) > 0, stages
     assert stages["policy"]["replicas"] == 1
     assert stages["node"]["node_states"] > 0
