@@ -188,7 +188,8 @@ def stage(broker, tmp_path_factory):
         with Runner(dsn, store, group=GROUP, stage=Stage.JOB, registry=CollectorRegistry(), snapshot_every_s=3600.0,
                     snapshots=Snapshots(key=KEY), max_ahead_s=None, max_behind_s=None, publish=False) as runner:
             runner.consumer.wait_assigned(timeout_s=60.0)
-            assert {p for _, p in runner.consumer.assignment()} == {0, 1}
+            # the session broker may already hold the topics with more partitions (earlier tests)
+            assert {0, 1} <= {p for _, p in runner.consumer.assignment()}
             pipe = runner._new_pipeline()
             pipe.feed([_batch(s) for s in range(3)])
             blob = runner.snapshot_format.dump(pipe, {("fh.steps", PART): 0, ("fh.events", PART): 0},

@@ -31,7 +31,9 @@ def test_the_detector_writes_the_evidence_on_the_wire() -> None:
         b'"evidence":{"check":"replay","classification":"persistent","digests":["0a1b","ffee"],"duration_s":0.4,'
         b'"peer_ranks":[3,5],"culprit_rank":1,"tolerance":1e-6,"reporting_rank":1,"hardware":true,'
         b'"last_verified_step":350,"last_replay_step":null,"checkpoints":[{"step":400,"uri":"ckpt://train-1/400",'
-        b'"last_verified_step":350,"last_replay_step":null}]},"episode_ts":7.0}')
+        b'"last_verified_step":350,"last_replay_step":null}],"corroboration":{"by":[],"missing":"a single failing '
+        b'check, and job train-1\'s step stream does not place rank 1 on n0000; a second failing check of the GPU '
+        b'would support it","telemetry_age_s":null}},"episode_ts":7.0}')
 
 
 def test_evidence_reads_back_typed() -> None:

@@ -45,14 +45,15 @@ def test_binary_bytes_survive_the_round_trip_exactly(store: Store) -> None:
 
 def test_a_dumped_pipeline_loads_from_the_store(store: Store) -> None:
     from fleethealth.detectors.pipeline import Pipeline
-    from fleethealth.detectors.snapshot import dump, load
+    from fleethealth.detectors.snapshot import Snapshots
     from fleethealth.schema import Telemetry
 
+    snapshots = Snapshots(key=b"store-test-snapshot-key-0123456789")
     pipe = Pipeline()
     pipe.feed([Telemetry.from_columns(f"n{i:04d}", "r00", 1_700_000_000.0, [0, 1]) for i in range(3)])
-    store.save_snapshot("fh-job", 0, 1, pipe.now_, OFFSETS, dump(pipe, OFFSETS))
+    store.save_snapshot("fh-job", 0, 1, pipe.now_, OFFSETS, snapshots.dump(pipe, OFFSETS))
     seq, offsets, blob = store.load_snapshot("fh-job", 0)
-    restored, inner = load(blob, expect=Pipeline)
+    restored, inner = snapshots.load(blob, like=Pipeline(), expect=Pipeline)
     assert (seq, offsets, inner) == (1, OFFSETS, OFFSETS) and set(restored.clock_) == set(pipe.clock_)
 
 
