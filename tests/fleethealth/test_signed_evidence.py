@@ -92,6 +92,17 @@ def _recommendations(store: str) -> list[tuple[str, str, str]]:
     return [tuple(r) for r in rows], [r[0] for r in breaker]
 
 
+
+@pytest.fixture
+def broker():
+    """A broker of this test's own: the session's holds other tests' records, which a group reading
+    from the beginning would take as this test's (and, under signing.mode = require, dead-letter)."""
+    from fleethealth.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as running:
+        yield running
+
+
 def _dead_letters(dsn: str, want: int) -> list[tuple[str, str]]:
     """(key, reason) of every dead letter, polled until ``want`` arrived (bounded)."""
     out: list[tuple[str, str]] = []

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry
 
 from fleethealth.bus import Producer, ensure_topics
@@ -20,6 +21,17 @@ from fleethealth.schema import Action, Guard, StepBatch
 
 T0 = 1_800_000_000.0
 NODE = "dc2-r14-gpu031"
+
+
+
+@pytest.fixture
+def broker():
+    """A broker of this test's own: the session's holds other tests' records, which a group reading
+    from the beginning would take as this test's (and, under signing.mode = require, dead-letter)."""
+    from fleethealth.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as running:
+        yield running
 
 
 def _full_pass(ts: float) -> dict:
