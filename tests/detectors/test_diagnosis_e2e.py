@@ -79,6 +79,16 @@ def _traffic(fleet: ThermalFleet) -> tuple[list[Message], dict[tuple[str, int], 
     return [*samples, *steps], throttled_since
 
 
+def _gpu0_off_bus(s: Telemetry) -> Telemetry:
+    """``s`` with GPU 0 reading NaN in temperature and power, as a GPU fallen off the bus does."""
+    import dataclasses
+
+    columns = {name: col.copy() for name, col in s.columns.items()}
+    i = int(np.flatnonzero(s.gpu == 0)[0])
+    columns["temp_c"][i] = columns["power_w"][i] = np.nan
+    return dataclasses.replace(s, columns=columns)
+
+
 def dataclasses_replace_ts(s: Telemetry) -> Telemetry:
     import dataclasses
 
@@ -182,8 +192,10 @@ def test_two_drains_in_one_reported_rack_of_data_centre_hosts_wait_for_a_human(o
     samples = [dataclasses_replace_ts(s) for s in fleet.run(0.0, 200.0)]
     a, b, c = fleet.nodes[0], fleet.nodes[2], fleet.nodes[4]  # a and b share a rack, c is in the next one
     assert fleet.rack_of[a] == fleet.rack_of[b] != fleet.rack_of[c]
-    xids = [Event(node=node, ts=T_BASE + ts, kind=EventKind.XID, gpu=0, code=79)
-            for node, ts in ((a, 100.0), (b, 120.0), (c, 140.0))]
+    lost = {a: T_BASE + 100.0, b: T_BASE + 120.0, c: T_BASE + 140.0}
+    xids = [Event(node=node, ts=ts, kind=EventKind.XID, gpu=0, code=79) for node, ts in lost.items()]
+    # an Xid 79 is the GPU falling off the bus: its own stream then reads NaN, which corroborates it
+    samples = [_gpu0_off_bus(x) if x.node in lost and x.ts > lost[x.node] else x for x in samples]
     total = _publish(own_broker.dsn, [*samples, *xids])
     _detect(own_broker.dsn, chdb, total)
     findings = chdb.findings(kind="xid")
