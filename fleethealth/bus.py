@@ -769,11 +769,11 @@ class Consumer:
             first, last = self._kc.beginning_offsets(tps), self._kc.end_offsets(tps)
             # Tansu 0.6 answers ListOffsets 'latest' with the last record batch's base offset + 1, short
             # of the log's end; the group's own commit, and a fetch's high watermark, are never past it
+            mine = set(self._kc.assignment()) if self.group is not None else set()
             for tp in tps:
-                seen = [self._kc.highwater(tp)] if self.group is not None else []
-                if self.group is not None:
-                    seen.append(self._kc.committed(tp))
-                last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
+                if tp in mine:
+                    seen = (self._kc.highwater(tp), self._kc.committed(tp))
+                    last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, "reading partition ranges", self.dsn) from exc

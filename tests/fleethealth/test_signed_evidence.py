@@ -35,7 +35,8 @@ def _sample(node: str, ts: float, *, lost: int | None = None, dbe: float = 0.0) 
     temp, power = np.full(4, 50.0), np.full(4, 300.0)
     if lost is not None:
         temp[lost] = power[lost] = np.nan
-    return Telemetry.from_columns(node, "r00", ts, np.arange(4), temp_c=temp, power_w=power,
+    # each node its own rack: two genuine drains in one rack would wait for a human (the same-rack rule)
+    return Telemetry.from_columns(node, f"rack-{node}", ts, np.arange(4), temp_c=temp, power_w=power,
                                   ecc_dbe_volatile=np.array([0.0, dbe, 0.0, 0.0]))
 
 
