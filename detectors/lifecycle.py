@@ -66,7 +66,8 @@ without a start are a restart (``rewinds_total_``); records older than the job's
 stale (``stale_total_``); a batch stamped after the job's exit with a step no newer than the
 exit's ``last_step`` is the exited run's own (its ranks' last steps and rank 0's exit arrive in any
 order) and never opens a new run — after a ``completed`` exit whenever it comes, after a failed one
-within ``rewind_gap_s`` of the exit (``late_after_exit_total_``); malformed ``job_start`` / ``job_exit`` data is counted in
+within ``rewind_gap_s`` of the exit (``late_after_exit_total_``); malformed ``job_start`` /
+``job_exit`` data is counted in
 ``invalid_total_``; a stop whose steps then move past ``H`` with no restart was a stall that
 cleared, not an interruption (``stalls_cleared_total_``). Beyond ``max_jobs`` jobs, records naming a
 new job are ignored (``over_limit_total_``).

@@ -7,8 +7,9 @@ published, so a single runner (which sees the samples itself) and the two stages
 same states.
 
 * :func:`node_state` — a pure function of a node's newest sample, the one before it (for counter
-  rates: NVLink errors (:func:`nvlink_errors`, the worst GPU's per minute), NIC bytes and credit waits, ports gone down) and its GPUs' load power and
-  thermal residual (:mod:`fleethealth.detectors.thermal`).
+  rates: NVLink errors (:func:`nvlink_errors`, the worst GPU's per minute), NIC bytes and credit
+  waits, ports gone down) and its GPUs' load power and thermal residual
+  (:mod:`fleethealth.detectors.thermal`).
 * :func:`changed` — whether a new state differs from the last published one in anything the
   diagnosis compares against a threshold: any GPU's temperature by ``temp_step_c`` or more (NVML
   reports whole degrees), its limit, its thermal or power-brake clock bits, NVLink links up,
@@ -206,10 +207,10 @@ class NodeStates(Stateful):
     (:func:`~fleethealth.nodename.known_rack`) is in no group: it has no rack peers.
     """
 
-    def __init__(self, *, rule: StateRule = StateRule(), thermal: ThermalParams = ThermalParams(),
+    def __init__(self, *, rule: StateRule | None = None, thermal: ThermalParams | None = None,
                  nic_bytes_per_tick: float = 8.0) -> None:
-        self.rule = rule
-        self.thermal = thermal
+        self.rule = rule if rule is not None else StateRule()
+        self.thermal = thermal if thermal is not None else ThermalParams()
         self.nic_bytes_per_tick = nic_bytes_per_tick
         self.published_: dict[str, NodeState] = {}
         self.racks_: dict[str, set[str]] = {}

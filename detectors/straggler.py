@@ -423,7 +423,8 @@ class StragglerDetector(_StepDetector):
                  false_rate: float = 3.5e-11, shares: tuple[float, ...] = (0.45, 0.45, 0.001, 0.01),
                  thresholds: tuple[float, ...] | None = None, clip: float = 4.0,
                  clip_margin: float = 2.25, sigma_prior_steps: int = 64,
-                 min_group: int = MIN_COMPARABLE_RANKS, min_scale: float = 0.002, min_effect: float = 0.005, min_peer_effect: float = 0.0,
+                 min_group: int = MIN_COMPARABLE_RANKS, min_scale: float = 0.002, min_effect: float = 0.005,
+                 min_peer_effect: float = 0.0,
                  baseline_steps: int = 4096, init_steps: int = 5, freeze_at: float = 0.5,
                  persistent_min: float = 0.03, persistent_threshold: float = 15.0,
                  max_rank: int = 1 << 22) -> None:

@@ -503,7 +503,8 @@ def _condition(node: Any) -> Any:
 
 
 def drain_filter(pods: list[Any], *, force: bool = False, delete_emptydir_data: bool = False,
-                 skip_namespaces: tuple[str, ...] = DEFAULT_SKIP_NAMESPACES) -> tuple[list[_Pod], list[tuple[_Pod, str]]]:
+                 skip_namespaces: tuple[str, ...] = DEFAULT_SKIP_NAMESPACES
+                 ) -> tuple[list[_Pod], list[tuple[_Pod, str]]]:
     """``kubectl drain``'s filters over a node's pods (client ``V1Pod`` objects): the pods to evict,
     and the pods that make the drain refuse with what would allow each.
 

@@ -231,7 +231,8 @@ class DcgmSource:
                     where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
                     raise DeviceError(f"DCGM source: cannot connect to the DCGM host engine (nv-hostengine) at "
                                       f"{where} ({exc}); start it, or point --dcgm-host / "
-                                      f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator with dcgm.enabled: nvidia-dcgm.gpu-operator.svc.cluster.local:5555); "
+                                      f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator with dcgm.enabled: "
+                                      f"nvidia-dcgm.gpu-operator.svc.cluster.local:5555); "
                                       f"{_HINT}") from exc
                 newer = [f for f in fields if f in FIELD_SINCE]
                 if attempt == 0 and newer:  # an engine older than the library: retry without the newer fields
@@ -252,7 +253,8 @@ class DcgmSource:
             where = self.hostname if ":" in self.hostname else f"{self.hostname}:5555"
             raise DeviceError(f"DCGM source: the DCGM host engine (nv-hostengine) is not reachable at "
                               f"{where} (DcgmReader could not connect); start it, or point --dcgm-host / "
-                              f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator with dcgm.enabled: nvidia-dcgm.gpu-operator.svc.cluster.local:5555); {_HINT}")
+                              f"$FLEETHEALTH_DCGM_HOST at it (GPU Operator with dcgm.enabled: "
+                              f"nvidia-dcgm.gpu-operator.svc.cluster.local:5555); {_HINT}")
         return reader, reader.m_dcgmGroup.health
 
     def close(self) -> None:

@@ -249,6 +249,7 @@ def test_act_passes_the_drain_options_from_its_settings(monkeypatch):
     from fleethealth.commands._settings import load_settings
 
     monkeypatch.setenv("FLEETHEALTH_ACT_DRAIN_FORCE", "true")
-    s = load_settings(build_parser().parse_args(["act", "--set", "act.drain_skip_namespaces=kube-system, gpu-operator"]))
+    argv = ["act", "--set", "act.drain_skip_namespaces=kube-system, gpu-operator"]
+    s = load_settings(build_parser().parse_args(argv))
     assert s["act.drain_force"] is True and s["act.drain_delete_emptydir_data"] is False
     assert s["act.drain_skip_namespaces"] == "kube-system, gpu-operator"
