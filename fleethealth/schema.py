@@ -925,7 +925,8 @@ class NodeState:
     unknown), ``nvlink_links_up`` / ``nvlink_links_max`` and ``reports`` (the GPU reports any field the
     diagnosis reads); per node the NVLink error rate between the two samples (its worst GPU's errors
     per minute, ``detectors/nodestate.py`` ``nvlink_errors``; NaN without a usable earlier sample), the
-    NIC ports' utilisation, credit-wait share and whether each went down between the samples (``nic_port`` empty and ``has_nic`` false for a sample without NIC ports,
+    NIC ports' utilisation, credit-wait share and whether each went down between the samples
+    (``nic_port`` empty and ``has_nic`` false for a sample without NIC ports,
     then ``nic_util`` is the probe's summary). Per GPU from the node's thermal model
     (``fleethealth/detectors/thermal.py``): ``power_w``, its power draw (averaged over seconds), ``load_power_w``,
     the power its temperature follows, and
