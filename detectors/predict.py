@@ -296,7 +296,7 @@ def load_model(path: str | Path | None = None, *, check_version: bool = True) ->
     import joblib
 
     try:
-        model = joblib.load(model_path)  # trusted: the configured model file (or the shipped one), never bytes from the bus, the store or a snapshot
+        model = joblib.load(model_path)  # trusted: the configured model file, never bytes from the bus or store
     except (OSError, ValueError, EOFError) as exc:
         raise ConfigError(f"failure model {model_path}: cannot load ({exc}); {retrain}") from None
     return ModelArtifact(model=model, meta=meta)
