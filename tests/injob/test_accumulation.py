@@ -7,10 +7,6 @@ the same events."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +18,7 @@ from fleethealth.schema import Action, Event
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _accum_worker as W  # noqa: E402
+from _ranks import run_ranks  # noqa: E402
 
 from detectors.sdc import SdcDetector  # noqa: E402
 
@@ -29,30 +26,9 @@ WORKER = Path(__file__).with_name("_accum_worker.py")
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("accum")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), str(port), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-3000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(WORKER, WORLD, tmp_path_factory.mktemp("accum"), timeout_s=240)
 
 
 def _sdc(phase: dict) -> list[dict]:

@@ -6,10 +6,6 @@ and classified, and that the healthy checks around it raised no alarm.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,32 +17,12 @@ WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD = 4
 sys.path.insert(0, str(WORKER.parent))
 import _dist_worker as W  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ranks import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dist")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), str(port), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-3000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(WORKER, WORLD, tmp_path_factory.mktemp("dist"), timeout_s=150)
 
 
 def _sdc(rank: dict, check: str | None = None) -> list[dict]:

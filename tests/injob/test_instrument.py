@@ -3,7 +3,6 @@ lazily read CUDA path (with stand-in events), DDP beside the SDC guard's comm ho
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -28,16 +27,6 @@ class _Sleep(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.seconds)
         return self.lin(x)
-
-
-@pytest.fixture
-def probe_socket(tmp_path):
-    path = str(tmp_path / "probe.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.settimeout(2.0)
-    yield path, sock
-    sock.close()
 
 
 def _micro(model: torch.nn.Module, n: int = 1) -> None:

@@ -15,16 +15,6 @@ from fleethealth.injob.timer import StepTimer
 from fleethealth.wire import parse
 
 
-@pytest.fixture
-def probe_socket(tmp_path):
-    path = str(tmp_path / "probe.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.settimeout(2.0)
-    yield path, sock
-    sock.close()
-
-
 def test_cpu_span_and_progress_reach_the_socket_in_one_datagram(probe_socket) -> None:
     path, sock = probe_socket
     with StepTimer("train-1", 13, gpu=5, socket_path=path, cuda=False) as timer:
