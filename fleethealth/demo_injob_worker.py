@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +235,9 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
                          last_step=halted_at if halted_at is not None else spec.steps - 1, halted_at=halted_at,
                          fault_fired_at=None if fault is None else fault.fired_at, checks=guard.checks_total,
                          failures=guard.failures_total, events_sent=reporter.sent_total,
-                         events_dropped=reporter.failed_total, rolled_back=tuple(rolled_back))
-    reporter.close()
-    return report
+                         events_dropped=0, rolled_back=tuple(rolled_back))
+    reporter.close()  # sends what waits in its backlog (bounded): the drop count is final after it
+    return replace(report, events_dropped=reporter.dropped_total)
 
 
 def _restore(uri: str, model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data) -> None:
