@@ -208,6 +208,8 @@ def _dcgm(major: int):
         lib.parent.mkdir(parents=True)
         lib.write_text("")
         volumes = {v["name"]: v for v in spec["volumes"]}
+        for name in ("dcgm-bindings", "dcgm-lib"):  # the README names the paths the knob mounts
+            assert f"`{volumes[name]['hostPath']['path']}`" in README.read_text(), name
         for mount in probe["volumeMounts"]:  # each hostPath mount, as a link from the container's path
             source = volumes[mount["name"]].get("hostPath", {}).get("path", "")
             if "dcgm" in mount["name"]:
