@@ -51,23 +51,26 @@ def _knobs() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
-    """A copy of deploy/k8s with the overlay the README's install step 1 makes, by its own command."""
+    """A copy of deploy/k8s with the overlay the README's install steps make (step 1, and step 3's
+    topology file), by their own commands."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl not installed: cannot render the kustomizations (install kubectl >= 1.27)")
     root = tmp_path_factory.mktemp("operator")
     shutil.copytree(ROOT / "deploy" / "k8s", root / "deploy" / "k8s")
-    (step,) = [b for b in _blocks(_section("Install"), "bash") if "overlays/mine/kustomization.yaml" in b]
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", step], cwd=root, capture_output=True, text=True,
-                         timeout=30)
-    assert out.returncode == 0, out.stderr
+    steps = [b for b in _blocks(_section("Install"), "bash") if "overlays/mine/" in b]
+    assert len(steps) == 2 and not any("kubectl" in b for b in steps)
+    for step in steps:
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", step], cwd=root, capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode == 0, out.stderr
     assert (root / "deploy" / "k8s" / "overlays" / "mine" / "kustomization.yaml").is_file()
     return root
 
 
 def _render(tree: Path, name: str, knob: str = "") -> list[dict[str, Any]]:
     mine = tree / "deploy" / "k8s" / "overlays" / "mine"
-    overlay = mine.parent / f"mine-{name}"
-    overlay.mkdir(exist_ok=True)
+    overlay = mine.parent / f"mine-{name}"  # the operator's overlay, files and all, once per knob
+    shutil.copytree(mine, overlay, dirs_exist_ok=True)
     (overlay / "kustomization.yaml").write_text((mine / "kustomization.yaml").read_text() + knob)
     out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"knob {name}: {out.stderr}"
@@ -96,6 +99,8 @@ def _valid(docs: list[dict[str, Any]], name: str) -> None:
         model = next(n for n in names if hasattr(kubernetes.client, n))
         back = api.sanitize_for_serialization(api.deserialize(json.dumps(doc), model, "application/json"))
         assert _without_nulls(back) == _without_nulls(doc), f"{name}: {doc['kind']}/{doc['metadata']['name']}"
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"}
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] not in cluster_scoped} == {"fleethealth"}, name
     parser = build_parser()
     writers = []
     for d in _kind(docs, "Deployment").values():
@@ -161,6 +166,22 @@ def _replicas(docs, knob):
 def _whole_tier(docs, knob):
     (detect,) = _detectors(docs).values()
     assert build_parser().parse_args(detect["spec"]["template"]["spec"]["containers"][0]["args"]).command == "serve"
+
+
+def _racks(docs, knob, tmp_path: Path) -> None:
+    """Each probe finds its own node's rack in the file the ConfigMap carries, where the env points."""
+    from fleethealth.nodename import rack_from_topology
+
+    spec = _pod(_kind(docs, "DaemonSet")["fleethealth-probe"])
+    (probe,) = spec["containers"]
+    path = {e["name"]: e.get("value") for e in probe["env"]}["FLEETHEALTH_NODE_TOPOLOGY"]
+    mount = next(m for m in probe["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    data = _kind(docs, "ConfigMap")[volume["configMap"]["name"]]["data"]  # the generated name, hash and all
+    local = tmp_path / path.lstrip("/")
+    local.parent.mkdir(parents=True)
+    local.write_text(data[Path(path).name])
+    assert rack_from_topology(str(local), "gpu-a18") == "r07" and rack_from_topology(str(local), "gpu-b01") == "r08"
 
 
 def _resources(docs, knob):
@@ -241,7 +262,9 @@ def _act_enforce(docs, knob):
 CHECKS = {"images": _images, "endpoints": _endpoints, "existing-secrets": _existing_secrets, "replicas": _replicas,
           "whole-tier": _whole_tier, "resources": _resources, "node-selector": _node_selector,
           "tolerations": _tolerations, "monitor-labels": _monitor_labels, "dcgm-4": _dcgm(4), "dcgm-3": _dcgm(3),
-          "snapshot-key": _snapshot_key, "act-enforce": _act_enforce}
+          "snapshot-key": _snapshot_key, "act-enforce": _act_enforce, "racks": _racks}
+_LAYS_OUT_FILES = {"dcgm-4", "dcgm-3", "racks"}
+"""Checks that lay out files (a node's DCGM install, the probe's view of a ConfigMap) in tmp_path."""
 
 
 def test_every_knob_in_the_readme_is_checked_here():
@@ -260,7 +283,7 @@ def test_each_knob_renders_valid_objects_and_does_what_it_says(tree, name, tmp_p
     block = _knobs()[name]
     docs = _render(tree, name, block)
     check = CHECKS[name]
-    if check.__name__ == "check":  # the DCGM checks lay out a node's DCGM install
+    if name in _LAYS_OUT_FILES:
         check(docs, yaml.safe_load(block), tmp_path)
     else:
         check(docs, yaml.safe_load(block))
@@ -283,5 +306,5 @@ def test_the_knobs_combine_as_the_readme_says(tree):
                 merged[key] = {**merged.get(key, {}), **value}
     docs = _render(tree, "all", yaml.safe_dump(merged, sort_keys=False))
     for name, block in _knobs().items():
-        if name not in alternatives | {"dcgm-3"}:
+        if name not in alternatives | _LAYS_OUT_FILES:
             CHECKS[name](docs, yaml.safe_load(block))
