@@ -108,6 +108,10 @@ def _valid(docs: list[dict[str, Any]], name: str) -> None:
         if (args.command == "serve" and not args.no_detect) or getattr(args, "stage", None) == "policy":
             writers.append(d)
     assert len(writers) == 1, f"{name}: {[w['metadata']['name'] for w in writers]}"
+    from fleethealth.commands._settings import schema
+
+    for container in _containers(docs).values():  # a mistyped FLEETHEALTH_* variable stops the command
+        schema().check_environ({e["name"]: "" for e in container.get("env", [])})
     assert writers[0]["spec"]["replicas"] == 1 and writers[0]["spec"]["strategy"]["type"] == "Recreate"
 
 
@@ -254,6 +258,27 @@ def _snapshot_key(docs, knob):
             assert mount in c["volumeMounts"], name
 
 
+def _signing(docs, knob):
+    """Every detector Deployment and the API check signatures with the fleet secret; nothing else
+    mounts it (a node, the actor or the sweep holding it could sign as any node)."""
+    for name, d in _kind(docs, "Deployment").items():
+        (container,) = _pod(d)["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        holds = name in _detectors(docs) or name == "fleethealth-api"
+        assert (env.get("FLEETHEALTH_SIGNING_MODE") == "require") == holds, name
+        if holds:
+            mount = next(m for m in container["volumeMounts"] if m["name"] == "fleet-secret")
+            assert env["FLEETHEALTH_SIGNING_FLEET_SECRET_FILE"].startswith(mount["mountPath"] + "/")
+            assert mount["readOnly"], name
+    holders = {n for n, d in _kind(docs, "Deployment").items()
+               if any(v.get("secret", {}).get("secretName") == "fleethealth-fleet-secret"
+                      for v in _pod(d).get("volumes", []))}
+    assert holders == {*_detectors(docs), "fleethealth-api"}
+    for d in docs:
+        if d["kind"] in {"DaemonSet", "CronJob"}:
+            assert "fleethealth-fleet-secret" not in json.dumps(d), d["metadata"]["name"]
+
+
 def _act_enforce(docs, knob):
     args = build_parser().parse_args(_containers(docs)["fleethealth-act"]["args"])
     assert args.command == "act" and not args.dry_run and args.max_actions == 5
@@ -262,7 +287,7 @@ def _act_enforce(docs, knob):
 CHECKS = {"images": _images, "endpoints": _endpoints, "existing-secrets": _existing_secrets, "replicas": _replicas,
           "whole-tier": _whole_tier, "resources": _resources, "node-selector": _node_selector,
           "tolerations": _tolerations, "monitor-labels": _monitor_labels, "dcgm-4": _dcgm(4), "dcgm-3": _dcgm(3),
-          "snapshot-key": _snapshot_key, "act-enforce": _act_enforce, "racks": _racks}
+          "snapshot-key": _snapshot_key, "act-enforce": _act_enforce, "racks": _racks, "signing": _signing}
 _LAYS_OUT_FILES = {"dcgm-4", "dcgm-3", "racks"}
 """Checks that lay out files (a node's DCGM install, the probe's view of a ConfigMap) in tmp_path."""
 
