@@ -1,6 +1,8 @@
 """The Kubernetes manifests and the Dockerfile agree with the code and with Kubernetes' own models.
 
-Every kustomization (the base ``deploy/k8s`` and both overlays) is rendered by the real ``kubectl
+Every kustomization (the base ``deploy/k8s``, the gpu-operator and standalone overlays (production:
+tests/deploy/test_kafka_auth.py), and the test trees under
+``deploy/k8s/tests``: DCGM, and the whole tier in one replica) is rendered by the real ``kubectl
 kustomize`` and every object is read into the ``kubernetes`` client's model of its kind
 (``V1DaemonSet``, ``V1CronJob`` ...) and written back: a field the model does not know (a typo, a
 field at the wrong level) is dropped on the way and fails the comparison. Then: container arguments
