@@ -167,16 +167,23 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (a pod stopping) ends the loop in order; Ctrl-C interrupts at once (exit 130)
     with stop_on_signals(signals=(signal.SIGTERM,)) as stop:
         tune_gc()
+        from prometheus_client import CollectorRegistry
+
+        from fleethealth import buildinfo
+
+        registry = CollectorRegistry()  # this process's: the runner's metrics and fleethealth_build_info
+        buildinfo.register(registry)
         port = settings["detect.metrics_port"]
         if port:
             from prometheus_client import start_http_server
 
-            start_http_server(port)
+            start_http_server(port, registry=registry)
         # a broker restarting (or not up yet) while detect starts is waited out, with backoff and a log line
         startup = _startup_retry(stop)
         startup.call("fleethealth detect: creating the topics", lambda: ensure_topics(kafka))
         with open_store_at(store_dsn) as store, \
-                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings)) as runner:
+                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings,
+                                                                                  registry=registry)) as runner:
             group = runner.consumer.group
             print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
             startup.call(f"fleethealth detect: joining group {group!r}",
