@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "MANIFEST_NAME": "files",
     "manifest_path": "files",
     "read_facts": "files",
-    "spec_of": "files",
+    "spec_of": "spec",
     "validate": "files",
     "write_manifest": "files",
     "CheckpointValidator": "background",

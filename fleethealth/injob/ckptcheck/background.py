@@ -88,6 +88,9 @@ class CheckpointValidator:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
+        from fleethealth.injob.ckptcheck.spec import spec_of  # torch; imported here, never on a step
+
+        self._spec_of = spec_of
         self.reporter = reporter if reporter is not None else Reporter()
         self.rules = rules or CheckpointRules()
         self.check: Check = check or write_and_validate
@@ -109,11 +112,7 @@ class CheckpointValidator:
         target; ``None``: the manifest's). False when the queue was full (reported ``skipped``)."""
         if self._closed:
             raise RuntimeError("CheckpointValidator.saved after close()")
-        expected = None
-        if state is not None:
-            from fleethealth.injob.ckptcheck.files import spec_of
-
-            expected = spec_of(state)
+        expected = None if state is None else self._spec_of(state)
         try:
             self._queue.put_nowait(_Item(int(step), os.fspath(path), expected))
         except queue.Full:
@@ -155,6 +154,8 @@ class CheckpointValidator:
             return Band.of(list(self._norms))
 
     def _run(self) -> None:
+        if self.check is write_and_validate:
+            import fleethealth.injob.ckptcheck.files  # noqa: F401  (DCP's import takes seconds: here, not on a step)
         while True:
             item = self._queue.get()
             try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from fleethealth.injob.ckptcheck.rules import (
     judge,
     plain_name,
 )
+from fleethealth.injob.ckptcheck.spec import dtype_name, flat_tensors, spec_of
 
 __all__ = ["CheckpointUnusable", "MANIFEST_NAME", "manifest_path", "read_facts", "spec_of", "validate",
            "write_manifest", "norms_of"]
@@ -71,27 +72,6 @@ def kind_of(path: Path) -> str:
 def manifest_path(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     return p / MANIFEST_NAME if p.is_dir() else p.with_name(p.name + "." + MANIFEST_NAME)
-
-
-def _flat(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _flat(v, f"{prefix}{k}.")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            yield from _flat(v, f"{prefix}{i}.")
-    elif isinstance(obj, torch.Tensor):
-        yield prefix[:-1], obj
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def spec_of(state: Mapping[str, Any]) -> dict[str, TensorSpec]:
-    """The tensors of a state dict (nested dicts and lists, dotted names): shapes and dtypes only,
-    read from the tensors' metadata without touching their data (no device synchronisation)."""
-    return {name: TensorSpec(name, tuple(int(d) for d in t.shape), _dtype(t.dtype)) for name, t in _flat(state)}
 
 
 def _sha256(path: Path) -> FileDigest:
@@ -180,7 +160,7 @@ def _dcp_facts(path: Path, manifest: Manifest | None, on_disk: Mapping[str, File
             problems.append(f".metadata names a shard outside the checkpoint: {info.relative_path!r}")
             continue
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), int(info.offset) + int(info.length))
-    stored = {name: TensorSpec(name, tuple(int(d) for d in m.size), _dtype(m.properties.dtype))
+    stored = {name: TensorSpec(name, tuple(int(d) for d in m.size), dtype_name(m.properties.dtype))
               for name, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     facts = Facts("dcp", manifest, on_disk, needed, stored, problems=tuple(problems))
     missing = [n for n, length in needed.items() if n not in on_disk or on_disk[n].size < length]
@@ -207,8 +187,8 @@ def _file_facts(path: Path, manifest: Manifest | None, on_disk: Mapping[str, Fil
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         return Facts("torch_save", manifest, on_disk,
                      problems=(f"test load failed: {type(exc).__name__}: {first}",))
-    tensors = dict(_flat(obj))
-    stored = {n: TensorSpec(n, tuple(int(d) for d in t.shape), _dtype(t.dtype)) for n, t in tensors.items()}
+    tensors = dict(flat_tensors(obj))
+    stored = {n: TensorSpec(n, tuple(int(d) for d in t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
     norms = {n: v for n, t in tensors.items() if (v := _norm(t)) is not None}
     return Facts("torch_save", manifest, on_disk, stored=stored, norms=norms)
 
