@@ -2,7 +2,7 @@
 
 ::
 
-    validator = CheckpointValidator(reporter)          # one per job, on the rank that saves (rank 0)
+    validator = CheckpointValidator(reporter)          # before the loop (it imports DCP), on the rank that saves
     ...
     dcp.save(state, checkpoint_id=path)                # or torch.save(state, path)
     validator.saved(step, path, state)                 # returns at once
@@ -69,6 +69,7 @@ class _Item:
     step: int
     path: str
     expected: dict[str, TensorSpec] | None
+    uri: str
 
 
 _STOP = object()
@@ -90,6 +91,8 @@ class CheckpointValidator:
             raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
         from fleethealth.injob.ckptcheck.spec import spec_of  # torch; imported here, never on a step
 
+        if check is None:  # DCP's import takes seconds: pay it here, before the loop, not in the first validation
+            import fleethealth.injob.ckptcheck.files  # noqa: F401
         self._spec_of = spec_of
         self.reporter = reporter if reporter is not None else Reporter()
         self.rules = rules or CheckpointRules()
@@ -106,18 +109,20 @@ class CheckpointValidator:
         self._thread.start()
 
     # ------------------------------------------------------------------ training thread
-    def saved(self, step: int, path: str | os.PathLike[str], state: Mapping[str, Any] | None = None) -> bool:
+    def saved(self, step: int, path: str | os.PathLike[str], state: Mapping[str, Any] | None = None, *,
+              uri: str | None = None) -> bool:
         """The checkpoint of ``step`` is on disk at ``path``: queue it for validation and return at once.
         ``state``: the object that was saved (its tensors' shapes and dtypes are the test load's
-        target; ``None``: the manifest's). False when the queue was full (reported ``skipped``)."""
+        target; ``None``: the manifest's). ``uri``: the checkpoint's name in its ``checkpoint`` record
+        (default: the path). False when the queue was full (reported ``skipped``)."""
         if self._closed:
             raise RuntimeError("CheckpointValidator.saved after close()")
         expected = None if state is None else self._spec_of(state)
         try:
-            self._queue.put_nowait(_Item(int(step), os.fspath(path), expected))
+            self._queue.put_nowait(_Item(int(step), os.fspath(path), expected, uri or os.fspath(path)))
         except queue.Full:
             self.dropped_total += 1
-            self._report(CheckpointValidation(int(step), os.fspath(path), ValidationResult.SKIPPED,
+            self._report(CheckpointValidation(int(step), uri or os.fspath(path), ValidationResult.SKIPPED,
                                               ("not validated: the validation queue was full (a save came while "
                                                f"{self._queue.maxsize} waited)",)))
             return False
@@ -154,8 +159,6 @@ class CheckpointValidator:
             return Band.of(list(self._norms))
 
     def _run(self) -> None:
-        if self.check is write_and_validate:
-            import fleethealth.injob.ckptcheck.files  # noqa: F401  (DCP's import takes seconds: here, not on a step)
         while True:
             item = self._queue.get()
             try:
@@ -175,7 +178,7 @@ class CheckpointValidator:
             verdict = Verdict(valid=False, reasons=(f"validation could not run: {type(exc).__name__}: {exc}",))
         took = self._clock() - began
         result = ValidationResult.VALID if verdict.valid else ValidationResult.INVALID
-        record = CheckpointValidation(item.step, item.path, result, tuple(verdict.reasons), round(took, 6))
+        record = CheckpointValidation(item.step, item.uri, result, tuple(verdict.reasons), round(took, 6))
         if verdict.valid:
             with self._lock:
                 self._norms.append(dict(verdict.norms))
