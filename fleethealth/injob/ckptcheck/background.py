@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,11 @@ def write_and_validate(path: str, expected: Mapping[str, TensorSpec] | None, ban
 
 
 @dataclass(frozen=True)
+class _Seed:
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _Item:
     step: int
     path: str
@@ -82,11 +87,17 @@ class CheckpointValidator:
     probe). ``rules``: the norm band's settings (:class:`~.rules.CheckpointRules`). ``queue_size``:
     checkpoints waiting to be validated at most (more are skipped and counted). ``check``: what
     validates one checkpoint (default :func:`write_and_validate`). ``keep``: results remembered.
+    ``history``: the job's previous valid checkpoints (paths, oldest first) that seed the norm band
+    — a resumed job passes those it resumed from, so its first checkpoint is judged against the band
+    too; each is validated first, in the background, and one that is not valid is left out.
+    ``report_tries``: a verdict the probe socket did not take (its queue full) is sent again, up to
+    this many times ``retry_s`` apart, by the background thread (the step never waits for it).
     """
 
     def __init__(self, reporter: Reporter | None = None, *, rules: CheckpointRules | None = None,
                  queue_size: int = 2, check: Check | None = None, keep: int = 64,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 history: Sequence[str | os.PathLike[str]] = (), report_tries: int = 5, retry_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
         from fleethealth.injob.ckptcheck.spec import spec_of  # torch; imported here, never on a step
@@ -97,14 +108,18 @@ class CheckpointValidator:
         self.reporter = reporter if reporter is not None else Reporter()
         self.rules = rules or CheckpointRules()
         self.check: Check = check or write_and_validate
-        self._clock = clock
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._clock, self._sleep = clock, sleep
+        self.report_tries, self.retry_s = max(1, int(report_tries)), float(retry_s)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size + (1 if history else 0))  # + the seed
+        self._room = queue_size
         self._lock = threading.Lock()
         self._norms: collections.deque[Mapping[str, float]] = collections.deque(maxlen=self.rules.history)
         self.results: collections.deque[CheckpointValidation] = collections.deque(maxlen=keep)
         self.dropped_total = 0
         self.failed_total = 0
         self._closed = False
+        if history:
+            self._queue.put_nowait(_Seed(tuple(os.fspath(h) for h in history)))
         self._thread = threading.Thread(target=self._run, name="fleethealth-ckptcheck", daemon=True)
         self._thread.start()
 
@@ -124,7 +139,7 @@ class CheckpointValidator:
             self.dropped_total += 1
             self._report(CheckpointValidation(int(step), uri or os.fspath(path), ValidationResult.SKIPPED,
                                               ("not validated: the validation queue was full (a save came while "
-                                               f"{self._queue.maxsize} waited)",)))
+                                               f"{self._room} waited)",)))
             return False
         return True
 
@@ -164,9 +179,25 @@ class CheckpointValidator:
             try:
                 if item is _STOP:
                     return
-                self._validate(item)
+                if isinstance(item, _Seed):
+                    self._seed(item.paths)
+                else:
+                    self._validate(item)
             finally:
                 self._queue.task_done()
+
+    def _seed(self, paths: tuple[str, ...]) -> None:
+        from fleethealth.errors import FleetHealthError
+        from fleethealth.injob.ckptcheck.files import norms_of
+
+        for path in paths:
+            try:
+                norms = norms_of(path, self.rules)
+            except (FleetHealthError, OSError) as exc:
+                _log.warning("fleethealth: history checkpoint %s left out of the norm band: %s", path, exc)
+                continue
+            with self._lock:
+                self._norms.append(norms)
 
     def _validate(self, item: _Item) -> None:
         began = self._clock()
@@ -190,6 +221,12 @@ class CheckpointValidator:
     def _report(self, record: CheckpointValidation) -> None:
         with self._lock:
             self.results.append(record)
-        self.reporter.emit(checkpoint_validated_event(
-            ts=self.reporter.now(), step=record.step, uri=record.uri, result=record.result,
-            reasons=record.reasons, duration_s=record.duration_s))
+        event = checkpoint_validated_event(ts=self.reporter.now(), step=record.step, uri=record.uri,
+                                           result=record.result, reasons=record.reasons,
+                                           duration_s=record.duration_s)
+        on_step_path = threading.current_thread() is not self._thread
+        for attempt in range(1 if on_step_path else self.report_tries):
+            if self.reporter.emit(event):
+                return
+            if attempt + 1 < self.report_tries and not on_step_path:
+                self._sleep(self.retry_s * (attempt + 1))
