@@ -116,3 +116,40 @@ def test_the_event_goes_through_the_probe_socket_and_the_probe_takes_it(tmp_path
     [event] = agg.drain(0.0).events
     assert event.kind is EventKind.CHECKPOINT_VALIDATED and event.job == "llm-run" and event.node == "gpu-a17"
     assert CheckpointValidation.from_event(event).valid and event.step == 7
+
+
+def test_a_restarted_validator_judges_its_first_checkpoint_against_the_history_it_is_given(tmp_path):
+    from fleethealth.injob.ckptcheck.files import spec_of, write_manifest
+
+    paths = []
+    for step, scale in ((1, 1.0), (2, 1.01)):
+        paths.append(tmp_path / f"ckpt-{step}.pt")
+        torch.save(_state(scale), paths[-1])
+        write_manifest(paths[-1], spec_of(_state(scale)), step=step)
+    broken = tmp_path / "not-a-checkpoint.pt"
+    broken.write_bytes(b"garbage")
+    boom = tmp_path / "ckpt-3.pt"
+    torch.save(_state(100.0), boom)
+    seen = []
+    v = CheckpointValidator(Reporter(job="j", rank=0, sink=seen.append), history=[broken, *paths])
+    v.saved(3, boom, _state(100.0))
+    assert v.wait(30)
+    v.close()
+    [record] = [CheckpointValidation.from_event(e) for e in seen]
+    assert not record.valid and "the last 2 valid checkpoints" in record.reasons[0]   # the garbage one left out
+
+
+def test_a_verdict_the_socket_did_not_take_is_sent_again_from_the_worker():
+    answers, naps = [False, False, True], []
+    seen = []
+
+    def flaky(event):
+        seen.append(event)
+        return answers.pop(0)
+
+    v = CheckpointValidator(Reporter(job="j", rank=0, sink=flaky), check=lambda *a: Verdict(valid=True),
+                            retry_s=0.05, sleep=naps.append)
+    v.saved(4, "/ck/4")
+    assert v.wait(10)
+    v.close()
+    assert len(seen) == 3 and naps == [0.05, 0.1] and v.results[0].valid
