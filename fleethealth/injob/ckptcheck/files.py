@@ -20,6 +20,7 @@ files as they are on disk right after the save (and the model's tensor shapes an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -209,13 +210,10 @@ def read_facts(path: str | os.PathLike[str], expected: Mapping[str, TensorSpec] 
         expected = {t.name: t for t in manifest.tensors}
     facts = (_dcp_facts(p, manifest, on_disk, expected, load) if fmt == "dcp"
              else _file_facts(p, manifest, on_disk, load))
-    if problem is not None:
-        facts = Facts(facts.format, facts.manifest, facts.on_disk, facts.needed, facts.stored, facts.norms,
-                      (problem, *facts.problems))
+    problems = facts.problems
     if manifest is not None and manifest.format != fmt:
-        facts = Facts(facts.format, facts.manifest, facts.on_disk, facts.needed, facts.stored, facts.norms,
-                      (*facts.problems, f"the manifest describes a {manifest.format} checkpoint, this is {fmt}"))
-    return facts
+        problems = (*problems, f"the manifest describes a {manifest.format} checkpoint, this is {fmt}")
+    return dataclasses.replace(facts, problems=problems, manifest_problem=problem)
 
 
 def norms_of(path: str | os.PathLike[str], rules: CheckpointRules | None = None) -> dict[str, float]:

@@ -184,6 +184,8 @@ class Facts:
     stored: Mapping[str, TensorSpec] | None = None
     norms: Mapping[str, float] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    manifest_problem: str | None = None
+    """Why there is no manifest (absent, too large, unreadable), when there is none."""
 
 
 @dataclass(frozen=True)
@@ -266,13 +268,13 @@ def judge(facts: Facts, expected: Mapping[str, TensorSpec] | None, band: Band | 
     """Valid when every check passes. ``expected``: the model's tensors (default: the manifest's);
     ``band``: from the job's previous valid checkpoints (``None`` or empty: not checked, noted)."""
     rules = rules or CheckpointRules()
-    reasons = list(facts.problems)
+    reasons: list[str] = []
     notes = []
     if facts.manifest is None:
-        if not any("manifest" in p for p in facts.problems):
-            reasons.append("no manifest: the digests written at save time are unknown")
+        reasons.append(facts.manifest_problem or "no manifest: the digests written at save time are unknown")
     else:
         reasons += _digests(facts.manifest, facts.on_disk)
+    reasons += facts.problems
     reasons += _inventory(facts.needed, facts.on_disk)
     if expected is None and facts.manifest is not None and facts.manifest.tensors:
         expected = {t.name: t for t in facts.manifest.tensors}
