@@ -19,6 +19,7 @@ from fleethealth.commands import (
     act,
     broker,
     budget,
+    checkpoint,
     config,
     demo,
     detect,
@@ -35,7 +36,7 @@ __all__ = ["main", "build_parser", "GROUPS"]
 
 Run = Callable[[argparse.Namespace], int]
 
-GROUPS = (demo, detect, probe, broker, query, report, budget, selftest, serve, act, sweep, config)
+GROUPS = (demo, detect, probe, broker, query, report, budget, checkpoint, selftest, serve, act, sweep, config)
 """The command groups, in ``--help`` order."""
 
 

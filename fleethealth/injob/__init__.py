@@ -15,6 +15,8 @@ side reads too; they are re-exported here.
 - :class:`JobLife` — ``job_start`` / ``job_exit`` events of the run.
 - :class:`RollbackInbox` — the policy's ``rollback`` for this job, relayed by the node's probe, read without blocking.
 - :class:`FaultInjector` — a transient or deterministic fault, off unless a loop attaches one (demos, drills).
+- :class:`CheckpointValidator` — each checkpoint validated after its save in a background thread
+  (:mod:`fleethealth.injob.ckptcheck`: shards, digests, a CPU test load, norms), ``checkpoint_validated`` events.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "Instrumented": "instrument",
     "SdcGuard": "guard",
     "FaultInjector": "faults",
+    "CheckpointValidator": "fleethealth.injob.ckptcheck.background",
     "BitDigest": "digest",
     "bit_digest": "digest",
     "fingerprint": "digest",

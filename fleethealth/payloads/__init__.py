@@ -7,6 +7,7 @@ training process and the detectors meet here and nowhere else.
 - :mod:`~fleethealth.payloads.hang_report` — ``hang_report`` events: :class:`HangReport`, and
   :class:`RankStacks` as a ``hang`` finding lists them.
 - :mod:`~fleethealth.payloads.checkpoint` — ``checkpoint`` events: :class:`CheckpointRecord`.
+- :mod:`~fleethealth.payloads.validation` — ``checkpoint_validated`` events: :class:`CheckpointValidation`.
 - :mod:`~fleethealth.payloads.sdc_evidence` — an ``sdc`` finding's evidence: :class:`SdcEvidence`.
 - :mod:`~fleethealth.payloads.rollback` — the rollback rule: :func:`rollback_target`.
 - :mod:`~fleethealth.payloads.job` — ``job_start`` / ``job_exit`` events: :class:`JobStart`, :class:`JobExit`.
@@ -20,10 +21,12 @@ from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_eve
 from fleethealth.payloads.rollback import rollback_target
 from fleethealth.payloads.sdc_check import CheckKind, Classification, SdcCheck, classify, sdc_check_event
 from fleethealth.payloads.sdc_evidence import SdcEvidence
+from fleethealth.payloads.validation import CheckpointValidation, ValidationResult, checkpoint_validated_event
 
 __all__ = [
     "CheckKind",
     "CheckpointRecord",
+    "CheckpointValidation",
     "Classification",
     "ExitStatus",
     "HangReport",
@@ -32,7 +35,9 @@ __all__ = [
     "RankStacks",
     "SdcCheck",
     "SdcEvidence",
+    "ValidationResult",
     "checkpoint_event",
+    "checkpoint_validated_event",
     "classify",
     "hang_report_event",
     "job_exit_event",
