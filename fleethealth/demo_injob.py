@@ -417,6 +417,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         mark("start")
         launcher.wait_phase("clean", deadline)
         mark("clean_run")
+        launcher.order("run")  # the probes listen now (a rank that started earlier lost its first events)
         run = launcher.wait_phase("run", deadline)
         mark("run")
         fired = [(r.fault_fired_at, rank) for rank, r in run.items() if r.fault_fired_at is not None]

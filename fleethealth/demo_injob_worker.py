@@ -293,7 +293,7 @@ def _checkpoint(rank: int, spec: JobSpec, guard: SdcGuard, model: torch.nn.Modul
 
 
 def worker(rank: int, spec: JobSpec, commands: Any, results: Any) -> None:
-    """One rank: clean run, the run under test, then resume orders until told to stop."""
+    """One rank: clean run, the run under test when ordered, then resume orders until told to stop."""
     torch.set_num_threads(1)
     with contextlib.suppress(OSError):  # torch's C++ warnings go to the rank's log, not the demo's screen
         fd = os.open(Path(spec.out_dir) / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -307,6 +307,8 @@ def worker(rank: int, spec: JobSpec, commands: Any, results: Any) -> None:
         return
     try:
         results.put(("report", rank, _train(rank, spec, "clean", placement=spec.placement)))
+        if commands.get()[0] != "run":  # the run under test starts once the probes listen: none of it is lost
+            return
         results.put(("report", rank, _train(rank, spec, "run", placement=spec.placement)))
         while True:
             order = commands.get()
