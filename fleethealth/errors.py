@@ -9,7 +9,9 @@
     │   └── BusUnavailable           the broker cannot be reached or will not start
     ├── StoreError                   ClickHouse / chDB
     │   ├── StoreUnavailable         the store cannot be reached (a connection error, a timeout): retry
-    │   └── StoreLocked              a chDB path already owned by another process
+    │   ├── StoreLocked              a chDB path already owned by another process
+    │   ├── MigrationLocked          another migrator holds the store's migration lock (names it)
+    │   └── MigrationsPending        the store lacks migrations a command needs (names them)
     └── DeviceError                  a GPU, NVML or DCGM that is missing or not answering
 
 The CLI prints ``str(error)`` as one line and exits non-zero; no traceback for these.
@@ -26,6 +28,8 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "StoreLocked",
+    "MigrationLocked",
+    "MigrationsPending",
     "DeviceError",
 ]
 
@@ -70,3 +74,11 @@ class StoreLocked(StoreError):
 
 class DeviceError(FleetHealthError):
     """A GPU, NVML or DCGM is missing or does not answer."""
+
+
+class MigrationLocked(StoreError):
+    """Another migrator holds the store's migration lock; the message names it and its expiry."""
+
+
+class MigrationsPending(StoreError):
+    """The store's schema is behind this release (pending, half-applied or changed migrations)."""
