@@ -9,6 +9,7 @@
     │   └── BusUnavailable           the broker cannot be reached or will not start
     ├── StoreError                   ClickHouse / chDB
     │   ├── StoreUnavailable         the store cannot be reached (a connection error, a timeout): retry
+    │   │   └── StoreFull            the store's volume is full (ENOSPC, NOT_ENOUGH_SPACE): retry once freed
     │   ├── StoreLocked              a chDB path already owned by another process
     │   ├── MigrationLocked          another migrator holds the store's migration lock (names it)
     │   └── MigrationsPending        the store lacks migrations a command needs (names them)
@@ -27,6 +28,7 @@ __all__ = [
     "BusUnavailable",
     "StoreError",
     "StoreUnavailable",
+    "StoreFull",
     "StoreLocked",
     "MigrationLocked",
     "MigrationsPending",
@@ -82,3 +84,8 @@ class MigrationLocked(StoreError):
 
 class MigrationsPending(StoreError):
     """The store's schema is behind this release (pending, half-applied or changed migrations)."""
+
+
+class StoreFull(StoreUnavailable):
+    """The store's volume is out of space: nothing is wrong with the rows, so a writer waits and
+    writes them again once space returns (never dead-letters them)."""

@@ -38,7 +38,8 @@ def _old_store(store: Store, tmp_path: Path) -> None:
     store.migrate(old)
     store.command("INSERT INTO gpu_samples (node, rack, gpu, ts, model, uuid, temp_c, power_w, energy_mj) "
                   "SELECT concat('n', toString(number % 13)), 'r1', number % 8, "
-                  "toDateTime64(1700000000 + intDiv(number, 104), 3, 'UTC'), 'H100', concat('GPU-', toString(number % 8)), "
+                  "toDateTime64(1700000000 + intDiv(number, 104), 3, 'UTC'), 'H100', "
+                  "concat('GPU-', toString(number % 8)), "
                   "40 + number % 37, 300 + (number * 7) % 400, number * 1000.5 FROM numbers(3000)")
     store.command("INSERT INTO rank_steps (job, step, rank, node, gpu, ts, compute_s, rank_group) "
                   "SELECT 'train-1', intDiv(number, 64), number % 64, concat('n', toString(intDiv(number % 64, 8))), "
