@@ -57,6 +57,8 @@ def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
         elif d["kind"] == "CronJob":
             specs[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif d["kind"] == "Job":
+            specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
     return specs
 
 
@@ -112,7 +114,7 @@ def test_container_arguments_parse_with_the_cli(rendered):
                 assert args.source == want, f"{tree}: probe source {args.source}"
                 if want == "dcgm":
                     assert args.dcgm_host.startswith("nvidia-dcgm.") and args.dcgm_host.endswith(":5555")
-    assert seen == {"probe", "serve", "act", "sweep"}
+    assert seen == {"probe", "serve", "act", "sweep", "migrate"}
 
 
 def _tolerates(tolerations: list[dict[str, Any]], key: str, value: str | None, effect: str) -> bool:
