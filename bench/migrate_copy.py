@@ -5,8 +5,8 @@ A store is migrated to 006 (the schema before the two rebuilds), then filled wit
 ``--samples`` GPU samples (gpu_samples, 43 columns, rebuilt by 007 with codecs and the 1-minute
 rollup's materialized view) and ``--steps`` rank-steps (rank_steps, rebuilt by 010). ``fleethealth
 migrate up`` then runs 007-011 and each step is timed through the migrator's hook. The baseline,
-measured in the same run on the same engine, is the generation of the same rows (an INSERT ...
-SELECT FROM numbers() into the old tables): the copy's seconds per GB against a plain write's.
+measured in the same run on the same engine, is the write of the same rows into the old tables
+(NumPy columns, 500,000 rows an insert): the copy's seconds against a plain write's.
 
 Prints one JSON object: rows, bytes on disk and uncompressed of each copied table, the copy
 step's seconds, GB/s and s/GB (on disk and uncompressed), and the whole migration's seconds.
@@ -24,29 +24,55 @@ import tempfile
 import time
 from pathlib import Path
 
-from fleethealth.store import migration_files, open_store
+import numpy as np
 
-_SAMPLES = ("INSERT INTO gpu_samples (node, rack, gpu, ts, model, uuid, nic_util, temp_c, mem_temp_c, power_w, "
-            "power_limit_w, sm_clock_mhz, sm_clock_max_mhz, mem_clock_mhz, clock_reasons, util_pct, ecc_sbe_volatile, "
-            "ecc_dbe_volatile, ecc_sbe_aggregate, ecc_dbe_aggregate, energy_mj, tensor_active) "
-            "SELECT concat('n', toString(intDiv(number, 8) % {nodes})), concat('r', toString(intDiv(number, 8) % 32)), "
-            "number % 8, toDateTime64(1767225600 + intDiv(number, 8 * {nodes}), 3, 'UTC'), 'H100', "
-            "concat('GPU-', toString(number % (8 * {nodes}))), rand() / 4294967295, 40 + rand() % 400 / 10, "
-            "50 + rand() % 300 / 10, 300 + rand() % 4000 / 10, 700, 1980 - rand() % 300, 1980, 2619, rand() % 4, "
-            "rand() % 100, intDiv(number, 100000), 0, intDiv(number, 10000), 0, number * 700, rand() / 4294967295 "
-            "FROM numbers({rows})")
-_STEPS = ("INSERT INTO rank_steps (job, step, rank, node, gpu, ts, compute_s, rank_group) "
-          "SELECT 'train-1', intDiv(number, 8192), number % 8192, concat('n', toString(intDiv(number % 8192, 8))), "
-          "number % 8, toDateTime64(1767225600 + intDiv(number, 8192) / 2, 3, 'UTC'), 1.2 + rand() % 100000 / 1e6, "
-          "-1 FROM numbers({rows})")
+from fleethealth.store import migration_files, open_store
+from fleethealth.store.columns import Codes
+from fleethealth.store.migrator import table_size
+
+CHUNK = 500_000
+
+
+def _samples(store, rows: int, nodes: int) -> None:
+    """``rows`` GPU samples of ``nodes`` nodes x 8 GPUs at 1 Hz, in the 001-006 schema, in chunks."""
+    rng = np.random.default_rng(7)
+    names = [f"n{i:05d}" for i in range(nodes)]
+    racks = [f"r{i:03d}" for i in range(32)]
+    for lo in range(0, rows, CHUNK):
+        i = np.arange(lo, min(rows, lo + CHUNK))
+        node = (i // 8) % nodes
+        n = len(i)
+        store.insert("gpu_samples", {
+            "node": Codes(names, node.astype(np.int32)), "rack": Codes(racks, (node % 32).astype(np.int32)),
+            "gpu": (i % 8).astype(np.uint16), "ts": 1_767_225_600.0 + (i // (8 * nodes)).astype(np.float64),
+            "model": Codes(["H100"], np.zeros(n, dtype=np.int32)), "nic_util": rng.random(n),
+            "temp_c": 40 + rng.integers(0, 400, n) / 10, "mem_temp_c": 50 + rng.integers(0, 300, n) / 10,
+            "power_w": 300 + rng.integers(0, 4000, n) / 10, "power_limit_w": np.full(n, 700.0),
+            "sm_clock_mhz": 1980.0 - rng.integers(0, 300, n), "sm_clock_max_mhz": np.full(n, 1980.0),
+            "mem_clock_mhz": np.full(n, 2619.0), "clock_reasons": rng.integers(0, 4, n).astype(np.float64),
+            "util_pct": rng.integers(0, 100, n).astype(np.float64), "ecc_sbe_volatile": (i // 100_000) * 1.0,
+            "ecc_dbe_volatile": np.zeros(n), "ecc_sbe_aggregate": (i // 10_000) * 1.0,
+            "ecc_dbe_aggregate": np.zeros(n), "energy_mj": i * 700.0, "tensor_active": rng.random(n)})
+
+
+def _steps(store, rows: int) -> None:
+    """``rows`` rank-steps of one 8,192-rank job at 2 steps/s, in the 001-009 schema, in chunks."""
+    rng = np.random.default_rng(8)
+    names = [f"n{i:05d}" for i in range(1024)]
+    for lo in range(0, rows, CHUNK):
+        i = np.arange(lo, min(rows, lo + CHUNK))
+        rank = i % 8192
+        n = len(i)
+        store.insert("rank_steps", {
+            "job": Codes(["train-1"], np.zeros(n, dtype=np.int32)), "step": (i // 8192).astype(np.uint64),
+            "rank": rank.astype(np.uint32), "node": Codes(names, (rank // 8).astype(np.int32)),
+            "gpu": (rank % 8).astype(np.uint16), "ts": 1_767_225_600.0 + (i // 8192) / 2.0,
+            "compute_s": 1.2 + rng.integers(0, 100_000, n) / 1e6, "rank_group": np.full(n, -1, dtype=np.int32)})
 
 
 def _size(store, table: str) -> dict[str, int]:
-    rows, disk, raw = store.query("SELECT sum(rows), sum(bytes_on_disk), sum(data_uncompressed_bytes) "
-                                  "FROM system.parts WHERE active AND database = currentDatabase() "
-                                  "AND table = {t:String}",
-                                  {"t": table}).rows[0]
-    return {"rows": int(rows or 0), "bytes_on_disk": int(disk or 0), "bytes_uncompressed": int(raw or 0)}
+    rows, disk, raw = table_size(store, table)
+    return {"rows": rows, "bytes_on_disk": disk, "bytes_uncompressed": raw}
 
 
 def main() -> None:
@@ -64,13 +90,13 @@ def main() -> None:
     with open_store(f"chdb://{work}/store") as store:
         store.migrate(old)
         t = time.perf_counter()
-        store.command(_SAMPLES.format(rows=args.samples, nodes=args.nodes))
+        _samples(store, args.samples, args.nodes)
         samples_write_s = time.perf_counter() - t
         t = time.perf_counter()
-        store.command(_STEPS.format(rows=args.steps))
+        _steps(store, args.steps)
         steps_write_s = time.perf_counter() - t
-        store.command("OPTIMIZE TABLE gpu_samples FINAL")
-        store.command("OPTIMIZE TABLE rank_steps FINAL")
+        store.optimize_final("gpu_samples")
+        store.optimize_final("rank_steps")
         before = {"gpu_samples": _size(store, "gpu_samples"), "rank_steps": _size(store, "rank_steps")}
         began: dict[tuple[str, int], float] = {}
         took: dict[tuple[str, int], float] = {}

@@ -44,10 +44,12 @@ def _fresh(path: Path) -> str:
 
 
 def _count(dsn: str) -> dict[str, float]:
+    """Raw rows (no FINAL: a row written twice shows), distinct (step, rank) and the sum of compute_s."""
     with open_store(dsn) as store:
-        rows, unique, total = store.query("SELECT count(), uniqExact(step, rank), sum(compute_s) "
-                                          "FROM rank_steps").rows[0]
-    return {"rows": int(rows), "unique": int(unique), "sum_compute_s": round(float(total), 6)}
+        steps = store.steps("train-1")
+        rows = store.table_rows("rank_steps")
+    keys = {(b.step, int(r)) for b in steps for r in b.ranks}
+    return {"rows": rows, "unique": len(keys), "sum_compute_s": round(sum(float(b.compute_s.sum()) for b in steps), 6)}
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ from fleethealth.store.translate import first_line
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["migrate", "status", "plan", "require_current", "MigrationStatus", "PlannedMigration",
+__all__ = ["migrate", "status", "plan", "require_current", "table_size", "MigrationStatus", "PlannedMigration",
            "DEFAULT_LOCK_TTL_S", "default_owner"]
 
 DEFAULT_LOCK_TTL_S = 3600.0
@@ -230,7 +230,7 @@ def plan(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> l
                 source = _copy_source(step.sql)
                 if source:
                     source = renamed.get(source, source)
-                    copies[source] = _size(store, source)
+                    copies[source] = table_size(store, source)[:2]
         out.append(PlannedMigration(migration.name, steps, {i for i, s in recorded.items() if "done" in s}, copies))
     return out
 
@@ -242,10 +242,11 @@ def _copy_source(sql: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _size(store: StoreLike, table: str) -> tuple[int, int]:
-    rows = store.query("SELECT sum(rows), sum(bytes_on_disk) FROM system.parts WHERE active AND "
-                       "database = currentDatabase() AND table = {t:String}", {"t": table}).rows
-    return (int(rows[0][0] or 0), int(rows[0][1] or 0)) if rows else (0, 0)
+def table_size(store: StoreLike, table: str) -> tuple[int, int, int]:
+    """``(rows, bytes on disk, bytes uncompressed)`` of ``table``'s active parts."""
+    rows = store.query("SELECT sum(rows), sum(bytes_on_disk), sum(data_uncompressed_bytes) FROM system.parts "
+                       "WHERE active AND database = currentDatabase() AND table = {t:String}", {"t": table}).rows
+    return (int(rows[0][0] or 0), int(rows[0][1] or 0), int(rows[0][2] or 0)) if rows else (0, 0, 0)
 
 
 def require_current(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> None:
