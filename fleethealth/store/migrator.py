@@ -188,7 +188,8 @@ def status(store: StoreLike, directory: str | os.PathLike[str] | None = None) ->
         recorded = rec.steps.get(migration.version)
         if recorded:
             steps = plan_steps(todo)
-            done = sum(1 for s in steps if "done" in recorded.get(s.index, ()))
+            last = max(recorded)
+            done = sum(1 for s in steps if "done" in recorded.get(s.index, ()) or (s.idempotent and s.index < last))
             begun = next((s for s in steps if s.index in recorded and "done" not in recorded[s.index]), None)
             where = f"stopped after {done} of {len(steps)} steps"
             if begun is not None:
@@ -294,14 +295,16 @@ class _Lock:
                                   f"{holder}; wait for it, or if it is gone run `fleethealth migrate up --break-lock`")
         raise StoreError(f"the migration lock claim of {self.owner} was not found after it was written")
 
-    def extend(self) -> None:
-        """Extend the claim; raise :class:`MigrationLocked` when it was taken away."""
+    def extend(self, *, write: bool = True) -> None:
+        """Check the claim is still this migrator's (else :class:`MigrationLocked`) and, with ``write``,
+        extend it by the TTL from now."""
         claims = _live_claims(self.store)
         if not claims or claims[0][0] != self.token:
             holder = next((h for t, h in claims if t != self.token), None)
             raise MigrationLocked(f"the migration lock was taken from {self.owner}"
                                   + (f" by {holder}" if holder else " (it expired)") + "; stopping")
-        self._write(released=0, claimed="claimed_at")
+        if write:
+            self._write(released=0, claimed="claimed_at")
 
     def release(self) -> None:
         _release(self.store, self.token)
@@ -375,53 +378,73 @@ def _up(store: StoreLike, directory: str | os.PathLike[str] | None, lock: _Lock,
                                  f"(steps recorded under checksum {rec.step_checksum[migration.version]}, the file "
                                  f"has {migration.checksum}): finish it with the release that began it")
             recorded = {}  # nothing of it was done: the new text starts afresh
+        extended = False
+        last = max(recorded, default=-1)  # steps run in order: every step before a recorded one has run
         for step in steps:
             states = recorded.get(step.index, set())
-            if "done" in states:
+            if "done" in states or (step.idempotent and step.index < last):
+                continue  # (an idempotent step run again after a later rename or drop would undo it)
+            if step.idempotent:  # not recorded: run again when a run stopped before the next recorded step
+                _run(store, migration, steps, step, step.sql)
                 continue
-            lock.extend()
+            # the claim is extended before a migration's first recorded step and around every copy (the
+            # long steps), and checked before every other one
+            lock.extend(write=not extended or step.kind == "copy")
+            extended = True
             _run_step(store, migration, steps, step, resumed=bool(states), owner=lock.owner, hook=hook,
                       cluster=cluster)
-        store.insert("schema_migrations", {"version": [migration.version], "name": [migration.name],
-                                           "checksum": [migration.checksum]})
+            if step.kind == "copy":
+                lock.extend()
+        store.command("INSERT INTO schema_migrations (version, name, checksum) "
+                      "SELECT {v:UInt32}, {n:String}, {c:String}",
+                      {"v": migration.version, "n": migration.name, "c": migration.checksum})
         hook("applied", migration.name, -1)
         applied.append(migration.name)
     return applied
 
 
 def _record(store: StoreLike, migration: Migration, step: Step, state: str, owner: str, error: str = "") -> None:
-    store.insert("schema_migration_steps", {"version": [migration.version], "step": [step.index],
-                                            "name": [migration.name], "checksum": [migration.checksum],
-                                            "state": [state], "statement": [step.summary], "error": [error],
-                                            "owner": [owner]})
+    # one statement, not Store.insert: an insert after DDL first reads every table's columns again
+    store.command("INSERT INTO schema_migration_steps (version, step, name, checksum, state, statement, error, "
+                  "owner) SELECT {v:UInt32}, {i:UInt32}, {n:String}, {c:String}, {s:String}, {t:String}, {e:String}, "
+                  "{o:String}", {"v": migration.version, "i": step.index, "n": migration.name, "c": migration.checksum,
+                                 "s": state, "t": step.summary, "e": error, "o": owner})
 
 
 def _run_step(store: StoreLike, migration: Migration, steps: list[Step], step: Step, *, resumed: bool, owner: str,
               hook: Hook, cluster: str | None) -> None:
     _record(store, migration, step, "begun", owner)
     hook("begun", migration.name, step.index)
-    try:
-        if not resumed:
-            store.command(step.sql)
-        else:
-            how = resume_plan(steps, step.index, migration=migration.name,
-                              local_suffix=LOCAL_SUFFIX if cluster else "")
-            if how.skip_if is None or not (not _exists(store, how.skip_if[0]) and _exists(store, how.skip_if[1])):
-                for table in how.truncate:
-                    store.command(f"TRUNCATE TABLE IF EXISTS {table}" + (f" ON CLUSTER {cluster}" if cluster else ""))
-                store.command(how.sql)
-    except StoreError as exc:  # say which file and step failed, with the server's own first line
-        cause = exc.__cause__
-        why = str(exc) if cause is None else first_line(cause)
-        try:
-            _record(store, migration, step, "failed", owner, why)
-        except StoreError:
-            pass  # the store is gone too: the step stays begun, which resumes the same way
-        raise StoreError(f"migration {migration.name} failed at step {step.index + 1} of {len(steps)} on "
-                         f"{getattr(store, 'dsn', '')}: {why}") from (cause or exc)
+    if not resumed:
+        _run(store, migration, steps, step, step.sql, owner=owner)
+    else:
+        how = resume_plan(steps, step.index, migration=migration.name, local_suffix=LOCAL_SUFFIX if cluster else "")
+        if how.skip_if is None or not (not _exists(store, how.skip_if[0]) and _exists(store, how.skip_if[1])):
+            for table in how.truncate:
+                _run(store, migration, steps, step, f"TRUNCATE TABLE IF EXISTS {table}"
+                     + (f" ON CLUSTER {cluster}" if cluster else ""), owner=owner)
+            _run(store, migration, steps, step, how.sql, owner=owner)
     hook("ran", migration.name, step.index)
     _record(store, migration, step, "done", owner)
     hook("done", migration.name, step.index)
+
+
+def _run(store: StoreLike, migration: Migration, steps: list[Step], step: Step, sql: str, *,
+         owner: str | None = None) -> None:
+    """Run one statement of ``step``; a failure names the file and the step, with the server's own
+    first line, and (``owner`` given: a recorded step) is recorded as the step's last error."""
+    try:
+        store.command(sql)
+    except StoreError as exc:
+        cause = exc.__cause__
+        why = str(exc) if cause is None else first_line(cause)
+        if owner is not None:
+            try:
+                _record(store, migration, step, "failed", owner, why)
+            except StoreError:
+                pass  # the store is gone too: the step stays begun, which resumes the same way
+        raise StoreError(f"migration {migration.name} failed at step {step.index + 1} of {len(steps)} on "
+                         f"{getattr(store, 'dsn', '')}: {why}") from (cause or exc)
 
 
 def _exists(store: StoreLike, table: str) -> bool:

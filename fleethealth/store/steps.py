@@ -3,9 +3,10 @@
 A migration's statements (:func:`fleethealth.store.migrations.statements`, in their cluster form
 when the store has one) become :class:`Step` objects, one statement each; a ``RENAME TABLE a TO b,
 c TO a`` is split into one step per pair, so a migrator stopped between two pairs resumes at the
-second. The migrator records each step as begun before it runs it and as done after it
-(:mod:`fleethealth.store.migrator`); a step found begun but not done is *resumed*, and what that
-means depends on its kind:
+second. The migrator records each step that is not idempotent as written (:attr:`Step.idempotent`)
+as begun before it runs it and as done after it (:mod:`fleethealth.store.migrator`); an idempotent
+one is simply run again. A step found begun but not done is *resumed*, and what that means depends
+on its kind:
 
 =========  ==========================================================================================
 kind       resumed as
@@ -42,7 +43,8 @@ _MV = re.compile(rf"^CREATE\s+MATERIALIZED\s+VIEW\s+(?:IF\s+NOT\s+EXISTS\s+)?{_I
                  rf"TO\s+(?P<to>{_IDENT}).*?\bFROM\s+(?P<src>{_IDENT})", re.I | re.S)
 _DROP = re.compile(rf"^DROP\s+TABLE\s+(?P<ie>IF\s+EXISTS\s+)?(?P<name>{_IDENT})", re.I)
 _INSERT = re.compile(rf"^INSERT\s+INTO\s+(?P<name>{_IDENT})\b.*\bSELECT\b", re.I | re.S)
-_CLUSTER_TAIL = re.compile(rf"\s+ON\s+CLUSTER\s+{_IDENT}", re.I)
+_IF_EXISTS_ALTER = re.compile(r"^ALTER\s+TABLE\s+\S+(?:\s+ON\s+CLUSTER\s+\S+)?\s+(?:ADD|DROP|MODIFY|COMMENT)\s+"
+                              r"(?:COLUMN|INDEX)\s+IF\s+(?:NOT\s+)?EXISTS\b", re.I)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,19 @@ class Step:
     sql: str
     kind: str
     names: tuple[str, ...] = ()
+
+    @property
+    def idempotent(self) -> bool:
+        """Whether running the statement again changes nothing (``CREATE ... IF NOT EXISTS``, ``DROP
+        ... IF EXISTS``, ``ALTER ... ADD COLUMN IF NOT EXISTS``): such a step is run again on a resume
+        and never recorded; every other step is recorded as begun and done."""
+        if self.kind == "create":
+            found = _CREATE.match(self.sql)
+            return bool(found and found["ine"])
+        if self.kind == "drop":
+            found = _DROP.match(self.sql)
+            return bool(found and found["ie"])
+        return self.kind == "other" and bool(_IF_EXISTS_ALTER.match(self.sql))
 
     @property
     def summary(self) -> str:
