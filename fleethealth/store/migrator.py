@@ -8,20 +8,22 @@ Three tables of its own, created first (all read with a SELECT-only user):
   An applied migration whose file no longer has that checksum is an error naming it (the store
   was built from other text than this release carries).
 * ``schema_migration_steps`` — append-only: a row when a step (one statement,
-  :mod:`fleethealth.store.steps`) is begun, when it is done, and when it failed (with the error).
-  A migration with steps recorded but no ``schema_migrations`` row is *dirty*: it stopped half-way.
-  ``up`` resumes it at its first step not done, finishing a begun step as
+  :mod:`fleethealth.store.steps`) is begun, when it is done, and when it failed (with the error);
+  steps idempotent as written (``IF NOT EXISTS``) are not recorded, and run again only when no later
+  step was. A migration with steps recorded but no ``schema_migrations`` row is *dirty*: it stopped
+  half-way. ``up`` resumes it after its last step done, finishing a begun step as
   :func:`~fleethealth.store.steps.resume_plan` says (a rename that ran is skipped, a copy is emptied
   and run again).
 * ``schema_migrations_lock`` — claims ``(token, owner, claimed_at, expires_at, released)``. A
   migrator inserts its claim, then reads every live claim (not released, not expired by the
   server's clock); the earliest wins, so two migrators that claim at once agree on one winner.
   The loser withdraws and raises :class:`~fleethealth.errors.MigrationLocked` naming the holder.
-  The holder extends its claim before every step (``lock_ttl_s`` more) and checks it was not taken
-  away. A killed migrator leaves its claim until it expires, unless it is found stale sooner: an
+  The holder checks before every recorded step that its claim was not taken away, and extends
+  it (``lock_ttl_s`` from now) before a migration's first recorded step and around every copy. A killed migrator leaves its claim until it expires, unless it is found stale sooner: an
   owner ``host:pid`` on this host whose process is gone, or any owner with ``break_lock``.
 
-Nothing here reads the wall clock: times are the server's ``now64()``. Test hooks (``hook``) see
+Expiry is judged by the server's clock (``now64()``), never this host's (a claim's ``seq``, the local
+time in ns, only orders that claim's own rows). Test hooks (``hook``) see
 each point between two recorded actions: ``begun``, ``ran``, ``done`` for a step, ``applied`` for
 a migration; a hook that raises stops the migrator there, as a kill would (the lock is kept).
 """
