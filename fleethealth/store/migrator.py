@@ -19,8 +19,9 @@ Three tables of its own, created first (all read with a SELECT-only user):
   server's clock); the earliest wins, so two migrators that claim at once agree on one winner.
   The loser withdraws and raises :class:`~fleethealth.errors.MigrationLocked` naming the holder.
   The holder checks before every recorded step that its claim was not taken away, and extends
-  it (``lock_ttl_s`` from now) before a migration's first recorded step and around every copy. A killed migrator leaves its claim until it expires, unless it is found stale sooner: an
-  owner ``host:pid`` on this host whose process is gone, or any owner with ``break_lock``.
+  it (``lock_ttl_s`` from now) before a migration's first recorded step and around every copy.
+  A killed migrator leaves its claim until it expires, unless it is found stale sooner: an owner
+  ``host:pid`` on this host whose process is gone, or any owner with ``break_lock``.
 
 Expiry is judged by the server's clock (``now64()``), never this host's (a claim's ``seq``, the local
 time in ns, only orders that claim's own rows). Test hooks (``hook``) see
