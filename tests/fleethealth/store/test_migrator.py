@@ -249,3 +249,12 @@ def test_detect_serve_and_act_refuse_a_store_with_pending_migrations(tmp_path: P
                  "--idle-exit", "0"]) in (0, 2)
     with open_store(dsn) as store:
         assert status(store).current
+
+
+def test_migrate_help_explains_each_action_and_the_writers_gate() -> None:
+    from fleethealth.commands import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["migrate"].format_help()
+    for words in ("status ", "plan ", "up ", "refuse to start while a migration is pending", "--migrate",
+                  "never migrates", "Stop the writers", "--break-lock"):
+        assert words in text, words
