@@ -382,6 +382,11 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("signing.key_file", "str", None, "probe, sweep, selftest, act: this node's (or service's) own key",
         optional=True, env="FLEETHEALTH_SIGNING_KEY_FILE"),
     Key("signing.key_id", "str", "", "the signer's key id (empty: this node's name; a service: svc:NAME)"),
+    # migrations (fleethealth migrate; deploy/README.md "Upgrading")
+    Key("migrate.on_start", "bool", False, "serve, detect and act apply pending migrations at start (--migrate); "
+        "without it they refuse to start while any is pending, naming them"),
+    Key("migrate.lock_ttl_s", "float", 3600.0, "how long a migrator's claim on the store's migration lock lasts "
+        "unless extended (before every step): longer than the longest step, the copy of the largest table"),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),

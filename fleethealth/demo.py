@@ -113,7 +113,7 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
     data.mkdir(parents=True, exist_ok=True)
     sim = FleetSim(scenario)
     with EmbeddedBroker(log_path=data / "broker.log") as broker, open_store(f"chdb://{store_dir}") as store:
-        store.migrate()
+        store.migrate()  # the demo owns its throwaway store: it migrates it itself
         ensure_topics(broker.dsn)
         t0 = time.perf_counter()
         published = 0

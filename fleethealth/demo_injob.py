@@ -403,7 +403,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         stack.callback(launcher.close)
         broker = stack.enter_context(EmbeddedBroker(log_path=work / "broker.log"))
         store = stack.enter_context(open_store(f"chdb://{work / 'store'}"))
-        store.migrate()
+        store.migrate()  # the demo owns its throwaway store: it migrates it itself
         ensure_topics(broker.dsn)
         delivery = Delivery(broker.dsn, Spool(work / "spool"), client_id="fleethealth-injob-probes",
                             batch_records=500)

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fleethealth.commands._common import open_store_at, require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+from fleethealth.commands._common import open_store_at, prepare_store, require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
 
 if TYPE_CHECKING:
     from fleethealth.config import Settings
@@ -57,6 +57,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--until-caught-up", action="store_true",
                    help="batch mode: once every assigned partition is read to its end, conclude what is held "
                         "(open steps, undiagnosed findings), write and commit it, and exit 0")
+    add_migrate_flag(p)
     add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings["log.level"], settings["log.format"])
     kafka = require_bus(settings["kafka"], "no bus: give --kafka DSN, config key kafka or FLEETHEALTH_KAFKA")
     store_dsn = require_bus(settings["store"], "no store: give --store DSN, config key store or FLEETHEALTH_STORE")
+    prepare_store(store_dsn, settings, "detect")  # pending migrations: refused, or applied with --migrate
     # SIGTERM (a pod stopping) ends the loop in order; Ctrl-C interrupts at once (exit 130)
     with stop_on_signals(signals=(signal.SIGTERM,)) as stop:
         tune_gc()

@@ -59,6 +59,8 @@ def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
         elif d["kind"] == "CronJob":
             specs[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif d["kind"] == "Job":
+            specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
     return specs
 
 
@@ -115,7 +117,7 @@ def test_container_arguments_parse_with_the_cli(rendered):
                 if want == "dcgm":
                     assert args.dcgm_host.startswith("nvidia-dcgm.") and args.dcgm_host.endswith(":5555")
     # the API is `serve --no-detect`; the detectors are `detect` stages, or `serve` with components/whole-tier
-    assert seen == {"probe", "serve", "act", "sweep"} | ({"detect"} if tree != "whole-tier" else set())
+    assert seen == {"probe", "serve", "act", "sweep", "migrate"} | ({"detect"} if tree != "whole-tier" else set())
 
 
 def _tolerates(tolerations: list[dict[str, Any]], key: str, value: str | None, effect: str) -> bool:
