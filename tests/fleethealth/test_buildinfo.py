@@ -86,7 +86,7 @@ def test_fleethealth_detect_serves_it_from_its_first_second(tmp_path):
     metrics, nobody = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
     proc = subprocess.Popen([sys.executable, "-m", "fleethealth", "detect", "--kafka", f"kafka://127.0.0.1:{nobody}",
-                             "--store", f"chdb://{tmp_path / 'store'}", "--stage", "node",
+                             "--store", f"chdb://{tmp_path / 'store'}", "--stage", "node", "--migrate",
                              "--metrics-port", str(metrics)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
