@@ -107,7 +107,10 @@ class PolicyEngine:
     ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
     (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5); ``corroborate``: an Xid, ECC or
     SDC finding removes a node automatically only with a supporting signal from the node's own stream
-    (:func:`~fleethealth.policy.guards.uncorroborated`; True).
+    (:func:`~fleethealth.policy.guards.uncorroborated`; True); ``power_fault_share`` /
+    ``power_fault_min_slowdown``: a power-capped UNKNOWN straggler (a node power fault) is evicted only
+    when its GPU was capped for at least that share of the diagnosis window (persistent; 0.9) and it is
+    at least that much slower (material; 0.1), and the payback holds.
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
@@ -116,8 +119,12 @@ class PolicyEngine:
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  breaker_max_nodes: int = 0, facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
-                 outcome_recur_share: float = 0.5, corroborate: bool = True) -> None:
+                 outcome_recur_share: float = 0.5, corroborate: bool = True, power_fault_share: float = 0.9,
+                 power_fault_min_slowdown: float = 0.1) -> None:
         self.corroborate = bool(corroborate)
+        self.power_fault_share = check_number("power_fault_share", power_fault_share, above=0, at_most=1.0)
+        self.power_fault_min_slowdown = check_number("power_fault_min_slowdown", power_fault_min_slowdown,
+                                                     at_least=0)
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
@@ -301,6 +308,16 @@ class PolicyEngine:
         if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not math.isfinite(slowdown):
             return [self._rec(Action.NONE, f, now, "straggler without a measured slowdown: no payback to "
                               "compute, reported only", {"diagnosis": diag.value})]
+        power = diag is Diagnosis.UNKNOWN and facts.power_capped
+        if power:
+            share = facts.power_cap_share if facts.power_cap_share is not None else 0.0
+            pev = {"diagnosis": diag.value, "power_fault": True, "power_cap_share": share,
+                   "power_fault_share": self.power_fault_share, "power_fault_min_slowdown": self.power_fault_min_slowdown}
+            if share < self.power_fault_share or slowdown < self.power_fault_min_slowdown:
+                return [self._rec(Action.NONE, f, now, f"power-capped straggler {slowdown:.0%} slow on {f.node}: a "
+                                  f"node power fault (its power limit or supply), capped {share:.0%} of the window; "
+                                  f"evicted only when persistent (>= {self.power_fault_share:.0%}) and material "
+                                  f"(>= {self.power_fault_min_slowdown:.0%} slower): reported", pev)]
         remaining = (facts.remaining_s if facts.remaining_s is not None
                      else self.remaining_.get(f.job or "", self.default_remaining_s))
         pb = payback(self.restart_s, self.posterior_.mean(diag), float(slowdown), remaining, self.payback_margin)
@@ -308,6 +325,8 @@ class PolicyEngine:
               "p_healthy_counts": list(self.posterior_.counts(diag))}
         if diag is Diagnosis.NETWORK_CONTENTION:
             ev["placement"] = "change"
+        if power:
+            ev.update(pev)
         pretty = "never" if math.isinf(pb.payback_s) else f"{pb.payback_s / 60:.1f} min"
         if not pb.worth:
             return [self._rec(Action.NONE, f, now, f"{diag.value} straggler {slowdown:.0%} slow on {f.node}: "
@@ -325,6 +344,9 @@ class PolicyEngine:
                   f"{remaining / 3600:.1f} h left; evict at the next checkpoint")
         if diag is Diagnosis.NETWORK_CONTENTION:
             reason += " and change placement (shared NIC)"
+        if power:
+            reason = (f"node power fault: GPU held at its power cap {pev['power_cap_share']:.0%} of the window, "
+                      f"persistent and material; {reason}")
         fired: list[str] = []
         if diag is Diagnosis.UNKNOWN and f.node in self.unknown_evicted_:
             fired.append(GuardName.UNKNOWN_ONCE)
