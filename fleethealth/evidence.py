@@ -143,8 +143,9 @@ class StragglerEvidence:
     named (None: derive it from the node name); ``remaining_s`` the job's remaining run time when
     the producer knew it (None: the engine's own figure); ``slowdown`` the evidence's slowdown,
     used when the finding's field is empty; ``power_capped`` whether the diagnosis found the GPU held
-    at its power cap for ``power_cap_share`` (0 to 1) of the window before the straggler. The detector's and the diagnosis's own keys (CUSUM arm,
-    temperatures, peer shares) stay in the JSON object for people to read."""
+    at its power cap for ``power_cap_share`` (0 to 1) of the window before the straggler. The
+    detector's and the diagnosis's own keys (CUSUM arm, temperatures, peer shares) stay in the JSON
+    object for people to read."""
 
     rack: str | None = None
     remaining_s: float | None = None

@@ -312,7 +312,8 @@ class PolicyEngine:
         if power:
             share = facts.power_cap_share if facts.power_cap_share is not None else 0.0
             pev = {"diagnosis": diag.value, "power_fault": True, "power_cap_share": share,
-                   "power_fault_share": self.power_fault_share, "power_fault_min_slowdown": self.power_fault_min_slowdown}
+                   "power_fault_share": self.power_fault_share,
+                   "power_fault_min_slowdown": self.power_fault_min_slowdown}
             if share < self.power_fault_share or slowdown < self.power_fault_min_slowdown:
                 return [self._rec(Action.NONE, f, now, f"power-capped straggler {slowdown:.0%} slow on {f.node}: a "
                                   f"node power fault (its power limit or supply), capped {share:.0%} of the window; "
