@@ -61,3 +61,17 @@ def test_closing_the_breaker_lists_stale_held_removals_for_a_human_and_decides_f
     assert fresh.action is Action.DRAIN and fresh.guard is Guard.ALLOWED
     # each held finding is decided once: the next decision lists nothing again
     assert restored.decide([], now=T0 + 2200) == []
+
+
+def test_the_policy_stage_releases_the_held_removals_at_its_next_update_without_new_findings():
+    from fleethealth.policy.stage import PolicyStage
+
+    stage = PolicyStage(PolicyEngine(breaker_min_nodes=1, breaker_max_nodes=1, stale_after_s=900.0))
+    first = stage.update([_xid("a", T0), _xid("b", T0 + 1)], [], T0 + 1)
+    assert [r.guard for r in _drains(first.recommendations)] == [Guard.ALLOWED, Guard.NEEDS_HUMAN]
+    stage.engine.reset_breaker()
+    quiet = stage.update([], [], T0 + 1200)  # no finding in the batch: the held drain of "b" is listed now
+    (listed,) = quiet.recommendations
+    assert listed.node == "b" and listed.guard is Guard.NEEDS_HUMAN and quiet.changed
+    assert listed.evidence["guards_fired"] == ["breaker", "stale"]
+    assert stage.update([], [], T0 + 1300).recommendations == []
