@@ -43,7 +43,12 @@ peers' latest samples. The branches, in R2's order:
    ``nic_util_band`` of its link rate → ``NETWORK_CONTENTION``. A sample without NIC ports (from
    a probe older than its NIC source) falls back to its ``nic_util`` summary against
    ``nic_util_band``.
-4. Otherwise ``UNKNOWN``. Missing evidence gives ``UNKNOWN`` with ``evidence["reason"]``, never a
+4. Otherwise ``UNKNOWN``. Whatever the class, :class:`Diagnoser` adds the straggler GPU's power
+   cap over the ``power_cap_window_s`` before the straggler (``power_cap_share``: the share of that
+   window its ``SW_POWER_CAP`` clock-event bit was set) and, when that share is at least
+   ``power_capped_share``, ``power_capped: true`` — and an ``UNKNOWN`` straggler that is power-capped
+   gets ``cause: "power cap"``: a node power fault (its power limit or supply), which the policy
+   evicts for only when persistent and material. Missing evidence gives ``UNKNOWN`` with ``evidence["reason"]``, never a
    confident wrong class: a node with no telemetry, telemetry older than ``max_age_s`` at the
    straggler's time, or a sample that reports none of the fields a branch reads.
 
@@ -132,6 +137,10 @@ class DiagnosisThresholds:
     """The fast and slow power averages within this share of each other: the load is settled."""
     thermal_min_samples: float = 10.0
     """Learned weight (samples) before a GPU's thermal model gives a residual."""
+    power_cap_window_s: float = 600.0
+    """Event time before a straggler over which its GPU's power-cap clock events are measured."""
+    power_capped_share: float = 0.5
+    """Share of ``power_cap_window_s`` with the power-cap bit set from which a straggler is power-capped."""
 
     def __post_init__(self) -> None:
         check_number("thermal_limit_c", self.thermal_limit_c, at_least=-273.0, owner=self)
@@ -143,6 +152,8 @@ class DiagnosisThresholds:
         check_number("node_excess_c", self.node_excess_c, above=0, owner=self)
         check_number("rack_residual_c", self.rack_residual_c, above=0, owner=self)
         check_number("max_age_s", self.max_age_s, above=0, owner=self)
+        check_number("power_cap_window_s", self.power_cap_window_s, above=0, owner=self)
+        check_number("power_capped_share", self.power_capped_share, above=0, at_most=1.0, owner=self)
         self.state_rule()
         self.thermal()
 
@@ -346,7 +357,8 @@ class Diagnoser(Stateful):
     def __init__(self, *, thresholds: DiagnosisThresholds = DiagnosisThresholds()) -> None:
         self.thresholds = thresholds
         self.states = NodeStates(rule=thresholds.state_rule(), thermal=thresholds.thermal(),
-                                 nic_bytes_per_tick=thresholds.nic_bytes_per_tick)
+                                 nic_bytes_per_tick=thresholds.nic_bytes_per_tick,
+                                 power_cap_window_s=thresholds.power_cap_window_s)
 
     @property
     def latest_(self) -> dict[str, NodeState]:
@@ -392,7 +404,18 @@ class Diagnoser(Stateful):
         rack = known_rack(state.rack)
         peers = [table[n] for n in sorted(self.states.racks_.get(rack, ()) if rack is not None else ()) if n != node
                  and (at is None or at - table[n].ts <= max_age)]
-        return diagnose_state(state, peers, gpu=gpu, thresholds=self.thresholds)
+        result = diagnose_state(state, peers, gpu=gpu, thresholds=self.thresholds)
+        share = self.states.power_cap_share(node, gpu, state.ts if at is None else at)
+        if share is None:
+            return result
+        capped = share >= self.thresholds.power_capped_share
+        result.evidence.update(power_cap_share=round(share, 4), power_cap_window_s=self.thresholds.power_cap_window_s,
+                               power_capped=capped)
+        if capped and result.diagnosis is Diagnosis.UNKNOWN:
+            result.evidence["cause"] = "power cap"
+            result.evidence["reason"] = (f"GPU held at its power cap {share:.0%} of the "
+                                         f"{self.thresholds.power_cap_window_s:.0f} s before: a node power fault")
+        return result
 
 
 class RackEpisodes(Stateful):

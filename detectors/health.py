@@ -1,4 +1,4 @@
-"""Telemetry health rules: ECC, Xid, power brake, PCIe downtraining and NVLink errors, debounced into episodes.
+"""Telemetry health rules: ECC, Xid, power brake, PCIe, NVLink and stalled driver calls, in episodes.
 
 Rules (per GPU, on each node's telemetry and the node's events):
 
@@ -24,6 +24,12 @@ Rules (per GPU, on each node's telemetry and the node's events):
            single GPU holds, ``evidence["gpus"]`` lists them), ``warning``, escalating to
            ``critical`` at ``nvlink_critical_per_min``. Slow or not: a degrading link is
            reported on its own, and the policy reads a critical one as a failure risk
+``stall``  the node's probe reported ``telemetry_stalled`` (a driver call that did not return
+           within ``probe.stall_timeout_s``) ``stall_count`` times or more within
+           ``stall_window_s`` of event time: a degrading GPU that wedges NVML or DCGM again and
+           again, which skipped samples alone would hide. One ``telemetry_stall`` finding per node
+           (``warning``), with the stalls' times and sources; ``gpu`` is set when every stall
+           named the same GPU
 =========  ==================================================================================
 
 Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
@@ -102,7 +108,8 @@ class HealthRules(Stateful):
     ``nvlink_errors_per_min`` the NVLink error rate (all four counters summed, over
     ``nvlink_window_s``, measured once at least half the window is seen) that opens a ``link``
     episode and ``nvlink_clear_per_min`` the rate below which it stops holding; at
-    ``nvlink_critical_per_min`` the episode escalates to ``critical``.
+    ``nvlink_critical_per_min`` the episode escalates to ``critical``; ``stall_count`` the
+    ``telemetry_stalled`` events of one node within ``stall_window_s`` that make a finding.
     """
 
     name = "health"
@@ -111,7 +118,7 @@ class HealthRules(Stateful):
                  min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,
                  nvlink_clear_per_min: float = 2.0, nvlink_critical_per_min: float = 100.0,
                  nvlink_window_s: float = 300.0, corroborate_window_s: float = 600.0,
-                 silence_s: float = 30.0) -> None:
+                 silence_s: float = 30.0, stall_count: int = 3, stall_window_s: float = 3600.0) -> None:
         self.clear_after_s = clear_after_s
         self.corroborate_window_s = corroborate_window_s
         self.silence_s = silence_s
@@ -121,6 +128,8 @@ class HealthRules(Stateful):
         self.nvlink_clear_per_min = nvlink_clear_per_min
         self.nvlink_critical_per_min = nvlink_critical_per_min
         self.nvlink_window_s = nvlink_window_s
+        self.stall_count = stall_count
+        self.stall_window_s = stall_window_s
 
     def _start(self) -> None:
         check_number("clear_after_s", self.clear_after_s, above=0, owner=self)
@@ -133,6 +142,8 @@ class HealthRules(Stateful):
         check_number("nvlink_window_s", self.nvlink_window_s, above=0, owner=self)
         check_number("corroborate_window_s", self.corroborate_window_s, above=0, owner=self)
         check_number("silence_s", self.silence_s, above=0, at_most=self.corroborate_window_s, owner=self)
+        check_number("stall_count", self.stall_count, at_least=1, owner=self)
+        check_number("stall_window_s", self.stall_window_s, above=0, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
         except ValueError:
@@ -147,6 +158,7 @@ class HealthRules(Stateful):
         self.suppressed_total_ = 0
         self.xid_below_min_total_ = 0
         self.invalid_events_total_ = 0
+        self.stalls_: dict[str, deque[Event]] = {}  # node -> its telemetry_stalled events within the window
         self.pending_: dict[tuple[str, int | None, str], _Pending] = {}
         self.newest_ts_ = float("-inf")
         self.sample_before_: float | None = None  # the previous sample's time of the node being read
@@ -355,6 +367,24 @@ class HealthRules(Stateful):
         return self._emit(FindingKind.XID, e.node, e.gpu, e.ts, severity, ev, rule=f"xid{e.code}", job=e.job,
                           step=e.step)
 
+    def _stall(self, e: Event) -> list[Finding]:
+        """A ``telemetry_stalled`` event: a finding once ``stall_count`` fall within ``stall_window_s``."""
+        window = self.stalls_.setdefault(e.node, deque())
+        window.append(e)
+        while window and window[0].ts <= e.ts - self.stall_window_s:
+            window.popleft()
+        while len(window) > self.stall_count:  # bounded: only the last stall_count are evidence
+            window.popleft()
+        if len(window) < self.stall_count:
+            return []
+        gpus = {s.gpu for s in window}
+        gpu = gpus.pop() if len(gpus) == 1 else None
+        ev = {"rule": "stall", "stalls": len(window), "window_s": self.stall_window_s,
+              "first_ts": window[0].ts, "stall_ts": [s.ts for s in window],
+              "sources": sorted({str(s.data.get("source", "")) for s in window} - {""}),
+              "threshold": self.stall_count}
+        return self._emit(FindingKind.TELEMETRY_STALL, e.node, gpu, e.ts, _WARN, ev, rule="stall")
+
     def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
         """Apply the rules to new samples and events (each in event-time order); return new findings."""
         if not hasattr(self, "episodes_"):
@@ -365,6 +395,8 @@ class HealthRules(Stateful):
         for event in sorted(events, key=lambda e: e.ts):
             if event.kind is EventKind.XID:
                 out += self._xid(event)
+            elif event.kind is EventKind.TELEMETRY_STALLED:
+                out += self._stall(event)
         if self.pending_:
             for node in {k[0] for k in self.pending_}:  # a sample already newer than a held event decides it
                 if node in self.previous_:

@@ -12,18 +12,21 @@ same states.
   (:mod:`fleethealth.detectors.thermal`).
 * :func:`changed` — whether a new state differs from the last published one in anything the
   diagnosis compares against a threshold: any GPU's temperature by ``temp_step_c`` or more (NVML
-  reports whole degrees), its limit, its thermal or power-brake clock bits, NVLink links up,
+  reports whole degrees), its limit, its thermal, power-cap or power-brake clock bits, NVLink links up,
   the NVLink error rate crossing its band or moving by a tenth of it, a NIC port's utilisation or
   credit-wait share by ``share_step`` or crossing its band, a port going down, a GPU's thermal
   residual by ``temp_step_c`` or its power or load power by ``power_step_w``, the rack, the GPUs or ports present.
 * :class:`NodeStates` — the table of published states, fed either with samples (a node stage or a
   single runner: it derives, publishes what changed and a heartbeat every ``heartbeat_s`` of event
   time per node) or with the published states themselves (a job stage reading ``fh.nodestate``).
+  It keeps each node's power-cap history over ``power_cap_window_s`` (from the states it
+  publishes or is given, which a power-cap change republishes): :meth:`NodeStates.power_cap_share`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,8 +44,10 @@ __all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "
 THERMAL_BITS = int(ClockReason.thermal())
 """The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
 power brake is an external signal (a PSU or the rack's power controller), not a temperature."""
-STATE_BITS = THERMAL_BITS | int(ClockReason.HW_POWER_BRAKE)
-"""The bits whose change republishes a node's state (the diagnosis reports the brake in its evidence)."""
+POWER_CAP_BIT = int(ClockReason.SW_POWER_CAP)
+STATE_BITS = THERMAL_BITS | int(ClockReason.HW_POWER_BRAKE) | POWER_CAP_BIT
+"""The bits whose change republishes a node's state (the diagnosis reports the brake and the power
+cap in its evidence)."""
 NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 _REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
 
@@ -208,10 +213,13 @@ class NodeStates(Stateful):
     """
 
     def __init__(self, *, rule: StateRule | None = None, thermal: ThermalParams | None = None,
-                 nic_bytes_per_tick: float = 8.0) -> None:
+                 nic_bytes_per_tick: float = 8.0, power_cap_window_s: float = 600.0) -> None:
         self.rule = rule if rule is not None else StateRule()
         self.thermal = thermal if thermal is not None else ThermalParams()
         self.nic_bytes_per_tick = nic_bytes_per_tick
+        self.power_cap_window_s = check_number("power_cap_window_s", power_cap_window_s, above=0)
+        # node -> (ts, GPU ids, power-capped per GPU) of its states, from the last before the window on
+        self.power_cap_: dict[str, deque[tuple[float, np.ndarray, np.ndarray]]] = {}
         self.published_: dict[str, NodeState] = {}
         self.racks_: dict[str, set[str]] = {}
         self.latest_: dict[str, Telemetry] = {}
@@ -251,6 +259,11 @@ class NodeStates(Stateful):
         if old is not None and old.rack != state.rack:
             self._leave(state.node, old.rack)
         self.published_[state.node] = state
+        capped = (np.nan_to_num(state.clock_reasons, nan=0.0).astype(np.int64) & POWER_CAP_BIT) != 0
+        hist = self.power_cap_.setdefault(state.node, deque())
+        hist.append((float(state.ts), state.gpu.copy(), capped))
+        while len(hist) > 1 and hist[1][0] <= state.ts - self.power_cap_window_s:
+            hist.popleft()
         rack = known_rack(state.rack)
         if rack is not None:
             self.racks_.setdefault(rack, set()).add(state.node)
@@ -273,9 +286,30 @@ class NodeStates(Stateful):
                                       cols["power_limit_w"], thermal)
         return model.fast_.copy(), load, residual
 
+    def power_cap_share(self, node: str, gpu: int | None, at: float) -> float | None:
+        """The share of the ``power_cap_window_s`` before event time ``at`` in which ``gpu`` of ``node``
+        (any of its GPUs when None) had its power-cap clock-event bit set, each state holding until the
+        next; None when no state of the node covers any of the window."""
+        hist = self.power_cap_.get(node)
+        if not hist:
+            return None
+        start = at - self.power_cap_window_s
+        covered = capped = 0.0
+        entries = list(hist)
+        for i, (ts, gpus, cap) in enumerate(entries):
+            end = entries[i + 1][0] if i + 1 < len(entries) else at
+            lo, hi = max(ts, start), min(end, at)
+            if hi <= lo:
+                continue
+            rows = cap if gpu is None else cap[gpus == gpu]
+            covered += hi - lo
+            capped += (hi - lo) * float(bool(rows.any()))
+        return None if covered <= 0 else capped / covered
+
     def forget(self, gone: Iterable[str]) -> None:
         """Drop every trace of ``gone`` nodes."""
         for node in gone:
+            self.power_cap_.pop(node, None)
             self.latest_.pop(node, None)
             self.thermal_.pop(node, None)
             state = self.published_.pop(node, None)

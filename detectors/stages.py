@@ -45,7 +45,8 @@ class Stage(StrEnum):
 
 
 NODE_FINDING_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL, FindingKind.POWER_BRAKE,
-                                FindingKind.LINK, FindingKind.FAILURE_RISK})
+                                FindingKind.LINK, FindingKind.FAILURE_RISK,
+                                FindingKind.TELEMETRY_STALL})
 """What the node stage concludes (from telemetry and node events); the job stage the rest."""
 
 _GROUP = {

@@ -142,20 +142,26 @@ class StragglerEvidence:
     """The policy's reading of a straggler finding's evidence. ``rack`` is the one the diagnosis
     named (None: derive it from the node name); ``remaining_s`` the job's remaining run time when
     the producer knew it (None: the engine's own figure); ``slowdown`` the evidence's slowdown,
-    used when the finding's field is empty. The detector's and the diagnosis's own keys (CUSUM arm,
-    temperatures, peer shares) stay in the JSON object for people to read."""
+    used when the finding's field is empty; ``power_capped`` whether the diagnosis found the GPU held
+    at its power cap for ``power_cap_share`` (0 to 1) of the window before the straggler. The
+    detector's and the diagnosis's own keys (CUSUM arm, temperatures, peer shares) stay in the JSON
+    object for people to read."""
 
     rack: str | None = None
     remaining_s: float | None = None
     slowdown: float | None = None
+    power_capped: bool = False
+    power_cap_share: float | None = None
 
     @classmethod
     def from_evidence(cls, m: Mapping[str, Any]) -> Self:
         rack = m.get("rack")
         remaining = _finite(m.get("remaining_s"))
+        share = _finite(m.get("power_cap_share"))
         return cls(rack=rack if isinstance(rack, str) and rack else None,
                    remaining_s=remaining if remaining is not None and remaining >= 0 else None,
-                   slowdown=_finite(m.get("slowdown")))
+                   slowdown=_finite(m.get("slowdown")), power_capped=m.get("power_capped") is True,
+                   power_cap_share=share if share is not None and 0 <= share <= 1 else None)
 
 
 @dataclass(frozen=True)

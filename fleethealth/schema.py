@@ -102,6 +102,7 @@ class FindingKind(StrEnum):
     THERMAL = "thermal"
     POWER_BRAKE = "power_brake"
     LINK = "link"
+    TELEMETRY_STALL = "telemetry_stall"  # a node's driver calls stalled repeatedly (health rule ``stall``)
 
 
 class Diagnosis(StrEnum):

@@ -50,6 +50,7 @@ window yield ``none``, so a node-level fault on eight ranks is one recommendatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,6 +82,7 @@ __all__ = ["PolicyEngine", "rack_of"]
 _FATAL = {"fatal", "critical"}
 _MILD = {"warning", "info", "informational"}
 _REMOVING = {Action.EVICT, Action.DRAIN, Action.QUARANTINE}
+_MAX_HELD = 10_000  # removals the open breaker holds for its close (beyond: listed only when they came)
 _STRAGGLER_EVICT = {Diagnosis.NODE_THERMAL, Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION, Diagnosis.UNKNOWN}
 
 
@@ -101,25 +103,33 @@ class PolicyEngine:
     ``prior_beta`` the Beta prior of P(healthy) (3, 1); ``rate_window_s`` one straggler eviction per
     job per window (3,600); ``stale_after_s`` staleness bound (900); ``breaker_share`` /
     ``breaker_min_nodes`` / ``breaker_window_s`` / ``fleet_nodes`` the circuit breaker (0.1, 5,
-    3,600, 0 = unknown); ``facilities_episode_s`` a hot-aisle episode ends
+    3,600, 0 = unknown) and ``breaker_max_nodes`` its absolute maximum of nodes removed per window
+    whatever the fleet's size (0 = none); ``facilities_episode_s`` a hot-aisle episode ends
     after this long without an ENVIRONMENTAL finding in the rack (3,600); ``failure_risk_threshold``
     (0.5); ``dry_run`` marks every recommendation as not to be executed (False);
     ``outcome_settle_s`` / ``outcome_recur_share`` how an executed straggler eviction is judged
     (:class:`~fleethealth.policy.eviction.EvictionWatch`: 1,800, 0.5); ``corroborate``: an Xid, ECC or
     SDC finding removes a node automatically only with a supporting signal from the node's own stream
-    (:func:`~fleethealth.policy.guards.uncorroborated`; True).
+    (:func:`~fleethealth.policy.guards.uncorroborated`; True); ``power_fault_share`` /
+    ``power_fault_min_slowdown``: a power-capped UNKNOWN straggler (a node power fault) is evicted only
+    when its GPU was capped for at least that share of the diagnosis window (persistent; 0.9) and it is
+    at least that much slower (material; 0.1), and the payback holds.
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
                  default_remaining_s: float = 86_400.0, prior_alpha: float = 3.0, prior_beta: float = 1.0,
                  rate_window_s: float = 3600.0, stale_after_s: float = 900.0, breaker_share: float = 0.1,
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
-                 facilities_episode_s: float = 3600.0,
+                 breaker_max_nodes: int = 0, facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
                  outcome_recur_share: float = 0.5, corroborate: bool = True,
-                 require_validated: bool = False) -> None:
+                 require_validated: bool = False, power_fault_share: float = 0.9,
+                 power_fault_min_slowdown: float = 0.1) -> None:
         self.corroborate = bool(corroborate)
         self.require_validated = bool(require_validated)
+        self.power_fault_share = check_number("power_fault_share", power_fault_share, above=0, at_most=1.0)
+        self.power_fault_min_slowdown = check_number("power_fault_min_slowdown", power_fault_min_slowdown,
+                                                     at_least=0)
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
@@ -137,7 +147,10 @@ class PolicyEngine:
         self.rate_ = JobRateLimiter(window_s=rate_window_s)
         self.rack_ = RackGuard()
         self.breaker_ = CircuitBreaker(share=breaker_share, min_nodes=breaker_min_nodes,
-                                       window_s=breaker_window_s, fleet_nodes=fleet_nodes)
+                                       window_s=breaker_window_s, fleet_nodes=fleet_nodes,
+                                       max_nodes=breaker_max_nodes)
+        self.breaker_held_: dict[str, tuple[str, dict[str, Any]]] = {}  # finding id -> (action, finding)
+        self.breaker_closed_ = False   # reset since the last decide: the held removals are due
         self.seen_ = SeenFindings()
         self.facilities_: dict[str, tuple[float, float]] = {}   # rack -> (alerted ts, last seen ts)
         self.unknown_evicted_: set[str] = set()
@@ -224,9 +237,33 @@ class PolicyEngine:
         self.remaining_[job] = check_number("remaining seconds", seconds, at_least=0)
 
     def reset_breaker(self) -> None:
-        """The explicit human reset; also clears the same-rack hold."""
+        """The explicit human reset; also clears the same-rack hold. The removals the open breaker held
+        are decided again by the next :meth:`decide`, at its time (:meth:`_after_close`)."""
         self.breaker_.reset()
         self.rack_.acknowledge()
+        self.breaker_closed_ = bool(self.breaker_held_)
+
+    def _after_close(self, now: float) -> list[Recommendation]:
+        """The removals the breaker held, once it is closed: each finding still within ``stale_after_s``
+        of ``now`` is decided afresh (every guard applies, the breaker too); an older one is never acted
+        on — it is listed for a human (the held action, ``needs_human``, guards ``breaker`` and
+        ``stale``)."""
+        held, self.breaker_held_, self.breaker_closed_ = self.breaker_held_, {}, False
+        out: list[Recommendation] = []
+        for fid, (action, obj) in sorted(held.items(), key=lambda kv: (kv[1][1]["ts"], kv[0])):
+            f = Finding.from_obj(obj)
+            if not is_stale(f.ts, now, self.stale_after_s):
+                if f.kind is FindingKind.STRAGGLER:
+                    self.held_.pop(f.node, None)  # held by the breaker, not by a judgement of the node
+                out.extend(self._decide_one(f, now))
+                continue
+            rec = self._rec(Action(action), f, now, f"{action} of {f.node} was held by the open circuit breaker; "
+                            f"the finding is {now - f.ts:.0f} s old now, beyond the {self.stale_after_s:.0f} s "
+                            "staleness bound: listed for a human, not acted on",
+                            {"age_s": now - f.ts, "stale_after_s": self.stale_after_s, "held_finding_id": fid},
+                            fired=[GuardName.BREAKER, GuardName.STALE], guard=Guard.NEEDS_HUMAN)
+            out.append(dataclasses.replace(rec, finding_id=derived("breaker_closed", fid)))
+        return out
 
     def acknowledge_rack(self) -> None:
         """A human has looked at the last eviction; the next one may be in the same rack."""
@@ -236,7 +273,7 @@ class PolicyEngine:
     def decide(self, findings: Sequence[Finding], now: float) -> list[Recommendation]:
         """Recommendations for ``findings`` at event time ``now``; a finding id seen before yields none."""
         now = float(now)
-        out: list[Recommendation] = []
+        out: list[Recommendation] = self._after_close(now) if self.breaker_closed_ else []
         for f in sorted(findings, key=lambda f: (f.ts, f.id)):
             fid = f.id
             if fid in self.seen_:
@@ -285,6 +322,17 @@ class PolicyEngine:
         if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not math.isfinite(slowdown):
             return [self._rec(Action.NONE, f, now, "straggler without a measured slowdown: no payback to "
                               "compute, reported only", {"diagnosis": diag.value})]
+        power = diag is Diagnosis.UNKNOWN and facts.power_capped
+        if power:
+            share = facts.power_cap_share if facts.power_cap_share is not None else 0.0
+            pev = {"diagnosis": diag.value, "power_fault": True, "power_cap_share": share,
+                   "power_fault_share": self.power_fault_share,
+                   "power_fault_min_slowdown": self.power_fault_min_slowdown}
+            if share < self.power_fault_share or slowdown < self.power_fault_min_slowdown:
+                return [self._rec(Action.NONE, f, now, f"power-capped straggler {slowdown:.0%} slow on {f.node}: a "
+                                  f"node power fault (its power limit or supply), capped {share:.0%} of the window; "
+                                  f"evicted only when persistent (>= {self.power_fault_share:.0%}) and material "
+                                  f"(>= {self.power_fault_min_slowdown:.0%} slower): reported", pev)]
         remaining = (facts.remaining_s if facts.remaining_s is not None
                      else self.remaining_.get(f.job or "", self.default_remaining_s))
         pb = payback(self.restart_s, self.posterior_.mean(diag), float(slowdown), remaining, self.payback_margin)
@@ -292,6 +340,8 @@ class PolicyEngine:
               "p_healthy_counts": list(self.posterior_.counts(diag))}
         if diag is Diagnosis.NETWORK_CONTENTION:
             ev["placement"] = "change"
+        if power:
+            ev.update(pev)
         pretty = "never" if math.isinf(pb.payback_s) else f"{pb.payback_s / 60:.1f} min"
         if not pb.worth:
             return [self._rec(Action.NONE, f, now, f"{diag.value} straggler {slowdown:.0%} slow on {f.node}: "
@@ -309,6 +359,9 @@ class PolicyEngine:
                   f"{remaining / 3600:.1f} h left; evict at the next checkpoint")
         if diag is Diagnosis.NETWORK_CONTENTION:
             reason += " and change placement (shared NIC)"
+        if power:
+            reason = (f"node power fault: GPU held at its power cap {pev['power_cap_share']:.0%} of the window, "
+                      f"persistent and material; {reason}")
         fired: list[str] = []
         if diag is Diagnosis.UNKNOWN and f.node in self.unknown_evicted_:
             fired.append(GuardName.UNKNOWN_ONCE)
@@ -526,6 +579,7 @@ class PolicyEngine:
             fired.append(GuardName.UNCORROBORATED)
             reason += f"; not corroborated ({alone}): needs a human"
         if action in _REMOVING:
+            breaker_alone = not fired
             if self.breaker_.open_:
                 fired.append(GuardName.BREAKER)
                 reason += f"; fleet circuit breaker open since ts={self.breaker_.tripped_ts_:.0f}: needs a human"
@@ -541,6 +595,8 @@ class PolicyEngine:
                     evidence={"guards_fired": [GuardName.BREAKER], "threshold": st.threshold,
                               "nodes_in_window": st.nodes_in_window + 1,
                               "window_s": self.breaker_.window_s}))
+            if breaker_alone and fired and len(self.breaker_held_) < _MAX_HELD:  # due again at the close
+                self.breaker_held_[f.id] = (action.value, f.to_obj())
         guard = Guard.ALLOWED
         if fired:
             guard = Guard.RATE_LIMITED if fired == [GuardName.RATE_LIMIT] else Guard.NEEDS_HUMAN
@@ -581,6 +637,8 @@ class PolicyEngine:
             "validations": {j: [[s, v, why] for s, (v, why) in sorted(vs.items())]
                             for j, vs in self.validations_.items()},
             "watch": self.watch_.to_state(),
+            "breaker_held": {k: [a, obj] for k, (a, obj) in self.breaker_held_.items()},
+            "breaker_closed": self.breaker_closed_,
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -605,3 +663,5 @@ class PolicyEngine:
         self.last_replay_pass_ = {k: int(v) for k, v in state.get("last_replay_pass", {}).items()}
         self.validations_ = {j: {int(r[0]): (bool(r[1]), str(r[2])) for r in rows}
                              for j, rows in state.get("validations", {}).items()}
+        self.breaker_held_ = {str(k): (str(v[0]), dict(v[1])) for k, v in state.get("breaker_held", {}).items()}
+        self.breaker_closed_ = bool(state.get("breaker_closed", False))

@@ -4,8 +4,10 @@ Seed 000 R2: at most one straggler eviction per hour per job, and never two cons
 in the same rack without a human. Beyond the seed, from field reports of remediation systems
 (loops with no cap, a stale event replayed after a restart rebooting a busy node):
 
-* a fleet circuit breaker — more than a share of the fleet's nodes recommended for drain, evict or
-  quarantine inside a window trips it, and only an explicit reset closes it;
+* a fleet circuit breaker — more than a share of the fleet's nodes (and never more than an absolute
+  number, whatever the fleet's size) recommended for drain, evict or quarantine inside a window trips
+  it, and only an explicit reset closes it; closing it re-decides the removals it held, except those
+  older than the staleness bound by then, which are listed for a human and never acted on;
 * idempotency — a finding id seen before yields nothing the second time;
 * corroboration — an automatic removal on an Xid, ECC or SDC finding needs a supporting signal in the
   node's own stream (:func:`uncorroborated`); without one it waits for a human, and the breaker never
@@ -173,20 +175,24 @@ class BreakerStatus:
 
 
 class CircuitBreaker:
-    """Trips when more than ``max(min_nodes, share × fleet_nodes)`` distinct nodes are recommended for
-    a node-removing action inside ``window_s``; holds until :meth:`reset`.
+    """Trips when more than ``max(min_nodes, share × fleet_nodes)`` distinct nodes — capped at
+    ``max_nodes`` when that is set — are recommended for a node-removing action inside ``window_s``;
+    holds until :meth:`reset`.
 
-    ``fleet_nodes`` of 0 means the fleet size is unknown and only ``min_nodes`` counts.
+    ``fleet_nodes`` of 0 means the fleet size is unknown and only ``min_nodes`` counts. ``max_nodes``
+    is the absolute maximum an operator can state without knowing the fleet's size (0: none): at
+    10 % of 20,000 nodes the share alone would allow 2,000 removals an hour.
     """
 
     def __init__(self, *, share: float = 0.1, min_nodes: int = 5, window_s: float = 3600.0,
-                 fleet_nodes: int = 0) -> None:
+                 fleet_nodes: int = 0, max_nodes: int = 0) -> None:
         self.share = check_number("breaker_share", share, above=0)
         if self.share > 1:
             raise ConfigError(f"breaker_share is a fraction of the fleet, got {share}")
         self.min_nodes = int(check_number("breaker_min_nodes", min_nodes, above=0))
         self.window_s = check_number("breaker_window_s", window_s, above=0)
         self.fleet_nodes = int(check_number("fleet_nodes", fleet_nodes, at_least=0))
+        self.max_nodes = int(check_number("breaker_max_nodes", max_nodes, at_least=0))
         self.recent_: dict[str, float] = {}
         self.open_ = False
         self.tripped_ts_: float | None = None
@@ -194,7 +200,8 @@ class CircuitBreaker:
 
     @property
     def threshold(self) -> float:
-        return max(float(self.min_nodes), self.share * self.fleet_nodes)
+        share = max(float(self.min_nodes), self.share * self.fleet_nodes)
+        return min(share, float(self.max_nodes)) if self.max_nodes else share
 
     def _prune(self, ts: float) -> None:
         self.recent_ = {n: t for n, t in self.recent_.items() if ts - t < self.window_s}
@@ -209,8 +216,9 @@ class CircuitBreaker:
         if len(self.recent_) + 1 > self.threshold:
             self.open_ = True
             self.tripped_ts_ = ts
+            capped = " (the absolute maximum)" if self.max_nodes and self.threshold == self.max_nodes else ""
             self.reason_ = (f"{len(self.recent_) + 1} nodes recommended for removal within "
-                            f"{self.window_s:.0f} s exceeds the limit of {self.threshold:g}")
+                            f"{self.window_s:.0f} s exceeds the limit of {self.threshold:g}{capped}")
             return False
         self.recent_[node] = ts
         return True

@@ -113,12 +113,13 @@ class PolicyStage:
         out = Decisions()
         noted = self.engine.observe(events)
         out.outcomes += self.engine.judge(findings, now)
-        if findings:
+        released = self.engine.breaker_closed_  # a reset breaker's held removals are due, findings or not
+        if findings or released:
             self._reconcile(findings)
             held = self.engine.quarantined_ | self.engine.drained_
             out.recommendations += self.engine.decide(findings, now)
             self.unbooked_ |= (self.engine.quarantined_ | self.engine.drained_) - held
-        out.changed = bool(findings or out.outcomes or noted)
+        out.changed = bool(findings or out.outcomes or noted or released)
         for ev in events:
             if ev.kind is not EventKind.INTERRUPTION:
                 continue

@@ -7,7 +7,12 @@ Two ways to name the GPU metrics (the table is :data:`fleethealth.probe.fields.F
   never collide with dcgm-exporter, which GPU Operator deploys on every GPU node, so Prometheus
   does not hold two series per GPU under one name and the official dashboard's sums do not double.
   Xid errors are a *counter* per GPU and code, ``fleethealth_gpu_xid_errors_total{xid="79"}``:
-  dcgm-exporter's Xid gauge holds the last code, so a second Xid 79 is invisible there.
+  dcgm-exporter's Xid gauge holds the last code, so a second Xid 79 is invisible there. Clock
+  events are a counter per GPU and reason, ``fleethealth_gpu_clock_events_total{reason="sw_power_cap"}``:
+  how many times the reason's bit went from clear to set between samples (set in the first sample
+  counts once). Both start at 0 for every GPU the probe reports — every code of the Xid rulebook
+  (:data:`fleethealth.xid.XID_CATALOG`) and every :class:`~fleethealth.schema.ClockReason` — so
+  a rate or an alert on them never reads a blank series before the first event.
 - **dcgm-exporter compatibility** (``compat=True``; ``--dcgm-exporter-compat``) — for fleets that
   run the probe *instead of* dcgm-exporter: its ``DCGM_FI_*`` names, values in its units, its
   Prometheus types (counters as counters, without a ``_total`` suffix) and its label set
@@ -35,10 +40,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from http.server import ThreadingHTTPServer
 
+import numpy as np
+
 from fleethealth import buildinfo
 from fleethealth.endpoints import Endpoints
 from fleethealth.probe.fields import DCGM_XID_METRIC, FIELDS, XID_METRIC
-from fleethealth.schema import NIC_FIELDS, Event, EventKind, Telemetry
+from fleethealth.schema import NIC_FIELDS, ClockReason, Event, EventKind, Telemetry
+from fleethealth.xid import XID_CATALOG
 
 __all__ = ["ProbeMetrics", "ProbeHealth", "MetricFamily", "DEFAULT_PORT", "GPU_LABELS", "CONTENT_TYPE",
            "XID_MESSAGES"]
@@ -57,6 +65,9 @@ XID_MESSAGES: dict[int, str] = {
     95: "Uncontained ECC error", 119: "GSP RPC Timeout", 120: "GSP Error",
 }
 """``err_msg`` of dcgm-exporter's Xid series for the Xids a training fleet meets; others read ``Unknown Error``."""
+CLOCK_EVENTS_METRIC = "fleethealth_gpu_clock_events_total"
+_REASONS: tuple[ClockReason, ...] = tuple(ClockReason)
+_REASON_BITS = np.array([int(r) for r in _REASONS], dtype=np.int64)
 
 _NIC_METRICS: dict[str, tuple[str, bool, float]] = {
     "up": ("fleethealth_nic_up", False, 1.0),
@@ -158,26 +169,32 @@ class ProbeMetrics:
         self._health = health or ProbeHealth
         self._lock = threading.Lock()
         self._latest: Telemetry | None = None
-        self._xid: dict[tuple[str, str, str], int] = {}
+        self._xid: dict[tuple[str, str], int] = {}  # (gpu, code) -> Xids seen
         self._last_xid: dict[int, int] = {}
+        self._clock_bits: dict[int, int] = {}  # gpu -> its clock-event reason bits in the last sample
+        self._clock_events: dict[int, np.ndarray] = {}  # gpu -> times each reason was set, per _REASONS
 
     def set_health(self, health: Callable[[], ProbeHealth]) -> None:
         self._health = health
 
     def observe(self, telemetry: Telemetry) -> None:
+        raw = telemetry.columns["clock_reasons"]
+        known = ~np.isnan(raw)
+        bits = np.where(known, raw, 0.0).astype(np.int64)
         with self._lock:
             self._latest = telemetry
+            prev = np.array([self._clock_bits.get(int(g), 0) for g in telemetry.gpu.tolist()], dtype=np.int64)
+            rising = (bits[:, None] & ~prev[:, None] & _REASON_BITS[None, :]) != 0  # (gpus, reasons)
+            for i, g in enumerate(telemetry.gpu.tolist()):
+                counts = self._clock_events.setdefault(int(g), np.zeros(len(_REASONS), dtype=np.int64))
+                if known[i]:  # an unread field says nothing: the GPU keeps its last bits
+                    counts += rising[i]
+                    self._clock_bits[int(g)] = int(bits[i])
 
     def count_event(self, event: Event) -> None:
         if event.kind is not EventKind.XID or event.code is None:
             return
-        gpu = "" if event.gpu is None else str(event.gpu)
-        uuid = ""
-        latest = self._latest
-        if latest is not None and event.gpu is not None and latest.uuid:
-            idx = [int(g) for g in latest.gpu].index(event.gpu) if event.gpu in latest.gpu else -1
-            uuid = latest.uuid[idx] if 0 <= idx < len(latest.uuid) else ""
-        key = (gpu, uuid, str(event.code))
+        key = ("" if event.gpu is None else str(event.gpu), str(event.code))
         with self._lock:
             self._xid[key] = self._xid.get(key, 0) + 1
             if event.gpu is not None:
@@ -190,6 +207,7 @@ class ProbeMetrics:
             latest = self._latest
             xid = dict(self._xid)
             last_xid = dict(self._last_xid)
+            clock_events = {g: c.copy() for g, c in self._clock_events.items()}
         out: list[MetricFamily] = []
         gpu_labels: list[dict[str, str]] = []
         if latest is not None:
@@ -217,11 +235,7 @@ class ProbeMetrics:
                     family.samples.append((labels, float(code)))
             out.append(family)
         else:
-            family = MetricFamily(XID_METRIC + "_total", "counter", "Xid errors seen, per GPU and code")
-            for (gpu, uuid, code), count in sorted(xid.items()):
-                family.samples.append(({"gpu": gpu, "UUID": uuid, "Hostname": self.hostname, "xid": code},
-                                       float(count)))
-            out.append(family)
+            out.extend(self._counter_families(latest, gpu_labels, xid, clock_events))
         if latest is not None and latest.nic is not None:
             out.extend(self._nic_families(latest))
         health = self._health()
@@ -263,6 +277,28 @@ class ProbeMetrics:
         if self.compat:
             labels[DRIVER_LABEL] = self.driver_version
         return labels
+
+    def _counter_families(self, latest: Telemetry | None, gpu_labels: list[dict[str, str]],
+                          xid: dict[tuple[str, str], int],
+                          clock_events: dict[int, np.ndarray]) -> Iterable[MetricFamily]:
+        """Xid and clock-event counters: every GPU of the latest sample with every code and reason, 0
+        until it happens; an Xid of a GPU no sample named (or of no GPU) beside them."""
+        uuid = {} if latest is None else {str(int(g)): latest.uuid[i] if i < len(latest.uuid) else ""
+                                          for i, g in enumerate(latest.gpu.tolist())}
+        counts = dict.fromkeys(((g, str(c)) for g in uuid for c in XID_CATALOG), 0) | xid
+        family = MetricFamily(XID_METRIC + "_total", "counter", "Xid errors seen, per GPU and code")
+        for (gpu, code), count in sorted(counts.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
+            family.samples.append(({"gpu": gpu, "UUID": uuid.get(gpu, ""), "Hostname": self.hostname, "xid": code},
+                                   float(count)))
+        yield family
+        family = MetricFamily(CLOCK_EVENTS_METRIC, "counter",
+                              "times a clock-event reason became active, per GPU and reason")
+        if latest is not None:
+            for i, g in enumerate(latest.gpu.tolist()):
+                seen = clock_events.get(int(g), np.zeros(len(_REASONS), dtype=np.int64))
+                for reason, n in zip(_REASONS, seen.tolist(), strict=True):
+                    family.samples.append(({**gpu_labels[i], "reason": (reason.name or "").lower()}, float(n)))
+        yield family
 
     def _nic_families(self, latest: Telemetry) -> Iterable[MetricFamily]:
         nic = latest.nic

@@ -208,3 +208,27 @@ def test_a_trickle_or_one_jump_of_nvlink_errors_is_no_finding_and_a_counter_rese
     assert rules.update(reset) == []
     with pytest.raises(ConfigError, match="nvlink_clear_per_min"):
         HealthRules(nvlink_errors_per_min=5.0, nvlink_clear_per_min=6.0).update([])
+
+
+def _stalled(ts, node="n0002", source="nvml"):
+    return Event(node=node, ts=ts, kind=EventKind.TELEMETRY_STALLED, data={"source": source, "timeout_s": 5.0},
+                 message=f"{source} source did not answer within 5 s")
+
+
+def test_repeated_stalls_on_one_node_are_one_telemetry_stall_finding():
+    rules = HealthRules(stall_count=3, stall_window_s=600.0)
+    # two stalls on n0002 and one elsewhere: below the count on every node
+    assert rules.update([], [_stalled(0.0), _stalled(100.0), _stalled(150.0, node="n0005")]) == []
+    (f,) = rules.update([_t(200.0, node="n0002")], [_stalled(300.0)])
+    assert f.kind is FindingKind.TELEMETRY_STALL and f.node == "n0002" and f.gpu is None and f.ts == 300.0
+    assert f.detector == "health.telemetry_stall" and f.evidence["severity"] == "warning"
+    assert f.evidence["stall_ts"] == [0.0, 100.0, 300.0] and f.evidence["sources"] == ["nvml"]
+    # the node keeps stalling: the same episode, no new finding
+    assert rules.update([], [_stalled(400.0), _stalled(500.0, source="dcgm")]) == []
+
+
+def test_stalls_spread_wider_than_the_window_are_not_a_finding():
+    rules = HealthRules(stall_count=3, stall_window_s=600.0)
+    assert rules.update([], [_stalled(0.0), _stalled(500.0), _stalled(1000.0), _stalled(1500.0)]) == []
+    with pytest.raises(ConfigError, match="stall_count"):
+        HealthRules(stall_count=0).update([], [])

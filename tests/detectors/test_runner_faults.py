@@ -1,6 +1,7 @@
 """Faults of real traffic, through the real broker and chDB: a whole job that hangs with every rank
 level, a steps partition that stalls and resumes, NVLink error counters that climb on a GPU that is
-not slow, a job whose last step never completes, and a power brake across nodes.
+not slow, a job whose last step never completes, a power brake across nodes, and a node whose driver
+calls stall again and again.
 
 Each test builds its traffic by hand (a small fleet: four nodes of two GPUs, one job, a step and a
 telemetry sample every 2 s), publishes it to a broker of its own (the runner reads every input
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from fleethealth.bus import Consumer, Producer
 from fleethealth.detectors.runner import Runner
-from fleethealth.schema import Action, ClockReason, Guard, Message, StepBatch, Telemetry, Topic
+from fleethealth.schema import Action, ClockReason, Event, EventKind, Guard, Message, StepBatch, Telemetry, Topic
 from fleethealth.store import open_store
 
 NODES = [f"n{i:04d}" for i in range(4)]
@@ -193,3 +194,22 @@ def test_a_power_brake_across_nodes_is_one_power_brake_finding_per_node_not_ther
     assert all(f.gpu is None and f.evidence["gpus"] == [0, 1] for f in brakes)
     assert chdb.findings(kind="thermal") == []
     assert all(r.guard is Guard.ALLOWED and r.action is Action.NONE for r in chdb.recommendations())
+
+
+def test_a_node_whose_driver_calls_stall_repeatedly_is_one_telemetry_stall_finding(own_broker, chdb) -> None:
+    """n0001's probe reports ``telemetry_stalled`` three times in 200 s (the default rule: 3 within an
+    hour) while its samples keep coming; n0002 stalls once. One ``telemetry_stall`` finding, on n0001,
+    reported and not acted on."""
+    tel = _telemetry(T0, T0 + 300.0, every=10.0)
+    stalls = [Event(node=node, ts=ts, kind=EventKind.TELEMETRY_STALLED, data={"source": "nvml", "timeout_s": 5.0},
+                    message="nvml source did not answer within 5 s")
+              for node, ts in (("n0001", T0 + 50.0), ("n0002", T0 + 60.0), ("n0001", T0 + 150.0),
+                               ("n0001", T0 + 250.0))]
+    total = _publish(own_broker.dsn, [*tel, *stalls])
+    with _runner(own_broker.dsn, chdb, f"stall-{uuid.uuid4().hex[:6]}") as runner:
+        _consume(runner, total)
+    (found,) = chdb.findings(kind="telemetry_stall")
+    assert found.node == "n0001" and found.ts == T0 + 250.0
+    assert found.evidence["stall_ts"] == [T0 + 50.0, T0 + 150.0, T0 + 250.0]
+    (rec,) = [r for r in chdb.recommendations() if r.finding_id == found.id]
+    assert rec.action is Action.NONE and rec.guard is Guard.ALLOWED

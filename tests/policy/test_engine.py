@@ -282,7 +282,11 @@ def test_breaker_trips_and_holds_until_reset():
     assert env[0].action is Action.ALERT_FACILITIES
     eng.reset_breaker()
     assert not eng.breaker_.status().open
-    [ok] = eng.decide([_finding(FindingKind.XID, "n0070", T0 + 10_003, evidence={"code": 79})], now=T0 + 10_003)
+    recs = eng.decide([_finding(FindingKind.XID, "n0070", T0 + 10_003, evidence={"code": 79})], now=T0 + 10_003)
+    [ok] = [r for r in recs if r.node == "n0070"]
+    # the removals the open breaker held come first: stale ones listed for a human, fresh ones decided again
+    assert [(r.node, r.guard) for r in recs if r.node != "n0070"] == [
+        ("n0040", Guard.NEEDS_HUMAN), ("n0048", Guard.NEEDS_HUMAN), ("n0050", Guard.ALLOWED), ("n0051", Guard.ALLOWED)]
     assert ok.action is Action.DRAIN and ok.guard is Guard.ALLOWED
 
 

@@ -84,5 +84,10 @@ def test_breaker_trip_is_stored_and_reset_by_an_operator(store):
     assert not rec.open and rec.reset_by == "alice"
     sync_breaker(store, other)
     assert not other.breaker_.open_
-    [ok] = other.decide([_xid("n0051", T0 + 60_001)], now=T0 + 60_001)
+    recs = other.decide([_xid("n0051", T0 + 60_001)], now=T0 + 60_001)
+    [ok] = [r for r in recs if r.node == "n0051"]
     assert ok.guard is Guard.ALLOWED
+    # what the open breaker held is older than the staleness bound by now: listed for a human, never acted on
+    listed = [r for r in recs if r.node != "n0051"]
+    assert [r.node for r in listed] == ["n0016", "n0024", "n0050"]
+    assert all(r.guard is Guard.NEEDS_HUMAN and r.evidence["guards_fired"] == ["breaker", "stale"] for r in listed)

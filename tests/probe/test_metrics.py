@@ -100,8 +100,8 @@ def test_xid_is_a_counter_per_code_and_probe_health_counters_end_in_total(record
     xid = fams["fleethealth_gpu_xid_errors_total"]
     assert xid["type"] == "counter"
     counts = {(s[1]["xid"], s[1]["gpu"]): s[2] for s in xid["samples"]}
-    assert counts == {("79", "3"): 2.0, ("48", "3"): 1.0}
-    assert all(s[1]["UUID"].startswith("GPU-e09a4b6c") for s in xid["samples"])
+    assert {k: v for k, v in counts.items() if v} == {("79", "3"): 2.0, ("48", "3"): 1.0}
+    assert all(s[1]["UUID"].startswith("GPU-e09a4b6c") for s in xid["samples"] if s[1]["gpu"] == "3")
     assert "fleethealth_probe_samples_total 12\n" in text
     assert "fleethealth_probe_datagrams_garbage_total 3\n" in text
     assert fams["fleethealth_probe_spool_records"]["type"] == "gauge"
@@ -243,3 +243,47 @@ def test_served_over_http(recording) -> None:
     fams = _parse(text)
     assert kind.startswith("text/plain; version=0.0.4")
     assert "fleethealth_gpu_power_watts" in fams and "fleethealth_probe_bus_connected" in fams
+
+
+def test_xid_and_clock_event_counters_start_at_zero_and_count_each_occurrence(recording) -> None:
+    """Before any event every GPU has every rulebook Xid code and every clock-event reason at 0 (a
+    series, not a blank); a repeated identical Xid raises the count, and the health rules report it
+    once; a clock-event reason counts each time its bit is set anew, not each sample it stays set."""
+    from fleethealth.detectors.health import HealthRules
+    from fleethealth.schema import ClockReason
+    from fleethealth.xid import XID_CATALOG
+
+    source = NvmlSource("gpu-node-7", "r03", nvml=NvmlReplay(recording("nvml_h100_faults.json")), xid_events=False)
+    source.open()
+    first = source.sample(1.0).telemetry
+    metrics = ProbeMetrics("gpu-node-7")
+    metrics.observe(first)
+    fams = _parse(metrics.render().decode())
+    xid = {(s[1]["gpu"], s[1]["xid"]): s[2] for s in fams["fleethealth_gpu_xid_errors_total"]["samples"]}
+    assert xid == {(g, str(c)): 0.0 for g in ("0", "1", "2", "3") for c in XID_CATALOG}
+    clock = fams["fleethealth_gpu_clock_events_total"]
+    assert clock["type"] == "counter"
+    events = {(s[1]["gpu"], s[1]["reason"]): s[2] for s in clock["samples"]}
+    assert set(events) == {(g, r.name.lower()) for g in ("0", "1", "2", "3") for r in ClockReason}
+    braked = {k for k, v in events.items() if v}
+    assert ("1", "hw_power_brake") in braked and events[("0", "sw_power_cap")] == 0.0  # the recording brakes GPU 1
+
+    # the same Xid twice: counted twice, one finding
+    xids = [Event(node="gpu-node-7", ts=ts, kind=EventKind.XID, gpu=2, code=79) for ts in (2.0, 3.0)]
+    for e in xids:
+        metrics.count_event(e)
+    rules = HealthRules()
+    found = rules.update([first], xids)
+    assert [(f.kind.value, f.gpu, f.evidence["code"]) for f in found if f.kind.value == "xid"] == [("xid", 2, 79)]
+    # GPU 0 power-capped for two samples, clear, then capped again: two clock events
+    cap = float(ClockReason.SW_POWER_CAP)
+    for ts, bits in ((4.0, cap), (5.0, cap), (6.0, 0.0), (7.0, cap)):
+        reasons = first.columns["clock_reasons"].copy()
+        reasons[0] = bits
+        metrics.observe(first.__class__.from_columns(first.node, first.rack, ts, first.gpu,
+                                                     **{**first.columns, "clock_reasons": reasons}))
+    fams = _parse(metrics.render().decode())
+    xid = {(s[1]["gpu"], s[1]["xid"]): s[2] for s in fams["fleethealth_gpu_xid_errors_total"]["samples"]}
+    assert xid[("2", "79")] == 2.0 and xid[("3", "79")] == 0.0
+    events = {(s[1]["gpu"], s[1]["reason"]): s[2] for s in fams["fleethealth_gpu_clock_events_total"]["samples"]}
+    assert events[("0", "sw_power_cap")] == 2.0
