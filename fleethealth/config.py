@@ -432,7 +432,7 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.socket_node_events_per_s", "float", 20.0, "event datagrams all jobs together may send per second"),
     Key("probe.socket_node_event_burst", "int", 200, "event datagrams all jobs together may send at once"),
     Key("probe.socket_max_ranks", "int", 256, "ranks one step of a job may carry on this node; more are dropped"),
-    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,job_start,job_exit",
+    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,checkpoint_cost,job_start,job_exit",
         "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
         "own sources)"),
     Key("probe.rollback_relay", "bool", True, "write the policy's newest rollback for each job on this node to "

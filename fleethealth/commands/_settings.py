@@ -34,6 +34,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("detect.snapshot", "fleethealth.detectors.snapshot", "Snapshots", ()),
     ("policy", "fleethealth.policy.engine", "PolicyEngine", ()),
     ("policy.paging", "fleethealth.policy.paging", "Pager", ()),
+    ("policy.interval", "fleethealth.policy.interval", "IntervalEstimator", ()),
 )
 """Where each detector and policy table's keys come from: the keyword parameters of that class."""
 

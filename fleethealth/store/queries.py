@@ -353,6 +353,16 @@ class NamedQueries:
             "GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}", {"job": job, "limit": limit})
         return res.rows[::-1]
 
+    def job_spans(self, *, since: float, until: float) -> list[tuple[str, int, float, float]]:
+        """``(job, nodes, first ts, last ts)`` of every job with step rows in ``[since, until]`` (event
+        time, s): its distinct nodes and the span of its steps there (the checkpoint interval's exposure)."""
+        res = self.query(
+            f"SELECT job, uniqExact(node), min({_TS}) AS lo, max({_TS}) AS hi FROM rank_steps "
+            "WHERE ts >= fromUnixTimestamp64Milli(toInt64({lo:Float64} * 1000), 'UTC') "
+            "AND ts <= fromUnixTimestamp64Milli(toInt64({hi:Float64} * 1000), 'UTC') GROUP BY job ORDER BY job",
+            {"lo": since, "hi": until})
+        return [(str(j), int(n), float(a), float(b)) for j, n, a, b in res.rows]
+
     def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]:
         """Per rank of ``job`` over the steps after ``after_step``: ``node``, ``gpu`` and the median
         compute time ``mean_s``, slowest first."""
