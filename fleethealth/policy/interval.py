@@ -6,25 +6,27 @@ three overhead terms); this module measures its three inputs for one job and cal
 **M, the job's MTBF**, over a window of event time (``window_s``, default 7 days, ending at the
 job's newest record). A synchronous job stops when any of its nodes fails, so a fleet's failure rate
 per node, times the job's node count, is the rate the job should expect. The estimate pools three
-sources with a gamma–Poisson model (the conjugate prior of a Poisson rate), each level's posterior
-mean being the next level's prior mean:
+sources with a gamma–Poisson model (the conjugate prior of a Poisson rate: its posterior mean is
+(prior events + events seen) / (prior exposure + exposure seen)), each level's posterior mean being the
+next level's prior mean:
 
-1. a configured prior rate per node (``prior_failures_per_node_day``, default 6.5 per 1,000
-   node-days: seed 002's RSC-1 figure) worth ``prior_events`` pseudo-interruptions (default 1);
-2. the fleet: the *other* jobs' interruptions in the window over their node-seconds (nodes × the
-   span of their steps in the window)::
+1. a configured rate per node (``prior_failures_per_node_day``, default 6.5 per 1,000 node-days:
+   seed 002's RSC-1 figure), counted as ``prior_node_days`` of observation (default 1,000);
+2. the fleet: the *other* jobs' interruptions in the window over their node-days (nodes × the span
+   of their steps in the window)::
 
-       λ_node = (prior_events + k_fleet) / (prior_events / λ_prior + node_s_fleet)
+       λ_node = (rate_prior × prior_node_days + k_fleet) / (prior_node_days + node_days_fleet)
 
-3. the job: its prior rate is λ_node × nodes, again worth ``prior_events``; with its own ``k``
-   interruptions over its exposure ``T`` (the span of its steps in the window)::
+3. the job: the fleet's expectation for its size, ``M_prior`` = 1 / (λ_node × nodes), counted as
+   ``prior_weight_s`` of the job's own running (default one day); with its own ``k`` interruptions
+   over its exposure ``T`` (the span of its steps in the window)::
 
-       M = (prior_events / (λ_node × nodes) + T) / (prior_events + k)
+       M = (prior_weight_s + T) / (prior_weight_s / M_prior + k)
 
-So a job with no interruption still gets a finite MTBF — the fleet's expectation for its size plus
-the time it has run without one, as if one more interruption were about to come — and one that
-stops often is soon dominated by its own count. Each interruption is counted once
-(:func:`fleethealth.policy.goodput.distinct_stops`).
+So a job with no interruption of its own gets a finite MTBF: the fleet's expectation for a job of its
+size (never the infinity of T / 0), which its clean hours then lengthen only as they outweigh a day.
+A job that stops often is soon ruled by its own count: a flaky rack's stops shorten the interval
+within a few of them. Each interruption is counted once (:func:`fleethealth.policy.goodput.distinct_stops`).
 
 **C, the checkpoint cost**: the mean ``blocking_s`` of the job's last ``recent`` ``checkpoint_cost``
 records in the window (:mod:`fleethealth.payloads.checkpoint_cost`: how long each save held training
@@ -67,8 +69,9 @@ if TYPE_CHECKING:
 
 __all__ = ["JobSpan", "CheckpointAdvice", "IntervalEstimator", "advise", "ESTIMATOR"]
 
-ESTIMATOR = ("gamma-poisson posterior mean: configured prior per node, updated by the other jobs' interruptions "
-             "per node-second, scaled by the job's nodes, updated by the job's own interruptions over its span")
+ESTIMATOR = ("gamma-poisson posterior mean, pooled: a configured rate per node updated by the other jobs' "
+             "interruptions per node-day; times the job's nodes, worth prior_weight_s of the job's running; updated "
+             "by the job's own interruptions over the span of its steps in the window")
 """The estimator, in words, as the basis states it."""
 
 _DAY_S = 86400.0
@@ -153,12 +156,13 @@ class IntervalEstimator:
     """
 
     def __init__(self, *, window_s: float = 7 * _DAY_S, prior_failures_per_node_day: float = 6.5e-3,
-                 prior_events: float = 1.0, default_checkpoint_s: float = 30.0, default_restart_s: float = 600.0,
-                 recent: int = 20, method: str = "young", min_interval_s: float = 60.0,
-                 max_interval_s: float = 6 * 3600.0) -> None:
+                 prior_node_days: float = 1000.0, prior_weight_s: float = _DAY_S,
+                 default_checkpoint_s: float = 30.0, default_restart_s: float = 600.0, recent: int = 20,
+                 method: str = "young", min_interval_s: float = 60.0, max_interval_s: float = 6 * 3600.0) -> None:
         self.window_s = window_s
         self.prior_failures_per_node_day = prior_failures_per_node_day
-        self.prior_events = prior_events
+        self.prior_node_days = prior_node_days
+        self.prior_weight_s = prior_weight_s
         self.default_checkpoint_s = default_checkpoint_s
         self.default_restart_s = default_restart_s
         self.recent = recent
@@ -169,7 +173,8 @@ class IntervalEstimator:
     def _check(self) -> None:
         check_number("window_s", self.window_s, above=0, owner=self)
         check_number("prior_failures_per_node_day", self.prior_failures_per_node_day, above=0, owner=self)
-        check_number("prior_events", self.prior_events, above=0, owner=self)
+        check_number("prior_node_days", self.prior_node_days, above=0, owner=self)
+        check_number("prior_weight_s", self.prior_weight_s, above=0, owner=self)
         check_number("default_checkpoint_s", self.default_checkpoint_s, above=0, owner=self)
         check_number("default_restart_s", self.default_restart_s, at_least=0, owner=self)
         check_int("recent", self.recent, at_least=1, owner=self)
@@ -217,10 +222,11 @@ class IntervalEstimator:
         fleet = [s for s in stops if s[0].job in other_jobs]
 
         # M: the pooled gamma-Poisson estimate
-        a0, lam_prior = float(self.prior_events), self.prior_failures_per_node_day / _DAY_S
-        lam_node = (a0 + len(fleet)) / (a0 / lam_prior + fleet_node_s)
-        prior_mtbf = 1.0 / (lam_node * nodes)
-        mtbf = (a0 * prior_mtbf + exposure) / (a0 + len(own))
+        d0, fleet_node_days = float(self.prior_node_days), fleet_node_s / _DAY_S
+        lam_node = (self.prior_failures_per_node_day * d0 + len(fleet)) / (d0 + fleet_node_days)  # per node-day
+        prior_mtbf = _DAY_S / (lam_node * nodes)
+        w = float(self.prior_weight_s)
+        mtbf = (w + exposure) / (w / prior_mtbf + len(own))
 
         # C: the job's recent saves
         saves: list[CheckpointCost] = []
@@ -258,10 +264,10 @@ class IntervalEstimator:
             "window_s": float(self.window_s), "since": since, "until": until, "estimator": ESTIMATOR,
             "mtbf": {"job_interruptions": len(own), "job_exposure_s": exposure, "nodes": nodes,
                      "naive_mtbf_s": exposure / len(own) if own else None,
-                     "fleet_jobs": len(other_jobs), "fleet_interruptions": len(fleet), "fleet_node_s": fleet_node_s,
-                     "fleet_rate_per_node_day": lam_node * _DAY_S,
+                     "fleet_jobs": len(other_jobs), "fleet_interruptions": len(fleet),
+                     "fleet_node_days": fleet_node_days, "fleet_rate_per_node_day": lam_node,
                      "prior_failures_per_node_day": float(self.prior_failures_per_node_day),
-                     "prior_events": a0, "prior_mtbf_s": prior_mtbf},
+                     "prior_node_days": d0, "prior_weight_s": w, "prior_mtbf_s": prior_mtbf},
             "c": {"source": "measured" if saves else "default", "samples": len(saves),
                   "write_s_max": write_max if saves else None},
             "r": {"source": r_source, "samples": len(r_samples)},

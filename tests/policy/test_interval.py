@@ -35,34 +35,39 @@ def _ckpts(job, ts0, n, every):
                              job=job, node="gpu-a17") for k in range(n)]
 
 
-def test_mtbf_with_no_interruption_is_the_prior_for_the_job_size_plus_the_time_run():
-    est = IntervalEstimator(prior_failures_per_node_day=6.5e-3, prior_events=1.0, window_s=7 * DAY)
+def test_mtbf_with_no_interruption_is_the_fleets_expectation_for_the_job_size():
+    est = IntervalEstimator(prior_failures_per_node_day=6.5e-3, prior_weight_s=DAY, window_s=7 * DAY)
     span = JobSpan("llm", nodes=128, first_ts=0.0, last_ts=10 * H)
     a = est.estimate("llm", at=10 * H, spans=[span], interruptions=[])
-    prior_mtbf = 1.0 / (6.5e-3 / DAY * 128)
-    assert a.mtbf_s == pytest.approx(prior_mtbf + 10 * H)          # finite, and the job's clean hours count
-    assert math.isfinite(a.mtbf_s) and a.basis["mtbf"]["naive_mtbf_s"] is None
+    prior_mtbf = DAY / (6.5e-3 * 128)
+    assert a.basis["mtbf"]["prior_mtbf_s"] == pytest.approx(prior_mtbf)
+    assert a.mtbf_s == pytest.approx(prior_mtbf * (DAY + 10 * H) / DAY)   # finite; clean hours count, weighted
+    assert a.basis["mtbf"]["naive_mtbf_s"] is None
     assert a.basis["c"]["source"] == "default" and a.c_s == 30.0
     assert a.basis["r"]["source"] == "default" and a.r_s == 600.0
-    # twice the nodes, half the prior MTBF: a synchronous job fails when any node fails
+    # twice the nodes, half the MTBF: a synchronous job fails when any node fails
     b = est.estimate("llm", at=10 * H, spans=[JobSpan("llm", 256, 0.0, 10 * H)], interruptions=[])
-    assert b.basis["mtbf"]["prior_mtbf_s"] == pytest.approx(prior_mtbf / 2)
+    assert b.mtbf_s == pytest.approx(a.mtbf_s / 2)
 
 
 def test_the_jobs_own_interruptions_and_the_fleet_pool_into_the_mtbf():
-    est = IntervalEstimator(prior_failures_per_node_day=6.5e-3, prior_events=1.0, window_s=7 * DAY)
+    est = IntervalEstimator(prior_failures_per_node_day=6.5e-3, prior_node_days=1000.0, prior_weight_s=DAY,
+                            window_s=7 * DAY)
     spans = [JobSpan("llm", 64, 0.0, 48 * H), JobSpan("other", 32, 0.0, 96 * H)]
     stops = [_stop("llm", 10 * H, sid="a"), _stop("llm", 20 * H, sid="b"), _stop("llm", 20 * H, sid="b"),
              _stop("other", 30 * H, sid="c"), _stop("other", 60 * H, sid="d", restarted=False)]
     a = est.estimate("llm", at=96 * H, spans=spans, interruptions=stops)
-    lam = 6.5e-3 / DAY
-    lam_node = (1 + 2) / (1 / lam + 32 * 96 * H)
-    expected = (1 / (lam_node * 64) + 48 * H) / (1 + 2)             # the duplicate of "b" counts once
+    lam_node = (6.5e-3 * 1000 + 2) / (1000 + 32 * 4)                 # per node-day: 32 nodes for 4 days
+    prior_mtbf = DAY / (lam_node * 64)
+    expected = (DAY + 48 * H) / (DAY / prior_mtbf + 2)               # the duplicate of "b" counts once
     assert a.mtbf_s == pytest.approx(expected)
     m = a.basis["mtbf"]
     assert (m["job_interruptions"], m["fleet_interruptions"], m["fleet_jobs"]) == (2, 2, 1)
-    assert m["fleet_rate_per_node_day"] == pytest.approx(lam_node * DAY)
+    assert m["fleet_rate_per_node_day"] == pytest.approx(lam_node) and m["naive_mtbf_s"] == pytest.approx(24 * H)
     assert a.r_s == pytest.approx(30 + 60 + 300 + 150) and a.basis["r"] == {"source": "job", "samples": 2}
+    # a job with no restart of its own takes the fleet's measured restarts ("d" did not restart)
+    c = est.estimate("calm", at=96 * H, spans=[*spans, JobSpan("calm", 8, 0.0, 96 * H)], interruptions=stops)
+    assert c.basis["r"] == {"source": "fleet", "samples": 3}
 
 
 def test_recommended_interval_and_overheads_are_the_budget_arithmetic():
@@ -120,6 +125,7 @@ def test_unreadable_records_are_counted_not_raised():
 @pytest.mark.parametrize("params, name", [({"window_s": 0}, "window_s"), ({"recent": 0}, "recent"),
                                           ({"method": "guess"}, "method"),
                                           ({"prior_failures_per_node_day": -1}, "prior_failures_per_node_day"),
+                                          ({"prior_weight_s": 0}, "prior_weight_s"),
                                           ({"min_interval_s": 10.0, "max_interval_s": 5.0}, "min_interval_s")])
 def test_bad_parameters_name_themselves(params, name):
     with pytest.raises(ConfigError, match=name):
