@@ -57,6 +57,7 @@ ENV_NOT_KEYS: dict[str, str] = {
     "FLEETHEALTH_API_TOKEN": "serve's bearer token for write endpoints (a secret: never a config key)",
     "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` sends it (a secret)",
     "FLEETHEALTH_JOB": "the training job's id, read by the in-job library",
+    "FLEETHEALTH_API": "the API's base URL, read by the in-job library's recommended_checkpoint_interval",
 }
 """``FLEETHEALTH_*`` variables that are not configuration keys, and what reads each."""
 DEFAULT_SOURCE = "default"
