@@ -67,7 +67,7 @@ from fleethealth.schema import Event, EventKind
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["JobSpan", "CheckpointAdvice", "IntervalEstimator", "advise", "ESTIMATOR"]
+__all__ = ["JobSpan", "CheckpointAdvice", "IntervalEstimator", "advise", "history", "ESTIMATOR"]
 
 ESTIMATOR = ("gamma-poisson posterior mean, pooled: a configured rate per node updated by the other jobs' "
              "interruptions per node-day; times the job's nodes, worth prior_weight_s of the job's running; updated "
@@ -286,8 +286,6 @@ def advise(store: StoreLike, job: str, *, estimator: IntervalEstimator | None = 
            at: float | None = None) -> CheckpointAdvice | None:
     """The advice for ``job`` from the records in ``store`` (its named queries only), at event time ``at``
     (default: the job's newest step, else its newest record); None when the store knows nothing of the job."""
-    est = estimator if estimator is not None else IntervalEstimator()
-    est._check()
     if at is None:
         span = store.report_job_span(job)
         if span is not None:
@@ -297,10 +295,23 @@ def advise(store: StoreLike, job: str, *, estimator: IntervalEstimator | None = 
             if not newest:
                 return None
             at = newest[0].ts
-    since, until = at - est.window_s, at + 1e-3  # ``until`` is exclusive in the event queries
-    spans = [JobSpan(j, n, lo, hi) for j, n, lo, hi in store.job_spans(since=since, until=at)]
-    return est.estimate(
-        job, at=at, spans=spans,
-        interruptions=store.events(EventKind.INTERRUPTION.value, since=since, until=until, limit=_MAX_RECORDS),
-        checkpoints=store.events(EventKind.CHECKPOINT.value, job=job, since=since, until=until, limit=_MAX_RECORDS),
-        costs=store.events(EventKind.CHECKPOINT_COST.value, job=job, since=since, until=until, limit=_MAX_RECORDS))
+    return history(store, job, [at], estimator=estimator)[0]
+
+
+def history(store: StoreLike, job: str, times: Sequence[float], *,
+            estimator: IntervalEstimator | None = None) -> list[CheckpointAdvice]:
+    """The advice for ``job`` at each of ``times`` (event time), from one read of the records of the
+    windows they end: how the interval and its inputs moved (the report's plot). Each job's span is cut
+    at each time, so a job counts only the running it had done by then."""
+    est = estimator if estimator is not None else IntervalEstimator()
+    est._check()
+    if not times:
+        return []
+    first, last = min(times), max(times)
+    since, until = first - est.window_s, last + 1e-3  # ``until`` is exclusive in the event queries
+    spans = [JobSpan(j, n, lo, hi) for j, n, lo, hi in store.job_spans(since=since, until=last)]
+    stops = store.events(EventKind.INTERRUPTION.value, since=since, until=until, limit=_MAX_RECORDS)
+    checkpoints = store.events(EventKind.CHECKPOINT.value, job=job, since=since, until=until, limit=_MAX_RECORDS)
+    costs = store.events(EventKind.CHECKPOINT_COST.value, job=job, since=since, until=until, limit=_MAX_RECORDS)
+    return [est.estimate(job, at=t, spans=[c for s in spans if (c := s.clipped(since, t)) is not None],
+                         interruptions=stops, checkpoints=checkpoints, costs=costs) for t in times]
