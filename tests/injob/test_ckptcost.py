@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import Future
 
 import orjson
@@ -83,8 +82,16 @@ def test_bad_values_are_logged_not_raised_and_the_record_reaches_the_probe_socke
     reporter.close()
 
 
-def test_the_probe_admits_checkpoint_cost_from_training_processes():
-    from fleethealth.probe.aggregator import SocketLimits
+def test_the_probe_relays_checkpoint_cost_from_training_processes():
+    """The datagram the reporter sends passes the probe's aggregator (a kind a training process may send)."""
+    from fleethealth.probe.aggregator import StepAggregator
+    from fleethealth.wire import event_datagram
 
-    assert "checkpoint_cost" in SocketLimits().event_kinds
-    assert socket  # the datagram path itself: test above
+    sent: list = []
+    reporter = Reporter(job="llm", rank=0, gpu=0, sink=sent.append, clock=lambda: 50.0)
+    assert report_checkpoint_cost(reporter, step=7, blocking_s=1.5, write_s=20.0)
+    agg = StepAggregator("gpu-a1")
+    agg.feed(orjson.dumps(event_datagram(sent[0])), 50.0)
+    (ev,) = agg.drain(50.0).events
+    assert (ev.kind, ev.node, ev.job, ev.step) == (EventKind.CHECKPOINT_COST, "gpu-a1", "llm", 7)
+    assert CheckpointCost.from_event(ev) == CheckpointCost(7, 1.5, 20.0, "")
