@@ -55,7 +55,7 @@ CONFIG_ENV = "FLEETHEALTH_CONFIG"
 ENV_NOT_KEYS: dict[str, str] = {
     CONFIG_ENV: "the config file when no --config is given",
     "FLEETHEALTH_API_TOKEN": "serve's bearer token for write endpoints (a secret: never a config key)",
-    "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` sends it (a secret)",
+    "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` and the in-job interval poll send it (a secret)",
     "FLEETHEALTH_JOB": "the training job's id, read by the in-job library",
     "FLEETHEALTH_API": "the API's base URL, read by the in-job library's recommended_checkpoint_interval",
 }

@@ -152,7 +152,8 @@ def _mean(values: Sequence[float]) -> float:
 class IntervalEstimator:
     """Measure M, C and R for a job and recommend its checkpoint interval (see the module docstring).
 
-    Parameters are stored as given and checked on :meth:`estimate` (config keys ``policy.interval.*``).
+    Parameters are stored as given and checked by :meth:`check`, which :meth:`estimate` calls (config keys
+    ``policy.interval.*``).
     """
 
     def __init__(self, *, window_s: float = 7 * _DAY_S, prior_failures_per_node_day: float = 6.5e-3,
@@ -170,7 +171,8 @@ class IntervalEstimator:
         self.min_interval_s = min_interval_s
         self.max_interval_s = max_interval_s
 
-    def _check(self) -> None:
+    def check(self) -> IntervalEstimator:
+        """Raise :class:`ConfigError` naming a bad parameter; return ``self`` (a service checks at start)."""
         check_number("window_s", self.window_s, above=0, owner=self)
         check_number("prior_failures_per_node_day", self.prior_failures_per_node_day, above=0, owner=self)
         check_number("prior_node_days", self.prior_node_days, above=0, owner=self)
@@ -185,6 +187,7 @@ class IntervalEstimator:
                               f"{self.max_interval_s:g}")
         if self.method not in ("young", "daly"):
             raise ConfigError(f"IntervalEstimator: unknown method {self.method!r} (known: young, daly)")
+        return self
 
     def estimate(self, job: str, *, at: float, spans: Sequence[JobSpan], interruptions: Sequence[Event],
                  checkpoints: Sequence[Event] = (), costs: Sequence[Event] = ()) -> CheckpointAdvice:
@@ -196,7 +199,7 @@ class IntervalEstimator:
         ``at``, are left out, so a series of calls with growing ``at`` replays how the inputs moved.
         A record that cannot be read is skipped and counted in ``basis.unreadable``.
         """
-        self._check()
+        self.check()
         until = check_number("at", at)
         since = until - self.window_s
         unreadable = 0
@@ -304,7 +307,7 @@ def history(store: StoreLike, job: str, times: Sequence[float], *,
     windows they end: how the interval and its inputs moved (the report's plot). Each job's span is cut
     at each time, so a job counts only the running it had done by then."""
     est = estimator if estimator is not None else IntervalEstimator()
-    est._check()
+    est.check()
     if not times:
         return []
     first, last = min(times), max(times)

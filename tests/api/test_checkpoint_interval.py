@@ -94,3 +94,10 @@ def test_a_job_without_checkpoints_gets_the_defaults_and_says_so(client):
     assert cp["interval_s_now"] is None and cp["overhead_now"] is None
     assert cp["c_s"] == 30.0 and cp["basis"]["c"]["source"] == "default"
     assert cp["basis"]["r"]["source"] == "job" and cp["basis"]["mtbf"]["nodes"] == 8
+
+
+def test_serve_refuses_a_bad_interval_setting_before_starting(capsys):
+    from fleethealth.commands import main
+
+    assert main(["serve", "--set", "policy.interval.method=guess"]) == 2
+    assert "unknown method 'guess' (known: young, daly)" in capsys.readouterr().err
