@@ -32,6 +32,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                     help="with --job: the data directory of a demo or `fleethealth detect` (DIR/store; "
                          "default: %(default)s)")
     yd.add_argument("--store", default=None, metavar="DSN", help="with --job: a store DSN instead of DIR/store")
+    yd.add_argument("--at", type=float, default=None, metavar="TS",
+                    help="with --job: as it stood at this event time, epoch seconds (default: the job's newest step)")
     add_config_flags(yd)
     yd.add_argument("--json", action="store_true", help="print one JSON object")
     yd.set_defaults(run=run)
@@ -61,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.budget_command == "young-daly" and args.job is not None:
         return _measured(args)
+    if args.budget_command == "young-daly" and args.at is not None:
+        raise ConfigError("--at goes with --job")
     if args.budget_command == "young-daly":
         missing = [f for f, v in (("--checkpoint-s", args.checkpoint_s), ("--mtbf-h", args.mtbf_h),
                                   ("--restart-s", args.restart_s)) if v is None]
@@ -104,7 +108,7 @@ def _measured(args: argparse.Namespace) -> int:
         raise ConfigError(f"--job reads C, M and R from the store; leave out {', '.join(given)}")
     estimator = IntervalEstimator(**load_settings(args).section("policy.interval", changed_only=True))
     with open_store_at(store_dsn(args.store, args.data), migrate=False) as store:
-        advice = advise(store, args.job, estimator=estimator)
+        advice = advise(store, args.job, estimator=estimator, at=args.at)
     if advice is None:
         raise ConfigError(f"the store holds no record of job {args.job!r}")
     result = budget.young_daly(max(advice.c_s, 1e-3), advice.mtbf_s, advice.r_s,

@@ -136,13 +136,17 @@ class CheckpointAdvice:
             f"job {self.job}: checkpoint every {self.interval_s_recommended:.0f} s "
             f"({self.interval_s_recommended / 60:.1f} min, {b['interval']['method']}) at "
             f"{self.overhead_at_optimum:.2%} overhead; now every {now}{at_now}",
-            f"MTBF {self.mtbf_s / 3600:.2f} h from {b['mtbf']['job_interruptions']} interruptions in "
+            f"MTBF {self.mtbf_s / 3600:.2f} h from {_n(b['mtbf']['job_interruptions'], 'interruption')} in "
             f"{b['mtbf']['job_exposure_s'] / 3600:.2f} h on {b['mtbf']['nodes']} nodes and the fleet's "
             f"{b['mtbf']['fleet_rate_per_node_day']:.3g} per node-day; window {b['window_s'] / 3600:g} h",
-            f"C = {self.c_s:.3g} s ({b['c']['source']}, {b['c']['samples']} saves), R = {self.r_s:.3g} s "
-            f"({b['r']['source']}, {b['r']['samples']} restarts); restart term R/M {self.restart_term:.2%}, "
+            f"C = {self.c_s:.3g} s ({b['c']['source']}, {_n(b['c']['samples'], 'save')}), R = {self.r_s:.3g} s "
+            f"({b['r']['source']}, {_n(b['r']['samples'], 'restart')}); restart term R/M {self.restart_term:.2%}, "
             "which no interval changes",
         ])
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _mean(values: Sequence[float]) -> float:

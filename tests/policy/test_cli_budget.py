@@ -116,9 +116,16 @@ def test_young_daly_reads_the_measured_inputs_of_a_job_from_the_store(tmp_path, 
     out = _json(capsys, ["budget", "young-daly", "--job", "llm", "--store", dsn, "--json",
                          "--set", "policy.interval.window_s=7200"])
     assert out["checkpoint"]["basis"]["mtbf"]["job_interruptions"] == 0
+    # as it stood before the stop: at an event time of its own choosing
+    out = _json(capsys, ["budget", "young-daly", "--job", "llm", "--store", dsn, "--json", "--at", str(t0 + 1800)])
+    assert out["checkpoint"]["at"] == t0 + 1800 and out["checkpoint"]["basis"]["mtbf"]["job_interruptions"] == 0
+    assert main(["budget", "young-daly", "--job", "llm", "--store", dsn, "--at", str(t0 + 7200)]) == 0
+    assert "from 1 interruption in 2.00 h on 2 nodes" in capsys.readouterr().out
     assert main(["budget", "young-daly", "--job", "other", "--store", dsn]) == 2
     assert "no record of job 'other'" in capsys.readouterr().err
     assert main(["budget", "young-daly", "--job", "llm", "--store", dsn, "--mtbf-h", "3"]) == 2
     assert "leave out --mtbf-h" in capsys.readouterr().err
     assert main(["budget", "young-daly", "--checkpoint-s", "30"]) == 2
     assert "give --mtbf-h, --restart-s, or --job ID" in capsys.readouterr().err
+    assert main(["budget", "young-daly", "--checkpoint-s", "1", "--mtbf-h", "1", "--restart-s", "1", "--at", "5"]) == 2
+    assert "--at goes with --job" in capsys.readouterr().err
