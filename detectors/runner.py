@@ -405,7 +405,7 @@ class Runner:
         for p in sorted(assigned - set(self.pipelines)):
             pipeline, offsets = self._restore(p)
             self.pipelines[p] = pipeline
-            self._snapshot_at[p] = time.monotonic()
+            self._snapshot_at[p] = -math.inf  # due at the first commit: a partition never moves without one
             if offsets:
                 self.buffer.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
                 self.consumer.seek(offsets)

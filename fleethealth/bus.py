@@ -560,6 +560,9 @@ class Consumer:
         self.consumed_total = 0
         self.dead_lettered_total = 0
         self.commit_failed_total = 0
+        self.reached: dict[tuple[str, int], int] = {}
+        """Per ``(topic, partition)``, the offset after the last record returned or dead-lettered here:
+        records read again after a seek or a rebalance count once (``consumed_total`` counts each time)."""
 
     split_blocks: bool = True
     """Whether a :class:`~fleethealth.schema.StepBlock` comes out as one record per step (a
@@ -599,6 +602,9 @@ class Consumer:
                     break
                 out.append(record)
             self._pending[tp] = next_offset  # commit() covers what was returned or dead-lettered
+            key = (tp.topic, tp.partition)
+            if next_offset > self.reached.get(key, 0):
+                self.reached[key] = next_offset
             taken += 1
         self._buffer = entries[taken:]
         self.consumed_total += len(out)

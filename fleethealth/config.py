@@ -383,6 +383,11 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("signing.key_file", "str", None, "probe, sweep, selftest, act: this node's (or service's) own key",
         optional=True, env="FLEETHEALTH_SIGNING_KEY_FILE"),
     Key("signing.key_id", "str", "", "the signer's key id (empty: this node's name; a service: svc:NAME)"),
+    # migrations (fleethealth migrate; deploy/README.md "Upgrading")
+    Key("migrate.on_start", "bool", False, "serve, detect and act apply pending migrations at start (--migrate); "
+        "without it they refuse to start while any is pending, naming them"),
+    Key("migrate.lock_ttl_s", "float", 3600.0, "how long a migrator's claim on the store's migration lock lasts "
+        "unless extended (before every step): longer than the longest step, the copy of the largest table"),
     # detect
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),
@@ -433,7 +438,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.socket_node_events_per_s", "float", 20.0, "event datagrams all jobs together may send per second"),
     Key("probe.socket_node_event_burst", "int", 200, "event datagrams all jobs together may send at once"),
     Key("probe.socket_max_ranks", "int", 256, "ranks one step of a job may carry on this node; more are dropped"),
-    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,checkpoint_cost,job_start,job_exit",
+    Key("probe.socket_event_kinds", "str",
+        "sdc_check,hang_report,checkpoint,checkpoint_validated,checkpoint_cost,job_start,job_exit",
         "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
         "own sources)"),
     Key("probe.rollback_relay", "bool", True, "write the policy's newest rollback for each job on this node to "

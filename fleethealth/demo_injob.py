@@ -22,6 +22,13 @@ its own. Everything after the training process is the production path:
    a spare (the quarantined device keeps its fault), and trains to the end.
 4. The final weights are compared bit for bit with the clean run's.
 
+With ``corrupt_step`` (``--corrupt-checkpoint STEP``, a deterministic fault only) rank 0 also validates
+every checkpoint in the background (:class:`fleethealth.injob.ckptcheck.CheckpointValidator`,
+``checkpoint_validated`` events through the same path) and writes the checkpoint of that step corrupt —
+one weight 100x, as a rank failing while it wrote would: its digests match, its norm does not. The
+policy must refuse it, name it, and roll back to the newest *validated* checkpoint before it; the
+resumed run must still end bitwise equal to the clean one.
+
 Cadences (steps): self-check every 10, replay every 40, checkpoint every 10, 120 steps; the
 transient flip lands at step 70 on rank 2, the deterministic fault starts at step 50 on rank 1 —
 after the passing replay at 40, so a clean checkpoint exists (else the right answer is "no clean
@@ -92,6 +99,12 @@ class InjobResult:
     events_stored: int = 0
     events_dropped: int = 0
     final_bitwise_equal_to_clean: bool = False
+    corrupt_step: int | None = None
+    """The checkpoint written corrupt on purpose (``None``: none, and no validation)."""
+    validations: dict[str, int] = field(default_factory=dict)
+    """``checkpoint_validated`` events in the store, by result."""
+    refused_checkpoints: list[list[Any]] = field(default_factory=list)
+    """``[step, why]`` of each checkpoint the rollback passed over for its validation."""
     wall_s: float = 0.0
     detect_wait_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
@@ -101,8 +114,11 @@ class InjobResult:
         if self.fault == "none":
             return self.sdc_findings == 0 and self.final_bitwise_equal_to_clean
         in_job_agrees = self.in_job_rollback is None or self.in_job_rollback[1] == self.rollback_step
-        return (self.sdc_findings > 0 and self.rollback_step is not None and self.injected_at_step is not None
-                and self.rollback_step <= self.injected_at_step and in_job_agrees
+        refused = self.corrupt_step is None or (
+            self.rollback_step != self.corrupt_step and self.validations.get("invalid", 0) == 1
+            and [s for s, _ in self.refused_checkpoints] == [self.corrupt_step])
+        return (refused and self.sdc_findings > 0 and self.rollback_step is not None
+                and self.injected_at_step is not None and self.rollback_step <= self.injected_at_step and in_job_agrees
                 and self.final_bitwise_equal_to_clean)
 
     def to_obj(self) -> dict[str, Any]:
@@ -320,7 +336,7 @@ def _equal(a: Path, b: Path) -> bool:
 
 def run_injob_demo(fault: str = "none", *, world: int = 4, steps: int = 120, every: int = 10,
                    replay_every: int = 40, ckpt_every: int = 10, ckpt_dir: Path | None = None,
-                   seed: int = 0) -> InjobResult:
+                   seed: int = 0, corrupt_step: int | None = None) -> InjobResult:
     """Run the in-job demo with ``fault`` (one of :data:`FAULTS`); see the module docstring.
 
     ``ok`` on the result: for a fault, the detectors found it, the rollback recommendation's step is
@@ -331,13 +347,21 @@ def run_injob_demo(fault: str = "none", *, world: int = 4, steps: int = 120, eve
     """
     if fault not in FAULTS:
         raise ConfigError(f"unknown --fault {fault!r} (known: {', '.join(FAULTS)})")
+    if corrupt_step is not None:
+        if fault != "deterministic":
+            # the transient path rolls back inside the job, whose guard would need rank 0's verdicts on every rank
+            raise ConfigError("--corrupt-checkpoint goes with --fault deterministic (the job halts and the "
+                              "policy's rollback is carried out)")
+        if corrupt_step % ckpt_every or not 0 <= corrupt_step < steps:
+            raise ConfigError(f"--corrupt-checkpoint {corrupt_step}: not a checkpoint step (every {ckpt_every} "
+                              f"from 0 to {steps - 1})")
     check_world(world)
     own_ckpt = ckpt_dir is None
     work = Path(tempfile.mkdtemp(prefix="fh-injob-"))
     ckpt = work / "checkpoints" if ckpt_dir is None else Path(ckpt_dir)
     try:
         check_ckpt_dir(ckpt)
-        return _run(fault, world, steps, every, replay_every, ckpt_every, ckpt, work, seed)
+        return _run(fault, world, steps, every, replay_every, ckpt_every, ckpt, work, seed, corrupt_step)
     finally:
         for partial in ckpt.glob("*.partial*") if ckpt.exists() else ():
             with contextlib.suppress(OSError):
@@ -348,7 +372,7 @@ def run_injob_demo(fault: str = "none", *, world: int = 4, steps: int = 120, eve
 
 
 def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt_every: int, ckpt: Path,
-         work: Path, seed: int) -> InjobResult:
+         work: Path, seed: int, corrupt_step: int | None = None) -> InjobResult:
     from prometheus_client import CollectorRegistry
 
     from fleethealth.broker import EmbeddedBroker
@@ -363,7 +387,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
     deadline = time.monotonic() + _TIMEOUT_S
     nodes = [f"n{i:04d}" for i in range(world + 1)]  # one per rank and a spare
     placement = tuple(nodes[:world])
-    result = InjobResult(fault=fault, world=world, steps=steps)
+    result = InjobResult(fault=fault, world=world, steps=steps, corrupt_step=corrupt_step)
     f_step, f_rank, f_bit, f_target, f_index = _FAULT_AT.get(fault, (0, 0, 22, None, 0))
     (work / "weights").mkdir()
     sockets = {n: str(work / f"{n}.sock") for n in nodes}
@@ -371,14 +395,15 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                    ckpt_every=ckpt_every, seed=seed, ckpt_dir=str(ckpt), out_dir=str(work / "weights"),
                    master_port=_free_port(), placement=placement, sockets=sockets, fault=fault,
                    fault_step=f_step, fault_node=placement[f_rank] if fault != "none" else None,
-                   fault_bit=f_bit, fault_target=f_target, fault_index=f_index)
+                   fault_bit=f_bit, fault_target=f_target, fault_index=f_index,
+                   validate=corrupt_step is not None, corrupt_step=corrupt_step)
     mark = _Marks(result.phases_s, started)
     with contextlib.ExitStack() as stack:
         launcher = _Launcher(spec)
         stack.callback(launcher.close)
         broker = stack.enter_context(EmbeddedBroker(log_path=work / "broker.log"))
         store = stack.enter_context(open_store(f"chdb://{work / 'store'}"))
-        store.migrate()
+        store.migrate()  # the demo owns its throwaway store: it migrates it itself
         ensure_topics(broker.dsn)
         delivery = Delivery(broker.dsn, Spool(work / "spool"), client_id="fleethealth-injob-probes",
                             batch_records=500)
@@ -392,6 +417,7 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
         mark("start")
         launcher.wait_phase("clean", deadline)
         mark("clean_run")
+        launcher.order("run")  # the probes listen now (a rank that started earlier lost its first events)
         run = launcher.wait_phase("run", deadline)
         mark("run")
         fired = [(r.fault_fired_at, rank) for rank, r in run.items() if r.fault_fired_at is not None]
@@ -422,13 +448,19 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
                 result.rollback_guard = rollback.guard.value
                 result.rollback_step = rollback.evidence.get("target_step")
                 result.rollback_uri = rollback.evidence.get("target_uri")
+                result.refused_checkpoints = list(rollback.evidence.get("refused_checkpoints", []))
             if (rollback is not None and rollback.guard.value == "allowed" and result.rollback_uri
                     and result.halted_at_step is not None
                     and result.culprit_rank is not None and 0 <= result.culprit_rank < world):
                 # act on the recommendation: the culprit's node is quarantined, a spare takes its rank
                 new = list(placement)
                 new[result.culprit_rank] = result.replaced_with = nodes[world]
-                launcher.order("resume", result.rollback_uri, tuple(new))
+                # the valid checkpoints up to the target seed the resumed job's norm band
+                valid = sorted((e.step, str(e.data.get("uri"))) for e in store.events(kind="checkpoint_validated",
+                                                                                       job=JOB)
+                               if e.data.get("result") == "valid" and e.step is not None
+                               and e.step <= result.rollback_step)
+                launcher.order("resume", result.rollback_uri, tuple(new), tuple(u for _, u in valid))
                 resumed = launcher.wait_phase("resume", deadline)
                 result.steps_retrained = steps - min(r.first_step for r in resumed.values())
                 launcher.quiesce(deadline)
@@ -440,6 +472,9 @@ def _run(fault: str, world: int, steps: int, every: int, replay_every: int, ckpt
             result.findings_by_kind[f.kind.value] = result.findings_by_kind.get(f.kind.value, 0) + 1
         exits = store.events(kind="job_exit", job=JOB)
         result.job_exits = [str(e.data.get("status")) for e in sorted(exits, key=lambda e: e.ts)]
+        for e in store.events(kind="checkpoint_validated", job=JOB):
+            got = str(e.data.get("result"))
+            result.validations[got] = result.validations.get(got, 0) + 1
         result.events_stored = len(store.events(job=JOB))
         result.events_dropped = launcher.dropped
         result.checkpoints_written = len(list(ckpt.glob("ckpt-*.json")))
@@ -469,6 +504,8 @@ def summary(result: InjobResult, *, as_json: bool = False) -> str:
                         f"{r.in_job_rollback[1]}")
                      + ("" if r.replaced_with is None else
                         f"; rank {r.culprit_rank} moved to {r.replaced_with}, {r.steps_retrained} steps retrained"))
+        for step, why in r.refused_checkpoints:
+            lines.append(f"  refused    checkpoint step {step}: {why}")
     else:
         lines.append("  detected   nothing (no sdc finding)")
     lines.append(f"  final weights bitwise equal to the clean run: {str(r.final_bitwise_equal_to_clean).lower()}")
@@ -476,8 +513,10 @@ def summary(result: InjobResult, *, as_json: bool = False) -> str:
     return "\n".join(lines)
 
 
-def run_injob_main(fault: str, *, world: int = 4, ckpt_dir: str | None = None, as_json: bool = False) -> int:
+def run_injob_main(fault: str, *, world: int = 4, ckpt_dir: str | None = None, as_json: bool = False,
+                   corrupt_step: int | None = None) -> int:
     """The command's body: run, print, exit 0 only when :attr:`InjobResult.ok`."""
-    result = run_injob_demo(fault, world=world, ckpt_dir=None if ckpt_dir is None else Path(ckpt_dir))
+    result = run_injob_demo(fault, world=world, ckpt_dir=None if ckpt_dir is None else Path(ckpt_dir),
+                            corrupt_step=corrupt_step)
     print(summary(result, as_json=as_json))
     return 0 if result.ok else 1

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fleethealth.injob.ckptcheck.background import CheckpointValidator
 from fleethealth.injob.faults import FaultInjector
 from fleethealth.injob.guard import SdcGuard
 from fleethealth.injob.lifecycle import JobLife
@@ -70,6 +71,10 @@ class JobSpec:
     fault_bit: int = 22
     fault_target: str | None = None
     fault_index: int = 0
+    validate: bool = False
+    """Rank 0 validates each checkpoint of the run under test (``ckptcheck.CheckpointValidator``)."""
+    corrupt_step: int | None = None
+    """The checkpoint of this step is written corrupt: one weight 100x (a rank failing while it wrote)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def _save_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
-           resume_uri: str | None = None) -> PhaseReport:
+           resume_uri: str | None = None, history: tuple[str, ...] = ()) -> PhaseReport:
     record = phase != "clean"
     node = placement[rank]
     reporter = (Reporter(job=spec.job, rank=rank, gpu=0, sink=lambda e: None) if not record else
@@ -186,6 +191,11 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
                               target=spec.fault_target).attach(model)
     halted_at: int | None = None
     rolled_back: list[tuple[int, int]] = []
+    # the validator is built before the loop (it imports DCP) and queues enough for every checkpoint
+    # and, resumed, seeds its norm band with the valid checkpoints the launcher names
+    validator = (CheckpointValidator(reporter, queue_size=max(2, spec.steps // spec.ckpt_every + 1),
+                                     history=[h.removeprefix("file://") for h in history])
+                 if record and rank == 0 and spec.validate else None)
     life = (JobLife(reporter, world=spec.world, first_step=first, resumed_from=resume_uri, placement=placement,
                     rank=rank) if record else contextlib.nullcontext())
     try:
@@ -217,11 +227,13 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
                     step = target.step + 1
                     continue
                 if verdict.check is not None:  # persistent, data or code, or no clean checkpoint
+                    if validator is not None:  # the job stops here: what it saved is judged before it exits
+                        validator.wait(60)
                     halted_at = step
                     life.halt(f"an SDC check failed at step {step} ({verdict.rollback_reason})")
                     break
                 if step % spec.ckpt_every == 0:
-                    _checkpoint(rank, spec, guard, model, opt, data, step)
+                    _checkpoint(rank, spec, guard, model, opt, data, step, validator, corrupt=phase == "run")
                 step += 1
             if halted_at is None:
                 if rank == 0:
@@ -230,14 +242,16 @@ def _train(rank: int, spec: JobSpec, phase: str, *, placement: tuple[str, ...],
     finally:
         if fault is not None:
             fault.detach()
+        if validator is not None:
+            validator.close(60)
         guard.close()
     report = PhaseReport(phase=phase, rank=rank, first_step=first,
                          last_step=halted_at if halted_at is not None else spec.steps - 1, halted_at=halted_at,
                          fault_fired_at=None if fault is None else fault.fired_at, checks=guard.checks_total,
                          failures=guard.failures_total, events_sent=reporter.sent_total,
-                         events_dropped=reporter.failed_total, rolled_back=tuple(rolled_back))
-    reporter.close()
-    return report
+                         events_dropped=0, rolled_back=tuple(rolled_back))
+    reporter.close()  # sends what waits in its backlog (bounded): the drop count is final after it
+    return replace(report, events_dropped=reporter.dropped_total)
 
 
 def _restore(uri: str, model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data) -> None:
@@ -248,17 +262,28 @@ def _restore(uri: str, model: torch.nn.Module, opt: torch.optim.Optimizer, data:
 
 
 def _checkpoint(rank: int, spec: JobSpec, guard: SdcGuard, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                data: _Data, step: int) -> None:
+                data: _Data, step: int, validator: CheckpointValidator | None = None, *, corrupt: bool = False) -> None:
     """Rank 0 writes the file first (atomically), then the record with both marks goes out and is
-    written beside it: nothing claims a checkpoint that is not whole on disk."""
+    written beside it: nothing claims a checkpoint that is not whole on disk. With a validator, rank 0
+    hands it the checkpoint after the record went out; its verdict follows in the background."""
     path = checkpoint_path(spec.ckpt_dir, step)
     marks = guard.watermark.checkpoint(step, path.as_uri())
+    state: dict[str, Any] = {}
     if rank == 0:
-        _atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "data": data.state(), "step": step,
-                      "last_verified_step": marks.last_verified_step, "last_replay_step": marks.last_replay_step},
-                      path)
+        if validator is not None:
+            # the demo keeps one validation outstanding, so each verdict reaches the policy before the
+            # steps that follow and its story is the same on every run; a training job never waits
+            validator.wait(60)
+        weights = model.state_dict()
+        if corrupt and step == spec.corrupt_step:  # as a failing rank writes it: digests match, the norm does not
+            weights = {k: v * 100 if k == "4.weight" else v for k, v in weights.items()}
+        state = {"model": weights, "optim": opt.state_dict(), "data": data.state(), "step": step,
+                 "last_verified_step": marks.last_verified_step, "last_replay_step": marks.last_replay_step}
+        _atomic_save(state, path)
     dist.barrier()
     record = guard.checkpoint(step, path.as_uri())  # rank 0 emits the checkpoint event
+    if validator is not None:
+        validator.saved(step, path, state, uri=path.as_uri())
     if rank == 0:
         import orjson
 
@@ -268,7 +293,7 @@ def _checkpoint(rank: int, spec: JobSpec, guard: SdcGuard, model: torch.nn.Modul
 
 
 def worker(rank: int, spec: JobSpec, commands: Any, results: Any) -> None:
-    """One rank: clean run, the run under test, then resume orders until told to stop."""
+    """One rank: clean run, the run under test when ordered, then resume orders until told to stop."""
     torch.set_num_threads(1)
     with contextlib.suppress(OSError):  # torch's C++ warnings go to the rank's log, not the demo's screen
         fd = os.open(Path(spec.out_dir) / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -282,13 +307,16 @@ def worker(rank: int, spec: JobSpec, commands: Any, results: Any) -> None:
         return
     try:
         results.put(("report", rank, _train(rank, spec, "clean", placement=spec.placement)))
+        if commands.get()[0] != "run":  # the run under test starts once the probes listen: none of it is lost
+            return
         results.put(("report", rank, _train(rank, spec, "run", placement=spec.placement)))
         while True:
             order = commands.get()
             if order[0] != "resume":
                 break
-            _, uri, placement = order
-            results.put(("report", rank, _train(rank, spec, "resume", placement=tuple(placement), resume_uri=uri)))
+            _, uri, placement, history = order
+            results.put(("report", rank, _train(rank, spec, "resume", placement=tuple(placement), resume_uri=uri,
+                                                history=tuple(history))))
     except Exception:  # noqa: BLE001 - the launcher reports it and stops the others
         results.put(("error", rank, traceback.format_exc(limit=6)))
     finally:

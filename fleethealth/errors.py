@@ -9,7 +9,10 @@
     │   └── BusUnavailable           the broker cannot be reached or will not start
     ├── StoreError                   ClickHouse / chDB
     │   ├── StoreUnavailable         the store cannot be reached (a connection error, a timeout): retry
-    │   └── StoreLocked              a chDB path already owned by another process
+    │   │   └── StoreFull            the store's volume is full (ENOSPC, NOT_ENOUGH_SPACE): retry once freed
+    │   ├── StoreLocked              a chDB path already owned by another process
+    │   ├── MigrationLocked          another migrator holds the store's migration lock (names it)
+    │   └── MigrationsPending        the store lacks migrations a command needs (names them)
     └── DeviceError                  a GPU, NVML or DCGM that is missing or not answering
 
 The CLI prints ``str(error)`` as one line and exits non-zero; no traceback for these.
@@ -25,7 +28,10 @@ __all__ = [
     "BusUnavailable",
     "StoreError",
     "StoreUnavailable",
+    "StoreFull",
     "StoreLocked",
+    "MigrationLocked",
+    "MigrationsPending",
     "DeviceError",
 ]
 
@@ -70,3 +76,16 @@ class StoreLocked(StoreError):
 
 class DeviceError(FleetHealthError):
     """A GPU, NVML or DCGM is missing or does not answer."""
+
+
+class MigrationLocked(StoreError):
+    """Another migrator holds the store's migration lock; the message names it and its expiry."""
+
+
+class MigrationsPending(StoreError):
+    """The store's schema is behind this release (pending, half-applied or changed migrations)."""
+
+
+class StoreFull(StoreUnavailable):
+    """The store's volume is out of space: nothing is wrong with the rows, so a writer waits and
+    writes them again once space returns (never dead-letters them)."""

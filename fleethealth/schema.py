@@ -142,6 +142,7 @@ class EventKind(StrEnum):
     SPOOL_DROPPED = "spool_dropped"  # a probe's spool overflowed in an outage: counts, bytes, topics, time range
     INTERRUPTION = "interruption"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_VALIDATED = "checkpoint_validated"  # a checkpoint's files checked after its save: valid or why not
     CHECKPOINT_COST = "checkpoint_cost"  # in-job: how long a save blocked training, how long its background write took
     SCHEDULER_ACTION = "scheduler_action"
     JOB_START = "job_start"
@@ -738,7 +739,8 @@ class StepBlock:
                    gpus=gpus, compute_s=compute, groups=groups)
 
 
-JOB_EVENT_KINDS = frozenset({EventKind.SDC_CHECK, EventKind.HANG_REPORT, EventKind.CHECKPOINT, EventKind.JOB_START,
+JOB_EVENT_KINDS = frozenset({EventKind.SDC_CHECK, EventKind.HANG_REPORT, EventKind.CHECKPOINT,
+                             EventKind.CHECKPOINT_VALIDATED, EventKind.JOB_START,
                              EventKind.JOB_EXIT, EventKind.INTERRUPTION, EventKind.JOB_PROGRESS,
                              EventKind.JOB_END, EventKind.CHECKPOINT_COST})
 """Kinds a training job (or the detectors, for ``interruption``, ``job_progress`` and ``job_end``) sends

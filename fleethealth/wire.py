@@ -9,15 +9,19 @@ A datagram is one JSON object with a ``"t"`` tag:
 - ``"e"`` event: ``event`` (an :class:`fleethealth.schema.Event` object without the node: the probe
   fills it in)
 
-:class:`Sender` never blocks the caller: the socket is non-blocking, a full or absent receiver
-drops the datagram and counts it. Nothing here imports the probe, and the probe imports nothing
-of the in-job library but this module.
+:class:`Sender` never blocks the caller: the socket is non-blocking. A datagram the receiver cannot
+take now (its queue full, the probe restarting) waits in a bounded backlog, in order, and goes out
+with the next send or :meth:`Sender.flush`; one that finds the backlog full, or is over the size
+limit, is dropped and counted. Nothing here imports the probe, and the probe imports nothing of the
+in-job library but this module.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,34 +116,92 @@ def parse(datagram: bytes) -> WireMessage:
 
 
 class Sender:
-    """Fire-and-forget datagrams to the node probe. Never blocks, never raises on the step path.
+    """Datagrams to the node probe that never block and never raise on the step path.
 
-    ``sent_total`` and ``dropped_total`` count outcomes; a missing probe socket, a full receive
-    queue or an oversized payload all count as drops.
+    A datagram the probe cannot take now (its receive queue full: ranks finishing a step together,
+    a loaded node) is kept in a backlog of at most ``backlog`` datagrams (``backlog_bytes`` in all) and sent,
+    oldest first, before the next one or by :meth:`flush`; :meth:`close` flushes for at most
+    ``close_timeout_s``. ``sent_total`` counts datagrams the kernel took, ``dropped_total`` those
+    lost: over the size limit, not serialisable, the backlog full (``send`` returned False), or lost
+    after ``send`` took it: still waiting at close, or refused by the kernel for good
+    (``lost_after_accept``).
     """
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, *, backlog: int = 4096, backlog_bytes: int = 4 << 20,
+                 close_timeout_s: float = 2.0) -> None:
+        if backlog < 0 or backlog_bytes < 0 or close_timeout_s < 0:
+            raise ValueError("Sender: backlog, backlog_bytes and close_timeout_s must be >= 0")
         self.path = path if path is not None else default_socket()
+        self.backlog = backlog
+        self.backlog_bytes = backlog_bytes
+        self._waiting_bytes = 0
+        self.close_timeout_s = close_timeout_s
         self.sent_total = 0
         self.dropped_total = 0
+        self.lost_after_accept = 0
+        self._waiting: deque[bytes] = deque()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
 
     def send(self, obj: dict[str, Any]) -> bool:
-        """Send one datagram; return False (and count a drop) if it could not be queued now."""
+        """Send one datagram, or queue it behind those waiting; False (a drop, counted) if neither."""
         try:
             data = orjson.dumps(obj)
-            if len(data) > MAX_DATAGRAM:
-                self.dropped_total += 1
-                return False
-            self._sock.sendto(data, self.path)
-        except (OSError, TypeError):
+        except TypeError:
             self.dropped_total += 1
             return False
+        if len(data) > MAX_DATAGRAM:
+            self.dropped_total += 1
+            return False
+        if self.flush():
+            taken = self._put(data)
+            if taken is not False:
+                return taken is True
+        if len(self._waiting) >= self.backlog or self._waiting_bytes + len(data) > self.backlog_bytes:
+            self.dropped_total += 1
+            return False
+        self._waiting.append(data)
+        self._waiting_bytes += len(data)
+        return True
+
+    def flush(self) -> bool:
+        """Send what waits, oldest first, until the probe cannot take more; True when nothing waits."""
+        while self._waiting:
+            taken = self._put(self._waiting[0])
+            if taken is False:
+                return False
+            if taken is None:
+                self.lost_after_accept += 1
+            self._waiting_bytes -= len(self._waiting.popleft())
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Datagrams in the backlog."""
+        return len(self._waiting)
+
+    def _put(self, data: bytes) -> bool | None:
+        """One datagram to the kernel: True if taken, False if the probe cannot take it now, None if it
+        is lost (counted)."""
+        try:
+            self._sock.sendto(data, self.path)
+        except BlockingIOError:  # the probe's queue is full: it drains as the probe reads
+            return False
+        except OSError:  # no probe listening, or anything else: waiting would not help
+            self.dropped_total += 1
+            return None
         self.sent_total += 1
         return True
 
     def close(self) -> None:
+        """Flush the backlog for at most ``close_timeout_s`` (the job is ending), then close."""
+        deadline = time.monotonic() + self.close_timeout_s
+        while not self.flush() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.lost_after_accept += len(self._waiting)
+        self.dropped_total += len(self._waiting)
+        self._waiting.clear()
+        self._waiting_bytes = 0
         self._sock.close()
 
     def __enter__(self) -> Sender:

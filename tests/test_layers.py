@@ -40,7 +40,7 @@ _TOP = ("fleethealth.commands", "fleethealth.demo", "fleethealth.demo_injob", "f
 _CONTRACTS = ("fleethealth", "fleethealth.schema", "fleethealth.errors", "fleethealth.payloads",
               "fleethealth.wire", "fleethealth.lazy", "fleethealth.ids", "fleethealth.xid",
               "fleethealth.params", "fleethealth.nodename", "fleethealth.store.protocol", "fleethealth.evidence",
-              "fleethealth.signing",
+              "fleethealth.signing", "fleethealth.buildinfo",
               "fleethealth.scenarios", "fleethealth.migrations")
 
 

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
-            "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
-            "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands", "fleethealth.report"]
+            "fleethealth.injob", "fleethealth.injob.ckptcheck", "fleethealth.probe", "fleethealth.api",
+            "fleethealth.adapters", "fleethealth.policy", "fleethealth.sim", "fleethealth.store",
+            "fleethealth.commands", "fleethealth.report"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 
 
@@ -26,7 +27,8 @@ def test_every_exported_name_resolves(package: str) -> None:
     assert not missing
 
 
-@pytest.mark.parametrize("package", ["fleethealth", "fleethealth.schema", "fleethealth.injob", "fleethealth.probe",
+@pytest.mark.parametrize("package", ["fleethealth", "fleethealth.schema", "fleethealth.injob",
+                                     "fleethealth.injob.ckptcheck.rules", "fleethealth.probe",
                                      "fleethealth.api", "fleethealth.detectors", "fleethealth.commands",
                                      "fleethealth.store"])
 def test_importing_stays_light(package: str) -> None:

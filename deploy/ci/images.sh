@@ -138,9 +138,12 @@ smoke_server() {
   local t ctr port up="" serve_pid
   t=$(now)
   broker
-  # one container for the three: serve --no-detect reads the store detect migrated (it never migrates)
+  # one container for the three: the store migrated as a step of its own, as an upgrade does
+  # (serve, detect and act refuse a store with pending migrations; serve --no-detect never migrates)
   ctr=$(buildah from -q localhost/fleethealth-server:ci)
   in_server() { buildah run --isolation chroot --user 10001 "$ctr" -- "$@"; }
+  in_server fleethealth migrate up --store chdb:///tmp/store >"$WORK/migrate.log" 2>&1 \
+    || { cat "$WORK/migrate.log" >&2; fail "migrate up in the server image"; }
   # the simulator stamps its samples in simulated time: the event-time bounds against the broker's
   # clock would dead-letter them, so this replay turns them off (as the demo does)
   in_server fleethealth detect --kafka "$DSN" --store chdb:///tmp/store --metrics-port 0 --until-caught-up \
@@ -149,7 +152,7 @@ smoke_server() {
   grep -Eq "caught up \([1-9]" "$WORK/detect.log" || fail "detect did not read the probe image's records"
   in_server fleethealth act --scheduler slurm --dry-run --kafka "$DSN" --data /tmp/act --idle-exit 2 --metrics-port 0 \
     >"$WORK/act.log" 2>&1 || { cat "$WORK/act.log" >&2; fail "act --dry-run in the server image"; }
-  # serve --no-detect on the store detect made: up, /healthz answers, then stopped
+  # serve --no-detect on the store migrate made: up, /healthz answers, then stopped
   port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   (in_server timeout 60 fleethealth serve --no-detect --kafka "$DSN" --store chdb:///tmp/store --port "$port" \
      >"$WORK/serve.log" 2>&1 || true) &

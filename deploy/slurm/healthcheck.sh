@@ -3,7 +3,8 @@
 # draining the node (reason "fleethealth: ...") only when the test computes a wrong answer, is slow,
 # or hangs. The full suite belongs to the sweep (fleethealth sweep), never here.
 #
-#   slurm.conf:  HealthCheckProgram=/opt/fleethealth/deploy/slurm/healthcheck.sh
+#   installed:   install -D -m 0755 deploy/slurm/healthcheck.sh /opt/fleethealth/healthcheck.sh
+#   slurm.conf:  HealthCheckProgram=/opt/fleethealth/healthcheck.sh
 #                HealthCheckInterval=3600
 #                HealthCheckNodeState=IDLE          # test idle nodes only; never steal a running job's GPUs
 #

@@ -276,6 +276,8 @@ class ActMetrics:
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
+        from fleethealth.buildinfo import register as register_build_info
+
         self.stall_s = stall_s
         self.failures_degraded = failures_degraded
         self._clock = clock
@@ -290,6 +292,7 @@ class ActMetrics:
                                registry=self.registry)
         self.failed_in_a_row = Gauge("fleethealth_act_failed_in_a_row", "failed outcomes since the last success",
                                      registry=self.registry)
+        register_build_info(self.registry)
         self._polled_at = clock()
         self._failed_run = 0
 

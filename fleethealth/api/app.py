@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fleethealth import __version__
+from fleethealth import __version__, buildinfo
 from fleethealth.api import routes
 from fleethealth.api.analyst import AnalystQueries, QueryLimits
 from fleethealth.api.sqlgate import SqlGate
@@ -55,6 +55,7 @@ class ApiMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        buildinfo.register(registry)
         self.requests = Counter("fleethealth_api_requests_total", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=registry)
         self.latency = Histogram("fleethealth_api_request_duration_seconds", "HTTP request latency",

@@ -19,9 +19,11 @@ from fleethealth.commands import (
     act,
     broker,
     budget,
+    checkpoint,
     config,
     demo,
     detect,
+    migrate,
     probe,
     query,
     report,
@@ -35,7 +37,7 @@ __all__ = ["main", "build_parser", "GROUPS"]
 
 Run = Callable[[argparse.Namespace], int]
 
-GROUPS = (demo, detect, probe, broker, query, report, budget, selftest, serve, act, sweep, config)
+GROUPS = (demo, detect, probe, broker, query, report, budget, checkpoint, selftest, serve, act, sweep, migrate, config)
 """The command groups, in ``--help`` order."""
 
 

@@ -20,7 +20,8 @@ from fleethealth.errors import ConfigError
 if TYPE_CHECKING:
     from fleethealth.bus import Producer
 
-__all__ = ["Progress", "stop_on_signals", "progress", "open_store_at", "embedded_store_dsn", "optional_store",
+__all__ = ["Progress", "stop_on_signals", "progress", "open_store_at", "prepare_store", "embedded_store_dsn",
+           "optional_store",
            "optional_producer", "parse_only", "require_bus"]
 
 Progress = Callable[[str, int, int], None]
@@ -90,39 +91,50 @@ def store_dsn(store: str | None, data: str | Path) -> str:
     return embedded_store_dsn(data)
 
 
-def open_store_at(dsn: str, *, migrate: bool = True, check: bool = False) -> Any:
-    """The store behind ``dsn``, migrated to the current schema unless ``migrate`` is False (a
-    read-only client); with ``check`` (and ``migrate`` False) a store whose schema is behind is
-    refused with the migrations it lacks (a read-only user can check, not migrate). The caller
-    closes it (it is a context manager)."""
-    from fleethealth.errors import StoreError
+def open_store_at(dsn: str, *, migrate: bool = False, check: bool = False, lock_ttl_s: float | None = None) -> Any:
+    """The store behind ``dsn``. With ``migrate``, its pending migrations are applied first, under
+    the store's migration lock (``lock_ttl_s``: config ``migrate.lock_ttl_s``); with ``check``, a
+    store whose schema is behind (pending, half-applied or changed migrations) is refused with
+    :class:`~fleethealth.errors.MigrationsPending` naming them (a read-only user can check, not
+    migrate); with neither, it is opened as it is (a reader). The caller closes it (it is a context
+    manager)."""
     from fleethealth.store import open_store
-    from fleethealth.store.migrations import pending
+    from fleethealth.store.migrator import DEFAULT_LOCK_TTL_S, require_current
 
     store = open_store(dsn)
     try:
         if migrate:
-            store.migrate()
+            applied = store.migrate(lock_ttl_s=lock_ttl_s or DEFAULT_LOCK_TTL_S)
+            if applied:
+                print(f"fleethealth: applied migration(s) {', '.join(applied)} to {store.dsn}", file=sys.stderr,
+                      flush=True)
         elif check:
-            missing = pending(store)
-            if missing:
-                raise StoreError(f"the store lacks {len(missing)} migration(s) "
-                                 f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}); this command "
-                                 "does not migrate: run `fleethealth detect` (or `fleethealth serve` without "
-                                 "--no-detect) once against it with a user that may create tables")
+            require_current(store)
     except BaseException:
         store.close()
         raise
     return store
 
 
+def prepare_store(dsn: str, settings: Any, command: str) -> None:
+    """The start-up gate of ``serve``, ``detect`` and ``act``: with ``migrate.on_start`` (``--migrate``)
+    apply the store's pending migrations, else refuse to start while any is pending
+    (:class:`~fleethealth.errors.MigrationsPending`: one line naming them, exit 2)."""
+    migrate = bool(settings["migrate.on_start"])
+    with open_store_at(dsn, migrate=migrate, check=not migrate, lock_ttl_s=settings["migrate.lock_ttl_s"]):
+        pass
+    print(f"fleethealth {command}: the store's schema is current ({'migrated' if migrate else 'checked'})",
+          file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def optional_store(dsn: str | None) -> Iterator[Any]:
-    """:func:`open_store_at` when a DSN is given, else None; closed on exit."""
+    """:func:`open_store_at` when a DSN is given (its schema checked, never migrated: run
+    ``fleethealth migrate up`` first), else None; closed on exit."""
     if not dsn:
         yield None
         return
-    store = open_store_at(dsn)
+    store = open_store_at(dsn, check=True)
     try:
         yield store
     finally:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fleethealth.config import COMMAND_KEYS, Key, Schema, Settings, keys_from_signature
 
-__all__ = ["schema", "add_setting", "add_config_flags", "load_settings", "DETECTION_SECTIONS"]
+__all__ = ["schema", "add_setting", "add_migrate_flag", "add_config_flags", "load_settings", "DETECTION_SECTIONS"]
 
 DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # (table, module, class, parameters that are objects or wiring, not settings)
@@ -34,6 +34,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("detect.snapshot", "fleethealth.detectors.snapshot", "Snapshots", ()),
     ("policy", "fleethealth.policy.engine", "PolicyEngine", ()),
     ("policy.paging", "fleethealth.policy.paging", "Pager", ()),
+    ("checkpoint", "fleethealth.injob.ckptcheck.rules", "CheckpointRules", ()),
     ("policy.interval", "fleethealth.policy.interval", "IntervalEstimator", ()),
 )
 """Where each detector and policy table's keys come from: the keyword parameters of that class."""
@@ -89,6 +90,14 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
                 help="log level (default $FLEETHEALTH_LOG_LEVEL, else info)")
     add_setting(p, "--log-format", "log.format", choices=("text", "json"),
                 help="log lines as text or one JSON object each (default $FLEETHEALTH_LOG_FORMAT, else text)")
+
+
+def add_migrate_flag(p: argparse.ArgumentParser) -> None:
+    """``--migrate`` (config key ``migrate.on_start``) for the commands that write the store."""
+    add_setting(p, "--migrate", "migrate.on_start", store_true=True,
+                help="apply the store's pending migrations before starting (under the store's migration lock); "
+                     "without it the command refuses to start while any is pending, naming them (run "
+                     "`fleethealth migrate up` as a step of its own: deploy/README.md, \"Upgrading\")")
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

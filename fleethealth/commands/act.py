@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fleethealth.commands._common import require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+from fleethealth.commands._common import prepare_store, require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
 
 __all__ = ["add"]
 
@@ -39,6 +39,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                      "actions) on this port, 0 to disable (default: %(default)s)")
     add_setting(p, "--idle-exit", "act.idle_exit", type=float, metavar="S",
                 help="exit after S seconds without a new recommendation (default: run until stopped)")
+    add_setting(p, "--store", "store", metavar="DSN",
+                help="the store (act itself writes none): given, its schema is checked at start like detect's")
+    add_migrate_flag(p)
     add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
@@ -63,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("no scheduler: give --scheduler slurm|kubernetes or config key act.scheduler")
     dsn = require_bus(s["kafka"], "no bus: give --kafka DSN (the one `fleethealth serve` prints) or set "
                                   "FLEETHEALTH_KAFKA")
+    if s["store"]:  # one config for the tier: act starts only on a store whose schema is current
+        prepare_store(s["store"], s, "act")
     max_age_s = s["act.max_age_s"]
     if max_age_s < 0:
         raise ConfigError(f"--max-age-s must be >= 0 (0 = no bound), got {max_age_s:g}")

@@ -47,6 +47,10 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", metavar="N", type=int, default=4, help="with --injob: ranks (default: %(default)s)")
     p.add_argument("--ckpt-dir", metavar="DIR",
                    help="with --injob: where checkpoints go (default: a temporary directory, removed after)")
+    p.add_argument("--corrupt-checkpoint", metavar="STEP", type=int, default=None,
+                   help="with --injob --fault deterministic: validate every checkpoint in the background and write "
+                        "the one of STEP corrupt (a weight 100x); the rollback must refuse it and land on an "
+                        "older validated one")
     p.set_defaults(run=run)
 
 
@@ -58,14 +62,16 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.detectors.runner import tune_gc
     from fleethealth.sim import Scenario
 
-    if not args.injob and (args.fault != "none" or args.world != 4 or args.ckpt_dir is not None):
+    if not args.injob and (args.fault != "none" or args.world != 4 or args.ckpt_dir is not None
+                           or args.corrupt_checkpoint is not None):
         from fleethealth.errors import ConfigError
 
-        raise ConfigError("--fault, --world and --ckpt-dir apply to --injob only")
+        raise ConfigError("--fault, --world, --ckpt-dir and --corrupt-checkpoint apply to --injob only")
     if args.injob:
         from fleethealth.demo_injob import run_injob_main
 
-        return run_injob_main(args.fault, world=args.world, ckpt_dir=args.ckpt_dir, as_json=args.json)
+        return run_injob_main(args.fault, world=args.world, ckpt_dir=args.ckpt_dir, as_json=args.json,
+                              corrupt_step=args.corrupt_checkpoint)
     scenario = Scenario.load(args.scenario) if args.scenario else Scenario.default()
     tune_gc()
     with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fleethealth.commands._common import open_store_at, require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+from fleethealth.commands._common import open_store_at, prepare_store, require_bus, stop_on_signals
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
 
 if TYPE_CHECKING:
     from fleethealth.config import Settings
@@ -57,6 +57,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--until-caught-up", action="store_true",
                    help="batch mode: once every assigned partition is read to its end, conclude what is held "
                         "(open steps, undiagnosed findings), write and commit it, and exit 0")
+    add_migrate_flag(p)
     add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
@@ -164,19 +165,27 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings["log.level"], settings["log.format"])
     kafka = require_bus(settings["kafka"], "no bus: give --kafka DSN, config key kafka or FLEETHEALTH_KAFKA")
     store_dsn = require_bus(settings["store"], "no store: give --store DSN, config key store or FLEETHEALTH_STORE")
+    prepare_store(store_dsn, settings, "detect")  # pending migrations: refused, or applied with --migrate
     # SIGTERM (a pod stopping) ends the loop in order; Ctrl-C interrupts at once (exit 130)
     with stop_on_signals(signals=(signal.SIGTERM,)) as stop:
         tune_gc()
+        from prometheus_client import CollectorRegistry
+
+        from fleethealth import buildinfo
+
+        registry = CollectorRegistry()  # this process's: the runner's metrics and fleethealth_build_info
+        buildinfo.register(registry)
         port = settings["detect.metrics_port"]
         if port:
             from prometheus_client import start_http_server
 
-            start_http_server(port)
+            start_http_server(port, registry=registry)
         # a broker restarting (or not up yet) while detect starts is waited out, with backoff and a log line
         startup = _startup_retry(stop)
         startup.call("fleethealth detect: creating the topics", lambda: ensure_topics(kafka))
         with open_store_at(store_dsn) as store, \
-                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings)) as runner:
+                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings,
+                                                                                  registry=registry)) as runner:
             group = runner.consumer.group
             print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
             startup.call(f"fleethealth detect: joining group {group!r}",

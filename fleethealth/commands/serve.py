@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from fleethealth.commands._common import embedded_store_dsn, open_store_at, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
 
 if TYPE_CHECKING:
     from fleethealth.config import Settings
@@ -46,6 +46,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                 help="the store DSN analyst SQL (POST /v1/query) runs on, never migrated: in server mode the "
                      "read-only user of deploy/clickhouse/access/fleethealth-api.xml, which has no FILE, URL "
                      "or other source grants (default: the --store DSN)")
+    add_migrate_flag(p)
     add_log_flags(p)
     add_config_flags(p)
     p.set_defaults(run=run)
@@ -107,8 +108,14 @@ def run(args: argparse.Namespace) -> int:
             dsn = stack.enter_context(EmbeddedBroker()).dsn
         store_dsn = settings["store"] or embedded_store_dsn(settings["data"], create=True)
         no_detect = bool(settings["serve.no_detect"])
-        # without detectors the API only reads (and stamps acks): check the schema, never migrate it
-        store = stack.enter_context(open_store_at(store_dsn, migrate=not no_detect, check=no_detect))
+        # pending migrations refuse the start unless --migrate; without detectors the API only reads (and
+        # stamps acks): it checks the schema and never migrates it, --migrate or not
+        migrate = bool(settings["migrate.on_start"]) and not no_detect
+        if settings["migrate.on_start"] and no_detect:
+            print("fleethealth serve: --no-detect never migrates (--migrate ignored): run `fleethealth migrate up`",
+                  file=sys.stderr, flush=True)
+        store = stack.enter_context(open_store_at(store_dsn, migrate=migrate, check=not migrate,
+                                                  lock_ttl_s=settings["migrate.lock_ttl_s"]))
         hook = None
         server: uvicorn.Server | None = None
         failed: list[BaseException] = []

@@ -15,6 +15,8 @@ instrument) load on first use of one of their names. The check records on the wi
 - :class:`JobLife` — ``job_start`` / ``job_exit`` events of the run.
 - :class:`RollbackInbox` — the policy's ``rollback`` for this job, relayed by the node's probe, read without blocking.
 - :class:`FaultInjector` — a transient or deterministic fault, off unless a loop attaches one (demos, drills).
+- :class:`CheckpointValidator` — each checkpoint validated after its save in a background thread
+  (:mod:`fleethealth.injob.ckptcheck`: shards, digests, a CPU test load, norms), ``checkpoint_validated`` events.
 - :class:`SaveTimer`, :func:`report_checkpoint_cost` — how long each checkpoint save blocked training and
   how long its background write took (``checkpoint_cost``).
 - :func:`recommended_checkpoint_interval`, :class:`IntervalAdvisor` — the service's checkpoint interval for
@@ -71,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "Instrumented": "instrument",
     "SdcGuard": "guard",
     "FaultInjector": "faults",
+    "CheckpointValidator": "fleethealth.injob.ckptcheck.background",
     "BitDigest": "digest",
     "bit_digest": "digest",
     "fingerprint": "digest",

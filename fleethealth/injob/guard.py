@@ -165,6 +165,10 @@ class SdcGuard:
         self.startup_report: StartupReport | None = None
         self.accumulation_seen = False
         self.book: list[CheckpointRecord] = []
+        self.validity: dict[int, bool] = {}
+        """Checkpoint step → valid (:meth:`~fleethealth.injob.ckptcheck.CheckpointValidator.validity`): once
+        not empty, only a valid checkpoint is a rollback target. The loop sets it alike on every rank (the
+        validator runs on one: broadcast its result), since every rank derives the target itself."""
         """The checkpoints recorded with :meth:`checkpoint` and not yet pruned or discarded (oldest first)."""
         self.inbox = inbox if inbox is not None or not follow_advice or not self.reporter.job else RollbackInbox(
             self.reporter.job)
@@ -547,14 +551,15 @@ class SdcGuard:
         """The checkpoint to roll back to after the first failed check since the last
         :meth:`rolled_back` (``None``: no failure, or no clean checkpoint). The same rule as the
         policy's (:func:`~fleethealth.payloads.rollback.choose`): the watermark's marks and each
-        checkpoint record's marks before the failing step, the bound for the agreed classification.
+        checkpoint record's marks before the failing step, the bound for the agreed classification, and
+        only validated checkpoints once :attr:`validity` holds results.
         ``checkpoints`` default to the guard's own :attr:`book`."""
         if self.failure is None:
             return None
         book: Sequence[Any] = self.book if checkpoints is None else checkpoints
         cls = None if self.failure.classification is None else self.failure.classification.value
         marks = [self.watermark.marks] + [c.marks for c in book if isinstance(c, CheckpointRecord)]
-        return choose(book, marks, cls, self.failure.step)[2]
+        return choose(book, marks, cls, self.failure.step, validity=self.validity)[2]
 
     def rolled_back(self, step: int) -> list[CheckpointRecord]:
         """The loop restored the checkpoint of ``step`` (it includes that step's update): the

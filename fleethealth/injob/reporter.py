@@ -67,8 +67,10 @@ class Reporter:
 
     @property
     def dropped_total(self) -> int:
-        """Events that did not reach the probe (or the sink) since the reporter was made."""
-        return self.failed_total
+        """Events that did not reach the probe (or the sink) since the reporter was made: refused when
+        emitted, and those the sender took into its backlog but never delivered (final after
+        :meth:`close`)."""
+        return self.failed_total + (self.sender.lost_after_accept if self.sender is not None else 0)
 
     def now(self) -> float:
         return float(self.clock())

@@ -62,12 +62,14 @@ DROP_WARN_EVERY_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class TimerStats:
-    """Counters of one timer: datagrams sent, dropped by the socket, and spans dropped unread."""
+    """Counters of one timer: datagrams sent, dropped by the socket, spans dropped unread, spans
+    not read yet, and datagrams waiting in the sender's backlog for the probe's queue."""
 
     sent_total: int
     dropped_total: int
     spans_dropped_total: int
     pending: int
+    waiting: int = 0
 
 
 class _CpuSpan:
@@ -226,7 +228,7 @@ class StepTimer:
     @property
     def stats(self) -> TimerStats:
         return TimerStats(self._sender.sent_total, self._sender.dropped_total, self._spans_dropped,
-                          len(self._pending))
+                          len(self._pending), self._sender.waiting)
 
     def close(self) -> None:
         """Send what has finished and release the socket (if this timer opened it)."""

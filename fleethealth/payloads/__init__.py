@@ -8,6 +8,7 @@ training process and the detectors meet here and nowhere else.
   :class:`RankStacks` as a ``hang`` finding lists them.
 - :mod:`~fleethealth.payloads.checkpoint` — ``checkpoint`` events: :class:`CheckpointRecord`.
 - :mod:`~fleethealth.payloads.checkpoint_cost` — ``checkpoint_cost`` events: :class:`CheckpointCost`.
+- :mod:`~fleethealth.payloads.validation` — ``checkpoint_validated`` events: :class:`CheckpointValidation`.
 - :mod:`~fleethealth.payloads.sdc_evidence` — an ``sdc`` finding's evidence: :class:`SdcEvidence`.
 - :mod:`~fleethealth.payloads.rollback` — the rollback rule: :func:`rollback_target`.
 - :mod:`~fleethealth.payloads.job` — ``job_start`` / ``job_exit`` events: :class:`JobStart`, :class:`JobExit`.
@@ -22,11 +23,13 @@ from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_eve
 from fleethealth.payloads.rollback import rollback_target
 from fleethealth.payloads.sdc_check import CheckKind, Classification, SdcCheck, classify, sdc_check_event
 from fleethealth.payloads.sdc_evidence import SdcEvidence
+from fleethealth.payloads.validation import CheckpointValidation, ValidationResult, checkpoint_validated_event
 
 __all__ = [
     "CheckKind",
     "CheckpointCost",
     "CheckpointRecord",
+    "CheckpointValidation",
     "Classification",
     "ExitStatus",
     "HangReport",
@@ -35,8 +38,10 @@ __all__ = [
     "RankStacks",
     "SdcCheck",
     "SdcEvidence",
+    "ValidationResult",
     "checkpoint_cost_event",
     "checkpoint_event",
+    "checkpoint_validated_event",
     "classify",
     "hang_report_event",
     "job_exit_event",

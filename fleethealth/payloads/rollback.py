@@ -30,15 +30,29 @@ after ``optimizer.step()`` (or the skipped update) of that step and before the n
 forward, so resuming from it starts at ``step + 1``. A mark at step ``s`` says the check of step
 ``s``'s gradients passed, so the update of step ``s`` is vouched for and a checkpoint at ``s`` is a
 valid target (``checkpoint.step <= bound``).
+
+**Validated checkpoints** (seed 000 §4, Failure 4). The marks vouch for the *weights* a checkpoint
+holds; whether its *files* can be resumed from is the ``checkpoint_validated`` record's
+(:mod:`fleethealth.payloads.validation`). :func:`choose` takes the job's validation results as
+``validity`` (checkpoint step → valid) and applies :func:`admissible`:
+
+* a job that has reported a validation result (``validity`` not empty), or any job when
+  ``require_validation`` is set: only a checkpoint whose newest result is ``valid`` may be a target —
+  an invalid one, and one not (yet) validated, never is;
+* a job that has never reported one (``validity`` empty or ``None``) and ``require_validation`` unset:
+  the marks alone choose, as before validation existed (the policy says so in its evidence).
+
+Validation never changes the marks: a checkpoint refused for its files still says which steps a
+check had passed when it was written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-__all__ = ["Marks", "bound_for", "choose", "deletable", "merge", "retained", "rollback_target"]
+__all__ = ["Marks", "admissible", "bound_for", "choose", "deletable", "merge", "retained", "rollback_target"]
 
 
 class _HasStep(Protocol):
@@ -107,18 +121,33 @@ def rollback_target(checkpoints: Iterable[_C], last_verified_step: int | None) -
     return max(clean, key=_step_of) if clean else None
 
 
+def admissible(checkpoints: Iterable[_C], validity: Mapping[int, bool] | None, *,
+               require_validation: bool = False) -> tuple[list[_C], list[_C]]:
+    """``(candidates, refused)``: the checkpoints a rollback may land on, and those refused because
+    their validation failed or never came (see the module docstring). Without validation results and
+    without ``require_validation`` every checkpoint is a candidate and none is refused."""
+    book = list(checkpoints)
+    if not validity and not require_validation:
+        return book, []
+    seen = validity or {}
+    keep = [c for c in book if seen.get(_step_of(c)) is True]
+    return keep, [c for c in book if seen.get(_step_of(c)) is not True]
+
 
 def choose(checkpoints: Iterable[_C], marks: Iterable[Marks], classification: str | None,
-           failed_step: int | None) -> tuple[Marks, int | None, _C | None]:
+           failed_step: int | None, *, validity: Mapping[int, bool] | None = None,
+           require_validation: bool = False) -> tuple[Marks, int | None, _C | None]:
     """The rollback rule: ``(marks, bound, target)`` for a failure of ``classification`` at ``failed_step``.
 
     ``marks`` are every source of marks known (the job's own, each checkpoint record's); marks at or
     after ``failed_step`` vouch for nothing (:meth:`Marks.before`) and the newest of the rest count
     (:func:`merge`); the bound is the mark for the class (:func:`bound_for`); the target the newest
-    checkpoint at or before it (``None``: none is clean, a human must decide)."""
+    checkpoint at or before it among the admissible ones (:func:`admissible`: with ``validity``,
+    checkpoint step → valid, only validated ones) (``None``: none is clean, a human must decide)."""
     merged = merge(m.before(failed_step) for m in marks)
     bound = bound_for(merged, classification)
-    return merged, bound, rollback_target(checkpoints, bound)
+    candidates, _ = admissible(checkpoints, validity, require_validation=require_validation)
+    return merged, bound, rollback_target(candidates, bound)
 
 
 def deletable(checkpoints: Iterable[_C], marks: Marks) -> list[_C]:

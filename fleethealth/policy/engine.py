@@ -18,7 +18,9 @@ straggler              diagnosis ENVIRONMENTAL → ``alert_facilities`` once per
 sdc                    ``quarantine`` of the node and ``rollback`` of the job to the newest
                        checkpoint at or before the mark that can vouch for the failure: the last
                        passing check for a transient fault, the last passing *replay* for any
-                       other (a self-check cannot see a deterministic fault)
+                       other (a self-check cannot see a deterministic fault); once the job reports
+                       ``checkpoint_validated`` results (or with ``require_validated``), only a
+                       checkpoint validated ``valid`` — an invalid one is refused and named
 failure_risk           ``drain`` at the next checkpoint boundary when probability ≥ threshold
 hang                   ``drain`` of the node named, so the restart does not land on it; a hang
                        with no culprit (every rank level) ``page``: no node is to blame
@@ -58,7 +60,8 @@ from fleethealth.ids import derived
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
-from fleethealth.payloads.rollback import Marks, choose
+from fleethealth.payloads.rollback import Marks, admissible, choose
+from fleethealth.payloads.validation import CheckpointValidation
 from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior, payback
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
@@ -113,8 +116,10 @@ class PolicyEngine:
                  breaker_min_nodes: int = 5, breaker_window_s: float = 3600.0, fleet_nodes: int = 0,
                  facilities_episode_s: float = 3600.0,
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
-                 outcome_recur_share: float = 0.5, corroborate: bool = True) -> None:
+                 outcome_recur_share: float = 0.5, corroborate: bool = True,
+                 require_validated: bool = False) -> None:
         self.corroborate = bool(corroborate)
+        self.require_validated = bool(require_validated)
         self.restart_s = check_number("restart_s", restart_s, at_least=0)
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
@@ -145,6 +150,7 @@ class PolicyEngine:
         self.checkpoints_: dict[str, list[CheckpointRecord]] = {}  # job -> its checkpoints, by step
         self.last_pass_: dict[str, int] = {}
         self.last_replay_pass_: dict[str, int] = {}
+        self.validations_: dict[str, dict[int, tuple[bool, str]]] = {}  # job -> step -> (valid, why not)
 
     # ------------------------------------------------------------ inputs other than findings
     def observe(self, events: Sequence[Event]) -> int:
@@ -163,6 +169,13 @@ class PolicyEngine:
                 if all(c.step != rec.step for c in book):
                     book.append(rec)
                     book.sort(key=lambda c: c.step)
+            elif ev.kind is EventKind.CHECKPOINT_VALIDATED:
+                try:
+                    val = CheckpointValidation.from_event(ev)
+                except SchemaError:
+                    continue
+                why = "" if val.valid else f"{val.result.value}: {val.reasons[0] if val.reasons else 'no reason'}"
+                self.validations_.setdefault(ev.job, {})[val.step] = (val.valid, why)
             elif (ev.kind is EventKind.SDC_CHECK and ev.data.get("passed") is True and ev.step is not None
                   and ev.data.get("culprit_rank") is None):  # a vote against a peer is no clean step
                 self.last_pass_[ev.job] = max(self.last_pass_.get(ev.job, -1), ev.step)
@@ -203,6 +216,7 @@ class PolicyEngine:
         self.checkpoints_.pop(job, None)
         self.last_pass_.pop(job, None)
         self.last_replay_pass_.pop(job, None)
+        self.validations_.pop(job, None)
         self.remaining_.pop(job, None)
         self.rolled_back_ = {k for k in self.rolled_back_ if k.rpartition("@")[0] != job}
 
@@ -375,15 +389,27 @@ class PolicyEngine:
                 Marks(_step(ev.get("last_verified_step")), _step(ev.get("last_replay_step")))]
         seen += [c.marks for c in book]
         classification = ev.get("classification") if isinstance(ev.get("classification"), str) else None
-        marks, bound, target = choose(book, seen, classification, f.step)  # the in-job guard's rule too
+        checked = self.validations_.get(job, {})
+        validity = {step: valid for step, (valid, _) in checked.items()}
+        marks, bound, target = choose(book, seen, classification, f.step, validity=validity,  # the guard's rule too
+                                      require_validation=self.require_validated)
         vouching = "check" if classification == "transient" else "replay"
         watermark = -1 if bound is None else bound
+        # what validation kept out: checkpoints the marks alone would have allowed, newer than the target
+        _, refused = admissible(book, validity, require_validation=self.require_validated)
+        floor = -1 if target is None else target.step
+        passed_over = sorted({c.step for c in refused if floor < c.step <= watermark})
+        refusals = [[s, checked.get(s, (False, "not validated"))[1] or "not validated"] for s in passed_over]
+        validation = {"validation": "required" if validity or self.require_validated else "not_reported",
+                      "refused_checkpoints": refusals}
+        refused_text = "".join(f"; checkpoint step {s} refused ({why})" for s, why in refusals)
         if target is None:
             return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step} "
-                              f"({classification or 'unclassified'}): no checkpoint at or before a passing "
-                              f"{vouching} is known; the run may be unrecoverable, needs a human",
+                              f"({classification or 'unclassified'}): no {'validated ' if refusals else ''}"
+                              f"checkpoint at or before a passing {vouching} is known{refused_text}; the run may "
+                              "be unrecoverable, needs a human",
                               {"last_verified_step": marks.transient, "last_replay_step": marks.deterministic,
-                               "classification": classification, "checkpoints_known": len(book)},
+                               "classification": classification, "checkpoints_known": len(book), **validation},
                               fired=[], guard=Guard.NEEDS_HUMAN)]
         key = f"{job}@{target.step}"
         if key in self.rolled_back_:
@@ -393,8 +419,9 @@ class PolicyEngine:
         return [self._rec(Action.ROLLBACK, f, now, f"SDC in job {job} at step {f.step} "
                           f"({classification or 'unclassified'}): roll back to checkpoint step {target.step} "
                           f"({target.uri or 'no uri'}), the newest at or before the last passing {vouching} "
-                          f"(step {watermark})",
-                          {"target_step": target.step, "target_uri": target.uri, "last_verified_step": marks.transient,
+                          f"(step {watermark}){refused_text}",
+                          {**validation, "target_step": target.step, "target_uri": target.uri,
+                           "last_verified_step": marks.transient,
                            "last_replay_step": marks.deterministic, "bound_step": watermark,
                            "classification": classification, "failed_step": f.step,
                            "discarded_checkpoints": discarded})]
@@ -551,6 +578,8 @@ class PolicyEngine:
             "checkpoints": {j: [[c.step, c.uri, c.last_verified_step, c.last_replay_step] for c in cs]
                             for j, cs in self.checkpoints_.items()},
             "last_pass": dict(self.last_pass_), "last_replay_pass": dict(self.last_replay_pass_),
+            "validations": {j: [[s, v, why] for s, (v, why) in sorted(vs.items())]
+                            for j, vs in self.validations_.items()},
             "watch": self.watch_.to_state(),
         }
 
@@ -574,3 +603,5 @@ class PolicyEngine:
         self.last_pass_ = {k: int(v) for k, v in state.get("last_pass", {}).items()}
         self.watch_.load_state(state.get("watch", {}))
         self.last_replay_pass_ = {k: int(v) for k, v in state.get("last_replay_pass", {}).items()}
+        self.validations_ = {j: {int(r[0]): (bool(r[1]), str(r[2])) for r in rows}
+                             for j, rows in state.get("validations", {}).items()}

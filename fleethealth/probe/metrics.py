@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from http.server import ThreadingHTTPServer
 
+from fleethealth import buildinfo
 from fleethealth.endpoints import Endpoints
 from fleethealth.probe.fields import DCGM_XID_METRIC, FIELDS, XID_METRIC
 from fleethealth.schema import NIC_FIELDS, Event, EventKind, Telemetry
@@ -234,8 +235,8 @@ class ProbeMetrics:
         return out
 
     def render(self) -> bytes:
-        """The whole page in the Prometheus text format."""
-        return "".join(f.render() for f in self.families()).encode()
+        """The whole page in the Prometheus text format, ``fleethealth_build_info`` last."""
+        return ("".join(f.render() for f in self.families()) + buildinfo.render()).encode()
 
     def degraded(self) -> list[str]:
         """Why the probe is degraded now (empty when healthy): ``/healthz`` answers 503 with these."""

@@ -16,8 +16,10 @@ One concern a module:
   columns, one call per batch), ``query``, ``command``, ``migrate``, ``close``;
 * :mod:`~fleethealth.store.translate` — client errors to :class:`~fleethealth.errors.StoreError`;
 * :mod:`~fleethealth.store.migrations` — ``deploy/clickhouse/NNN_name.sql`` (package data of
-  ``fleethealth.migrations`` in a wheel) applied in order, each recorded in ``schema_migrations``
-  and skipped once applied, so running ``migrate()`` twice changes nothing;
+  ``fleethealth.migrations`` in a wheel), read and split; :mod:`~fleethealth.store.migrator` applies
+  them in order under a lock held in the store, each statement recorded so a stopped run resumes
+  (:mod:`~fleethealth.store.steps`: how each kind of statement resumes), each migration recorded in
+  ``schema_migrations`` and skipped once applied, so running ``migrate()`` twice changes nothing;
 * :mod:`~fleethealth.store.cluster` — the cluster form of the migrations (DSN ``?cluster=NAME``):
   replicated local tables under Distributed ones, ``ON CLUSTER``, generated from the same text;
 * :mod:`~fleethealth.store.columns` — schema dataclasses to columns and back (``FLOAT32_FIELDS``);

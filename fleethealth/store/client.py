@@ -17,7 +17,7 @@ import numpy as np
 
 from fleethealth.errors import StoreError
 from fleethealth.store.columns import prepare
-from fleethealth.store.migrations import migrate
+from fleethealth.store.migrator import migrate
 from fleethealth.store.native import encode_native
 from fleethealth.store.protocol import QueryResult
 from fleethealth.store.queries import NamedQueries
@@ -124,10 +124,11 @@ class Store(NamedQueries):
                 raise StoreError(f"no table {table!r} in {self.dsn} (did migrate() run?)")
         return types
 
-    def migrate(self, directory: str | os.PathLike[str] | None = None) -> list[str]:
-        """Apply every migration not yet recorded in ``schema_migrations``; return the names applied
-        (:func:`fleethealth.store.migrations.migrate`)."""
-        return migrate(self, directory)
+    def migrate(self, directory: str | os.PathLike[str] | None = None, **kwargs: Any) -> list[str]:
+        """Apply every migration not yet recorded in ``schema_migrations``, under the store's migration
+        lock; return the names applied (:func:`fleethealth.store.migrator.migrate`, which takes
+        ``kwargs``: ``owner``, ``lock_ttl_s``, ``break_lock``, ``hook``)."""
+        return migrate(self, directory, **kwargs)
 
     def close(self) -> None:
         if self._closed:

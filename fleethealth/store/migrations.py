@@ -1,9 +1,8 @@
-"""The migrations runner: ``deploy/clickhouse/NNN_name.sql`` applied in order, each once.
+"""The migration files: ``deploy/clickhouse/NNN_name.sql``, read, split and put in cluster form.
 
-The files are package data of ``fleethealth.migrations`` in a wheel. :func:`migrate` creates
-``schema_migrations``, applies every file whose version it does not record (its statements one by
-one, split on ``;`` outside quotes), and records it; a failing file is not recorded, so the next
-run retries it. Running it twice changes nothing.
+The files are package data of ``fleethealth.migrations`` in a wheel. The migrator that applies them
+(under a lock, one recorded step at a time, resumable) is :mod:`fleethealth.store.migrator`; each
+file's statements are split on ``;`` outside quotes. Running ``migrate()`` twice changes nothing.
 
 On a store opened with ``?cluster=NAME`` every statement is rewritten for that cluster first
 (:mod:`fleethealth.store.cluster`: replicated local tables, Distributed tables under the names the
@@ -24,13 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleethealth.errors import StoreError
-from fleethealth.store.cluster import LOCAL_SUFFIX, ClusterDDL, migrations_ddl
-from fleethealth.store.translate import first_line
+from fleethealth.store.cluster import LOCAL_SUFFIX, ClusterDDL
 
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
 
-__all__ = ["Migration", "migration_files", "split_statements", "migrate", "pending", "statements", "raw_retention_days",
+__all__ = ["Migration", "migration_files", "split_statements", "pending", "statements", "raw_retention_days",
            "DEFAULT_RAW_RETENTION_DAYS", "RETAINED_TABLES"]
 
 DEFAULT_RAW_RETENTION_DAYS = 14
@@ -40,7 +38,7 @@ RETAINED_TABLES = ("gpu_samples", "gpu_latest", "rank_steps")
 _RETENTION = re.compile(r"TTL received \+ toIntervalDay\((\d+)\)")
 
 _MIGRATION_NAME = re.compile(r"^(\d{3})_[A-Za-z0-9_]+\.sql$")
-_MIGRATIONS_DDL = """
+MIGRATIONS_DDL = """
 CREATE TABLE IF NOT EXISTS schema_migrations
 (
     version UInt32,
@@ -122,33 +120,6 @@ def statements(migrations: list[Migration], cluster: str | None = None) -> list[
         own = split_statements(migration.sql)
         out.append((migration, own if ddl is None else [t for s in own for t in ddl.translate(s)]))
     return out
-
-
-def migrate(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> list[str]:
-    """Apply every migration in ``directory`` not yet recorded in ``schema_migrations`` through
-    ``store.command``; return the names applied. ``store.cluster`` and ``store.raw_retention_days``
-    (from the DSN; absent = a single server and the migrations' retention) are read when set."""
-    cluster = getattr(store, "cluster", None)
-    store.command(_MIGRATIONS_DDL if not cluster else migrations_ddl(cluster))
-    applied = set(store.query("SELECT version FROM schema_migrations FINAL").column("version"))
-    done: list[str] = []
-    for migration, todo in statements(migration_files(directory), cluster):
-        if migration.version in applied:
-            continue
-        for statement in todo:
-            try:
-                store.command(statement)
-            except StoreError as exc:  # say which file failed, with the server's own first line
-                cause = exc.__cause__
-                why = str(exc) if cause is None else first_line(cause)
-                raise StoreError(f"migration {migration.name} failed on {store.dsn}: {why}") from (cause or exc)
-        store.insert("schema_migrations", {"version": [migration.version], "name": [migration.name],
-                                           "checksum": [migration.checksum]})
-        done.append(migration.name)
-    days = getattr(store, "raw_retention_days", None)
-    if days is not None and directory is None:
-        set_raw_retention(store, int(days))
-    return done
 
 
 def pending(store: StoreLike, directory: str | os.PathLike[str] | None = None) -> list[str]:

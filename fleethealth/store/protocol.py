@@ -76,8 +76,10 @@ class StoreLike(Protocol):
         """Insert columns (name -> NumPy array or sequence, all of one length); return the row count."""
         ...
 
-    def migrate(self, directory: str | os.PathLike[str] | None = None) -> list[str]:
-        """Apply the migrations not yet applied; return their names."""
+    def migrate(self, directory: str | os.PathLike[str] | None = None, **kwargs: Any) -> list[str]:
+        """Apply the migrations not yet applied, under the store's migration lock; return their names
+        (``kwargs``: :func:`fleethealth.store.migrator.migrate`'s ``owner``, ``lock_ttl_s``,
+        ``break_lock``, ``hook``)."""
         ...
 
     def close(self) -> None: ...

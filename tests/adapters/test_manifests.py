@@ -1,6 +1,8 @@
 """The Kubernetes manifests and the Dockerfile agree with the code and with Kubernetes' own models.
 
-Every kustomization (the base ``deploy/k8s`` and both overlays) is rendered by the real ``kubectl
+Every kustomization (the base ``deploy/k8s``, the gpu-operator and standalone overlays (production:
+tests/deploy/test_kafka_auth.py), and the test trees under
+``deploy/k8s/tests``: DCGM, and the whole tier in one replica) is rendered by the real ``kubectl
 kustomize`` and every object is read into the ``kubernetes`` client's model of its kind
 (``V1DaemonSet``, ``V1CronJob`` ...) and written back: a field the model does not know (a typo, a
 field at the wrong level) is dropped on the way and fails the comparison. Then: container arguments
@@ -29,7 +31,7 @@ from fleethealth.commands import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TREES = {"base": K8S, "gpu-operator": K8S / "overlays" / "gpu-operator", "standalone": K8S / "overlays" / "standalone",
-         "dcgm": K8S / "tests" / "dcgm"}
+         "dcgm": K8S / "tests" / "dcgm", "whole-tier": K8S / "tests" / "whole-tier"}
 _CRD_GROUPS = {"monitoring.coreos.com"}
 
 
@@ -57,6 +59,8 @@ def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
         elif d["kind"] == "CronJob":
             specs[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif d["kind"] == "Job":
+            specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
     return specs
 
 
@@ -112,7 +116,8 @@ def test_container_arguments_parse_with_the_cli(rendered):
                 assert args.source == want, f"{tree}: probe source {args.source}"
                 if want == "dcgm":
                     assert args.dcgm_host.startswith("nvidia-dcgm.") and args.dcgm_host.endswith(":5555")
-    assert seen == {"probe", "serve", "act", "sweep"}
+    # the API is `serve --no-detect`; the detectors are `detect` stages, or `serve` with components/whole-tier
+    assert seen == {"probe", "serve", "act", "sweep", "migrate"} | ({"detect"} if tree != "whole-tier" else set())
 
 
 def _tolerates(tolerations: list[dict[str, Any]], key: str, value: str | None, effect: str) -> bool:
@@ -238,14 +243,15 @@ def test_services_and_monitors_select_pods_and_ports(rendered):
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
     assert selected(service["spec"]["selector"]) == [{"http"}]
     monitors = [d for d in docs if d["kind"] in {"PodMonitor", "ServiceMonitor"}]
-    assert bool(monitors) == (tree in {"gpu-operator", "dcgm"})
+    assert bool(monitors) == (tree in {"gpu-operator", "dcgm", "whole-tier"})
     assert {m["metadata"]["name"] for m in monitors} >= ({"fleethealth-probe", "fleethealth-detect", "fleethealth-api",
                                                           "fleethealth-act"} if monitors else set())
     for monitor in monitors:
         selector = monitor["spec"]["selector"]["matchLabels"]
-        if monitor["kind"] == "PodMonitor":
-            (ports,) = selected(selector)
-            assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+        if monitor["kind"] == "PodMonitor":  # the detectors' selects every stage
+            chosen = selected(selector)
+            assert chosen, f"{tree}: {monitor['metadata']['name']} selects no pod"
+            assert all({e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports for ports in chosen)
         else:
             assert selector.items() <= service["metadata"]["labels"].items()
             assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
@@ -350,6 +356,41 @@ def test_policy_state_has_one_writer(rendered):
         assert d["spec"].get("replicas", 1) == 1, f"{tree}: {name} runs the policy in {d['spec']['replicas']} replicas"
         assert d["spec"].get("strategy", {}).get("type") == "Recreate", \
             f"{tree}: {name} must be replaced with Recreate (a rolling update runs two policy writers)"
+
+
+STAGE = "fleethealth.io/stage"
+
+
+def test_the_detector_tier_is_staged_unless_whole_tier_is_chosen(rendered):
+    """The default deployment is the staged form (issue 25 §7): node and job stages with replicas of
+    their own, one policy replica replaced with Recreate; components/whole-tier swaps them for one
+    `serve` replica at stage all. Each detector Deployment's command runs the stage its name and
+    label say, in the stage's own consumer group, and the monitors' port is on every one."""
+    tree, docs = rendered
+    parser = build_parser()
+    detectors = {d["metadata"]["name"]: d for d in docs
+                 if d["kind"] == "Deployment" and d["metadata"]["labels"]["app.kubernetes.io/component"] == "detect"}
+    stages = {}
+    for name, d in detectors.items():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        stage = labels[STAGE]
+        assert d["metadata"]["labels"][STAGE] == d["spec"]["selector"]["matchLabels"][STAGE] == stage, name
+        (container,) = d["spec"]["template"]["spec"]["containers"]
+        args = parser.parse_args(container["args"])
+        if stage == "all":
+            assert name == "fleethealth-detect" and args.command == "serve" and not args.no_detect, name
+        else:
+            assert name == f"fleethealth-detect-{stage}", name
+            assert (args.command, args.stage) == ("detect", stage), f"{tree}: {name} runs {args}"
+            port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+            assert args.metrics_port == port, f"{tree}: {name} serves /metrics on {args.metrics_port}, not {port}"
+        stages[stage] = d["spec"].get("replicas", 1)
+    if tree == "whole-tier":
+        assert stages == {"all": 1}
+    else:
+        assert set(stages) == {"node", "job", "policy"}, f"{tree}: {sorted(stages)}"
+        assert stages["policy"] == 1 and stages["node"] > 1 and stages["job"] > 1, stages
+        assert detectors["fleethealth-detect-policy"]["spec"]["strategy"]["type"] == "Recreate"
 
 
 def test_the_probe_tolerates_every_taint_and_raises_the_queue_without_a_binary(rendered, tmp_path):

@@ -35,7 +35,7 @@ def served(tmp_path):
     (tmp_path / "token").write_text("tok-" + "x" * 20 + "\n")
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "fleethealth", "serve", "--data", str(tmp_path / "data"),
-                             "--port", str(port), "--token-file", str(tmp_path / "token")],
+                             "--port", str(port), "--token-file", str(tmp_path / "token"), "--migrate"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FLEETHEALTH_API_TOKEN": ""})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

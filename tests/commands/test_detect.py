@@ -71,7 +71,7 @@ def test_until_caught_up_logs_the_join_and_start_offsets_then_exits_once_read_to
             producer.flush()
         store = f"chdb://{tmp_path}/store"
         argv = [sys.executable, "-m", "fleethealth", "detect", "--kafka", running.dsn, "--store", store,
-                "--group", "fh-batch", "--metrics-port", "0", "--until-caught-up"]
+                "--group", "fh-batch", "--metrics-port", "0", "--until-caught-up", "--migrate"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
         first = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
         assert first.returncode == 0, first.stderr
@@ -99,7 +99,8 @@ def test_a_broker_that_comes_up_after_detect_started_is_waited_for_with_a_log_li
 
     port = free_port()
     argv = [sys.executable, "-m", "fleethealth", "detect", "--kafka", f"kafka://127.0.0.1:{port}", "--store",
-            f"chdb://{tmp_path}/store", "--group", "fh-late", "--metrics-port", "0", "--until-caught-up"]
+            f"chdb://{tmp_path}/store", "--group", "fh-late", "--metrics-port", "0", "--until-caught-up",
+            "--migrate"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []

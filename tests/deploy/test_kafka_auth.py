@@ -53,17 +53,34 @@ EXPECTED = {
 }
 _OPERATIONS = {"Read", "Write", "Create", "Delete", "Alter", "Describe", "ClusterAction", "AlterConfigs",
                "DescribeConfigs", "IdempotentWrite", "All"}
-WORKLOADS = {"fleethealth-probe": "fh-probe-gpu", "fleethealth-detect": "fh-detect", "fleethealth-act": "fh-act",
-             "fleethealth-sweep": "fh-sweep"}
+WORKLOADS = {"probe": "fh-probe-gpu", "detect": "fh-detect", "act": "fh-act", "sweep": "fh-sweep"}
+"""Each workload's principal, by its app.kubernetes.io/component label (every detector stage is fh-detect)."""
+WHOLE_TIER = ("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{standalone}]\n"
+              "components: [{whole_tier}, {kafka_auth}]\n")
+"""An operator's small install with identities: the whole tier listed before kafka-auth (deploy/README.md)."""
 
 
-@pytest.fixture(scope="module")
-def docs() -> list[dict[str, Any]]:
+def _render(tree: Path) -> list[dict[str, Any]]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl not installed: cannot render the kustomization (install kubectl >= 1.27)")
-    out = subprocess.run(["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {OVERLAY} failed: {out.stderr}"
+    out = subprocess.run(["kubectl", "kustomize", str(tree)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {tree} failed: {out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=["production", "whole-tier"])
+def docs(request, tmp_path_factory) -> list[dict[str, Any]]:
+    import os
+
+    if request.param == "production":
+        return _render(OVERLAY)
+    mine = tmp_path_factory.mktemp("whole-tier")
+    k8s = ROOT / "deploy" / "k8s"
+    (mine / "kustomization.yaml").write_text(WHOLE_TIER.format(
+        standalone=os.path.relpath(k8s / "overlays" / "standalone", mine),
+        whole_tier=os.path.relpath(k8s / "components" / "whole-tier", mine),
+        kafka_auth=os.path.relpath(k8s / "components" / "kafka-auth", mine)))
+    return _render(mine)
 
 
 def _users(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -133,13 +150,15 @@ def test_each_principal_may_do_exactly_what_it_needs(docs):
         assert {n for (kind, n) in _grants(user) if kind == "topic"} <= every_topic, name
 
 
-def _containers(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+def _containers(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any], str]]:
+    """name -> (pod spec, first container, component label) of every workload."""
     out = {}
     for d in docs:
         spec = (d["spec"]["jobTemplate"]["spec"]["template"]["spec"] if d["kind"] == "CronJob"
                 else d["spec"]["template"]["spec"] if d["kind"] in {"Deployment", "DaemonSet"} else None)
         if spec is not None:
-            out[d["metadata"]["name"]] = (spec, spec["containers"][0])
+            component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+            out[d["metadata"]["name"]] = (spec, spec["containers"][0], component)
     return out
 
 
@@ -147,23 +166,25 @@ def test_each_workload_authenticates_as_its_own_principal(docs):
     from urllib.parse import parse_qs
 
     parser = build_parser()
-    for workload, (spec, container) in _containers(docs).items():
+    workloads = _containers(docs)
+    assert {c for _, _, c in workloads.values()} >= set(WORKLOADS)
+    for workload, (spec, container, component) in workloads.items():
         env = {e["name"]: e for e in container.get("env", [])}
-        if workload not in WORKLOADS:
+        if component not in WORKLOADS:
             assert "KAFKA_DSN" not in env, f"{workload} has Kafka credentials it does not use"
             continue
-        var = "FLEETHEALTH_KAFKA" if workload == "fleethealth-sweep" else "KAFKA_DSN"
+        var = "FLEETHEALTH_KAFKA" if component == "sweep" else "KAFKA_DSN"
         assert set(env[var]) == {"name", "value"}, f"{workload}: {env[var]}"
         dsn = env[var]["value"]
         scheme, hosts = parse_dsn(dsn)
         assert scheme == "kafka" and hosts and all(h.endswith(":9093") for h in hosts)
         options = {k: v[0] for k, v in parse_qs(dsn.split("?", 1)[1]).items()}
-        assert options["username"] == WORKLOADS[workload], workload
+        assert options["username"] == WORKLOADS[component], workload
         assert options["security_protocol"] == "SASL_SSL" and options["sasl_mechanism"] == "SCRAM-SHA-512"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in spec["volumes"]}
         password = volumes[mounts[str(Path(options["password_file"]).parent)]]["secret"]
-        assert password["secretName"] == WORKLOADS[workload], f"{workload} mounts another principal's password"
+        assert password["secretName"] == WORKLOADS[component], f"{workload} mounts another principal's password"
         assert password["items"] == [{"key": "password", "path": Path(options["password_file"]).name}]
         ca = volumes[mounts[str(Path(options["ssl_cafile"]).parent)]]["secret"]
         assert ca["secretName"] == "fleethealth-kafka-ca"
@@ -213,3 +234,34 @@ def test_the_script_help_runs_nothing():
         assert out.returncode == 0 and "--dry-run" in out.stdout and not called.exists(), out
         bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30, env=env)
         assert bad.returncode == 2 and "unknown argument" in bad.stderr and not called.exists()
+
+
+def _stage_groups(docs: list[dict[str, Any]]) -> set[str]:
+    """The consumer group each detector Deployment joins, as ``fleethealth detect`` names it
+    (``--group``, with the stage appended for node, job and policy; the whole tier's ``serve`` uses
+    the default group at stage all)."""
+    from fleethealth.commands.detect import stage_group
+    from fleethealth.config import COMMAND_KEYS
+
+    parser = build_parser()
+    default = next(k.default for k in COMMAND_KEYS if k.name == "detect.group")
+    groups = set()
+    for d in docs:
+        if d["kind"] != "Deployment" or d["metadata"]["labels"].get("app.kubernetes.io/component") != "detect":
+            continue
+        args = parser.parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+        groups.add(stage_group(getattr(args, "group", default), getattr(args, "stage", "all")))
+    return groups
+
+
+def test_every_detector_deployments_group_is_granted(docs):
+    """Each stage joins a consumer group of its own (fh-detect-node, -job, -policy; fh-detect for the
+    whole tier): the detectors' principal may read in every group a rendered Deployment joins, in
+    the KafkaUser and in acls.sh alike, or the stage is refused at its first JoinGroup."""
+    groups = _stage_groups(docs)
+    assert groups, "no detector Deployment rendered"
+    granted = {name for (kind, name), ops in _grants(_users(docs)["fh-detect"]).items()
+               if kind == "group" and {"Read", "Describe"} <= ops}
+    assert groups <= granted, f"groups not granted to fh-detect: {sorted(groups - granted)}"
+    script = {name for (kind, name), ops in _script_grants()["fh-detect"].items() if kind == "group" and "Read" in ops}
+    assert groups <= script, f"acls.sh does not grant {sorted(groups - script)}"

@@ -158,7 +158,7 @@ def test_through_the_broker_and_fleethealth_detect_on_chdb(broker, tmp_path) -> 
     store = f"chdb://{tmp_path}/store"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
     run = subprocess.run([sys.executable, "-m", "fleethealth", "detect", "--kafka", broker.dsn, "--store", store,
-                          "--group", "fh-job-end", "--metrics-port", "0", "--until-caught-up"],
+                          "--group", "fh-job-end", "--metrics-port", "0", "--until-caught-up", "--migrate"],
                          capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr
     with open_store(store) as s:

@@ -78,7 +78,7 @@ def _publish(dsn: str) -> None:
 
 def _detect(dsn: str, store: str, group: str, secret_file: Path, mode: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "fleethealth", "detect", "--kafka", dsn, "--store", store, "--group", group,
-            "--metrics-port", "0", "--until-caught-up", "--set", f"signing.mode={mode}",
+            "--metrics-port", "0", "--until-caught-up", "--migrate", "--set", f"signing.mode={mode}",
             "--set", f"signing.fleet_secret_file={secret_file}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
     return subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)

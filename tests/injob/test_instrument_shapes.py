@@ -177,7 +177,7 @@ def test_end_to_end_the_detectors_find_the_straggler_and_no_other_rank(run, brok
     store = f"chdb://{tmp_path}/store"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
     detect = subprocess.run([sys.executable, "-m", "fleethealth", "detect", "--kafka", broker.dsn, "--store", store,
-                             "--group", "fh-shapes", "--metrics-port", "0", "--until-caught-up",
+                             "--group", "fh-shapes", "--metrics-port", "0", "--until-caught-up", "--migrate",
                              "--set", "detect.straggler.min_group=4"],
                             capture_output=True, text=True, timeout=180, env=env)
     assert detect.returncode == 0, detect.stderr[-4000:]

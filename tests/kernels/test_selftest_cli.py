@@ -74,6 +74,8 @@ def test_results_go_to_the_store_and_become_fleet_baselines(tmp_path, capsys: py
     from fleethealth.store import open_store
 
     dsn = f"chdb://{tmp_path}/store"
+    with open_store(dsn) as store:  # selftest --store checks the schema, never migrates it
+        store.migrate()
     for _ in range(3):
         assert main(["selftest", "--device", "cpu", "--only", "gemm_exact_fp32", "--store", dsn, "--node", "n0003",
                      "--json"]) == 0

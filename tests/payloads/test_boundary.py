@@ -2,8 +2,9 @@
 
 Read from the source (static imports, including those inside functions): the payloads import only
 the schema, the errors, the standard library and NumPy; nothing outside ``fleethealth/injob/``
-imports the in-job library but a training job (the in-job demo's); and the in-job modules import each
-other without a circle.
+imports the in-job library but a training job (the in-job demo's) and the checkpoint command (the
+in-job library's checkpoint validation, run on the training side before a resume); and the in-job
+modules import each other without a circle.
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ def test_payloads_import_only_the_floor_below(source_modules) -> None:
 # training jobs are the in-job library's users, not part of the streaming side: like examples/, the
 # in-job demo's training job imports the library (its launcher does not)
 _TRAINING_JOBS = ("fleethealth.demo_injob_worker",)
+# `fleethealth checkpoint validate` runs the in-job validation of fleethealth.injob.ckptcheck on a spare
+# node before a resume: the training side's tool, never loaded by the streaming tier
+_TRAINING_SIDE_COMMANDS = ("fleethealth.commands.checkpoint",)
 
 
 def test_nothing_outside_the_injob_package_imports_it(source_modules) -> None:
     offenders = [(name, imp) for name, path in source_modules.items()
-                 if not name.startswith("fleethealth.injob") and name not in _TRAINING_JOBS
+                 if not name.startswith("fleethealth.injob") and name not in _TRAINING_JOBS + _TRAINING_SIDE_COMMANDS
                  for imp in _imports(path) if imp == "fleethealth.injob" or imp.startswith("fleethealth.injob.")]
     assert offenders == []
 
