@@ -55,8 +55,9 @@ CONFIG_ENV = "FLEETHEALTH_CONFIG"
 ENV_NOT_KEYS: dict[str, str] = {
     CONFIG_ENV: "the config file when no --config is given",
     "FLEETHEALTH_API_TOKEN": "serve's bearer token for write endpoints (a secret: never a config key)",
-    "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` sends it (a secret)",
+    "FLEETHEALTH_READ_TOKEN": "serve's bearer token for reads; `query` and the in-job interval poll send it (a secret)",
     "FLEETHEALTH_JOB": "the training job's id, read by the in-job library",
+    "FLEETHEALTH_API": "the API's base URL, read by the in-job library's recommended_checkpoint_interval",
 }
 """``FLEETHEALTH_*`` variables that are not configuration keys, and what reads each."""
 DEFAULT_SOURCE = "default"
@@ -437,7 +438,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("probe.socket_node_events_per_s", "float", 20.0, "event datagrams all jobs together may send per second"),
     Key("probe.socket_node_event_burst", "int", 200, "event datagrams all jobs together may send at once"),
     Key("probe.socket_max_ranks", "int", 256, "ranks one step of a job may carry on this node; more are dropped"),
-    Key("probe.socket_event_kinds", "str", "sdc_check,hang_report,checkpoint,checkpoint_validated,job_start,job_exit",
+    Key("probe.socket_event_kinds", "str",
+        "sdc_check,hang_report,checkpoint,checkpoint_validated,checkpoint_cost,job_start,job_exit",
         "event kinds a training process may send on the socket (node kinds such as xid come from the probe's "
         "own sources)"),
     Key("probe.rollback_relay", "bool", True, "write the policy's newest rollback for each job on this node to "

@@ -144,6 +144,7 @@ class EventKind(StrEnum):
     INTERRUPTION = "interruption"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_VALIDATED = "checkpoint_validated"  # a checkpoint's files checked after its save: valid or why not
+    CHECKPOINT_COST = "checkpoint_cost"  # in-job: how long a save blocked training, how long its background write took
     SCHEDULER_ACTION = "scheduler_action"
     JOB_START = "job_start"
     JOB_EXIT = "job_exit"
@@ -742,7 +743,7 @@ class StepBlock:
 JOB_EVENT_KINDS = frozenset({EventKind.SDC_CHECK, EventKind.HANG_REPORT, EventKind.CHECKPOINT,
                              EventKind.CHECKPOINT_VALIDATED, EventKind.JOB_START,
                              EventKind.JOB_EXIT, EventKind.INTERRUPTION, EventKind.JOB_PROGRESS,
-                             EventKind.JOB_END})
+                             EventKind.JOB_END, EventKind.CHECKPOINT_COST})
 """Kinds a training job (or the detectors, for ``interruption``, ``job_progress`` and ``job_end``) sends
 about itself: keyed by job when
 they name one, so they share a partition number with the job's step batches."""

@@ -37,6 +37,7 @@ from fleethealth.api.analyst import AnalystQueries, QueryLimits
 from fleethealth.api.sqlgate import SqlGate
 from fleethealth.api.views import NotFound
 from fleethealth.errors import StoreError
+from fleethealth.policy.interval import IntervalEstimator
 
 if TYPE_CHECKING:
     from fleethealth.store.protocol import StoreLike
@@ -104,7 +105,8 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
                max_execution_s: float = DEFAULT_MAX_EXECUTION_S, registry: CollectorRegistry | None = None,
                on_breaker_reset: Callable[[], None] | None = None,
                clock: Callable[[], float] = time.time, limits: QueryLimits | None = None,
-               query_store: StoreLike | None = None, release_keys: Any = None) -> FastAPI:
+               query_store: StoreLike | None = None, release_keys: Any = None,
+               interval: IntervalEstimator | None = None) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
     ``token`` guards the write endpoints (``None``: writes refused); ``read_token`` (or ``token``)
@@ -117,7 +119,8 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     policy engine in the same process closes its breaker at once (others pick the reset up from
     the ``breaker`` table). ``clock`` stamps acknowledgements and resets. ``release_keys`` (a
     :class:`fleethealth.signing.KeyRing`): a release then also needs the stored self-test record to
-    carry the node's own signature (:func:`fleethealth.signing.verify_record`).
+    carry the node's own signature (:func:`fleethealth.signing.verify_record`). ``interval`` estimates
+    each run's checkpoint interval (``GET /v1/runs/{job}/health``; default: the ``policy.interval.*`` defaults).
     """
     if max_rows < 1 or max_execution_s <= 0:
         raise ValueError(f"max_rows must be >= 1 and max_execution_s > 0, got {max_rows}, {max_execution_s}")
@@ -136,6 +139,7 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     app.state.on_breaker_reset = on_breaker_reset
     app.state.clock = clock
     app.state.release_keys = release_keys
+    app.state.interval = interval if interval is not None else IntervalEstimator()
     require = _bearer((token,), metrics, scope="write")
     if open_reads:
         log.warning("reads are open: anyone who reaches this API can read the store (--open-reads)")

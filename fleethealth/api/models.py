@@ -111,6 +111,24 @@ class NodeDetail(BaseModel):
     quarantine_history: list[dict[str, Any]]
 
 
+class CheckpointAdvice(BaseModel):
+    """The checkpoint interval from measured inputs (seed 000 §3 ``interval: "auto"``, §6): seconds, and
+    overheads as fractions of wall-clock (lower is better); ``basis`` states the window, the estimator
+    and where each input came from (:mod:`fleethealth.policy.interval`)."""
+
+    interval_s_now: float | None = Field(description="median spacing of the job's recent checkpoints; null "
+                                                     "with fewer than two")
+    interval_s_recommended: float = Field(description="Young's (or Daly's) interval for mtbf_s and c_s, clamped")
+    mtbf_s: float = Field(description="the job's MTBF: pooled estimate, see basis.mtbf")
+    c_s: float = Field(description="checkpoint cost: mean time a save blocked training")
+    r_s: float = Field(description="restart cost: mean of the four measured MTTR phases")
+    overhead_now: float | None
+    overhead_at_optimum: float
+    restart_term: float = Field(description="R/M: the part of the overhead no interval changes")
+    at: float = Field(description="event time the window ends at, epoch seconds")
+    basis: dict[str, Any]
+
+
 class RunHealth(BaseModel):
     """Seed 000 §3 ``GET /runs/{id}/health``; the step time is the slowest rank's compute time."""
 
@@ -126,6 +144,8 @@ class RunHealth(BaseModel):
     interruptions: list[dict[str, Any]]
     quarantined_nodes: list[dict[str, Any]]
     sdc_checks: dict[str, Any] = Field(description="last check, its status (pass | fail | none), counts")
+    checkpoint: CheckpointAdvice | None = Field(default=None, description="the checkpoint interval from the "
+                                                "measured failure rate, checkpoint and restart costs")
 
 
 class QuarantineOut(BaseModel):

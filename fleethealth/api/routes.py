@@ -90,7 +90,7 @@ def read_router(dependencies: Sequence[Any] = ()) -> APIRouter:
 
     @router.get("/v1/runs/{job}/health", response_model=models.RunHealth, tags=["runs"], responses=_PROBLEMS)
     def run_health(request: Request, job: JobName) -> Any:
-        return views.run_health(_store(request), job)
+        return views.run_health(_store(request), job, interval=request.app.state.interval)
 
     @router.get("/v1/runs/{job}/timeline", tags=["runs"], responses=_PROBLEMS)
     def run_timeline(request: Request, job: JobName) -> dict[str, Any]:

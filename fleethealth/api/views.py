@@ -21,6 +21,7 @@ import numpy as np
 from fleethealth.errors import FleetHealthError
 from fleethealth.policy import quarantine as qb
 from fleethealth.policy.goodput import Interruption, Timeline, distinct_stops, goodput, ideal_step_time, timeline
+from fleethealth.policy.interval import IntervalEstimator, advise
 from fleethealth.schema import Event, EventKind
 from fleethealth.store.columns import loads_lenient
 
@@ -223,8 +224,11 @@ def _sdc_summary(store: StoreLike, job: str) -> dict[str, Any]:
             "failed": failed}
 
 
-def run_health(store: StoreLike, job: str, *, slow_window: int = 100) -> dict[str, Any]:
-    """Step time p50/max, slowest rank, goodput, interruptions, quarantined nodes, last SDC check."""
+def run_health(store: StoreLike, job: str, *, slow_window: int = 100,
+               interval: IntervalEstimator | None = None) -> dict[str, Any]:
+    """Step time p50/max, slowest rank, goodput, interruptions, quarantined nodes, last SDC check, and
+    the checkpoint interval from the measured MTBF, checkpoint and restart costs (``interval`` sets
+    how they are estimated: :mod:`fleethealth.policy.interval`)."""
     if not job_exists(store, job):
         raise NotFound(f"unknown job {job!r}")
     steps, step_s, end_ts = _step_times(store, job)
@@ -244,4 +248,6 @@ def run_health(store: StoreLike, job: str, *, slow_window: int = 100) -> dict[st
     out["quarantined_nodes"] = [q.to_obj() for q in qb.quarantined(store)
                                 if job in q.runs_affected or q.node in placed]
     out["sdc_checks"] = _sdc_summary(store, job)
+    advice = advise(store, job, estimator=interval)
+    out["checkpoint"] = None if advice is None else advice.to_obj()
     return out

@@ -35,6 +35,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("policy", "fleethealth.policy.engine", "PolicyEngine", ()),
     ("policy.paging", "fleethealth.policy.paging", "Pager", ()),
     ("checkpoint", "fleethealth.injob.ckptcheck.rules", "CheckpointRules", ()),
+    ("policy.interval", "fleethealth.policy.interval", "IntervalEstimator", ()),
 )
 """Where each detector and policy table's keys come from: the keyword parameters of that class."""
 

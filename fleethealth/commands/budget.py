@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fleethealth.commands._settings import add_config_flags, load_settings
+
 __all__ = ["add"]
 
 
@@ -14,12 +16,25 @@ def add(sub: argparse._SubParsersAction) -> None:
                                    "automatic interval from measured MTBF, and a baseline-vs-candidate "
                                    "reliability budget in charged accelerator-hours (seed 003).")
     bs = p.add_subparsers(dest="budget_command", metavar="SUBCOMMAND", required=True)
-    yd = bs.add_parser("young-daly", help="optimal interval and the three overhead terms")
-    yd.add_argument("--checkpoint-s", type=float, required=True, metavar="C", help="checkpoint cost, seconds")
-    yd.add_argument("--mtbf-h", type=float, required=True, metavar="M", help="job MTBF, hours")
-    yd.add_argument("--restart-s", type=float, required=True, metavar="R", help="restart cost, seconds")
+    yd = bs.add_parser("young-daly", help="optimal interval and the three overhead terms",
+                       description="Give C, M and R, or --job ID to read them as measured from the store: the "
+                                   "job's MTBF (pooled with the fleet's failure rate for its size), the mean time "
+                                   "its saves blocked training and its measured restarts (policy.interval.* keys "
+                                   "set the window and the estimator).")
+    yd.add_argument("--checkpoint-s", type=float, default=None, metavar="C", help="checkpoint cost, seconds")
+    yd.add_argument("--mtbf-h", type=float, default=None, metavar="M", help="job MTBF, hours")
+    yd.add_argument("--restart-s", type=float, default=None, metavar="R", help="restart cost, seconds")
     yd.add_argument("--interval-s", type=float, default=None, metavar="T",
-                    help="evaluate the terms at this interval (default: the optimum)")
+                    help="evaluate the terms at this interval (default: with --job the job's interval now, "
+                         "else the optimum)")
+    yd.add_argument("--job", default=None, metavar="ID", help="read C, M and R of this job from the store")
+    yd.add_argument("--data", default="fleethealth-data", metavar="DIR",
+                    help="with --job: the data directory of a demo or `fleethealth detect` (DIR/store; "
+                         "default: %(default)s)")
+    yd.add_argument("--store", default=None, metavar="DSN", help="with --job: a store DSN instead of DIR/store")
+    yd.add_argument("--at", type=float, default=None, metavar="TS",
+                    help="with --job: as it stood at this event time, epoch seconds (default: the job's newest step)")
+    add_config_flags(yd)
     yd.add_argument("--json", action="store_true", help="print one JSON object")
     yd.set_defaults(run=run)
     iv = bs.add_parser("interval", help="automatic checkpoint interval from measured MTBF and checkpoint cost")
@@ -46,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.errors import ConfigError
     from fleethealth.policy import budget
 
+    if args.budget_command == "young-daly" and args.job is not None:
+        return _measured(args)
+    if args.budget_command == "young-daly" and args.at is not None:
+        raise ConfigError("--at goes with --job")
     if args.budget_command == "young-daly":
+        missing = [f for f, v in (("--checkpoint-s", args.checkpoint_s), ("--mtbf-h", args.mtbf_h),
+                                  ("--restart-s", args.restart_s)) if v is None]
+        if missing:
+            raise ConfigError(f"give {', '.join(missing)}, or --job ID to read the measured values from the store")
         result = budget.young_daly(args.checkpoint_s, args.mtbf_h * 3600.0, args.restart_s, args.interval_s)
     elif args.budget_command == "interval":
         mtbf_s = None if args.mtbf_h is None else args.mtbf_h * 3600.0
@@ -66,5 +89,34 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(orjson.dumps(result.to_obj(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
+        print(result.to_text())
+    return 0
+
+
+def _measured(args: argparse.Namespace) -> int:
+    """``young-daly --job ID``: C, M and R as the store measured them (:mod:`fleethealth.policy.interval`)."""
+    import orjson
+
+    from fleethealth.commands._common import open_store_at, store_dsn
+    from fleethealth.errors import ConfigError
+    from fleethealth.policy import budget
+    from fleethealth.policy.interval import IntervalEstimator, advise
+
+    given = [f for f, v in (("--checkpoint-s", args.checkpoint_s), ("--mtbf-h", args.mtbf_h),
+                            ("--restart-s", args.restart_s)) if v is not None]
+    if given:
+        raise ConfigError(f"--job reads C, M and R from the store; leave out {', '.join(given)}")
+    estimator = IntervalEstimator(**load_settings(args).section("policy.interval", changed_only=True))
+    with open_store_at(store_dsn(args.store, args.data), migrate=False) as store:
+        advice = advise(store, args.job, estimator=estimator, at=args.at)
+    if advice is None:
+        raise ConfigError(f"the store holds no record of job {args.job!r}")
+    result = budget.young_daly(max(advice.c_s, 1e-3), advice.mtbf_s, advice.r_s,
+                               args.interval_s if args.interval_s is not None else advice.interval_s_now)
+    if args.json:
+        obj = {"job": args.job, **result.to_obj(), "checkpoint": advice.to_obj()}
+        sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(advice.to_text())
         print(result.to_text())
     return 0

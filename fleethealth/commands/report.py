@@ -14,7 +14,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                        description="Read one job's steps, telemetry, events, findings and recommendations from "
                                    "the store and write one self-contained HTML page (inline SVG plots, no "
                                    "network needed): per-rank compute heatmap, rack temperature map, timeline "
-                                   "of findings and recommendations, SDC timeline, goodput waterfall and ETTR.")
+                                   "of findings and recommendations, SDC timeline, goodput waterfall and ETTR, and the "
+                                   "checkpoint interval with its inputs.")
     p.add_argument("--data", default="fleethealth-data", metavar="DIR",
                    help="the data directory of a demo or `fleethealth detect` (DIR/store; default: %(default)s)")
     p.add_argument("--store", default=None, metavar="DSN", help="a store DSN instead of DIR/store")

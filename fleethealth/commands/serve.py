@@ -78,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
 
     from fleethealth.api import create_app
     from fleethealth.commands.detect import build_runner
+    from fleethealth.policy.interval import IntervalEstimator
 
     settings = load_settings(args)
     from fleethealth.probe.logs import configure_logging
 
     configure_logging(settings["log.level"], settings["log.format"])
+    interval = IntervalEstimator(**settings.section("policy.interval", changed_only=True)).check()
     token = _api_token(settings["serve.token_file"])
     read_token = _api_token(settings["serve.read_token_file"], flag="--read-token-file", env="FLEETHEALTH_READ_TOKEN")
     open_reads = bool(settings["serve.open_reads"])
@@ -141,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         query_store = stack.enter_context(open_store_at(settings["serve.query_store"] or store_dsn, migrate=False))
         app = create_app(store, token=token, read_token=read_token, open_reads=open_reads,
                          registry=registry, on_breaker_reset=hook, query_store=query_store,
-                         release_keys=_release_keys(settings))
+                         release_keys=_release_keys(settings),
+                         interval=interval)
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order

@@ -1,10 +1,10 @@
 """The in-job library: runs inside training processes, imports nothing heavier than torch and the wire format.
 
 Names are resolved lazily, so ``import fleethealth.injob`` (and the torch-free modules: reporter,
-watermark, invariants, replay, results, watchdog, timer, inbox) work on a node without torch; the torch
-modules (digest, recompute, selfcheck, crossrank, distributed, guard, instrument) load on first use of one of
-their names. The check records on the wire live in :mod:`fleethealth.payloads`, which the streaming
-side reads too; they are re-exported here.
+watermark, invariants, replay, results, watchdog, timer, inbox, ckptcost, advisor) work on a node
+without torch; the torch modules (digest, recompute, selfcheck, crossrank, distributed, guard,
+instrument) load on first use of one of their names. The check records on the wire live in
+:mod:`fleethealth.payloads`, which the streaming side reads too; they are re-exported here.
 
 - :func:`instrument` — times each step's local compute on the right side of the collective (plain,
   DDP, FSDP2, gradient accumulation; CUDA events on a GPU) and reports it through a :class:`StepTimer`.
@@ -17,6 +17,10 @@ side reads too; they are re-exported here.
 - :class:`FaultInjector` — a transient or deterministic fault, off unless a loop attaches one (demos, drills).
 - :class:`CheckpointValidator` — each checkpoint validated after its save in a background thread
   (:mod:`fleethealth.injob.ckptcheck`: shards, digests, a CPU test load, norms), ``checkpoint_validated`` events.
+- :class:`SaveTimer`, :func:`report_checkpoint_cost` — how long each checkpoint save blocked training and
+  how long its background write took (``checkpoint_cost``).
+- :func:`recommended_checkpoint_interval`, :class:`IntervalAdvisor` — the service's checkpoint interval for
+  this job from its measured failure rate and costs, polled in the background, read without waiting.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ _EXPORTS: dict[str, str] = {
     "job_exit_event": "fleethealth.payloads.job",
     "Watermark": "watermark",
     "RollbackInbox": "inbox",
+    "SaveTimer": "ckptcost",
+    "report_checkpoint_cost": "ckptcost",
+    "CheckpointCost": "fleethealth.payloads.checkpoint_cost",
+    "checkpoint_cost_event": "fleethealth.payloads.checkpoint_cost",
+    "IntervalAdvisor": "advisor",
+    "recommended_checkpoint_interval": "advisor",
     "Advice": "fleethealth.payloads.advice",
     "Retention": "watermark",
     "retention": "watermark",

@@ -7,6 +7,7 @@ training process and the detectors meet here and nowhere else.
 - :mod:`~fleethealth.payloads.hang_report` — ``hang_report`` events: :class:`HangReport`, and
   :class:`RankStacks` as a ``hang`` finding lists them.
 - :mod:`~fleethealth.payloads.checkpoint` — ``checkpoint`` events: :class:`CheckpointRecord`.
+- :mod:`~fleethealth.payloads.checkpoint_cost` — ``checkpoint_cost`` events: :class:`CheckpointCost`.
 - :mod:`~fleethealth.payloads.validation` — ``checkpoint_validated`` events: :class:`CheckpointValidation`.
 - :mod:`~fleethealth.payloads.sdc_evidence` — an ``sdc`` finding's evidence: :class:`SdcEvidence`.
 - :mod:`~fleethealth.payloads.rollback` — the rollback rule: :func:`rollback_target`.
@@ -16,6 +17,7 @@ training process and the detectors meet here and nowhere else.
 from __future__ import annotations
 
 from fleethealth.payloads.checkpoint import CheckpointRecord, checkpoint_event
+from fleethealth.payloads.checkpoint_cost import CheckpointCost, checkpoint_cost_event
 from fleethealth.payloads.hang_report import HangReport, RankStacks, hang_report_event
 from fleethealth.payloads.job import ExitStatus, JobExit, JobStart, job_exit_event, job_start_event
 from fleethealth.payloads.rollback import rollback_target
@@ -25,6 +27,7 @@ from fleethealth.payloads.validation import CheckpointValidation, ValidationResu
 
 __all__ = [
     "CheckKind",
+    "CheckpointCost",
     "CheckpointRecord",
     "CheckpointValidation",
     "Classification",
@@ -36,6 +39,7 @@ __all__ = [
     "SdcCheck",
     "SdcEvidence",
     "ValidationResult",
+    "checkpoint_cost_event",
     "checkpoint_event",
     "checkpoint_validated_event",
     "classify",

@@ -81,7 +81,7 @@ class SocketLimits:
     max_jobs: int = 1024
     """Jobs whose event buckets are remembered (the least recently used is forgotten)."""
     event_kinds: frozenset[str] = frozenset({"sdc_check", "hang_report", "checkpoint", "checkpoint_validated",
-                                             "job_start", "job_exit"})
+                                             "checkpoint_cost", "job_start", "job_exit"})
     """Event kinds a training process may send (``probe.socket_event_kinds``): what the in-job
     library reports about its job. Node kinds (``xid``, ``gpu_lost``, ``selftest`` …) come from the
     probe's own sources, never from the socket."""

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SECTIONS", "Built", "build", "render", "write", "require_extra", "check_writable"]
 
-SECTIONS = ("heatmap", "temperature", "timeline", "sdc", "goodput", "scorecard")
+SECTIONS = ("heatmap", "temperature", "timeline", "sdc", "goodput", "checkpoint", "scorecard")
 """The page's sections, in order (``scorecard`` only for a scenario run); each has ``id`` = its name.
 A closed-loop demo adds ``closedloop``."""
 
@@ -55,7 +55,7 @@ def build(store: StoreLike, job: str | None = None, *, scorecard: Scorecard | No
     steps: list[tuple[str, Callable[[], str]]] = [
         ("heatmap", lambda: plots.heatmap(data)), ("temperature", lambda: plots.temperature(data)),
         ("timeline", lambda: plots.timeline(data)), ("sdc", lambda: plots.sdc(data)),
-        ("goodput", lambda: plots.waterfall(data)),
+        ("goodput", lambda: plots.waterfall(data)), ("checkpoint", lambda: plots.checkpoint_interval(data)),
     ]
     if scorecard is not None:
         steps.append(("scorecard", lambda: plots.scorecard(scorecard)))

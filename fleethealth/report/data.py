@@ -12,6 +12,10 @@ The goodput waterfall follows seed 002's badput buckets over the job's wallclock
   ``interruption`` events' MTTR phases; recomputation = lost steps × ideal step time.
 
 ETTR = productive / (productive + every bucket).
+
+The checkpoint interval (:mod:`fleethealth.policy.interval`) is evaluated at :data:`INTERVAL_POINTS`
+moments over the job's span and at each of its interruptions, from one read of the store: the last
+is the interval the API recommends now, the series shows how it and its inputs moved.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.evidence import MIN_COMPARABLE_RANKS
 from fleethealth.policy.goodput import Interruption, distinct_stops, ideal_step_time
+from fleethealth.policy.interval import CheckpointAdvice, IntervalEstimator, history
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Recommendation
 
 if TYPE_CHECKING:
@@ -36,6 +41,8 @@ __all__ = ["ReportData", "Goodput", "load", "MAX_STEP_BINS", "MAX_TIME_BINS"]
 MAX_STEP_BINS = 300
 """The heatmap's columns at most: longer jobs average consecutive steps into one cell."""
 MAX_TIME_BINS = 240
+INTERVAL_POINTS = 60
+"""Moments over the job's span at which the checkpoint interval is evaluated for the report's plot."""
 _BREAKER = "fleet"
 
 
@@ -91,6 +98,8 @@ class ReportData:
     breaker: list[dict[str, Any]]
     goodput: Goodput
     extra: dict[str, Any] = field(default_factory=dict)
+    interval: list[CheckpointAdvice] = field(default_factory=list)
+    """The checkpoint interval and its inputs over the job's span, oldest first (the last: now)."""
 
     @property
     def hot_aisles(self) -> list[Finding]:
@@ -123,10 +132,11 @@ def pick_job(store: StoreLike, job: str | None) -> str:
     return job
 
 
-def load(store: StoreLike, job: str | None = None, *, min_group: int = MIN_COMPARABLE_RANKS) -> ReportData:
+def load(store: StoreLike, job: str | None = None, *, min_group: int = MIN_COMPARABLE_RANKS,
+         interval: IntervalEstimator | None = None) -> ReportData:
     """Read everything the report shows about ``job`` (default: the job with the most steps). A job with
     fewer ranks than ``min_group`` (``detect.straggler.min_group``) gets ``extra["unscored"]``, the note
-    that its steps were not scored for stragglers."""
+    that its steps were not scored for stragglers. ``interval`` estimates the checkpoint interval."""
     job = pick_job(store, job)
     span = store.report_job_span(job)
     if span is None:  # pick_job saw steps; a concurrent delete is the only way here
@@ -186,6 +196,9 @@ def load(store: StoreLike, job: str | None = None, *, min_group: int = MIN_COMPA
         step_s=step_s, step_end_ts=ends, findings=findings, recommendations=recs, checks=checks,
         checkpoints=checkpoints, interruptions=interruptions, breaker=store.breaker_history(_BREAKER),
         goodput=goodput_buckets(step_s, interruptions),
+        interval=history(store, job, sorted({*np.linspace(t0, t1, INTERVAL_POINTS).tolist(),
+                                             *(i.ts for i in interruptions if t0 <= i.ts <= t1)}),
+                         estimator=interval),
         extra={} if len(order) >= min_group else {"unscored": (
             f"Not scored for stragglers: this job has {len(order)} rank(s), fewer than the {min_group} comparable "
             "ranks the straggler detector needs (detect.straggler.min_group); its hangs, SDC checks and node "

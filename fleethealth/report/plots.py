@@ -280,6 +280,36 @@ def waterfall(data: ReportData) -> str:
     return svg(fig)
 
 
+def checkpoint_interval(data: ReportData) -> str:
+    """The recommended checkpoint interval over the job's span against the interval it used, with the
+    MTBF it follows; interruptions as vertical lines."""
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    series = data.interval
+    x = [(a.at - data.t0) / 60.0 for a in series]
+    ax.step(x, [a.interval_s_recommended / 60.0 for a in series], where="post", color="#1f77b4",
+            label="recommended")
+    now = [(xi, a.interval_s_now / 60.0) for xi, a in zip(x, series, strict=True) if a.interval_s_now is not None]
+    if now:
+        ax.step([p[0] for p in now], [p[1] for p in now], where="post", color="#7f7f7f", ls="--", label="used")
+    bx.step(x, [a.mtbf_s / 3600.0 for a in series], where="post", color="#d62728")
+    for i in data.interruptions:
+        for axis in (ax, bx):
+            axis.axvline((i.ts - data.t0) / 60.0, color="#ff7f0e", lw=0.8, alpha=0.7)
+    ax.set_ylabel("interval, min")
+    ax.legend(loc="upper right", fontsize=7)
+    bx.set_ylabel("MTBF, h")
+    if series:  # a young job's estimate starts at the fleet's prior: log scales keep its fall readable
+        ax.set_yscale("log")
+        bx.set_yscale("log")
+    bx.set_xlabel("minutes since the job's first step (orange: interruptions)")
+    if series:
+        last = series[-1]
+        used = "unknown" if last.interval_s_now is None else f"{last.interval_s_now / 60:.1f} min"
+        ax.set_title(f"{data.job}: checkpoint every {last.interval_s_recommended / 60:.1f} min (used: {used}); "
+                     f"MTBF {last.mtbf_s / 3600:.2f} h, C {last.c_s:.3g} s, R {last.r_s:.3g} s", fontsize=9)
+    return svg(fig)
+
+
 def scorecard(card: Scorecard) -> str:
     """Each injected fault's detection latency in steps, coloured by outcome."""
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.35 * max(len(card.faults), 1)))

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleethealth.payloads.checkpoint import checkpoint_event
+from fleethealth.payloads.checkpoint_cost import checkpoint_cost_event
 from fleethealth.payloads.hang_report import hang_report_event
 from fleethealth.payloads.job import ExitStatus, job_exit_event, job_start_event
 from fleethealth.payloads.sdc_check import sdc_check_event
@@ -348,9 +349,14 @@ class FleetSim:
                     classification=None if failed is None else "transient" if failed == "selfcheck" else "persistent"))
         if step > 0 and step % checks.checkpoint_every == 0:
             verified, replayed = self._marks(step)
-            events.append(checkpoint_event(ts=ts, step=step, uri=f"ckpt://{job.id}/step-{step:08d}",
+            uri = f"ckpt://{job.id}/step-{step:08d}"
+            events.append(checkpoint_event(ts=ts, step=step, uri=uri,
                                            last_verified_step=verified, last_replay_step=replayed,
                                            node=self.node_names[0], job=job.id))
+            events.append(checkpoint_cost_event(
+                ts=ts + checks.checkpoint_blocking_s + checks.checkpoint_write_s, step=step, uri=uri,
+                blocking_s=checks.checkpoint_blocking_s, write_s=checks.checkpoint_write_s,
+                node=self.node_names[0], job=job.id, rank=0))
         return events
 
     def _marks(self, step: int) -> tuple[int | None, int | None]:

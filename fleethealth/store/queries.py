@@ -353,6 +353,19 @@ class NamedQueries:
             "GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}", {"job": job, "limit": limit})
         return res.rows[::-1]
 
+    def job_spans(self, *, since: float, until: float) -> list[tuple[str, int, float, float]]:
+        """``(job, nodes, first ts, last ts)`` of every job with steps in the hours that ``[since, until]``
+        (event time, s) touches: its distinct nodes and the first and last step time there, from the
+        hourly rollup ``job_node_hours`` (``deploy/clickhouse/012_job_node_hours.sql``), so a span may
+        reach into the hours at either end (a caller clips it). The checkpoint interval's exposure."""
+        res = self.query(
+            "SELECT job, uniqExact(node), toFloat64(toUnixTimestamp64Milli(min(lo))) / 1000, "
+            "toFloat64(toUnixTimestamp64Milli(max(hi))) / 1000 FROM job_node_hours "
+            "WHERE hour >= toStartOfHour(toDateTime(toUInt32(greatest({lo:Float64}, 0)), 'UTC')) "
+            "AND hour <= toDateTime(toUInt32(greatest({hi:Float64}, 0)), 'UTC') GROUP BY job ORDER BY job",
+            {"lo": since, "hi": until})
+        return [(str(j), int(n), float(a), float(b)) for j, n, a, b in res.rows]
+
     def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]:
         """Per rank of ``job`` over the steps after ``after_step``: ``node``, ``gpu`` and the median
         compute time ``mean_s``, slowest first."""

@@ -80,3 +80,52 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     assert "cannot read budget file" in capsys.readouterr().err
     assert main(["budget", "interval", "--checkpoint-s", "30", "--gpus", "8"]) == 2
     assert "--measured-gpus" in capsys.readouterr().err
+
+
+def test_young_daly_reads_the_measured_inputs_of_a_job_from_the_store(tmp_path, capsys):
+    import numpy as np
+
+    from fleethealth.payloads.checkpoint import checkpoint_event
+    from fleethealth.payloads.checkpoint_cost import checkpoint_cost_event
+    from fleethealth.schema import Event, EventKind, StepBatch
+    from fleethealth.store import open_store
+
+    t0, dsn = 1_796_000_000.0, f"chdb://{tmp_path}/store"
+    with open_store(dsn) as store:
+        store.migrate()
+        store.insert_steps([StepBatch(job="llm", step=k, node=node, ts=t0 + 60.0 * k, ranks=np.array([r], np.int32),
+                                      gpus=np.array([0], np.int16), compute_s=np.array([1.0]))
+                            for k in range(240) for r, node in enumerate(("gpu-a1", "gpu-a2"))])
+        store.insert_events([e for k in range(24) for e in (
+            checkpoint_event(ts=t0 + 600.0 * k, step=10 * k, uri="", last_verified_step=None, job="llm",
+                             node="gpu-a1"),
+            checkpoint_cost_event(ts=t0 + 600.0 * k + 9, step=10 * k, blocking_s=4.0, write_s=8.0, job="llm",
+                                  node="gpu-a1"))]
+            + [Event(node="gpu-a2", ts=t0 + 3600.0, kind=EventKind.INTERRUPTION, job="llm",
+                     data={"interruption_id": "x", "detection_s": 20.0, "isolation_s": 40.0,
+                           "reconfiguration_s": 100.0, "reload_s": 40.0})])
+    out = _json(capsys, ["budget", "young-daly", "--job", "llm", "--store", dsn, "--json"])
+    cp = out["checkpoint"]
+    assert (cp["c_s"], cp["r_s"], cp["interval_s_now"]) == (4.0, 200.0, 600.0)
+    assert cp["basis"]["mtbf"]["job_interruptions"] == 1 and cp["basis"]["mtbf"]["nodes"] == 2
+    # the terms are the budget arithmetic at the job's interval now
+    assert out["mtbf_h"] == pytest.approx(cp["mtbf_s"] / 3600) and out["interval_s"] == 600.0
+    assert out["overhead"] == pytest.approx(cp["overhead_now"])
+    assert out["optimal_interval_s"] == pytest.approx(cp["interval_s_recommended"])
+    # a shorter window drops the stop; settings come through --set
+    out = _json(capsys, ["budget", "young-daly", "--job", "llm", "--store", dsn, "--json",
+                         "--set", "policy.interval.window_s=7200"])
+    assert out["checkpoint"]["basis"]["mtbf"]["job_interruptions"] == 0
+    # as it stood before the stop: at an event time of its own choosing
+    out = _json(capsys, ["budget", "young-daly", "--job", "llm", "--store", dsn, "--json", "--at", str(t0 + 1800)])
+    assert out["checkpoint"]["at"] == t0 + 1800 and out["checkpoint"]["basis"]["mtbf"]["job_interruptions"] == 0
+    assert main(["budget", "young-daly", "--job", "llm", "--store", dsn, "--at", str(t0 + 7200)]) == 0
+    assert "from 1 interruption in 2.00 h on 2 nodes" in capsys.readouterr().out
+    assert main(["budget", "young-daly", "--job", "other", "--store", dsn]) == 2
+    assert "no record of job 'other'" in capsys.readouterr().err
+    assert main(["budget", "young-daly", "--job", "llm", "--store", dsn, "--mtbf-h", "3"]) == 2
+    assert "leave out --mtbf-h" in capsys.readouterr().err
+    assert main(["budget", "young-daly", "--checkpoint-s", "30"]) == 2
+    assert "give --mtbf-h, --restart-s, or --job ID" in capsys.readouterr().err
+    assert main(["budget", "young-daly", "--checkpoint-s", "1", "--mtbf-h", "1", "--restart-s", "1", "--at", "5"]) == 2
+    assert "--at goes with --job" in capsys.readouterr().err

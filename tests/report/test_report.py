@@ -108,7 +108,7 @@ def test_report_command_rewrites_the_page_from_the_store(demo: tuple[Path, dict]
     out = tmp_path / "again.html"
     run = _cli("report", "--data", str(root / "data"), "--job", "train-rep", "--out", str(out))
     assert run.returncode == 0, run.stderr
-    assert f"wrote {out} (job train-rep, 5 sections" in run.stdout
+    assert f"wrote {out} (job train-rep, 6 sections" in run.stdout
     sections = _sections(out.read_text())
     assert set(sections) == set(SECTIONS) - {"scorecard"}  # a store alone has no ground truth to score
     assert all(body.count("<svg") == 1 for body in sections.values())

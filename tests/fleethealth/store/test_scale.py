@@ -78,7 +78,8 @@ def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_pat
         assert _codecs(store, "gpu_samples")["temp_c"] == ""  # 001: plain Float64, no codec
         store.insert_telemetry(samples)
         assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql", "009_gpu_latest.sql",
-                                  "010_rank_steps_at_scale.sql", "011_detector_snapshots.sql"]
+                                  "010_rank_steps_at_scale.sql", "011_detector_snapshots.sql",
+                                  "012_job_node_hours.sql"]
         assert _codecs(store, "gpu_samples")["temp_c"] == "CODEC(Gorilla(4), ZSTD(1))"
         assert "gpu_samples_006" not in _tables(store)
         back = store.telemetry()
@@ -256,7 +257,7 @@ def test_an_old_store_backfills_gpu_latest_and_rank_steps_keep_their_rows(tmp_pa
         raw = store.node_summaries(source="raw")
         assert "gpu_latest" not in _tables(store)
         assert store.migrate() == ["009_gpu_latest.sql", "010_rank_steps_at_scale.sql",
-                                   "011_detector_snapshots.sql"]
+                                   "011_detector_snapshots.sql", "012_job_node_hours.sql"]
         assert store.node_summaries() == raw and store.table_rows("gpu_latest") == 4
         back = store.steps("train-1")
         assert [(b.step, b.node) for b in back] == [(b.step, b.node) for b in batches]
