@@ -166,6 +166,9 @@ class Detector:
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent())
 
+    def joined(self) -> bool:
+        return "fleethealth detect: joined group" in self.tail(100_000)
+
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -256,10 +259,17 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
     reference = stream.reference()
     report.findings_expected = len(reference)
     ensure_topics(cluster.dsn, partitions=PARTITIONS)
-    detectors = [Detector(cluster.dsn, "job", root / "job-0", root / "job-0.log"),
-                 Detector(cluster.dsn, "job", root / "job-1", root / "job-1.log"),
-                 Detector(cluster.dsn, "policy", root / "policy", root / "policy.log")]
+    # the faults fall mid-stream, on replicas that joined their groups (a fault during the start-up is
+    # test_detect_startup's case)
+    detectors = [Detector(cluster.dsn, stage, root / name, root / f"{name}.log")
+                 for stage, name in (("job", "job-0"), ("job", "job-1"), ("policy", "policy"))]
+    if _until(lambda: all(d.joined() for d in detectors), 180.0, started, every_s=0.2) is None:
+        for d in detectors:
+            d.stop()
+        raise AssertionError("the detect replicas did not join their groups in 180 s: "
+                             + " | ".join(d.tail(500) for d in detectors))
     offsets = _Offsets(cluster.dsn)
+    say(f"replicas joined {time.monotonic() - started:.1f} s after the start")
     delivery = Delivery(cluster.dsn, Spool(root / "spool"), node="faults-probe", flush_timeout_s=1.0,
                         request_timeout_s=2.0, reconnect_backoff_max_s=0.5)
     delivery.start()

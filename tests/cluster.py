@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from fleethealth.broker import EmbeddedBroker, find_broker_binary, free_port
+from fleethealth.broker import EmbeddedBroker, _die_with_parent, find_broker_binary, free_port
 from fleethealth.errors import BusUnavailable
 
 __all__ = ["ClusterUnavailable", "DurableCluster", "S3Server"]
@@ -70,7 +70,7 @@ class S3Server:
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(self.port)],
                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
+                                          start_new_session=True, preexec_fn=_die_with_parent())
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self._proc.poll() is not None:

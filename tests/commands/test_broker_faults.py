@@ -20,7 +20,7 @@ here: a few seconds; the detectors' group rejoins within its 3 s session timeout
 
 
 def test_brokers_killed_and_restarted_then_one_lost_for_good_lose_and_duplicate_nothing(cluster, tmp_path) -> None:
-    report = run(cluster, tmp_path, steps=200, chunks=5, kills=2, lose_broker=True, log=print)
+    report = run(cluster, tmp_path, steps=160, chunks=4, kills=2, lose_broker=True, log=print)
     print(json.dumps(report.as_dict()))
     assert (report.faults, report.restarts, report.brokers_lost) == (3, 2, 1)
     assert report.ok, report.problems

@@ -5,7 +5,8 @@ still accepts connections, every request just waits. The test runs its own
 :class:`EmbeddedBroker` (freezing the session broker would stall every other test), freezes it
 for longer than the producer's request timeout — so the record sent meanwhile is retried on a new
 connection while its first copy sits in the frozen broker's socket — thaws it, and reads the topic
-back raw: delivery must resume within seconds and every record must be there exactly once.
+back raw: delivery must resume within seconds and every record must be there exactly once. The same
+runs on the durable cluster (``tests/cluster.py``: two brokers on one S3 bucket), every broker frozen.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _read_topic(dsn: str, topic: str, expected: int, timeout_s: float = 20.0) ->
     """Every value on ``topic`` from the start (no group), waiting for ``expected`` and a little more."""
     import kafka
 
-    consumer = kafka.KafkaConsumer(topic, bootstrap_servers=dsn.removeprefix("kafka://"), group_id=None,
+    consumer = kafka.KafkaConsumer(topic, bootstrap_servers=dsn.removeprefix("kafka://").split(","), group_id=None,
                                    auto_offset_reset="earliest", enable_auto_commit=False)
     values: list[bytes] = []
     deadline = time.monotonic() + timeout_s
@@ -53,12 +54,32 @@ def _read_topic(dsn: str, topic: str, expected: int, timeout_s: float = 20.0) ->
 
 def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplicated(tmp_path) -> None:
     broker = EmbeddedBroker().start()
+    try:
+        _freeze_and_thaw(broker.dsn, tmp_path, freeze=lambda: os.kill(broker.pid, signal.SIGSTOP),
+                         thaw=lambda: os.kill(broker.pid, signal.SIGCONT))
+    finally:
+        if broker.running:
+            os.kill(broker.pid, signal.SIGCONT)
+        broker.stop()
+
+
+def test_the_durable_cluster_frozen_the_probe_spools_and_replays_in_order(cluster, tmp_path) -> None:
+    """The same on the durable cluster (two brokers on one S3 bucket, the DSN naming both): with every
+    broker frozen the probe spools, and after the thaw it delivers everything once, in order."""
+    def each(action: object) -> None:
+        for k in range(len(cluster.brokers)):
+            action(k)  # type: ignore[operator]
+
+    _freeze_and_thaw(cluster.dsn, tmp_path, freeze=lambda: each(cluster.freeze), thaw=lambda: each(cluster.thaw))
+
+
+def _freeze_and_thaw(dsn: str, tmp_path, *, freeze, thaw) -> None:  # noqa: ANN001
     stop = threading.Event()
     submitted = 0
     delivery = None
     try:
-        ensure_topics(broker.dsn, partitions=1, topics=[Topic.EVENTS.value])
-        delivery = Delivery(broker.dsn, Spool(tmp_path / "spool"), node="n0000", flush_timeout_s=1.0,
+        ensure_topics(dsn, partitions=1, topics=[Topic.EVENTS.value])
+        delivery = Delivery(dsn, Spool(tmp_path / "spool"), node="n0000", flush_timeout_s=1.0,
                             request_timeout_s=_REQUEST_TIMEOUT_S, reconnect_backoff_max_s=0.5)
         delivery.start()
 
@@ -77,11 +98,11 @@ def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplica
             time.sleep(0.05)
         assert delivery.stats.delivered_total >= 10, delivery.stats
 
-        os.kill(broker.pid, signal.SIGSTOP)
+        freeze()
         time.sleep(_FREEZE_S)
         at_thaw = delivery.stats
         assert at_thaw.spool.records > 0 and not at_thaw.connected  # it noticed, and kept everything
-        os.kill(broker.pid, signal.SIGCONT)
+        thaw()
         thawed = time.monotonic()
         while delivery.stats.delivered_total == at_thaw.delivered_total and time.monotonic() - thawed < 20:
             time.sleep(0.02)
@@ -98,14 +119,13 @@ def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplica
         assert at_thaw.failures_total >= 1
         assert resumed_s < 5.0, f"first delivery {resumed_s:.1f} s after the broker answered again"
         assert drained_s < 8.0, f"backlog delivered {drained_s:.1f} s after the broker answered again"
-        seqs = [schema.decode(Event, v).data["seq"] for v in _read_topic(broker.dsn, Topic.EVENTS.value, submitted)]
+        seqs = [schema.decode(Event, v).data["seq"] for v in _read_topic(dsn, Topic.EVENTS.value, submitted)]
         assert len(seqs) == len(set(seqs)), f"{len(seqs) - len(set(seqs))} record(s) on the topic twice"
         assert seqs == list(range(submitted))  # all of them, in the order they were accepted
+        print(f"froze for {_FREEZE_S} s: {at_thaw.spool.records} records spooled, {submitted} sent, "
+              f"{len(seqs)} on the topic once each and in order; resumed {resumed_s:.1f} s after the thaw")
     finally:
         stop.set()
-        if broker.running:
-            os.kill(broker.pid, signal.SIGCONT)
-        broker.stop()
 
 
 _SCENARIO = {"seed": 3, "fleet": {"racks": 1, "nodes_per_rack": 1, "gpus_per_node": 8},
