@@ -10,8 +10,9 @@ and injects broker faults at random points: ``kills`` SIGKILLs of a broker follo
 then (``lose_broker``) one broker killed for good with two chunks of the stream still to come, timing
 how soon the producer and the detectors carry on through the other. It then waits until the groups have
 committed their inputs, stops the replicas with SIGTERM and checks the stores and the topics:
-every rank-step once, the straggler's finding as one uninterrupted pipeline makes it, and every
-recommendation stored once and on ``fh.recommendations`` once.
+every rank-step once, the straggler's one finding within two steps of one uninterrupted pipeline's,
+every recommendation stored once and on ``fh.recommendations`` (at least once per id: the copies a
+fail-over sent again are counted).
 
 The stream ends with a tail: one step per node :data:`TAIL_S` of event time after the last, which
 moves every job's event-time watermark past the stream so the job stage concludes, stores and
@@ -63,6 +64,7 @@ class Report:
     findings: int = 0
     findings_expected: int = 0
     finding_step_delta: int = 0
+    finding_same_id: bool = True
     recommendations_stored: int = 0
     recommendations_published: int = 0
     recommendations_published_twice: int = 0
@@ -398,15 +400,19 @@ def _check(report: Report, stream: Stream, reference: dict[str, int], detectors:
         report.problems.append(f"{report.rank_steps_missing} rank-steps missing")
     if report.rank_steps_duplicated:
         report.problems.append(f"{report.rank_steps_duplicated} rank-steps twice in one store (FINAL)")
-    # the same findings by id (an episode's id names its start); the step a replica concluded it at may
-    # differ from one uninterrupted pipeline's by a step or two after a rebalance (reported, not lost)
-    if set(findings) != set(reference):
-        report.problems.append(f"findings {findings} differ from one uninterrupted pipeline's {reference}")
-    report.finding_step_delta = max((abs(findings[i] - reference[i]) for i in set(findings) & set(reference)),
-                                    default=0)
-    if report.finding_step_delta > MAX_STEP_DELTA:
-        report.problems.append(f"findings {findings} concluded more than {MAX_STEP_DELTA} steps from one "
-                               f"uninterrupted pipeline's {reference}")
+    # one straggler finding, about the slow rank, concluded within MAX_STEP_DELTA steps of one uninterrupted
+    # pipeline's. Its id names the episode's start, which a partition restored from a snapshot taken before
+    # the episode began may date a step apart (README: "Not guaranteed"): reported, not asserted
+    report.finding_same_id = set(findings) == set(reference)
+    if len(findings) != len(reference):
+        report.problems.append(f"findings {findings}, one uninterrupted pipeline's {reference}")
+    else:
+        report.finding_step_delta = max((abs(a - b) for a, b in zip(sorted(findings.values()),
+                                                                    sorted(reference.values()), strict=True)),
+                                        default=0)
+        if report.finding_step_delta > MAX_STEP_DELTA:
+            report.problems.append(f"findings {findings} concluded more than {MAX_STEP_DELTA} steps from one "
+                                   f"uninterrupted pipeline's {reference}")
     with open_store(f"chdb://{detectors[2].store_dir}") as store:
         stored = [r for r in store.recommendations() if r.action.value != "none"]
     published = Counter(schema.decode(Recommendation, v).id for v in _published(dsn, Topic.RECOMMENDATIONS.value))
@@ -418,8 +424,9 @@ def _check(report: Report, stream: Stream, reference: dict[str, int], detectors:
     if {r.id for r in stored} != set(published):
         report.problems.append(f"stored recommendations {sorted(r.id for r in stored)} != "
                                f"published {sorted(published)}")
-    if report.recommendations_published_twice:
-        report.problems.append(f"{report.recommendations_published_twice} recommendation(s) published twice")
+    # published at least once per id: a flush that failed over to another broker publishes its records
+    # again, and a copy the dead broker had already taken arrives twice, with the same id, which
+    # `fleethealth act` drops (README, "No decision stored but never published"): counted, not an error
 
 
 def _thread(fn: Any) -> threading.Thread:

@@ -14,9 +14,9 @@ from tests.broker_faults import run
 
 pytestmark = pytest.mark.slow
 
-RESUME_S = 30.0
+RESUME_S = 60.0
 """How soon the producer and the detectors must carry on through the surviving broker (measured
-here: a few seconds; the detectors' group rejoins within its 3 s session timeout plus a poll)."""
+here on 2 loaded cores: the producer 0.1–0.2 s, the detectors 0.9–19 s, a rebalance or two)."""
 
 
 def test_brokers_killed_and_restarted_then_one_lost_for_good_lose_and_duplicate_nothing(cluster, tmp_path) -> None:
