@@ -80,6 +80,10 @@ class S3Server:
                 request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
                 with urllib.request.urlopen(request, timeout=2.0):
                     return self
+            except urllib.error.HTTPError as exc:  # it answered, and refused: a bad bucket name
+                self.stop()
+                raise ClusterUnavailable(f"moto's S3 server refused to make bucket {self.bucket!r}: "
+                                         f"HTTP {exc.code}") from exc
             except (urllib.error.URLError, OSError):
                 if time.monotonic() > deadline:
                     self.stop()
