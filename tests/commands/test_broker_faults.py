@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
     "open defect: a broker SIGKILLed mid-stream sometimes loses a whole delivered chunk of one partition "
     "(steps 80-119 of one job in one run of two here, 50 steps in the ten-kill bench): records the probe's "
     "delivery had acknowledged are in no store and no rebalance was logged; cause not yet found (Tansu "
-    "acknowledging before its S3 write, or two brokers' appends to one partition racing on moto's S3)"))
+    "acknowledging before its S3 write, or two brokers' appends to one partition racing; moto does refuse a "
+    "conditional PUT whose precondition fails)"))
 def test_a_broker_killed_and_restarted_twice_mid_stream_loses_and_duplicates_nothing(cluster, tmp_path) -> None:
     report = run(cluster, tmp_path, steps=160, chunks=4, kills=2, log=print)
     print(json.dumps(report.as_dict()))
