@@ -7,8 +7,11 @@ If the process dies or does not answer in time, :class:`BusUnavailable` carries 
 ``stop()`` sends SIGINT and, after a grace period, SIGKILL: Tansu 0.6 shuts down at once on SIGINT
 but on SIGTERM waits for every client connection to close, which can take forever.
 
-Storage is memory only: stopping or restarting the broker loses every topic, record and committed
-offset (a production Kafka keeps them). On Linux the broker is also killed when the process that
+Storage is memory by default: stopping or restarting the broker loses every topic, record and
+committed offset (a production Kafka keeps them). ``storage="s3://BUCKET/"`` with the S3 endpoint and
+credentials in ``env`` (``AWS_ENDPOINT``, ``AWS_ALLOW_HTTP``, ``AWS_ACCESS_KEY_ID`` …) makes it durable:
+brokers on one bucket share one log and its committed offsets, and a broker killed and started again
+serves them (the durable test cluster, ``tests/cluster.py``). ``kill()`` is a SIGKILL, for fault tests. On Linux the broker is also killed when the process that
 started it dies, so a crashed test run leaves no broker behind.
 """
 
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Self
 
@@ -107,13 +110,17 @@ class EmbeddedBroker:
 
     ``dsn`` is ``kafka://127.0.0.1:PORT``. ``binary`` overrides the Tansu path (tests point it at
     something that cannot start); ``log_path`` keeps the broker's output (else a temporary file,
-    removed on a clean stop).
+    removed on a clean stop); ``storage`` is Tansu's storage engine URL and ``env`` more environment
+    for the broker (the S3 endpoint and credentials of an ``s3://`` storage).
     """
 
     def __init__(self, *, port: int | None = None, binary: str | os.PathLike[str] | None = None,
                  log_path: str | os.PathLike[str] | None = None, start_timeout_s: float = 15.0,
-                 stop_grace_s: float = 3.0) -> None:
+                 stop_grace_s: float = 3.0, storage: str = "memory://tansu/",
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = port
+        self.storage = storage
+        self.env = dict(env or {})
         self.binary = None if binary is None else str(binary)
         self.log_path = None if log_path is None else Path(log_path)
         self.start_timeout_s = start_timeout_s
@@ -164,7 +171,7 @@ class EmbeddedBroker:
 
     def _launch(self, binary: str, log_path: Path) -> None:
         url = f"tcp://{_HOST}:{self.port}"
-        env = dict(os.environ, LISTENER_URL=url, ADVERTISED_LISTENER_URL=url, STORAGE_ENGINE="memory://tansu/")
+        env = dict(os.environ, **self.env, LISTENER_URL=url, ADVERTISED_LISTENER_URL=url, STORAGE_ENGINE=self.storage)
         with open(log_path, "ab") as log:
             try:
                 self._proc = subprocess.Popen([binary, "broker"], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -204,6 +211,13 @@ class EmbeddedBroker:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
             self.log_path = None
+
+    def kill(self) -> None:
+        """SIGKILL the broker, no grace (a crash, for fault tests); ``start()`` brings it back on its port."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None

@@ -420,12 +420,15 @@ class Producer:
         timeouts = _producer_timeouts(max_block_s=max_block_s, request_timeout_s=request_timeout_s,
                                       delivery_timeout_s=delivery_timeout_s,
                                       reconnect_backoff_max_s=reconnect_backoff_max_s)
+        self._connect = lambda: backend.producer(client_id, self.compression, int(connect_timeout_s * 1000),
+                                                 **timeouts)
         try:
-            self._kp = backend.producer(client_id, self.compression, int(connect_timeout_s * 1000), **timeouts)
+            self._kp = self._connect()
         except Exception as exc:
             if _is_kafka_error(exc):
                 raise _translate(exc, "connecting a producer", dsn) from exc
             raise
+        self.failovers_total = 0
         self._lock = threading.Lock()
         self._failures: list[str] = []
         self.published_total = 0
@@ -465,12 +468,39 @@ class Producer:
             self._kp.flush(timeout=timeout_s)
         except Exception as exc:
             if _is_kafka_error(exc):
+                self._fail_over()
                 raise _translate(exc, f"flushing within {timeout_s} s", self.dsn) from exc
             raise
         with self._lock:
             failures, self._failures = self._failures, []
         if failures:
+            self._fail_over()
             raise BusError(f"{len(failures)} message(s) not delivered to {self.dsn}: {failures[0]}")
+
+    def _fail_over(self) -> None:
+        """After a failed flush, with several brokers in the DSN: replace the client by a new one
+        bootstrapped from all of them. kafka-python forgets its bootstrap list once it has metadata, and
+        brokers that share one node id (Tansu's, on one storage) leave it one address, so a client whose
+        broker died for good would retry that address forever. What the old client still held is
+        dropped (the flush reports it failed; the runner keeps it in its outbox and publishes it again,
+        a record that had reached the broker then arrives twice, with the same id). With one broker in
+        the DSN, or none answering, the client is kept."""
+        if len(parse_dsn(self.dsn)[1]) < 2:
+            return
+        try:
+            fresh = self._connect()
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                return
+            raise
+        old, self._kp = self._kp, fresh
+        self.failovers_total += 1
+        sender = getattr(old, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+            sender.join(1.0)
+        with contextlib.suppress(Exception):
+            old.close(timeout=0)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver what is queued within ``timeout_s``, then close; undelivered messages are dropped
@@ -886,6 +916,11 @@ class SnapshotTopic:
                                 headers=[("seq", str(int(seq)).encode())]).get(timeout=30)
         except Exception as exc:
             if _is_kafka_error(exc):
+                # the next save connects anew, from every broker of the DSN (see Producer._fail_over)
+                failed, self._producer = self._producer, None
+                if failed is not None:
+                    with contextlib.suppress(Exception):
+                        failed.close(timeout=0)
                 raise _translate(exc, "publishing a snapshot", self.dsn) from exc
             raise
 

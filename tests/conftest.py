@@ -45,3 +45,20 @@ def store(tmp_path) -> Iterator[object]:
     with open_store(f"chdb://{tmp_path}/store") as opened:
         opened.migrate()
         yield opened
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[object]:
+    """A durable cluster of its own for one test: moto's S3 server and two Tansu brokers on one bucket
+    (``tests/cluster.py``); skipped, with the reason printed, where moto or the Tansu binary is missing."""
+    from tests.cluster import ClusterUnavailable, DurableCluster
+
+    try:
+        running = DurableCluster(brokers=2, root=tmp_path / "cluster").start()
+    except ClusterUnavailable as exc:
+        print(f"durable cluster unavailable: {exc}")
+        pytest.skip(f"durable cluster unavailable: {exc}")
+    try:
+        yield running
+    finally:
+        running.stop()

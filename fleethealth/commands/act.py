@@ -82,8 +82,14 @@ def run(args: argparse.Namespace) -> int:
     from fleethealth.signing import load_signer
 
     signer = load_signer(s["signing.key_file"], s["signing.key_id"] or "svc:act")  # scheduler actions: a service's
-    with stop_on_signals() as stop, Producer(dsn, client_id=f"fh-act-{scheduler}", signer=signer) as producer, \
-            Consumer(dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer) as consumer:
+    from fleethealth.commands.detect import _startup_retry
+
+    # a broker restarting (or not up yet) while act starts is waited out, with backoff and a log line
+    with stop_on_signals() as stop, \
+            _startup_retry(stop).call("fleethealth act: connecting", lambda: Producer(
+                dsn, client_id=f"fh-act-{scheduler}", signer=signer)) as producer, \
+            _startup_retry(stop).call(f"fleethealth act: joining group {group!r}", lambda: Consumer(
+                dsn, [Topic.RECOMMENDATIONS.value], group, producer=producer)) as consumer:
         metrics = ActMetrics()
         if s["act.metrics_port"]:
             from fleethealth.endpoints import Endpoints
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         actor = Actor(adapter, journal=Journal(Path(s["data"]) / f"act-{scheduler}.jsonl"),
                       dry_run=s["act.dry_run"], max_actions=s["act.max_actions"], window_s=s["act.window_s"],
                       max_age_s=max_age_s or None, emit=emit)
-        consumer.wait_assigned()
+        _startup_retry(stop).call(f"fleethealth act: joining group {group!r}", consumer.wait_assigned)
         last = time.monotonic()
         while not stop.is_set():
             replays = actor.replays_

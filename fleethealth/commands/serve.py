@@ -121,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
         failed: list[BaseException] = []
         if not no_detect:
             from fleethealth.bus import ensure_topics
+            from fleethealth.commands.detect import _startup_retry
 
-            ensure_topics(dsn)
+            # a broker restarting (or not up yet) while serve starts is waited out, with backoff and a log line
+            _startup_retry(stop).call("fleethealth serve: creating the topics", lambda: ensure_topics(dsn))
             runner = stack.enter_context(build_runner(dsn, store, settings, registry=registry))
             hook = runner.policy.engine.reset_breaker
 

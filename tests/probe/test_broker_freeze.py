@@ -5,7 +5,9 @@ still accepts connections, every request just waits. The test runs its own
 :class:`EmbeddedBroker` (freezing the session broker would stall every other test), freezes it
 for longer than the producer's request timeout — so the record sent meanwhile is retried on a new
 connection while its first copy sits in the frozen broker's socket — thaws it, and reads the topic
-back raw: delivery must resume within seconds and every record must be there exactly once.
+back raw: delivery must resume within seconds and every record must be there exactly once. The same
+runs on the durable cluster (``tests/cluster.py``: two brokers on one S3 bucket), every broker frozen:
+nothing lost, in order, but a record retried through the other broker may arrive twice.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _read_topic(dsn: str, topic: str, expected: int, timeout_s: float = 20.0) ->
     """Every value on ``topic`` from the start (no group), waiting for ``expected`` and a little more."""
     import kafka
 
-    consumer = kafka.KafkaConsumer(topic, bootstrap_servers=dsn.removeprefix("kafka://"), group_id=None,
+    consumer = kafka.KafkaConsumer(topic, bootstrap_servers=dsn.removeprefix("kafka://").split(","), group_id=None,
                                    auto_offset_reset="earliest", enable_auto_commit=False)
     values: list[bytes] = []
     deadline = time.monotonic() + timeout_s
@@ -53,12 +55,40 @@ def _read_topic(dsn: str, topic: str, expected: int, timeout_s: float = 20.0) ->
 
 def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplicated(tmp_path) -> None:
     broker = EmbeddedBroker().start()
+    try:
+        _freeze_and_thaw(broker.dsn, tmp_path, freeze=lambda: os.kill(broker.pid, signal.SIGSTOP),
+                         thaw=lambda: os.kill(broker.pid, signal.SIGCONT))
+    finally:
+        if broker.running:
+            os.kill(broker.pid, signal.SIGCONT)
+        broker.stop()
+
+
+def test_the_durable_cluster_frozen_the_probe_spools_and_replays_in_order(cluster, tmp_path) -> None:
+    """The same on the durable cluster (two brokers on one S3 bucket, the DSN naming both): with every
+    broker frozen the probe spools, and after the thaw it delivers everything once, in order."""
+    def each(action: object) -> None:
+        for k in range(len(cluster.brokers)):
+            action(k)  # type: ignore[operator]
+
+    _freeze_and_thaw(cluster.dsn, tmp_path, freeze=lambda: each(cluster.freeze), thaw=lambda: each(cluster.thaw),
+                     noticed=False, max_twice=_FREEZE_S / 0.05)
+
+
+def _freeze_and_thaw(dsn: str, tmp_path, *, freeze, thaw, noticed: bool = True,  # noqa: ANN001
+                     max_twice: float = 0) -> None:
+    """``noticed``: also require that the delivery had marked itself disconnected and counted a failed
+    request by the thaw (on the cluster its reconnect may still be waiting on a frozen bootstrap then).
+    ``max_twice``: how many records may reach the topic twice. On the durable cluster a batch retried
+    through the other broker can be stored twice (one run: 2 of 174; Tansu's brokers do not share the
+    idempotent producer's sequence numbers, it seems): every record is there, in order of first
+    arrival, and the detectors' natural keys absorb the copy; bounded by what the freeze spooled."""
     stop = threading.Event()
     submitted = 0
     delivery = None
     try:
-        ensure_topics(broker.dsn, partitions=1, topics=[Topic.EVENTS.value])
-        delivery = Delivery(broker.dsn, Spool(tmp_path / "spool"), node="n0000", flush_timeout_s=1.0,
+        ensure_topics(dsn, partitions=1, topics=[Topic.EVENTS.value])
+        delivery = Delivery(dsn, Spool(tmp_path / "spool"), node="n0000", flush_timeout_s=1.0,
                             request_timeout_s=_REQUEST_TIMEOUT_S, reconnect_backoff_max_s=0.5)
         delivery.start()
 
@@ -77,11 +107,12 @@ def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplica
             time.sleep(0.05)
         assert delivery.stats.delivered_total >= 10, delivery.stats
 
-        os.kill(broker.pid, signal.SIGSTOP)
+        freeze()
         time.sleep(_FREEZE_S)
         at_thaw = delivery.stats
-        assert at_thaw.spool.records > 0 and not at_thaw.connected  # it noticed, and kept everything
-        os.kill(broker.pid, signal.SIGCONT)
+        assert at_thaw.spool.records > 0  # it kept everything
+        assert not noticed or not at_thaw.connected  # and noticed
+        thaw()
         thawed = time.monotonic()
         while delivery.stats.delivered_total == at_thaw.delivered_total and time.monotonic() - thawed < 20:
             time.sleep(0.02)
@@ -95,17 +126,18 @@ def test_a_frozen_broker_resumes_within_seconds_of_thaw_and_no_record_is_duplica
         assert len(delivery.spool) == 0
 
         # the freeze outlasted the request timeout, so requests were retried on new connections
-        assert at_thaw.failures_total >= 1
+        assert not noticed or at_thaw.failures_total >= 1
         assert resumed_s < 5.0, f"first delivery {resumed_s:.1f} s after the broker answered again"
         assert drained_s < 8.0, f"backlog delivered {drained_s:.1f} s after the broker answered again"
-        seqs = [schema.decode(Event, v).data["seq"] for v in _read_topic(broker.dsn, Topic.EVENTS.value, submitted)]
-        assert len(seqs) == len(set(seqs)), f"{len(seqs) - len(set(seqs))} record(s) on the topic twice"
-        assert seqs == list(range(submitted))  # all of them, in the order they were accepted
+        seqs = [schema.decode(Event, v).data["seq"] for v in _read_topic(dsn, Topic.EVENTS.value, submitted)]
+        twice = len(seqs) - len(set(seqs))
+        print(f"froze for {_FREEZE_S} s: {at_thaw.spool.records} records spooled, {submitted} sent, "
+              f"{len(seqs)} on the topic ({twice} twice); resumed {resumed_s:.1f} s after the thaw")
+        first = list(dict.fromkeys(seqs))
+        assert first == list(range(submitted))  # all of them, in the order they were accepted
+        assert twice <= max_twice, f"{twice} record(s) on the topic twice"
     finally:
         stop.set()
-        if broker.running:
-            os.kill(broker.pid, signal.SIGCONT)
-        broker.stop()
 
 
 _SCENARIO = {"seed": 3, "fleet": {"racks": 1, "nodes_per_rack": 1, "gpus_per_node": 8},

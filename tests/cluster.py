@@ -1,0 +1,183 @@
+"""A durable Kafka-protocol test cluster: moto's S3 server and two or three Tansu brokers on one bucket.
+
+The embedded broker keeps everything in memory; these brokers keep the log, the topics and the
+committed offsets in S3 (moto's server on 127.0.0.1), so a broker SIGKILLed and started again on its
+port serves what it had, and any broker serves what another wrote. ``DurableCluster.dsn`` names every
+broker (``kafka://127.0.0.1:P1,127.0.0.1:P2``), so a client reaches the cluster through whichever
+answers. Used by the ``cluster`` fixture (``tests/conftest.py``) and by ``bench/broker_faults.py``::
+
+    with DurableCluster(brokers=2, root=tmp_path) as cluster:
+        cluster.brokers[0].kill(); cluster.brokers[0].start()
+
+``ClusterUnavailable`` says why a cluster cannot run here (moto or the Tansu binary missing, a
+server that does not answer); the fixture turns it into a skip that prints the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Self
+
+from fleethealth.broker import EmbeddedBroker, _die_with_parent, find_broker_binary, free_port
+from fleethealth.errors import BusUnavailable
+
+__all__ = ["ClusterUnavailable", "DurableCluster", "S3Server"]
+
+_HOST = "127.0.0.1"
+_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "fleethealth", "AWS_SECRET_ACCESS_KEY": "fleethealth",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+
+class ClusterUnavailable(RuntimeError):
+    """The durable cluster cannot run here; the message says what is missing."""
+
+
+class S3Server:
+    """moto's S3 server (``python -m moto.server``) on a free 127.0.0.1 port, with one bucket made."""
+
+    def __init__(self, *, bucket: str = "fleethealth", log_path: Path | None = None,
+                 start_timeout_s: float = 30.0) -> None:
+        self.bucket = bucket
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self.port is None:
+            raise ClusterUnavailable("the S3 server has not been started")
+        return f"http://{_HOST}:{self.port}"
+
+    def start(self) -> Self:
+        if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+            raise ClusterUnavailable("the durable cluster needs moto's S3 server: pip install 'moto[server]'")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="fleethealth-s3-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.port = free_port()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(self.port)],
+                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, preexec_fn=_die_with_parent())
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise ClusterUnavailable(f"moto's S3 server exited with code {self._proc.returncode}: "
+                                         f"{self._tail()}")
+            try:  # PUT /bucket creates it (moto answers 200, also when it exists)
+                request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
+                with urllib.request.urlopen(request, timeout=2.0):
+                    return self
+            except urllib.error.HTTPError as exc:  # it answered, and refused: a bad bucket name
+                self.stop()
+                raise ClusterUnavailable(f"moto's S3 server refused to make bucket {self.bucket!r}: "
+                                         f"HTTP {exc.code}") from exc
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ClusterUnavailable(f"moto's S3 server did not answer within {self.start_timeout_s} s: "
+                                             f"{self._tail()}") from None
+                time.sleep(0.1)
+
+    def _tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no output)"
+        return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-5:]) or "(no output)"
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+class DurableCluster:
+    """``brokers`` Tansu brokers on one S3 bucket (moto), each on a port of its own that it keeps across
+    restarts; a context manager. ``root`` holds the logs (else a temporary folder)."""
+
+    def __init__(self, *, brokers: int = 2, root: str | os.PathLike[str] | None = None,
+                 bucket: str = "fleethealth", start_timeout_s: float = 30.0) -> None:
+        if not 1 <= brokers <= 5:
+            raise ValueError(f"brokers must be 1 to 5, got {brokers}")
+        self._temp = None if root is not None else tempfile.TemporaryDirectory(prefix="fleethealth-cluster-")
+        self.root = Path(root if root is not None else self._temp.name)  # type: ignore[union-attr]
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.s3 = S3Server(bucket=bucket, log_path=self.root / "s3.log", start_timeout_s=start_timeout_s)
+        self.count = brokers
+        self.start_timeout_s = start_timeout_s
+        self.brokers: list[EmbeddedBroker] = []
+
+    @property
+    def dsn(self) -> str:
+        """``kafka://`` naming every broker."""
+        return "kafka://" + ",".join(b.bootstrap for b in self.brokers)
+
+    def start(self) -> Self:
+        try:
+            binary = find_broker_binary()
+        except BusUnavailable as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+        self.s3.start()
+        env = {**_CREDENTIALS, "AWS_ENDPOINT": self.s3.endpoint}
+        try:
+            for k in range(self.count):
+                broker = EmbeddedBroker(port=free_port(), binary=binary, log_path=self.root / f"broker{k}.log",
+                                        storage=f"s3://{self.s3.bucket}/", env=env,
+                                        start_timeout_s=self.start_timeout_s)
+                self.brokers.append(broker)
+                broker.start()
+        except BusUnavailable:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, k: int) -> None:
+        """SIGKILL broker ``k`` and start it again on its port (waits until it answers)."""
+        self.brokers[k].kill()
+        self.brokers[k].start()
+
+    def freeze(self, k: int) -> None:
+        """SIGSTOP broker ``k``: its sockets stay open and nothing answers."""
+        os.kill(self._pid(k), signal.SIGSTOP)
+
+    def thaw(self, k: int) -> None:
+        os.kill(self._pid(k), signal.SIGCONT)
+
+    def _pid(self, k: int) -> int:
+        pid = self.brokers[k].pid
+        if pid is None or not self.brokers[k].running:
+            raise ClusterUnavailable(f"broker {k} is not running")
+        return pid
+
+    def stop(self) -> None:
+        for broker in self.brokers:
+            if broker.running:
+                with contextlib.suppress(OSError, ClusterUnavailable):
+                    os.kill(broker.pid, signal.SIGCONT)  # a frozen broker would not see SIGINT
+            broker.stop()
+        self.s3.stop()
+        if self._temp is not None:
+            self._temp.cleanup()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
