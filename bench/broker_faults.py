@@ -5,8 +5,8 @@ two jobs' rank-steps (``--steps`` each, one rank 20 % slow from a third of the w
 probe's spool-backed delivery, runs ``fleethealth detect`` staged (two job replicas, one policy
 replica, chDB stores) and SIGKILLs a broker ``--kills`` times at random points of the stream, each
 time starting it again on its port; with ``--lose-broker`` one broker is then killed for good with
-two chunks of the stream to come. The run is ``tests/broker_faults.run`` (the suite's short form is
-``tests/commands/test_broker_faults.py``). Prints the faults injected, rank-steps expected, stored,
+two chunks of the stream to come. The run is ``tests/broker_faults.run``; the suite has no short form
+while kills sometimes lose a delivered chunk (an open defect: the README's "Broker faults"). Prints the faults injected, rank-steps expected, stored,
 missing and duplicated (``FINAL``), the straggler finding against one uninterrupted pipeline's,
 recommendations stored and published (and copies a fail-over published twice), how soon the
 producer and the detectors resumed after the loss, and ``ok``.

@@ -1,4 +1,4 @@
-"""Broker faults end to end on the durable cluster: the run shared by ``tests/commands/test_broker_faults.py``
+"""Broker faults end to end on the durable cluster: the run of ``bench/broker_faults.py``
 (short forms) and ``bench/broker_faults.py`` (long forms).
 
 :func:`run` streams simulated rank-steps of two jobs (one rank of the first 20 % slow from a third of
