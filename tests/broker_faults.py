@@ -1,5 +1,4 @@
-"""Broker faults end to end on the durable cluster: the run of ``bench/broker_faults.py``
-(short forms) and ``bench/broker_faults.py`` (long forms).
+"""Broker faults end to end on the durable cluster: the run of ``bench/broker_faults.py``.
 
 :func:`run` streams simulated rank-steps of two jobs (one rank of the first 20 % slow from a third of
 the way) through the probe's spool-backed :class:`~fleethealth.probe.delivery.Delivery` into the
