@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
+PACKAGES = ["fleethealth", "fleethealth.schema", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
             "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
             "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands", "fleethealth.report"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
