@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-PACKAGES = ["fleethealth", "fleethealth.schema", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
-            "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
+PACKAGES = ["fleethealth", "fleethealth.schema", "fleethealth.bus", "fleethealth.detectors", "fleethealth.kernels",
+            "fleethealth.sweeps", "fleethealth.injob", "fleethealth.probe", "fleethealth.api", "fleethealth.adapters",
             "fleethealth.policy", "fleethealth.sim", "fleethealth.store", "fleethealth.commands", "fleethealth.report"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 

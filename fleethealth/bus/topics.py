@@ -1,0 +1,48 @@
+"""The admin side: creating the ``fh.*`` topics with the settings some of them need."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fleethealth.bus.dsn import _backend
+from fleethealth.bus.kafka_client import _is_kafka_error, _translate
+from fleethealth.bus.snapshots import SNAPSHOT_MAX_BYTES
+from fleethealth.errors import ConfigError
+from fleethealth.schema import Topic
+
+TOPIC_CONFIGS: dict[str, dict[str, str]] = {
+    Topic.NODESTATE.value: {"cleanup.policy": "compact"},
+    Topic.SNAPSHOTS.value: {"cleanup.policy": "compact", "max.message.bytes": str(SNAPSHOT_MAX_BYTES)},
+}
+"""Topic settings beyond the broker's defaults: ``fh.nodestate`` is a table (each node's newest state),
+``fh.snapshots`` too (each partition's newest snapshot), with records up to :data:`SNAPSHOT_MAX_BYTES`."""
+
+
+def ensure_topics(dsn: str, partitions: int = 4, *, replication: int = 1,
+                  topics: Sequence[str] | None = None, connect_timeout_s: float = 10.0) -> None:
+    """Create every :class:`schema.Topic` (or ``topics``); topics that exist are left as they are."""
+    if partitions < 1 or replication < 1:
+        raise ConfigError(f"partitions and replication must be >= 1, got {partitions}, {replication}")
+    backend = _backend(dsn)
+    import kafka.errors as ke
+    from kafka.admin import NewTopic
+
+    try:
+        admin = backend.admin("fleethealth-admin", int(connect_timeout_s * 1000))
+    except Exception as exc:
+        if _is_kafka_error(exc):
+            raise _translate(exc, "connecting the admin client", dsn) from exc
+        raise
+    try:
+        for topic in topics or [t.value for t in Topic]:
+            try:
+                configs = TOPIC_CONFIGS.get(str(topic), {})
+                admin.create_topics([NewTopic(str(topic), partitions, replication, topic_configs=configs)])
+            except ke.TopicAlreadyExistsError:
+                continue
+            except Exception as exc:
+                if _is_kafka_error(exc):
+                    raise _translate(exc, f"creating topic {topic}", dsn) from exc
+                raise
+    finally:
+        admin.close()
