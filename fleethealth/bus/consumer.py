@@ -14,11 +14,11 @@ import orjson
 from fleethealth import schema
 from fleethealth.bus.deadletter import DeadLetter
 from fleethealth.bus.dsn import _backend
-from fleethealth.bus.kafka_client import _is_kafka_error, _translate
+from fleethealth.bus.kafka_client import translated
 from fleethealth.bus.producer import Producer
-from fleethealth.bus.records import Record
+from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
 from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
-from fleethealth.schema import Message, Topic
+from fleethealth.schema import Topic
 
 _log = logging.getLogger("fleethealth.bus")
 
@@ -62,14 +62,10 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
-        try:
+        with translated(f"joining group {group!r}", dsn):
             self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
                                         int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
                                         int(connect_timeout_s * 1000))
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, f"joining group {group!r}", dsn) from exc
-            raise
         self._producer = producer
         self._own_producer = producer is None
         self._pending: dict[Any, int] = {}
@@ -94,16 +90,12 @@ class Consumer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._buffer += self._fetch(0.1, 5000)
-            try:
+            with translated(f"joining group {self.group!r}", self.dsn):
                 assigned = self._kc.assignment()
                 if assigned:
                     for tp in assigned:
                         self._kc.position(tp, timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
                     return
-            except Exception as exc:
-                if _is_kafka_error(exc):
-                    raise _translate(exc, f"joining group {self.group!r}", self.dsn) from exc
-                raise
         raise BusUnavailable(f"group {self.group!r} got no partitions of {', '.join(self.topics)} on "
                              f"{self.dsn} within {timeout_s} s")
 
@@ -125,12 +117,8 @@ class Consumer:
 
     def _fetch(self, timeout_s: float, max_records: int) -> list[tuple[Record | None, Any, int]]:
         """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
-        try:
+        with translated(f"polling {', '.join(self.topics)}", self.dsn):
             batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, f"polling {', '.join(self.topics)}", self.dsn) from exc
-            raise
         out: list[tuple[Record | None, Any, int]] = []
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
@@ -141,7 +129,7 @@ class Consumer:
             for rec in records:
                 try:
                     if cls is DeadLetter or rec.value is None:
-                        msg = self._decode(cls, rec.value)
+                        msg = decode_value(cls, rec.value)
                     else:
                         msg = next(bulk)
                         if isinstance(msg, Exception):
@@ -155,49 +143,19 @@ class Consumer:
                 else:
                     skew = None if self.verifier is None else self.verifier.check(
                         rec.topic, rec.key, rec.value, getattr(rec, "headers", None), msg)
-                    skew = skew or self._skew(msg, rec)
-                    if skew is None and isinstance(msg, schema.StepBlock) and self.max_behind_s is not None:
-                        skew = self._skew(msg, rec, float(msg.step_ts.min()))  # its earliest step, too
+                    skew = skew or event_time_skew(msg, getattr(rec, "timestamp", None), max_ahead_s=self.max_ahead_s,
+                                                   max_behind_s=self.max_behind_s)
                     if skew is not None:
                         self._dead_letter(rec, skew)
                         out.append((None, tp, rec.offset + 1))
                         continue
                     if isinstance(msg, schema.StepBlock) and self.split_blocks:
-                        # one record per step, all at the block's offset; only the last one moves
-                        # the position past it, so a poll that stops inside a block commits none of it
-                        parts = msg.split()
-                        out.extend((Record(rec.topic, rec.partition, rec.offset, rec.key, part), tp,
-                                    rec.offset + 1 if k == len(parts) - 1 else rec.offset)
-                                   for k, part in enumerate(parts))
+                        out.extend((part, tp, next_offset)
+                                   for part, next_offset in split_block(rec.topic, rec.partition, rec.offset, rec.key,
+                                                                        msg))
                         continue
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
-
-    def _skew(self, msg: Message | DeadLetter, rec: Any, ts: float | None = None) -> str | None:
-        """Why ``msg``'s event time (or ``ts``) is out of bounds against the record timestamp, or None."""
-        if (self.max_ahead_s is None and self.max_behind_s is None) or isinstance(msg, DeadLetter):
-            return None
-        stamp = getattr(rec, "timestamp", None)
-        if not isinstance(stamp, int) or stamp < 0:
-            return None  # no record timestamp to bound against
-        broker = stamp / 1000.0
-        event = msg.ts if ts is None else ts
-        ahead = event - broker
-        if self.max_ahead_s is not None and ahead > self.max_ahead_s:
-            return (f"ts: event time {event:.3f} is {ahead:.0f} s ahead of the record timestamp {broker:.3f} "
-                    f"(max_ahead_s={self.max_ahead_s:g})")
-        if self.max_behind_s is not None and -ahead > self.max_behind_s:
-            return (f"ts: event time {event:.3f} is {-ahead:.0f} s behind the record timestamp {broker:.3f} "
-                    f"(max_behind_s={self.max_behind_s:g})")
-        return None
-
-    @staticmethod
-    def _decode(cls: Any, value: bytes | None) -> Message | DeadLetter:
-        if value is None:
-            raise SchemaError("<message>", "empty value (tombstone)")
-        if cls is DeadLetter:
-            return DeadLetter.from_obj(schema.load_object(value))
-        return schema.decode(cls, value)
 
     def _dead_letter(self, rec: Any, reason: str) -> None:
         if rec.topic == Topic.DEADLETTER.value:
@@ -236,10 +194,12 @@ class Consumer:
         from kafka.structs import OffsetAndMetadata
 
         offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in targets.items()}
-        try:
-            self._kc.commit(offsets=offsets)
-        except Exception as exc:
-            if type(exc).__name__ in ("CommitFailedError", "RebalanceInProgressError"):
+        with translated(f"committing offsets of group {self.group!r}", self.dsn):
+            try:
+                self._kc.commit(offsets=offsets)
+            except Exception as exc:
+                if type(exc).__name__ not in ("CommitFailedError", "RebalanceInProgressError"):
+                    raise
                 # the group rebalanced under us (a slow poll on a loaded machine, a new member): nothing is
                 # committed now. A partition that moved is dropped from what is pending at the next commit
                 # (its records are redelivered to its owner, whose idempotent writes absorb them); one that
@@ -249,9 +209,6 @@ class Consumer:
                 _log.warning("commit for group %r refused after a rebalance; %d partition(s) will be re-read "
                              "from their last commit", self.group, len(offsets))
                 return
-            if _is_kafka_error(exc):
-                raise _translate(exc, f"committing offsets of group {self.group!r}", self.dsn) from exc
-            raise
         self._committed.update(targets)
         for tp, off in targets.items():
             if self._pending.get(tp) == off:
@@ -265,22 +222,18 @@ class Consumer:
 
         moved = {TopicPartition(t, p) for t, p in offsets}
         self._buffer = [entry for entry in self._buffer if entry[1] not in moved]
-        try:
+        with translated("seeking", self.dsn):
             for (topic, partition), offset in offsets.items():
                 tp = TopicPartition(topic, partition)
                 self._pending.pop(tp, None)
                 self._kc.seek(tp, offset)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "seeking", self.dsn) from exc
-            raise
 
     def offset_range(self, pairs: Collection[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:
         """The broker's ``(beginning, end)`` offsets of each ``(topic, partition)`` of ``pairs`` that exists
         (what a restored snapshot's offsets are checked against before a seek)."""
         from kafka.structs import TopicPartition
 
-        try:
+        with translated("reading partition ranges", self.dsn):
             known = {(t, p) for t in {t for t, _ in pairs} for p in (self._kc.partitions_for_topic(t) or ())}
             tps = [TopicPartition(t, p) for t, p in pairs if (t, p) in known]
             if not tps:
@@ -293,10 +246,6 @@ class Consumer:
                 if tp in mine:
                     seen = (self._kc.highwater(tp), self._kc.committed(tp))
                     last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "reading partition ranges", self.dsn) from exc
-            raise
         return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
@@ -305,24 +254,16 @@ class Consumer:
 
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""
-        try:
+        with translated("reading the assignment", self.dsn):
             return {(tp.topic, tp.partition) for tp in self._kc.assignment()}
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "reading the assignment", self.dsn) from exc
-            raise
 
     def positions(self) -> dict[tuple[str, int], int]:
         """The next offset to read per assigned ``(topic, partition)`` (after a join: where reading
         starts, the group's committed offset or the reset position)."""
         out: dict[tuple[str, int], int] = {}
-        try:
+        with translated("reading consumer positions", self.dsn):
             for tp in self._kc.assignment():
                 out[(tp.topic, tp.partition)] = self._kc.position(tp, timeout_ms=5000)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "reading consumer positions", self.dsn) from exc
-            raise
         return out
 
     def lag(self) -> dict[tuple[str, int], int | None]:
@@ -333,24 +274,17 @@ class Consumer:
         """
         out: dict[tuple[str, int], int | None] = {}
         held = Counter(tp for _, tp, _ in self._buffer)  # fetched, not yet returned: still unread
-        try:
+        with translated("reading consumer positions", self.dsn):
             for tp in self._kc.assignment():
                 end = self._kc.highwater(tp)
                 position = None if end is None else self._kc.position(tp, timeout_ms=1000)
                 out[(tp.topic, tp.partition)] = None if position is None else max(0, end - position) + held[tp]
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "reading consumer positions", self.dsn) from exc
-            raise
         return out
 
     def close(self) -> None:
         try:
-            self._kc.close(autocommit=False)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "closing a consumer", self.dsn) from exc
-            raise
+            with translated("closing a consumer", self.dsn):
+                self._kc.close(autocommit=False)
         finally:
             if self._own_producer and self._producer is not None:
                 self._producer.close()

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fleethealth.errors import BusError, BusUnavailable, ConfigError
@@ -115,3 +116,16 @@ def _translate(exc: Exception, doing: str, where: str) -> BusError:
 
 def _is_kafka_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("kafka")
+
+
+@contextlib.contextmanager
+def translated(doing: str, where: str) -> Iterator[None]:
+    """Run a block of kafka-python calls: a kafka-python exception leaves it as :class:`BusUnavailable`
+    or :class:`BusError` (``raise … from`` the original) saying what was being done on which DSN;
+    any other exception passes through as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if _is_kafka_error(exc):
+            raise _translate(exc, doing, where) from exc
+        raise

@@ -10,7 +10,7 @@ from typing import Any, Self
 
 from fleethealth import schema
 from fleethealth.bus.dsn import _backend
-from fleethealth.bus.kafka_client import _is_kafka_error, _translate
+from fleethealth.bus.kafka_client import _is_kafka_error, translated
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.schema import Message
 
@@ -80,12 +80,8 @@ class Producer:
         timeouts = _producer_timeouts(max_block_s=max_block_s, request_timeout_s=request_timeout_s,
                                       delivery_timeout_s=delivery_timeout_s,
                                       reconnect_backoff_max_s=reconnect_backoff_max_s)
-        try:
+        with translated("connecting a producer", dsn):
             self._kp = backend.producer(client_id, self.compression, int(connect_timeout_s * 1000), **timeouts)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "connecting a producer", dsn) from exc
-            raise
         self._lock = threading.Lock()
         self._failures: list[str] = []
         self.published_total = 0
@@ -103,13 +99,9 @@ class Producer:
         else the producer's ``signer`` (if any) signs the record."""
         if headers is None and self.signer is not None:
             headers = self.signer.headers(str(topic), key, value)
-        try:
+        with translated(f"publishing to {topic}", self.dsn):
             future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
                                    **({"headers": list(headers)} if headers else {}))
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, f"publishing to {topic}", self.dsn) from exc
-            raise
         future.add_errback(self._failed, str(topic))
         self.published_total += 1
 
@@ -121,12 +113,8 @@ class Producer:
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued message is delivered; raise if any delivery failed."""
-        try:
+        with translated(f"flushing within {timeout_s} s", self.dsn):
             self._kp.flush(timeout=timeout_s)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, f"flushing within {timeout_s} s", self.dsn) from exc
-            raise
         with self._lock:
             failures, self._failures = self._failures, []
         if failures:

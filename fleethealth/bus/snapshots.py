@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleethealth.bus.dsn import _backend
-from fleethealth.bus.kafka_client import _is_kafka_error, _KafkaBackend, _translate
+from fleethealth.bus.kafka_client import _KafkaBackend, translated
 from fleethealth.errors import BusError
 from fleethealth.schema import Topic
 
@@ -32,23 +32,19 @@ class SnapshotTopic:
                       offsets: Mapping[tuple[str, int], int], blob: bytes) -> None:
         if len(blob) > SNAPSHOT_MAX_BYTES:
             raise BusError(f"a snapshot of {len(blob)} bytes is larger than fh.snapshots takes ({SNAPSHOT_MAX_BYTES})")
-        try:
+        with translated("publishing a snapshot", self.dsn):
             if self._producer is None:
                 self._producer = _backend(self.dsn).producer(self._client_id, None, 10_000,  # type: ignore[arg-type]
                                                              max_request_size=SNAPSHOT_MAX_BYTES + 65_536)
             self._producer.send(Topic.SNAPSHOTS.value, key=f"{group}/{partition}".encode(), value=bytes(blob),
                                 headers=[("seq", str(int(seq)).encode())]).get(timeout=30)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "publishing a snapshot", self.dsn) from exc
-            raise
 
     def load_snapshot(self, group: str, partition: int) -> tuple[int, dict[tuple[str, int], int], bytes] | None:
         key = f"{group}/{partition}".encode()
         kafka = _KafkaBackend._kafka()
         best: tuple[int, bytes] | None = None
         backend = _backend(self.dsn)
-        try:
+        with translated("reading fh.snapshots", self.dsn):
             kc = kafka.KafkaConsumer(bootstrap_servers=backend.hosts, group_id=None, client_id=self._client_id,
                                      enable_auto_commit=False, auto_offset_reset="earliest",
                                      max_partition_fetch_bytes=SNAPSHOT_MAX_BYTES + 65_536,
@@ -69,10 +65,6 @@ class SnapshotTopic:
                                 best = (seq, rec.value)
             finally:
                 kc.close(autocommit=False)
-        except Exception as exc:
-            if _is_kafka_error(exc):
-                raise _translate(exc, "reading fh.snapshots", self.dsn) from exc
-            raise
         return None if best is None else (best[0], {}, best[1])
 
     def close(self) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from fleethealth.bus.dsn import _backend
-from fleethealth.bus.kafka_client import _is_kafka_error, _translate
+from fleethealth.bus.kafka_client import translated
 from fleethealth.bus.snapshots import SNAPSHOT_MAX_BYTES
 from fleethealth.errors import ConfigError
 from fleethealth.schema import Topic
@@ -27,22 +28,12 @@ def ensure_topics(dsn: str, partitions: int = 4, *, replication: int = 1,
     import kafka.errors as ke
     from kafka.admin import NewTopic
 
-    try:
+    with translated("connecting the admin client", dsn):
         admin = backend.admin("fleethealth-admin", int(connect_timeout_s * 1000))
-    except Exception as exc:
-        if _is_kafka_error(exc):
-            raise _translate(exc, "connecting the admin client", dsn) from exc
-        raise
     try:
         for topic in topics or [t.value for t in Topic]:
-            try:
-                configs = TOPIC_CONFIGS.get(str(topic), {})
+            configs = TOPIC_CONFIGS.get(str(topic), {})
+            with translated(f"creating topic {topic}", dsn), contextlib.suppress(ke.TopicAlreadyExistsError):
                 admin.create_topics([NewTopic(str(topic), partitions, replication, topic_configs=configs)])
-            except ke.TopicAlreadyExistsError:
-                continue
-            except Exception as exc:
-                if _is_kafka_error(exc):
-                    raise _translate(exc, f"creating topic {topic}", dsn) from exc
-                raise
     finally:
         admin.close()
