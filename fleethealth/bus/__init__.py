@@ -8,7 +8,7 @@
 
 A registry maps a DSN scheme to a backend factory (``kafka://host:port[,host:port]`` today); the
 factory imports its client library lazily, and an unknown scheme raises :class:`ConfigError`
-listing the known ones. kafka-python exceptions are translated at one boundary (``kafka_client.py``)::
+listing the known ones. kafka-python exceptions are translated in one place (``kafka_client.translated``)::
 
     kafka.errors.KafkaConnectionError, KafkaTimeoutError,
     RequestTimedOutError, NodeNotReadyError, ...        -> BusUnavailable
@@ -34,10 +34,10 @@ on Tansu 0.6: about half the session timeout), so consumers default to short one
 Where each part lives::
 
     dsn.py           parse_dsn, dsn_options, the scheme registry (register_backend, known_schemes)
-    kafka_client.py  the kafka-python clients and the one translation of its exceptions
+    kafka_client.py  the kafka-python clients, and translated(): the one translation of its exceptions
     producer.py      Producer
     consumer.py      Consumer
-    records.py       Record, what a consumer returns
+    records.py       Record, and the pure steps a consumer takes: decode, event-time bound, block split
     deadletter.py    DeadLetter and its size limits
     topics.py        ensure_topics, TOPIC_CONFIGS (the admin side)
     snapshots.py     SnapshotTopic, detector snapshots on fh.snapshots

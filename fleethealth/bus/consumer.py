@@ -30,7 +30,7 @@ class Consumer:
     published to ``fh.deadletter`` (through ``producer`` if given, else one the consumer opens
     and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
     at the earliest record, else at the latest. ``max_ahead_s`` / ``max_behind_s`` bound a
-    message's event time against its record timestamp (None: no bound; see the module docstring).
+    message's event time against its record timestamp (None: no bound; see :mod:`fleethealth.bus`).
     ``verifier`` (a :class:`fleethealth.signing.Verifier`) checks each decoded record's signature
     headers; the reason it gives dead-letters the record.
     """
