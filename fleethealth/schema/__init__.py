@@ -23,7 +23,11 @@ name a detector snapshot records for it (``detectors/state.py``), so where a cla
 this package is not part of any stored format.
 """
 
-from fleethealth.errors import SchemaError  # noqa: F401  (``schema.SchemaError``, as before the package)
+from typing import Any, ClassVar  # noqa: F401  (see the end: the classes' annotations resolve here)
+
+import numpy as np  # noqa: F401
+
+from fleethealth.errors import SchemaError as SchemaError
 from fleethealth.schema.codec import TOPIC_TYPES, Message, decode, decode_many, encode, load_object
 from fleethealth.schema.events import JOB_EVENT_KINDS, Event, EventKind, is_job_event
 from fleethealth.schema.fields import (
@@ -80,6 +84,9 @@ __all__ = [
     "TOPIC_TYPES",
 ]
 
+# Each class's public name is fleethealth.schema.<Class>, whichever module above defines it: detector
+# snapshots record classes by that name (detectors/state.py). Its string annotations (``np.ndarray``,
+# ``Any``, ``ClassVar[Topic]``) then resolve in this namespace, which is why np, Any and ClassVar are here.
 for _name in __all__:
     _value = globals()[_name]
     if isinstance(_value, type):
