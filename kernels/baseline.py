@@ -29,7 +29,7 @@ from fleethealth.kernels.results import SelfTestResult, Verdict
 from fleethealth.schema import Event, EventKind
 
 if TYPE_CHECKING:
-    from fleethealth.store.protocol import StoreLike
+    from fleethealth.store.protocol import OpsStore
 
 __all__ = ["DEFAULT_SLOW_FRACTION", "SHIPPED", "Baseline", "BaselineBook", "model_family"]
 
@@ -105,7 +105,7 @@ class BaselineBook:
         return cls.from_records((e.data for e in events if e.kind is EventKind.SELFTEST), **kwargs)
 
     @classmethod
-    def from_store(cls, store: StoreLike, *, since: float | None = None, **kwargs: Any) -> BaselineBook:
+    def from_store(cls, store: OpsStore, *, since: float | None = None, **kwargs: Any) -> BaselineBook:
         """Fleet medians computed in the store (one grouped query over the ``selftest`` events with
         verdict ``pass`` or ``slow``, optionally only those at or after event time ``since``)."""
         fleet = {(model, suite, test): (value, n)

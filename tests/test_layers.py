@@ -1,66 +1,87 @@
 """The import graph keeps the floors of ``docs/architecture.md``: imports point down, never in a circle.
 
+The floors are read from the page's table ("Layers: who may import whom"), not copied here: each
+path in backticks in a row is a unit of that row's floor (a folder ending in ``/`` a package with
+everything in it, a ``.py`` one module; paths without ``fleethealth/`` are relative to it, and
+``detectors/``, ``kernels/``, ``sweeps/`` are installed as ``fleethealth.detectors`` …). The top floor is
+one unit, and the ``contracts`` row is floor 1, importable by every unit.
+
 Read from the source with :mod:`ast` (nothing is imported), every ``import`` counts, including the
 ones inside functions and under ``if TYPE_CHECKING:`` — except that a ``TYPE_CHECKING`` import of a
-contract (a module on floor 1) is allowed from anywhere, since a type annotation is not a runtime
-dependency. Floors, top down:
-
-5. ``fleethealth.commands`` (the CLI), ``fleethealth.demo``, ``fleethealth.__main__``
-4. the wings: ``detectors``, ``probe``, ``api``, ``sweeps``, ``report`` — never importing each other
-3. ``bus`` and ``store`` (the only modules that talk to Kafka and ClickHouse)
-2. ``config``, ``broker``, ``sim``, ``policy``, ``adapters``
-1. contracts (``schema``, ``payloads``, ``errors``, ``store.protocol`` …) and the two libraries that
-   run on a GPU node without the service: ``injob`` and ``kernels``
-
-Within one floor a unit may import only itself and the contracts, so ``injob`` and ``kernels`` (both
-on floor 1) stay apart, and the wings stay apart.
+contract is allowed from anywhere, since a type annotation is not a runtime dependency. Within one
+floor a unit may import only itself and the contracts, so ``injob`` and ``kernels`` (both on floor 1)
+stay apart, and the wings stay apart.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
-# unit -> floor; the unit of a module is the longest prefix listed here.
-_FLOORS: dict[str, int] = {
-    "fleethealth.commands": 5,
-    "fleethealth.detectors": 4, "fleethealth.probe": 4, "fleethealth.api": 4, "fleethealth.sweeps": 4,
-    "fleethealth.report": 4,
-    "fleethealth.bus": 3, "fleethealth.store": 3,
-    "fleethealth.config": 2, "fleethealth.broker": 2, "fleethealth.sim": 2, "fleethealth.policy": 2,
-    "fleethealth.adapters": 2, "fleethealth.endpoints": 2,
-    "fleethealth.injob": 1, "fleethealth.kernels": 1,
-}
-# The top floor is one unit: the commands and the demo harness they drive wire everything together.
-_TOP = ("fleethealth.commands", "fleethealth.demo", "fleethealth.demo_injob", "fleethealth.demo_injob_worker",
-        "fleethealth.__main__")
-# Contracts: floor 1, importable by every unit (the hubs).
-_CONTRACTS = ("fleethealth", "fleethealth.schema", "fleethealth.errors", "fleethealth.payloads",
-              "fleethealth.wire", "fleethealth.lazy", "fleethealth.ids", "fleethealth.xid",
-              "fleethealth.params", "fleethealth.nodename", "fleethealth.store.protocol", "fleethealth.evidence",
-              "fleethealth.signing", "fleethealth.buildinfo",
-              "fleethealth.scenarios", "fleethealth.migrations")
+_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+_SECTION = "## Layers: who may import whom"
+_PATH = re.compile(r"`([A-Za-z_][\w/]*(?:/|\.py))`")
+_TOP_FLOOR = 5
+
+
+def _read_floors(page: str) -> tuple[dict[str, int], set[str], set[str]]:
+    """The page's table as (unit -> floor, the units that are contracts, the units that are single
+    modules); a unit is a module name (``fleethealth.store.protocol``) or a package (``fleethealth.bus``)."""
+    if _SECTION not in page:
+        raise AssertionError(f"{_PAGE} has no section {_SECTION!r}: test_layers reads its floors from it")
+    section = page.split(_SECTION, 1)[1].split("\n## ", 1)[0]
+    floors: dict[str, int] = {}
+    contracts: set[str] = set()
+    modules: set[str] = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|", 1)]
+        if not line.startswith("|") or len(cells) != 2 or not (cells[0].isdigit() or cells[0] == "contracts"):
+            continue
+        floor = 1 if cells[0] == "contracts" else int(cells[0])
+        for path in _PATH.findall(cells[1]):
+            parts = path.removeprefix("fleethealth/").removesuffix("/").removesuffix(".py").split("/")
+            unit = ".".join(["fleethealth", *(p for p in parts if p != "__init__")])
+            floors[unit] = floor
+            if path.endswith(".py"):
+                modules.add(unit)
+            if cells[0] == "contracts":
+                contracts.add(unit)
+    if sorted(set(floors.values())) != list(range(1, _TOP_FLOOR + 1)) or not contracts:
+        raise AssertionError(f"the floor table of {_PAGE} should name floors 1 to {_TOP_FLOOR} and the contracts")
+    return floors, contracts, modules
+
+
+_FLOORS, _CONTRACT_UNITS, _MODULE_UNITS = _read_floors(_PAGE.read_text())
+
+
+def _covering(module: str) -> str | None:
+    """The most specific unit of the page that holds ``module``."""
+    return max((u for u in _FLOORS if module == u or (u not in _MODULE_UNITS and module.startswith(u + "."))),
+               key=len, default=None)
 
 
 def _is_contract(module: str) -> bool:
-    return any(module == c or (c != "fleethealth" and module.startswith(c + ".")) for c in _CONTRACTS)
+    return _covering(module) in _CONTRACT_UNITS
 
 
 def _unit(module: str) -> str:
-    if _is_contract(module):
-        return "contracts"
-    if any(module == t or module.startswith(t + ".") or module.startswith(t + "_") for t in _TOP):
-        return "fleethealth.commands"
-    best = max((u for u in _FLOORS if module == u or module.startswith(u + ".")), key=len, default=None)
+    best = _covering(module)
     if best is None:
-        raise AssertionError(f"{module} has no floor: add it to docs/architecture.md and to _FLOORS")
+        raise AssertionError(f"{module} has no floor: add it to the floor table of docs/architecture.md")
+    if best in _CONTRACT_UNITS:
+        return "contracts"
+    if _FLOORS[best] == _TOP_FLOOR:
+        return "top"
     return best
 
 
 def _floor(unit: str) -> int:
-    return 1 if unit == "contracts" else _FLOORS[unit]
+    if unit == "contracts":
+        return 1
+    return _TOP_FLOOR if unit == "top" else _FLOORS[unit]
 
 
 def _type_checking_lines(tree: ast.AST) -> set[int]:
@@ -149,3 +170,19 @@ def test_each_floor_is_populated(floor: int, source_modules) -> None:
     """The table is not stale: every floor it names still holds a module."""
     units = {_unit(m) for m in source_modules}
     assert any(_floor(u) == floor for u in units)
+
+
+def test_every_unit_the_page_names_exists(source_modules) -> None:
+    """Each path of the floor table is a module or package of the source tree."""
+    missing = sorted(u for u in _FLOORS if not any(m == u or m.startswith(u + ".") for m in source_modules))
+    assert not missing, f"docs/architecture.md names units the source does not have: {missing}"
+
+
+def test_the_table_is_read_as_written() -> None:
+    """A few rows of the page, as this test reads them."""
+    assert _unit("fleethealth.schema.telemetry") == "contracts" and _unit("fleethealth") == "contracts"
+    assert _unit("fleethealth.store.protocol") == "contracts"
+    assert _unit("fleethealth.store.queries") == "fleethealth.store"
+    assert _unit("fleethealth.bus.consumer") == "fleethealth.bus" and _floor("fleethealth.bus") == 3
+    assert _unit("fleethealth.demo_injob_worker") == _unit("fleethealth.commands.detect") == "top"
+    assert _floor(_unit("fleethealth.kernels.gemm")) == 1 != _unit("fleethealth.kernels.gemm")

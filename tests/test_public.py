@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-PACKAGES = ["fleethealth", "fleethealth.detectors", "fleethealth.kernels", "fleethealth.sweeps",
-            "fleethealth.injob", "fleethealth.injob.ckptcheck", "fleethealth.probe", "fleethealth.api",
-            "fleethealth.adapters", "fleethealth.policy", "fleethealth.sim", "fleethealth.store",
+PACKAGES = ["fleethealth", "fleethealth.schema", "fleethealth.bus", "fleethealth.detectors", "fleethealth.kernels",
+            "fleethealth.sweeps", "fleethealth.injob", "fleethealth.injob.ckptcheck", "fleethealth.probe",
+            "fleethealth.api", "fleethealth.adapters", "fleethealth.policy", "fleethealth.sim", "fleethealth.store",
             "fleethealth.commands", "fleethealth.report"]
 HEAVY = ("chdb", "torch", "cupy", "fastapi", "sklearn")
 
@@ -35,3 +35,16 @@ def test_importing_stays_light(package: str) -> None:
     code = f"import sys, {package}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "", f"importing {package} loaded {loaded}"
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """pyproject.toml names its packages one by one, so a new package folder (a module that became a
+    package) must be named there too, or the wheel the image installs goes without it."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([name, *init.parent.relative_to(root / folder).parts])
+             for name, folder in config["package-dir"].items() for init in (root / folder).rglob("__init__.py")}
+    assert sorted(found - set(config["packages"])) == []

@@ -65,7 +65,7 @@ from fleethealth.policy.goodput import Interruption, distinct_stops
 from fleethealth.schema import Event, EventKind
 
 if TYPE_CHECKING:
-    from fleethealth.store.protocol import StoreLike
+    from fleethealth.store.protocol import ApiStore
 
 __all__ = ["JobSpan", "CheckpointAdvice", "IntervalEstimator", "advise", "history", "ESTIMATOR"]
 
@@ -289,7 +289,7 @@ class IntervalEstimator:
 
 
 # ---------------------------------------------------------------- the shell: the inputs from a store
-def advise(store: StoreLike, job: str, *, estimator: IntervalEstimator | None = None,
+def advise(store: ApiStore, job: str, *, estimator: IntervalEstimator | None = None,
            at: float | None = None) -> CheckpointAdvice | None:
     """The advice for ``job`` from the records in ``store`` (its named queries only), at event time ``at``
     (default: the job's newest step, else its newest record); None when the store knows nothing of the job."""
@@ -305,7 +305,7 @@ def advise(store: StoreLike, job: str, *, estimator: IntervalEstimator | None = 
     return history(store, job, [at], estimator=estimator)[0]
 
 
-def history(store: StoreLike, job: str, times: Sequence[float], *,
+def history(store: ApiStore, job: str, times: Sequence[float], *,
             estimator: IntervalEstimator | None = None) -> list[CheckpointAdvice]:
     """The advice for ``job`` at each of ``times`` (event time), from one read of the records of the
     windows they end: how the interval and its inputs moved (the report's plot). Each job's span is cut

@@ -20,7 +20,7 @@ from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.schema import Diagnosis
 
 if TYPE_CHECKING:
-    from fleethealth.store.protocol import StoreLike
+    from fleethealth.store.protocol import PolicyStore
 
 __all__ = [
     "BreakerRecord",
@@ -53,21 +53,21 @@ class BreakerRecord:
                 "reset_ts": self.reset_ts, "reset_by": self.reset_by}
 
 
-def record_outcome(store: StoreLike, outcome: EvictionOutcome) -> None:
+def record_outcome(store: PolicyStore, outcome: EvictionOutcome) -> None:
     """Append one eviction outcome to the history that P(healthy) is learned from."""
     store.insert_eviction_outcome(ts=float(outcome.ts), node=outcome.node, job=outcome.job,
                                   diagnosis=Diagnosis(outcome.diagnosis).value, finding_id=outcome.finding_id,
                                   resolved=bool(outcome.resolved))
 
 
-def outcomes(store: StoreLike) -> list[EvictionOutcome]:
+def outcomes(store: PolicyStore) -> list[EvictionOutcome]:
     """The recorded eviction outcomes, oldest first."""
     return [EvictionOutcome(ts=float(r["ts"]), node=r["node"], job=r["job"], diagnosis=Diagnosis(r["diagnosis"]),
                             resolved=bool(r["resolved"]), finding_id=r["finding_id"])
             for r in store.eviction_outcome_rows()]
 
 
-def breaker_record(store: StoreLike) -> BreakerRecord | None:
+def breaker_record(store: PolicyStore) -> BreakerRecord | None:
     """The fleet breaker as stored, or None when it has never tripped."""
     r = store.breaker_row(_BREAKER)
     if r is None:
@@ -76,13 +76,13 @@ def breaker_record(store: StoreLike) -> BreakerRecord | None:
                          reset_ts=r["reset_ts"], reset_by=r["reset_by"], version=int(r["version"]))
 
 
-def _write_breaker(store: StoreLike, *, open_: bool, tripped_ts: float | None, reason: str,
+def _write_breaker(store: PolicyStore, *, open_: bool, tripped_ts: float | None, reason: str,
                    reset_ts: float | None, reset_by: str) -> None:
     store.write_breaker(_BREAKER, open_=open_, tripped_ts=tripped_ts, reason=reason, reset_ts=reset_ts,
                         reset_by=reset_by)
 
 
-def reset_breaker(store: StoreLike, ts: float, by: str) -> BreakerRecord:
+def reset_breaker(store: PolicyStore, ts: float, by: str) -> BreakerRecord:
     """An explicit human reset of the fleet breaker at event time ``ts``, recorded with who did it."""
     old = breaker_record(store)
     _write_breaker(store, open_=False, tripped_ts=old.tripped_ts if old else None,
@@ -93,7 +93,7 @@ def reset_breaker(store: StoreLike, ts: float, by: str) -> BreakerRecord:
     return rec
 
 
-def sync_breaker(store: StoreLike, engine: PolicyEngine) -> None:
+def sync_breaker(store: PolicyStore, engine: PolicyEngine) -> None:
     """Reconcile the engine's breaker with the stored one (the store wins for a later reset)."""
     rec = breaker_record(store)
     b = engine.breaker_
@@ -108,7 +108,7 @@ def sync_breaker(store: StoreLike, engine: PolicyEngine) -> None:
         b.trip(rec.tripped_ts or 0.0, rec.reason)
 
 
-def sync_quarantine(store: StoreLike, engine: PolicyEngine) -> list[str]:
+def sync_quarantine(store: PolicyStore, engine: PolicyEngine) -> list[str]:
     """Reconcile the engine's memory of quarantined and drained nodes with the quarantine book (the book
     wins: a node released through the API or a sweep is forgotten by the engine). Reads the book only
     while the engine remembers a node. Returns the nodes released."""
@@ -122,13 +122,13 @@ def sync_quarantine(store: StoreLike, engine: PolicyEngine) -> list[str]:
     return released
 
 
-def save_engine(store: StoreLike, engine: PolicyEngine, ts: float, *, key: str = "engine") -> None:
+def save_engine(store: PolicyStore, engine: PolicyEngine, ts: float, *, key: str = "engine") -> None:
     """Write the engine's state (and a newly tripped breaker) to the store."""
     sync_breaker(store, engine)
     store.write_policy_state(key, float(ts), orjson.dumps(engine.to_state()).decode())
 
 
-def load_engine(store: StoreLike, *, key: str = "engine", **params: Any) -> PolicyEngine:
+def load_engine(store: PolicyStore, *, key: str = "engine", **params: Any) -> PolicyEngine:
     """A :class:`PolicyEngine` with ``params``, its saved state, the eviction history and the breaker."""
     engine = PolicyEngine(**params)
     state = store.policy_state(key)

@@ -31,7 +31,7 @@ from fleethealth.errors import ConfigError
 from fleethealth.schema import Action, Guard, Recommendation
 
 if TYPE_CHECKING:
-    from fleethealth.store.protocol import StoreLike
+    from fleethealth.store.protocol import PolicyStore
 
 __all__ = [
     "QuarantineRecord",
@@ -189,7 +189,7 @@ def _merge_runs(old: Iterable[str], new: Iterable[str]) -> list[str]:
     return out
 
 
-def quarantine(store: StoreLike, node: str, reason: str, ts: float, finding_id: str | None = None,
+def quarantine(store: PolicyStore, node: str, reason: str, ts: float, finding_id: str | None = None,
                runs: Iterable[str] = ()) -> QuarantineRecord:
     """Put ``node`` in quarantine at event time ``ts``; idempotent.
 
@@ -217,7 +217,7 @@ def quarantine(store: StoreLike, node: str, reason: str, ts: float, finding_id: 
     return _to_record(row)
 
 
-def add_run(store: StoreLike, node: str, job: str, ts: float | None = None) -> QuarantineRecord:
+def add_run(store: PolicyStore, node: str, job: str, ts: float | None = None) -> QuarantineRecord:
     """Record that ``node`` interrupted run ``job``; raises :class:`ConfigError` for a node the book
     has never held. Repeats of the same job are not counted twice."""
     _check_node(node)
@@ -234,7 +234,7 @@ def add_run(store: StoreLike, node: str, job: str, ts: float | None = None) -> Q
     return _to_record(old)
 
 
-def release(store: StoreLike, node: str, ts: float, evidence: dict[str, Any]) -> bool:
+def release(store: PolicyStore, node: str, ts: float, evidence: dict[str, Any]) -> bool:
     """Return ``node`` to the pool; ``True`` only with a passing full self-test (:func:`check_release`).
 
     Every refusal (unknown node, not quarantined, weak evidence) is logged with why and returns False.
@@ -257,19 +257,19 @@ def release(store: StoreLike, node: str, ts: float, evidence: dict[str, Any]) ->
     return True
 
 
-def quarantined(store: StoreLike) -> list[QuarantineRecord]:
+def quarantined(store: PolicyStore) -> list[QuarantineRecord]:
     """Every node now in quarantine, oldest first."""
     return [_to_record(row) for row in store.quarantined_rows()]
 
 
-def record(store: StoreLike, node: str) -> QuarantineRecord | None:
+def record(store: PolicyStore, node: str) -> QuarantineRecord | None:
     """The node's current quarantine record, or ``None`` when it is not in quarantine."""
     _check_node(node)
     row = store.quarantine_row(node)
     return _to_record(row) if row is not None and row["quarantined"] else None
 
 
-def history(store: StoreLike, node: str) -> list[QuarantineLogEntry]:
+def history(store: PolicyStore, node: str) -> list[QuarantineLogEntry]:
     """The node's quarantine log (quarantines, runs added, releases and refused releases), in order."""
     _check_node(node)
     return [QuarantineLogEntry(node=r["node"], ts=float(r["ts"]), action=r["action"], detail=r["detail"],
@@ -281,7 +281,7 @@ BOOKED_ACTIONS = (Action.QUARANTINE, Action.DRAIN)
 """The engine's decisions that take a node out of the pool until a full self-test returns it."""
 
 
-def book_decisions(store: StoreLike, recommendations: Iterable[Recommendation]) -> list[QuarantineRecord]:
+def book_decisions(store: PolicyStore, recommendations: Iterable[Recommendation]) -> list[QuarantineRecord]:
     """Write the allowed quarantines and drains among ``recommendations`` into the book (a dry run's are
     not carried out, so not booked); idempotent, as :func:`quarantine` is. Returns the records written."""
     out = []
@@ -292,7 +292,7 @@ def book_decisions(store: StoreLike, recommendations: Iterable[Recommendation]) 
     return out
 
 
-def released(store: StoreLike, nodes: Iterable[str]) -> set[str]:
+def released(store: PolicyStore, nodes: Iterable[str]) -> set[str]:
     """Which of ``nodes`` the book has released (a row that is no longer quarantined); a node it never
     held is not released (its booking may still be on its way)."""
     out = set()

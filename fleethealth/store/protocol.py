@@ -1,15 +1,22 @@
-"""The store's contract: :class:`StoreLike`, what every caller of the store types against.
+"""The store's contract: :class:`StoreLike`, what every caller of the store types against, and its roles.
 
-Detectors, the runner, the API, policy, sweeps and kernels take a ``StoreLike``, never a concrete
-client. It has three parts:
+Detectors, the runner, the API, policy, sweeps and kernels take a store, never a concrete client.
+:class:`StoreLike` is every role at once; a caller that needs one role names that role:
 
-* the small contract: ``query`` (-> :class:`QueryResult`), ``insert`` (columnar), ``command``,
-  ``migrate``, ``close``, and the context manager;
-* typed writers and readers of the core tables (schema dataclasses in, schema dataclasses out);
-* the named application queries, grouped by the tables they read (API views, policy state and
-  breaker, quarantine book, self-test baselines). Their SQL lives in :mod:`fleethealth.store.queries`
-  and nowhere else; rows come back as ``dict`` keyed by column name where a caller turns them into
-  its own records.
+* :class:`StoreBase` — the small contract: ``query`` (-> :class:`QueryResult`), ``insert``
+  (columnar), ``command``, ``migrate``, ``close``, and the context manager;
+* :class:`DetectorStore` — the detector tier's: typed writers of the core tables (schema
+  dataclasses in), the outbox, detector snapshots;
+* :class:`PolicyStore` — the policy's: its state, eviction outcomes, the breaker, the quarantine book;
+* :class:`ApiStore` — the HTTP API's and the report's: typed readers of the core tables (schema
+  dataclasses out), node and run views, report views, the long-range analyst queries;
+* :class:`OpsStore` — the self-tests' baselines, and what the benches read (engine memory, stored
+  rank-steps, storage accounting).
+
+The named queries' SQL lives in :mod:`fleethealth.store.queries` and nowhere else; rows come back as
+``dict`` keyed by column name where a caller turns them into its own records. A role a caller uses
+is checked by ``tests/fleethealth/store/test_protocol.py`` (each package calls only the members of
+its role).
 
 This module imports only the standard library, :mod:`fleethealth.schema` and
 :mod:`fleethealth.errors`, so modules below the store (policy, kernels) may name it under
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
 
     from fleethealth.schema import Event, Finding, Recommendation, StepBatch, Telemetry
 
-__all__ = ["QueryResult", "StoreLike"]
+__all__ = ["QueryResult", "StoreLike", "StoreBase", "DetectorStore", "PolicyStore", "ApiStore", "OpsStore"]
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,8 @@ class QueryResult:
         return len(self.rows)
 
 
-@runtime_checkable
-class StoreLike(Protocol):
-    """An open store. :class:`fleethealth.store.Store` is the implementation (chDB or a ClickHouse
-    server); every failure is a :class:`~fleethealth.errors.StoreError`."""
+class StoreBase(Protocol):
+    """The small contract every store has: SQL in, rows or columns out, migrations, closing."""
 
     dsn: str
 
@@ -88,6 +93,10 @@ class StoreLike(Protocol):
 
     def __exit__(self, *exc: object) -> None: ...
 
+
+class DetectorStore(Protocol):
+    """What the detector tier writes and keeps: the core tables, the outbox, detector snapshots."""
+
     # ---------------------------------------------------------------- typed writers (core tables)
     def insert_telemetry(self, samples: Sequence[Telemetry], *, dedup_token: str | None = None) -> int: ...
 
@@ -99,67 +108,22 @@ class StoreLike(Protocol):
 
     def insert_recommendations(self, recs: Sequence[Recommendation], *, dedup_token: str | None = None) -> int: ...
 
-    # ---------------------------------------------------------------- typed readers (core tables)
-    def findings(self, *, kind: str | None = None, node: str | None = None, job: str | None = None,
-                 since: float | None = None, until: float | None = None,
-                 limit: int | None = None) -> list[Finding]: ...
+    # ---------------------------------------------------------------- named queries: the outbox
+    def write_outbox(self, rows: Sequence[tuple[str, str, str, float, str]], *, published: bool,
+                     dedup_token: str | None = None) -> int: ...
 
-    def recommendations(self, *, node: str | None = None, job: str | None = None, action: str | None = None,
-                        since: float | None = None, until: float | None = None,
-                        limit: int | None = None) -> list[Recommendation]: ...
+    def pending_outbox(self, *, limit: int = 10_000) -> list[tuple[str, str, str, float, str]]: ...
 
-    def events(self, kind: str | None = None, node: str | None = None, *, job: str | None = None,
-               since: float | None = None, until: float | None = None, limit: int | None = None) -> list[Event]: ...
+    # ---------------------------------------------------------------- named queries: detector snapshots
+    def save_snapshot(self, group: str, partition: int, seq: int, ts: float,
+                      offsets: Mapping[tuple[str, int], int], blob: bytes) -> None: ...
 
-    def steps(self, job: str, *, first_step: int = 0, last_step: int | None = None,
-              node: str | None = None) -> list[StepBatch]: ...
+    def load_snapshot(self, group: str, partition: int) -> tuple[int, dict[tuple[str, int], int], bytes] | None: ...
 
-    def telemetry(self, *, node: str | None = None, since: float | None = None,
-                  until: float | None = None) -> list[Telemetry]: ...
 
-    # ---------------------------------------------------------------- named queries: nodes, runs, API views
-    def ping(self) -> None: ...
-
-    def explain_ast(self, statement: str) -> str: ...
-
-    def engine_memory(self) -> dict[str, float]: ...
-
-    def node_exists(self, node: str) -> bool: ...
-
-    def job_exists(self, job: str) -> bool: ...
-
-    def job_nodes(self, job: str) -> set[str]: ...
-
-    def rank_step_count(self, job: str, *, first_step: int = 0) -> int: ...
-
-    def recommendation_rows(self, *, since: float | None = None, node: str | None = None, job: str | None = None,
-                            action: str | None = None, guard: str | None = None,
-                            limit: int = 100) -> list[dict[str, Any]]: ...
-
-    def recommendation_row(self, rec_id: str) -> dict[str, Any] | None: ...
-
-    def write_recommendation_row(self, row: Mapping[str, Any]) -> None: ...
-
-    def node_summaries(self, *, source: str = "latest") -> list[dict[str, Any]]: ...
-
-    def finding_counts_by_node(self) -> dict[str, int]: ...
-
-    def open_recommendations_by_node(self) -> dict[str, int]: ...
-
-    def recent_events(self, *, node: str | None = None, job: str | None = None, kind: str | None = None,
-                      limit: int = 10_000) -> list[Event]: ...
-
-    def node_gpu_latest(self, node: str, *, source: str = "latest") -> list[dict[str, Any]]: ...
-
-    def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]: ...
-
-    def job_step_times(self, job: str, *, limit: int) -> list[tuple[Any, ...]]: ...
-
-    def job_spans(self, *, since: float, until: float) -> list[tuple[str, int, float, float]]: ...
-
-    def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]: ...
-
-    def sdc_check_counts(self, job: str) -> tuple[int, int]: ...
+class PolicyStore(Protocol):
+    """What the policy keeps (``fleethealth/policy/``): its state, eviction outcomes, the breaker and the
+    quarantine book."""
 
     # ---------------------------------------------------------------- named queries: policy state, outcomes, breaker
     def policy_state(self, key: str) -> str | None: ...
@@ -188,9 +152,66 @@ class StoreLike(Protocol):
 
     def quarantine_log_rows(self, node: str) -> list[dict[str, Any]]: ...
 
-    # ---------------------------------------------------------------- named queries: self-test baselines
-    def selftest_throughput_medians(self, *, since: float | None = None) -> list[tuple[str, str, str, float, int]]:
-        ...
+
+class ApiStore(Protocol):
+    """What the HTTP API and the report read (and the API's acknowledgements): the core tables as
+    schema messages, node and run views, report views and the long-range analyst queries."""
+
+    # ---------------------------------------------------------------- typed readers (core tables)
+    def findings(self, *, kind: str | None = None, node: str | None = None, job: str | None = None,
+                 since: float | None = None, until: float | None = None,
+                 limit: int | None = None) -> list[Finding]: ...
+
+    def recommendations(self, *, node: str | None = None, job: str | None = None, action: str | None = None,
+                        since: float | None = None, until: float | None = None,
+                        limit: int | None = None) -> list[Recommendation]: ...
+
+    def events(self, kind: str | None = None, node: str | None = None, *, job: str | None = None,
+               since: float | None = None, until: float | None = None, limit: int | None = None) -> list[Event]: ...
+
+    def steps(self, job: str, *, first_step: int = 0, last_step: int | None = None,
+              node: str | None = None) -> list[StepBatch]: ...
+
+    def telemetry(self, *, node: str | None = None, since: float | None = None,
+                  until: float | None = None) -> list[Telemetry]: ...
+
+    # ---------------------------------------------------------------- named queries: nodes, runs, API views
+    def ping(self) -> None: ...
+
+    def explain_ast(self, statement: str) -> str: ...
+
+    def node_exists(self, node: str) -> bool: ...
+
+    def job_exists(self, job: str) -> bool: ...
+
+    def job_nodes(self, job: str) -> set[str]: ...
+
+    def recommendation_rows(self, *, since: float | None = None, node: str | None = None, job: str | None = None,
+                            action: str | None = None, guard: str | None = None,
+                            limit: int = 100) -> list[dict[str, Any]]: ...
+
+    def recommendation_row(self, rec_id: str) -> dict[str, Any] | None: ...
+
+    def write_recommendation_row(self, row: Mapping[str, Any]) -> None: ...
+
+    def node_summaries(self, *, source: str = "latest") -> list[dict[str, Any]]: ...
+
+    def finding_counts_by_node(self) -> dict[str, int]: ...
+
+    def open_recommendations_by_node(self) -> dict[str, int]: ...
+
+    def recent_events(self, *, node: str | None = None, job: str | None = None, kind: str | None = None,
+                      limit: int = 10_000) -> list[Event]: ...
+
+    def node_gpu_latest(self, node: str, *, source: str = "latest") -> list[dict[str, Any]]: ...
+
+    def node_finding_rows(self, node: str, *, limit: int = 50) -> list[dict[str, Any]]: ...
+
+    def job_step_times(self, job: str, *, limit: int) -> list[tuple[Any, ...]]: ...
+
+    def rank_median_compute(self, job: str, *, after_step: int) -> list[dict[str, Any]]: ...
+
+    def sdc_check_counts(self, job: str) -> tuple[int, int]: ...
 
     # ---------------------------------------------------------------- named queries: report views
     def report_jobs(self) -> list[tuple[str, int]]: ...
@@ -216,6 +237,23 @@ class StoreLike(Protocol):
     def gpu_minutes(self, node: str, gpu: int, *, since: float, until: float,
                     source: str = "auto") -> list[dict[str, Any]]: ...
 
+    # ---------------------------------------------------------------- named queries: the checkpoint interval
+    def job_spans(self, *, since: float, until: float) -> list[tuple[str, int, float, float]]: ...
+
+
+class OpsStore(Protocol):
+    """What the self-tests and the benches read: self-test baselines (``kernels/baseline.py``), the
+    engine's memory and stored rank-steps (``bench/``), and the storage accounting."""
+
+    # ---------------------------------------------------------------- named queries: self-test baselines
+    def selftest_throughput_medians(self, *, since: float | None = None) -> list[tuple[str, str, str, float, int]]:
+        ...
+
+    # ---------------------------------------------------------------- named queries: what the benches measure
+    def engine_memory(self) -> dict[str, float]: ...
+
+    def rank_step_count(self, job: str, *, first_step: int = 0) -> int: ...
+
     # ---------------------------------------------------------------- named queries: storage accounting
     def optimize_final(self, table: str) -> None: ...
 
@@ -227,14 +265,8 @@ class StoreLike(Protocol):
 
     def table_rows(self, table: str) -> int: ...
 
-    # ---------------------------------------------------------------- named queries: the outbox
-    def write_outbox(self, rows: Sequence[tuple[str, str, str, float, str]], *, published: bool,
-                     dedup_token: str | None = None) -> int: ...
 
-    def pending_outbox(self, *, limit: int = 10_000) -> list[tuple[str, str, str, float, str]]: ...
-
-    # ---------------------------------------------------------------- named queries: detector snapshots
-    def save_snapshot(self, group: str, partition: int, seq: int, ts: float,
-                      offsets: Mapping[tuple[str, int], int], blob: bytes) -> None: ...
-
-    def load_snapshot(self, group: str, partition: int) -> tuple[int, dict[tuple[str, int], int], bytes] | None: ...
+@runtime_checkable
+class StoreLike(StoreBase, DetectorStore, PolicyStore, ApiStore, OpsStore, Protocol):
+    """An open store: every role at once. :class:`fleethealth.store.Store` is the implementation (chDB or a
+    ClickHouse server); every failure is a :class:`~fleethealth.errors.StoreError`."""

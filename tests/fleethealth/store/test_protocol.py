@@ -1,6 +1,7 @@
 """The store's contract holds: :class:`Store` has every member of :class:`StoreLike` with the same
-parameters, the protocol module imports only the contract's floor, callers type against it, and
-no application SQL is written outside ``fleethealth/store/`` (the analyst's own passes the gate)."""
+parameters, each member has one role and each package calls only its role's members, the protocol
+module imports only the contract's floor, callers type against it, and no application SQL is written
+outside ``fleethealth/store/`` (the analyst's own passes the gate)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from fleethealth.store import Store, StoreLike
 from fleethealth.store import protocol as protocol_module
+from fleethealth.store.protocol import ApiStore, DetectorStore, OpsStore, PolicyStore, StoreBase
 
 ROOT = Path(__file__).resolve().parents[3]
 CODE = [ROOT / d for d in ("fleethealth", "detectors", "kernels", "sweeps", "bench")]
@@ -23,9 +25,20 @@ _SQL = re.compile(r"^\(*\s*(SELECT|INSERT\s+INTO|ALTER\s+TABLE|OPTIMIZE\s+TABLE|
                   r"TRUNCATE|WITH\s+\w+\s+AS)\b", re.IGNORECASE)
 
 
+ROLES = (StoreBase, DetectorStore, PolicyStore, ApiStore, OpsStore)
+# package -> the roles whose members it may call on a store (the rest take the whole StoreLike)
+# the policy's checkpoint interval (policy/interval.py advise, history) reads the stored history the API reads
+ROLE_OF_PACKAGE = {"fleethealth/policy": (PolicyStore, ApiStore), "detectors": (StoreBase, DetectorStore),
+                   "fleethealth/api": (StoreBase, ApiStore), "fleethealth/report": (ApiStore,), "kernels": (OpsStore,)}
+
+
+def _own(cls: type) -> set[str]:
+    return {name for name, value in vars(cls).items()
+            if callable(value) and (not name.startswith("_") or name in ("__enter__", "__exit__"))}
+
+
 def _members() -> list[str]:
-    return sorted(name for name, value in vars(StoreLike).items()
-                  if callable(value) and (not name.startswith("_") or name in ("__enter__", "__exit__")))
+    return sorted(set().union(*(_own(c) for c in StoreLike.__mro__ if c in ROLES or c is StoreLike)))
 
 
 def _sources() -> list[Path]:
@@ -36,6 +49,25 @@ def test_the_protocol_names_the_small_contract_and_the_named_queries() -> None:
     members = set(_members())
     assert {"query", "insert", "command", "migrate", "close", "__enter__", "__exit__"} <= members
     assert {"findings", "insert_findings", "quarantine_row", "breaker_row", "selftest_throughput_medians"} <= members
+
+
+def test_each_member_has_one_role_and_store_like_is_every_role() -> None:
+    owned = [name for role in ROLES for name in _own(role)]
+    assert sorted(owned) == _members() and len(owned) == len(set(owned))
+    assert not _own(StoreLike) and all(role in StoreLike.__mro__ for role in ROLES)
+
+
+@pytest.mark.parametrize("package", sorted(ROLE_OF_PACKAGE))
+def test_each_package_calls_only_its_roles_members(package: str) -> None:
+    allowed = set().union(*(_own(role) for role in ROLE_OF_PACKAGE[package]))
+    wrong = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _members() and node.attr not in allowed \
+                    and "store" in ast.unparse(node.value).lower():
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, f"{package} calls store members outside its role (add them to its role in " \
+                      f"fleethealth/store/protocol.py, or widen ROLE_OF_PACKAGE):\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("name", _members())

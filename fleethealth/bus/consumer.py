@@ -1,0 +1,303 @@
+"""The consumer: decoded records from a consumer group (or a whole topic read as a table), dead-lettering
+what it cannot decode, bound in event time or verify, and committing only what it returned."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Self
+
+import orjson
+
+from fleethealth import schema
+from fleethealth.bus.deadletter import DeadLetter
+from fleethealth.bus.dsn import _backend
+from fleethealth.bus.kafka_client import translated
+from fleethealth.bus.producer import Producer
+from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
+from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
+from fleethealth.schema import Topic
+
+_log = logging.getLogger("fleethealth.bus")
+
+
+class Consumer:
+    """Consumes schema messages from ``topics`` as member of consumer group ``group``.
+
+    Offsets are committed only by :meth:`commit`. A value that fails to decode or validate is
+    published to ``fh.deadletter`` (through ``producer`` if given, else one the consumer opens
+    and closes itself) and skipped. ``from_beginning`` starts a group without committed offsets
+    at the earliest record, else at the latest. ``max_ahead_s`` / ``max_behind_s`` bound a
+    message's event time against its record timestamp (None: no bound; see :mod:`fleethealth.bus`).
+    ``verifier`` (a :class:`fleethealth.signing.Verifier`) checks each decoded record's signature
+    headers; the reason it gives dead-letters the record.
+    """
+
+    def __init__(self, dsn: str, topics: Sequence[str], group: str | None, *, producer: Producer | None = None,
+                 from_beginning: bool = True, client_id: str = "fleethealth",
+                 max_poll_interval_s: float = 3.0, session_timeout_s: float = 6.0,
+                 connect_timeout_s: float = 10.0, max_ahead_s: float | None = None,
+                 max_behind_s: float | None = None, verifier: Any = None) -> None:
+        self.verifier = verifier  # a fleethealth.signing.Verifier: its reason dead-letters a record
+        if isinstance(topics, str):
+            topics = [topics]
+        if not topics:
+            raise ConfigError("a consumer needs at least one topic")
+        known = {t.value for t in schema.TOPIC_TYPES} | {Topic.DEADLETTER.value}
+        unknown = [str(t) for t in topics if str(t) not in known]
+        if unknown:
+            raise ConfigError(f"topic {unknown[0]!r} carries no known message type (known: {sorted(known)})")
+        for name, bound in (("max_ahead_s", max_ahead_s), ("max_behind_s", max_behind_s)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float)
+                                      or not bound >= 0):
+                raise ConfigError(f"{name} must be a non-negative number of seconds or None, got {bound!r}")
+        self.max_ahead_s = None if max_ahead_s is None else float(max_ahead_s)
+        self.max_behind_s = None if max_behind_s is None else float(max_behind_s)
+        self.dsn = dsn
+        self.topics = tuple(str(t) for t in topics)
+        self.group = group
+        self._types: dict[str, Any] = {t.value: cls for t, cls in schema.TOPIC_TYPES.items()}
+        self._types[Topic.DEADLETTER.value] = DeadLetter
+        self._client_id = client_id
+        backend = _backend(dsn)
+        with translated(f"joining group {group!r}", dsn):
+            self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
+                                        int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
+                                        int(connect_timeout_s * 1000))
+        self._producer = producer
+        self._own_producer = producer is None
+        self._pending: dict[Any, int] = {}
+        self._buffer: list[tuple[Record | None, Any, int]] = []
+        self._committed: dict[Any, int] = {}
+        self._dead_unflushed = False
+        self.consumed_total = 0
+        self.dead_lettered_total = 0
+        self.commit_failed_total = 0
+        self.reached: dict[tuple[str, int], int] = {}
+        """Per ``(topic, partition)``, the offset after the last record returned or dead-lettered here:
+        records read again after a seek or a rebalance count once (``consumed_total`` counts each time)."""
+
+    split_blocks: bool = True
+    """Whether a :class:`~fleethealth.schema.StepBlock` comes out as one record per step (a
+    :class:`~fleethealth.schema.StepBatch` each); a reader that takes blocks whole (the runner)
+    sets it False and gets one record per block."""
+
+    def wait_assigned(self, timeout_s: float = 30.0) -> None:
+        """Block until the group has assigned partitions and their start offsets are known.
+
+        Records that arrive meanwhile are kept for the next :meth:`poll`. Useful with
+        ``from_beginning=False``: what is published after this returns will be seen.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._buffer += self._fetch(0.1, 5000)
+            with translated(f"joining group {self.group!r}", self.dsn):
+                assigned = self._kc.assignment()
+                if assigned:
+                    for tp in assigned:
+                        self._kc.position(tp, timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+                    return
+        raise BusUnavailable(f"group {self.group!r} got no partitions of {', '.join(self.topics)} on "
+                             f"{self.dsn} within {timeout_s} s")
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> list[Record]:
+        """Return up to ``max_records`` decoded records, waiting at most ``timeout_s`` for the first."""
+        entries = self._buffer if self._buffer else self._fetch(timeout_s, max_records)
+        out: list[Record] = []
+        taken = 0
+        for record, tp, next_offset in entries:
+            if record is not None:
+                if len(out) == max_records:
+                    break
+                out.append(record)
+            self._pending[tp] = next_offset  # commit() covers what was returned or dead-lettered
+            key = (tp.topic, tp.partition)
+            if next_offset > self.reached.get(key, 0):
+                self.reached[key] = next_offset
+            taken += 1
+        self._buffer = entries[taken:]
+        self.consumed_total += len(out)
+        return out
+
+    def _fetch(self, timeout_s: float, max_records: int) -> list[tuple[Record | None, Any, int]]:
+        """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
+        with translated(f"polling {', '.join(self.topics)}", self.dsn):
+            batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out: list[tuple[Record | None, Any, int]] = []
+        for tp, records in batches.items():
+            cls = self._types.get(tp.topic)
+            # one bulk decode per partition's records (columnar for step batches); each value still
+            # gets its own result, so a bad one is dead-lettered with its own reason
+            bulk = iter(schema.decode_many(cls, [r.value for r in records if r.value is not None])
+                        if cls is not DeadLetter else ())
+            for rec in records:
+                try:
+                    if cls is DeadLetter or rec.value is None:
+                        msg = decode_value(cls, rec.value)
+                    else:
+                        msg = next(bulk)
+                        if isinstance(msg, Exception):
+                            raise msg
+                except SchemaError as exc:
+                    self._dead_letter(rec, f"{exc.field}: {exc.problem}")
+                    out.append((None, tp, rec.offset + 1))
+                except Exception as exc:  # a poison value must never stop the stream
+                    self._dead_letter(rec, f"<message>: {type(exc).__name__}: {exc}")
+                    out.append((None, tp, rec.offset + 1))
+                else:
+                    skew = None if self.verifier is None else self.verifier.check(
+                        rec.topic, rec.key, rec.value, getattr(rec, "headers", None), msg)
+                    skew = skew or event_time_skew(msg, getattr(rec, "timestamp", None), max_ahead_s=self.max_ahead_s,
+                                                   max_behind_s=self.max_behind_s)
+                    if skew is not None:
+                        self._dead_letter(rec, skew)
+                        out.append((None, tp, rec.offset + 1))
+                        continue
+                    if isinstance(msg, schema.StepBlock) and self.split_blocks:
+                        out.extend((part, tp, next_offset)
+                                   for part, next_offset in split_block(rec.topic, rec.partition, rec.offset, rec.key,
+                                                                        msg))
+                        continue
+                    out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
+        return out
+
+    def _dead_letter(self, rec: Any, reason: str) -> None:
+        if rec.topic == Topic.DEADLETTER.value:
+            self.dead_lettered_total += 1  # never loop a dead letter back into its own topic
+            return
+        if self._producer is None:
+            self._producer = Producer(self.dsn, client_id=f"{self._client_id}-deadletter")
+        letter = DeadLetter.of(rec.topic, rec.partition, rec.offset, rec.key, rec.value, reason,
+                               getattr(rec, "timestamp", None))
+        self._producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), rec.key)
+        self._dead_unflushed = True
+        self.dead_lettered_total += 1
+
+    def commit(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
+        """Commit every record returned (or dead-lettered) by :meth:`poll` so far.
+
+        ``hold`` maps ``(topic, partition)`` to the first offset the caller has not finished
+        with (records it still buffers); nothing from there on is committed for that partition,
+        and the rest is committed by a later call.
+        """
+        if self._dead_unflushed and self._producer is not None:
+            self._producer.flush()
+            self._dead_unflushed = False
+        if self.group is None:  # a table reader: it re-reads from its start, nothing to commit
+            self._pending.clear()
+            return
+        hold = hold or {}
+        # never for a partition the group has moved to another member: its records read here were not
+        # all processed, and a coordinator takes a commit for any partition from a current member
+        owned = set(self._kc.assignment())
+        self._pending = {tp: off for tp, off in self._pending.items() if tp in owned}
+        targets = {tp: min(off, hold.get((tp.topic, tp.partition), off)) for tp, off in self._pending.items()}
+        targets = {tp: off for tp, off in targets.items() if off > self._committed.get(tp, -1)}
+        if not targets:
+            return
+        from kafka.structs import OffsetAndMetadata
+
+        offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in targets.items()}
+        with translated(f"committing offsets of group {self.group!r}", self.dsn):
+            try:
+                self._kc.commit(offsets=offsets)
+            except Exception as exc:
+                if type(exc).__name__ not in ("CommitFailedError", "RebalanceInProgressError"):
+                    raise
+                # the group rebalanced under us (a slow poll on a loaded machine, a new member): nothing is
+                # committed now. A partition that moved is dropped from what is pending at the next commit
+                # (its records are redelivered to its owner, whose idempotent writes absorb them); one that
+                # stayed keeps its pending offset — the group may keep its read position, and then nothing
+                # would be returned again to commit past records this consumer has already finished
+                self.commit_failed_total += 1
+                _log.warning("commit for group %r refused after a rebalance; %d partition(s) will be re-read "
+                             "from their last commit", self.group, len(offsets))
+                return
+        self._committed.update(targets)
+        for tp, off in targets.items():
+            if self._pending.get(tp) == off:
+                del self._pending[tp]
+
+    def seek(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Read the given ``(topic, partition)`` pairs from these offsets next (a restored snapshot's):
+        what was fetched of them and not yet returned is dropped, and nothing is committed for them
+        until records from there on are returned."""
+        from kafka.structs import TopicPartition
+
+        moved = {TopicPartition(t, p) for t, p in offsets}
+        self._buffer = [entry for entry in self._buffer if entry[1] not in moved]
+        with translated("seeking", self.dsn):
+            for (topic, partition), offset in offsets.items():
+                tp = TopicPartition(topic, partition)
+                self._pending.pop(tp, None)
+                self._kc.seek(tp, offset)
+
+    def offset_range(self, pairs: Collection[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:
+        """The broker's ``(beginning, end)`` offsets of each ``(topic, partition)`` of ``pairs`` that exists
+        (what a restored snapshot's offsets are checked against before a seek)."""
+        from kafka.structs import TopicPartition
+
+        with translated("reading partition ranges", self.dsn):
+            known = {(t, p) for t in {t for t, _ in pairs} for p in (self._kc.partitions_for_topic(t) or ())}
+            tps = [TopicPartition(t, p) for t, p in pairs if (t, p) in known]
+            if not tps:
+                return {}
+            first, last = self._kc.beginning_offsets(tps), self._kc.end_offsets(tps)
+            # Tansu 0.6 answers ListOffsets 'latest' with the last record batch's base offset + 1, short
+            # of the log's end; the group's own commit, and a fetch's high watermark, are never past it
+            mine = set(self._kc.assignment()) if self.group is not None else set()
+            for tp in tps:
+                if tp in mine:
+                    seen = (self._kc.highwater(tp), self._kc.committed(tp))
+                    last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
+        return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
+
+    def committed(self) -> dict[tuple[str, int], int]:
+        """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""
+        return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""
+        with translated("reading the assignment", self.dsn):
+            return {(tp.topic, tp.partition) for tp in self._kc.assignment()}
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The next offset to read per assigned ``(topic, partition)`` (after a join: where reading
+        starts, the group's committed offset or the reset position)."""
+        out: dict[tuple[str, int], int] = {}
+        with translated("reading consumer positions", self.dsn):
+            for tp in self._kc.assignment():
+                out[(tp.topic, tp.partition)] = self._kc.position(tp, timeout_ms=5000)
+        return out
+
+    def lag(self) -> dict[tuple[str, int], int | None]:
+        """Records not yet returned by :meth:`poll`, per assigned ``(topic, partition)``.
+
+        0 means the partition is read to its end as far as the last fetch knows; None means its
+        end is not known yet (no fetch has answered for it).
+        """
+        out: dict[tuple[str, int], int | None] = {}
+        held = Counter(tp for _, tp, _ in self._buffer)  # fetched, not yet returned: still unread
+        with translated("reading consumer positions", self.dsn):
+            for tp in self._kc.assignment():
+                end = self._kc.highwater(tp)
+                position = None if end is None else self._kc.position(tp, timeout_ms=1000)
+                out[(tp.topic, tp.partition)] = None if position is None else max(0, end - position) + held[tp]
+        return out
+
+    def close(self) -> None:
+        try:
+            with translated("closing a consumer", self.dsn):
+                self._kc.close(autocommit=False)
+        finally:
+            if self._own_producer and self._producer is not None:
+                self._producer.close()
+                self._producer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

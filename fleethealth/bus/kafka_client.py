@@ -1,0 +1,131 @@
+"""The kafka-python boundary: the clients for one bootstrap list, and its exceptions translated::
+
+    kafka.errors.KafkaConnectionError, KafkaTimeoutError,
+    RequestTimedOutError, NodeNotReadyError, ...        -> BusUnavailable
+    any other kafka.errors.KafkaError                   -> BusError
+
+``kafka`` is imported on first use, so ``import fleethealth.bus`` works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from fleethealth.errors import BusError, BusUnavailable, ConfigError
+
+
+class _KafkaBackend:
+    """kafka-python clients for one bootstrap list; ``kafka`` is imported on first use.
+
+    ``options`` are the security settings of :func:`dsn_options`, passed to every client."""
+
+    def __init__(self, hosts: tuple[str, ...], options: Mapping[str, Any] | None = None) -> None:
+        self.hosts = list(hosts)
+        self.options = dict(options or {})
+
+    @staticmethod
+    def _kafka() -> Any:
+        try:
+            import kafka
+        except ImportError as exc:
+            raise ConfigError("the kafka:// bus needs kafka-python (pip install kafka-python)") from exc
+        return kafka
+
+    def producer(self, client_id: str, compression: str, connect_timeout_ms: int, **timeouts: int) -> Any:
+        """``timeouts`` override ``max_block_ms``, ``request_timeout_ms``, ``delivery_timeout_ms`` and
+        ``reconnect_backoff_max_ms`` (see :class:`Producer`)."""
+        kafka = self._kafka()
+        settings: dict[str, Any] = {"max_block_ms": 10_000, "request_timeout_ms": 10_000,
+                                    "delivery_timeout_ms": 30_000, **timeouts}
+        return kafka.KafkaProducer(
+            bootstrap_servers=self.hosts, client_id=client_id, acks="all", enable_idempotence=True,
+            compression_type=compression, linger_ms=5, batch_size=256 * 1024,
+            bootstrap_timeout_ms=connect_timeout_ms, **settings, **self.options)
+
+    def consumer(self, topics: Sequence[str], group: str | None, client_id: str, from_beginning: bool,
+                 max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
+        """A group member subscribed to ``topics``; with ``group`` None, a reader assigned every
+        partition of them (a table: no group, no commits)."""
+        kafka = self._kafka()
+        if group is None:
+            kc = kafka.KafkaConsumer(
+                bootstrap_servers=self.hosts, group_id=None, client_id=client_id, enable_auto_commit=False,
+                auto_offset_reset="earliest" if from_beginning else "latest", bootstrap_timeout_ms=connect_timeout_ms,
+                request_timeout_ms=30_000, fetch_max_wait_ms=100, **self.options)
+            kc.topics()  # metadata for every topic, so each one's partitions are known
+            parts = []
+            for topic in topics:
+                known = kc.partitions_for_topic(topic)
+                if not known:
+                    kc.close()
+                    raise ConfigError(f"topic {topic!r} does not exist on the broker (create the fh.* topics first: "
+                                      "deploy/kafka/, or ensure_topics)")
+                parts += [kafka.TopicPartition(topic, p) for p in sorted(known)]
+            kc.assign(parts)
+            return kc
+        kc = kafka.KafkaConsumer(
+            *topics, bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
+            enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
+            max_poll_interval_ms=max_poll_interval_ms, session_timeout_ms=session_timeout_ms,
+            heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
+                30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100,
+            **self.options)
+        _never_leave(kc)
+        return kc
+
+    def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
+        kafka = self._kafka()
+        return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,
+                                      request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms,
+                                      **self.options)
+
+
+def _never_leave(kc: Any) -> None:
+    """Make a group member leave only by its session expiring, never by a LeaveGroup request (as a Kafka
+    static member does): on close, and when ``max_poll_interval_ms`` passed without a poll, it forgets its
+    membership here and the group drops it ``session_timeout_ms`` later. Tansu 0.6 loses the group's
+    leader when the leader sends LeaveGroup while another member is joining: every later JoinGroup
+    succeeds, no member is told to assign, every SyncGroup fails, and the partitions stay unowned for good."""
+    coordinator = getattr(kc, "_coordinator", None)
+    if coordinator is None or not hasattr(coordinator, "maybe_leave_group"):
+        raise BusError("this kafka-python's consumer has no group coordinator where fleethealth expects one")
+
+    def forget(*_: object, **__: object) -> None:
+        coordinator.reset_generation()
+
+    async def forget_async(*_: object, **__: object) -> None:
+        coordinator.reset_generation()
+
+    coordinator.maybe_leave_group = forget  # close() (2.x and 3.x)
+    if hasattr(coordinator, "maybe_leave_group_async"):
+        coordinator.maybe_leave_group_async = forget_async  # the heartbeat thread's poll timeout (3.x)
+
+
+def _translate(exc: Exception, doing: str, where: str) -> BusError:
+    """Map a kafka-python exception to BusUnavailable (cannot reach) or BusError (anything else)."""
+    import kafka.errors as ke
+
+    names = ("NoBrokersAvailable", "KafkaConnectionError", "KafkaTimeoutError", "RequestTimedOutError",
+             "NodeNotReadyError", "BrokerNotAvailableError", "CoordinatorNotAvailableError")
+    unreachable = tuple(getattr(ke, n) for n in names if hasattr(ke, n))  # names differ across versions
+    text = f"{doing} on {where}: {type(exc).__name__}: {exc}"
+    return BusUnavailable(text) if isinstance(exc, unreachable) else BusError(text)
+
+
+def _is_kafka_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("kafka")
+
+
+@contextlib.contextmanager
+def translated(doing: str, where: str) -> Iterator[None]:
+    """Run a block of kafka-python calls: a kafka-python exception leaves it as :class:`BusUnavailable`
+    or :class:`BusError` (``raise … from`` the original) saying what was being done on which DSN;
+    any other exception passes through as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if _is_kafka_error(exc):
+            raise _translate(exc, doing, where) from exc
+        raise

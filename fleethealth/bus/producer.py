@@ -1,0 +1,184 @@
+"""The producer: schema messages (or raw bytes) to their topics, idempotent and compressed."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any, Self
+
+from fleethealth import schema
+from fleethealth.bus.dsn import _backend, parse_dsn
+from fleethealth.bus.kafka_client import _is_kafka_error, translated
+from fleethealth.errors import BusError, ConfigError
+from fleethealth.schema import Message
+
+_COMPRESSION_PREFERENCE = (("zstd", "zstandard"), ("lz4", "lz4"), ("gzip", "gzip"))
+
+
+def _compression() -> str:
+    """zstd, else lz4, else gzip: the first codec whose Python library is importable."""
+    for codec, module in _COMPRESSION_PREFERENCE:
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return codec
+    return "gzip"
+
+
+_NEVER_MS = 2**31 - 1
+"""A delivery timeout of ``math.inf``: about 24.8 days, the largest a Kafka client takes."""
+
+
+def _producer_timeouts(**seconds: float | None) -> dict[str, int]:
+    """kafka-python's ``*_ms`` settings for the timeouts given (``None`` left out), checked."""
+    out: dict[str, int] = {}
+    for name, value in seconds.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+            raise ConfigError(f"producer {name} must be a positive number of seconds, got {value!r}")
+        out[name.removesuffix("_s") + "_ms"] = _NEVER_MS if math.isinf(value) else max(1, int(value * 1000))
+    if "delivery_timeout_ms" in out:  # kafka-python requires delivery >= linger + request timeout
+        out["delivery_timeout_ms"] = max(out["delivery_timeout_ms"], out.get("request_timeout_ms", 10_000) + 5)
+    return out
+
+
+class Producer:
+    """Publishes schema messages: topic ``msg.TOPIC``, key ``msg.key``, value ``schema.encode(msg)``.
+
+    Idempotent, ``acks=all``, compressed (zstd, else lz4, else gzip), small linger. Delivery is
+    asynchronous: ``flush()`` waits for it and raises :class:`BusError` if any message failed.
+    Records carry the sender's clock as their timestamp, unless ``event_time_stamps``: then
+    :meth:`publish` stamps each with the message's event time (simulators, replays, tests that
+    publish a timeline other than now — what a consumer's event-time bound then accepts).
+
+    The idempotent producer retries a request that timed out with the same producer id and
+    sequence numbers, so the broker drops a second copy of a batch whose first copy arrived after
+    all; that holds only within one producer's life and while its batches have not expired.
+    Timeouts (``None`` keeps the default): ``max_block_s`` (10 s) bounds a ``publish`` waiting for
+    metadata or buffer space; ``request_timeout_s`` (10 s) closes a connection whose request got no
+    answer, the batch then retried on a new one; ``delivery_timeout_s`` (30 s) fails a batch not
+    acknowledged in that time (``math.inf``: never — retried until the broker answers);
+    ``reconnect_backoff_max_s`` (kafka-python's 30 s) caps the wait between reconnect attempts.
+    """
+
+    def __init__(self, dsn: str, *, client_id: str = "fleethealth", compression: str | None = None,
+                 connect_timeout_s: float = 10.0, max_block_s: float | None = None,
+                 request_timeout_s: float | None = None, delivery_timeout_s: float | None = None,
+                 reconnect_backoff_max_s: float | None = None,
+                 event_time_stamps: bool = False, signer: Any = None) -> None:
+        self.dsn = dsn
+        self.event_time_stamps = bool(event_time_stamps)
+        self.signer = signer  # a fleethealth.signing.Signer: every record it publishes carries fh-kid / fh-sig
+        backend = _backend(dsn)
+        if compression is not None and compression not in {c for c, _ in _COMPRESSION_PREFERENCE}:
+            raise ConfigError(f"unknown compression {compression!r} (known: zstd, lz4, gzip)")
+        self.compression = compression or _compression()
+        timeouts = _producer_timeouts(max_block_s=max_block_s, request_timeout_s=request_timeout_s,
+                                      delivery_timeout_s=delivery_timeout_s,
+                                      reconnect_backoff_max_s=reconnect_backoff_max_s)
+        self._connect = lambda: backend.producer(client_id, self.compression, int(connect_timeout_s * 1000),
+                                                 **timeouts)
+        with translated("connecting a producer", dsn):
+            self._kp = self._connect()
+        self.failovers_total = 0
+        self._lock = threading.Lock()
+        self._failures: list[str] = []
+        self.published_total = 0
+        self.failed_total = 0
+
+    def publish(self, msg: Message) -> None:
+        """Queue one schema message for delivery."""
+        stamp = _timestamp_ms(msg.ts) if self.event_time_stamps else None
+        self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode(), timestamp_ms=stamp)
+
+    def publish_raw(self, topic: str, value: bytes, key: bytes | None = None, *,
+                    timestamp_ms: int | None = None, headers: Sequence[tuple[str, bytes]] | None = None) -> None:
+        """Queue raw bytes for delivery (tests and the dead-letter path use it); ``timestamp_ms`` is
+        the record timestamp (default: now, by the sender's clock); ``headers`` are given as they are,
+        else the producer's ``signer`` (if any) signs the record."""
+        if headers is None and self.signer is not None:
+            headers = self.signer.headers(str(topic), key, value)
+        with translated(f"publishing to {topic}", self.dsn):
+            future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
+                                   **({"headers": list(headers)} if headers else {}))
+        future.add_errback(self._failed, str(topic))
+        self.published_total += 1
+
+    def _failed(self, topic: str, exc: Exception) -> None:
+        with self._lock:
+            self.failed_total += 1
+            if len(self._failures) < 10:
+                self._failures.append(f"{topic}: {type(exc).__name__}: {exc}")
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued message is delivered; raise if any delivery failed."""
+        try:
+            with translated(f"flushing within {timeout_s} s", self.dsn):
+                self._kp.flush(timeout=timeout_s)
+        except BusError:
+            self._fail_over()
+            raise
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            self._fail_over()
+            raise BusError(f"{len(failures)} message(s) not delivered to {self.dsn}: {failures[0]}")
+
+    def _fail_over(self) -> None:
+        """After a failed flush, with several brokers in the DSN: replace the client by a new one
+        bootstrapped from all of them. kafka-python forgets its bootstrap list once it has metadata, and
+        brokers that share one node id (Tansu's, on one storage) leave it one address, so a client whose
+        broker died for good would retry that address forever. What the old client still held is
+        dropped (the flush reports it failed; the runner keeps it in its outbox and publishes it again,
+        a record that had reached the broker then arrives twice, with the same id). With one broker in
+        the DSN, or none answering, the client is kept."""
+        if len(parse_dsn(self.dsn)[1]) < 2:
+            return
+        try:
+            fresh = self._connect()
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                return
+            raise
+        old, self._kp = self._kp, fresh
+        self.failovers_total += 1
+        sender = getattr(old, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+            sender.join(1.0)
+        with contextlib.suppress(Exception):
+            old.close(timeout=0)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is queued within ``timeout_s``, then close; undelivered messages are dropped
+        (call :meth:`flush` first to learn about them). Never raises for an unreachable broker."""
+        try:
+            self._kp.close(timeout=timeout_s)
+        except Exception as exc:
+            if not _is_kafka_error(exc):
+                raise
+            # kafka-python's close() flushes first and, when that times out, never stops its sender
+            # thread, which would deliver the dropped messages later: stop it, then close.
+            sender = getattr(self._kp, "_sender", None)
+            if sender is not None:
+                sender.force_close()
+                sender.join(timeout_s)
+            with contextlib.suppress(Exception):
+                self._kp.close(timeout=0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _timestamp_ms(ts: float) -> int | None:
+    """An event time as a Kafka record timestamp (None, i.e. now, for one Kafka cannot carry)."""
+    if not math.isfinite(ts) or ts < 0 or ts >= 2**62 / 1000:
+        return None
+    return int(round(ts * 1000.0))
