@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalModel, ThermalParams
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
@@ -273,9 +273,10 @@ class NodeStates(Stateful):
                                       cols["power_limit_w"], thermal)
         return model.fast_.copy(), load, residual
 
-    def forget(self, gone: Iterable[str]) -> None:
-        """Drop every trace of ``gone`` nodes."""
-        for node in gone:
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop every trace of ``nodes`` (a node's state names no job)."""
+        names("jobs", jobs)
+        for node in names("nodes", nodes):
             self.latest_.pop(node, None)
             self.thermal_.pop(node, None)
             state = self.published_.pop(node, None)
