@@ -182,8 +182,8 @@ class Pipeline(Stateful):
                 if isinstance(m, Telemetry):
                     telemetry.append(m)
                     states += self.diagnoser.observe((m,))
-                else:
-                    self.diagnoser.apply((m,))
+                elif self.diagnoser.latest_.get(m.node) is not m:  # a job stage's pipelines share one
+                    self.diagnoser.apply((m,))  # table: the first to see a state applies it, once
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):

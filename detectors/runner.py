@@ -79,11 +79,12 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopic
 from fleethealth.detectors.assembly import EventTimeBuffer
+from fleethealth.detectors.nodetable import NodeTable
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
 from fleethealth.detectors.snapshot import SnapshotError, Snapshots, check_offsets
 from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
-from fleethealth.errors import BusError, ConfigError
+from fleethealth.errors import BusError, ConfigError, SchemaError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
 from fleethealth.payloads.progress import job_end_events, job_progress_events
@@ -284,7 +285,8 @@ class Runner:
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
                  stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
-                 snapshot_to: str = "store", snapshots: Snapshots | None = None) -> None:
+                 snapshot_to: str = "store", snapshots: Snapshots | None = None,
+                 nodestate_peek_s: float = 300.0) -> None:
         self.stage = Stage(stage)
         self.store = store
         if self.stage is Stage.ALL:
@@ -337,6 +339,12 @@ class Runner:
         # the job stage's tables are read whole by every replica, from their start (fh.nodestate is compacted)
         self.table = Consumer(bus_dsn, tables, None, producer=self.producer, client_id=f"{group}-table") \
             if tables else None
+        # of fh.nodestate, a job-stage replica decodes only its jobs' nodes and their rack peers
+        self.nodes = NodeTable(peek_s=nodestate_peek_s) if Topic.NODESTATE.value in tables else None
+        if self.table is not None and self.nodes is not None:
+            nodes, table_topic = self.nodes, Topic.NODESTATE.value
+            self.table.admit = lambda topic, partition, offset, key, value, ts: (
+                topic != table_topic or nodes.admit(key, value, partition, offset, ts))
         self._stop = threading.Event()
         self.retry = retry if retry is not None else Retry()
         if retry is None:
@@ -372,13 +380,41 @@ class Runner:
         lag = self.consumer.lag()
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
-            records = [*records, *table]
+            records = [*records, *self._table_states(records, table)]
             lag = {**lag, **self.table.lag()}
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
         self._release(self._bound(self._watermark(records, lag)))
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
+
+    def _table_states(self, records: Sequence[Record], table: Sequence[Record]) -> list[Record]:
+        """The table records to feed: of the node states, only those of this replica's jobs' nodes and their
+        rack peers (:class:`NodeTable`; the others were decoded only to learn a rack, or not at all), and
+        the states kept undecoded that this poll made needed, decoded now."""
+        if self.nodes is None:
+            return list(table)
+        nodes, kept = self.nodes, []
+        for rec in table:
+            if isinstance(rec.msg, NodeState):
+                kept += nodes.learn(rec.msg.node, rec.msg.rack)
+        kept += nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
+        out = [r for r in table if not isinstance(r.msg, NodeState) or nodes.needed(r.msg.node)]
+        fed = {(r.partition, r.offset) for r in out if isinstance(r.msg, NodeState)}
+        while kept:  # a state decoded now may name a rack of this replica's not known before
+            k = kept.pop(0)
+            if (k.partition, k.offset) in fed:
+                continue
+            try:
+                state = decode(NodeState, k.value)
+            except SchemaError as exc:
+                self._letter(Topic.NODESTATE.value, k.partition, k.offset, k.key, k.value,
+                             f"{exc.field}: {exc.problem}")
+                continue
+            out.append(Record(Topic.NODESTATE.value, k.partition, k.offset, k.key, state))
+            fed.add((k.partition, k.offset))
+            kept += nodes.learn(state.node, state.rack)
+        return out
 
     def _release(self, watermark: float, *, final: bool = False) -> None:
         """Conclude what the watermark releases in pieces of ``max_records`` (after a partition was slow
