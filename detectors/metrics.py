@@ -39,6 +39,9 @@ class RunnerMetrics:
                                       registry=registry)
         self.states = Counter("fleethealth_detect_node_states_published_total",
                               "Node states published on fh.nodestate (changes and heartbeats)", registry=registry)
+        self.passed_over = Counter("fleethealth_detect_node_states_passed_over_total",
+                                   "Node states a job-stage replica did not decode: neither its jobs' nodes nor "
+                                   "their rack peers (detectors/nodetable.py)", registry=registry)
         self.snapshots = Counter("fleethealth_detect_snapshots_total", "Pipeline snapshots written", registry=registry)
         self.snapshot_bytes = Gauge("fleethealth_detect_snapshot_bytes", "Size of the newest snapshot written",
                                     registry=registry)

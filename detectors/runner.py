@@ -614,6 +614,8 @@ class Runner:
         for r in out.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
+        if self.table is not None:
+            self.metrics.advance("passed_over", self.table.passed_over_total)
         self.metrics.held.set(len(self.buffer))
         if self.policy is not None:
             self.metrics.breaker_open.set(int(self.policy.engine.breaker_.open_))
