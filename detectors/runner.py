@@ -81,7 +81,7 @@ from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopi
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.cores import Conclusions, conclude, publishable
 from fleethealth.detectors.metrics import RunnerMetrics
-from fleethealth.detectors.nodetable import NodeTable
+from fleethealth.detectors.nodetable import HeldState, NodeTable, peek_state
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
 from fleethealth.detectors.snapshot import WHOLE, SnapshotError, Snapshots, check_offsets
@@ -141,8 +141,7 @@ class Runner:
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
                  stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
-                 snapshot_to: str = "store", snapshots: Snapshots | None = None,
-                 nodestate_peek_s: float = 300.0) -> None:
+                 snapshot_to: str = "store", snapshots: Snapshots | None = None) -> None:
         self.stage = Stage(stage)
         self.store = store
         if self.stage is Stage.ALL:
@@ -197,11 +196,10 @@ class Runner:
         self.table = Consumer(bus_dsn, tables, None, producer=self.producer, client_id=f"{group}-table") \
             if tables else None
         # of fh.nodestate, a job-stage replica decodes only its jobs' nodes and their rack peers
-        self.nodes = NodeTable(peek_s=nodestate_peek_s) if Topic.NODESTATE.value in tables else None
+        self.nodes = NodeTable() if Topic.NODESTATE.value in tables else None
+        self._held: list[Record] = []
         if self.table is not None and self.nodes is not None:
-            nodes, table_topic = self.nodes, Topic.NODESTATE.value
-            self.table.admit = lambda topic, partition, offset, key, value, ts: (
-                topic != table_topic or nodes.admit(key, value, partition, offset, ts))
+            self.table.admit = self._admit
         self._stop = threading.Event()
         self.retry = retry if retry is not None else Retry()
         if retry is None:
@@ -236,7 +234,13 @@ class Runner:
         lag = self.consumer.lag()
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
-            records = [*records, *self._table_states(records, table)]
+            if self.nodes is not None:  # the nodes of this replica's jobs, before any node state is released
+                self.nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
+                for rec in table:
+                    if isinstance(rec.msg, NodeState):
+                        self.nodes.learn(rec.msg.node, rec.msg.rack)
+            records = [*records, *table, *self._held]
+            self._held = []
             lag = {**lag, **self.table.lag()}
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
@@ -244,32 +248,40 @@ class Runner:
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
 
-    def _table_states(self, records: Sequence[Record], table: Sequence[Record]) -> list[Record]:
-        """The table records to feed: of the node states, only those of this replica's jobs' nodes and their
-        rack peers (:class:`NodeTable`; the others were decoded only to learn a rack, or not at all), and
-        the states kept undecoded that this poll made needed, decoded now."""
-        if self.nodes is None:
-            return list(table)
-        nodes, kept = self.nodes, []
-        for rec in table:
-            if isinstance(rec.msg, NodeState):
-                kept += nodes.learn(rec.msg.node, rec.msg.rack)
-        kept += nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
-        out = [r for r in table if not isinstance(r.msg, NodeState) or nodes.needed(r.msg.node)]
-        fed = {(r.partition, r.offset) for r in out if isinstance(r.msg, NodeState)}
-        while kept:  # a state decoded now may name a rack of this replica's not known before
-            k = kept.pop(0)
-            if (k.partition, k.offset) in fed:
-                continue
-            try:
-                state = decode(NodeState, k.value)
-            except SchemaError as exc:
-                self._letter(Topic.NODESTATE.value, k.partition, k.offset, k.key, k.value,
-                             f"{exc.field}: {exc.problem}")
-                continue
-            out.append(Record(Topic.NODESTATE.value, k.partition, k.offset, k.key, state))
-            fed.add((k.partition, k.offset))
-            kept += nodes.learn(state.node, state.rack)
+    def _admit(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                ts_ms: int) -> bool:
+        """The table consumer's filter: a node state this replica does not need yet is held undecoded (in
+        the event-time buffer, as a :class:`HeldState`), decided on when released (:meth:`_held_states`)."""
+        if topic != Topic.NODESTATE.value or value is None or self.nodes is None:
+            return True
+        head = peek_state(value)
+        if head is None:
+            return True
+        node, rack, ts = head
+        self.nodes.learn(node, rack)
+        if self.nodes.needed(node):
+            return True
+        self._held.append(Record(topic, partition, offset, key, HeldState(node, rack, ts, value)))  # type: ignore[arg-type]
+        return False
+
+    def _held_states(self, ready: list[Record]) -> list[Record]:
+        """``ready`` with each held node state decoded if its node is needed now, else left out."""
+        if self.nodes is None or not any(isinstance(r.msg, HeldState) for r in ready):
+            return ready
+        out = []
+        for rec in ready:
+            held = rec.msg
+            if not isinstance(held, HeldState):
+                out.append(rec)
+            elif not self.nodes.needed(held.node):
+                self.nodes.passed_over_total_ += 1
+            else:
+                try:
+                    out.append(Record(rec.topic, rec.partition, rec.offset, rec.key, decode(NodeState, held.value)))
+                    self.nodes.decoded_total_ += 1
+                except SchemaError as exc:
+                    self._letter(rec.topic, rec.partition, rec.offset, rec.key, held.value,
+                                 f"{exc.field}: {exc.problem}")
         return out
 
     def _release(self, watermark: float, *, final: bool = False) -> None:
@@ -463,7 +475,7 @@ class Runner:
         replica's table records (node states, the node stage's findings) going to each of them — and
         return the conclusions and the records concluded. Records the stage does not take (another
         stage's events) are left out: committed with the rest, processed and stored by their stage."""
-        ready = [r for r in ready if self._takes(r.msg)]
+        ready = [r for r in self._held_states(ready) if self._takes(r.msg)]
         if self.stage is Stage.POLICY:
             out = self._conclude_part(None, ready, final)
             if ready:
@@ -614,8 +626,8 @@ class Runner:
         for r in out.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
-        if self.table is not None:
-            self.metrics.advance("passed_over", self.table.passed_over_total)
+        if self.nodes is not None:
+            self.metrics.advance("passed_over", self.nodes.passed_over_total_)
         self.metrics.held.set(len(self.buffer))
         if self.policy is not None:
             self.metrics.breaker_open.set(int(self.policy.engine.breaker_.open_))
