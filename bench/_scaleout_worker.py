@@ -10,7 +10,8 @@ rebalance would make the others read again from the commit what they had read (c
 
 Writes ``{"records", "cpu_s", "first_s", "end_s"}`` to OUT_JSON: the records this replica read, its
 process CPU seconds from joining the group to the end, and the wall-clock times (``time.time()``) of
-its first record and of its end.
+its first record and of its end; a job replica also the records it read of its tables, the node states
+it decoded (those of its jobs' nodes and their rack peers) and those it passed over.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def main() -> None:
             runner.drain()
             report = {"records": runner.consumer.consumed_total, "cpu_s": time.process_time() - cpu0,
                       "first_s": first if first is not None else time.time(), "end_s": time.time()}
+            if runner.table is not None and runner.nodes is not None:  # the job stage's fh.nodestate
+                report["table_records"] = runner.table.consumed_total + runner.table.passed_over_total
+                report["node_states_decoded"] = runner.nodes.decoded_total_ + runner.table.consumed_total
+                report["node_states_passed_over"] = runner.nodes.passed_over_total_
     Path(out).write_text(json.dumps(report))
 
 

@@ -94,7 +94,7 @@ def publish(dsn: str, jobs: list[str], nodes_per_job: int, steps: int, seed: int
     return counts
 
 
-def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partitions: int) -> dict[str, float]:
+def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partitions: int) -> dict[str, object]:
     """``replicas`` worker processes of ``stage`` in group ``bench-<stage>-<tag>``, until all caught up."""
     procs = []
     for i in range(replicas):
@@ -108,8 +108,12 @@ def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partiti
     reports = [json.loads(out.read_text()) for _, out in procs]
     first = min(r["first_s"] for r in reports if r["records"])
     last = max(r["end_s"] for r in reports)
-    return {"records": sum(r["records"] for r in reports), "cpu_s": round(sum(r["cpu_s"] for r in reports), 3),
-            "wall_s": round(last - first, 3), "per_replica_records": [r["records"] for r in reports]}
+    out = {"records": sum(r["records"] for r in reports), "cpu_s": round(sum(r["cpu_s"] for r in reports), 3),
+           "wall_s": round(last - first, 3), "per_replica_records": [r["records"] for r in reports]}
+    for name in ("table_records", "node_states_decoded", "node_states_passed_over"):
+        if all(name in r for r in reports):
+            out[f"per_replica_{name}"] = [r[name] for r in reports]
+    return out
 
 
 def main() -> None:

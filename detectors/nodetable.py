@@ -11,7 +11,10 @@ node, its rack and the event time, the first fields of the wire form) and:
 * any other state is held undecoded (:class:`HeldState`) in the runner's event-time buffer, and when
   the buffer releases it, decoded if its node is needed by then (the node, or a node of its rack,
   joined a job here meanwhile: a table read ahead of the steps, as in a catch-up, loses nothing)
-  and dropped otherwise.
+  and dropped otherwise — each node's newest dropped state is kept, still undecoded, and handed back
+  the moment the node, or a node of its rack, joins a job here (a partition this replica gets in a
+  rebalance, whose steps it reads again from the commit, finds its nodes' states as the replica
+  that had it did).
 
 Every record's head names its node's rack, so the racks are known from the first record on. A node
 whose rack is unknown (``unknown``, or none reported) is no one's peer. Pure: no I/O, no clock; memory
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -70,7 +74,9 @@ class NodeTable:
     """Which nodes' states a job-stage replica needs (see the module docstring).
 
     ``learn(node, rack)`` records the rack a state reports; ``want(nodes)`` adds nodes of this
-    replica's jobs; ``needed(node)`` says whether a node's states go to the detectors.
+    replica's jobs; ``needed(node)`` says whether a node's states go to the detectors; ``drop(node, ts,
+    item)`` keeps the newest state dropped of a node not needed. ``want`` and ``learn`` return the
+    kept items of the nodes they made needed, oldest first, to be fed.
     """
 
     def __init__(self) -> None:
@@ -78,6 +84,7 @@ class NodeTable:
         self.members_: dict[str, set[str]] = {}  # rack -> nodes known in it
         self.mine_: set[str] = set()  # nodes of this replica's jobs
         self.racks_: set[str] = set()  # their known racks
+        self.kept_: dict[str, tuple[float, Any]] = {}  # node -> (ts, item) of its newest state dropped
         self.decoded_total_ = 0
         self.passed_over_total_ = 0
 
@@ -88,12 +95,23 @@ class NodeTable:
         rack = self.rack_of_.get(node)
         return rack is not None and rack in self.racks_
 
-    def learn(self, node: str, rack: str | None) -> None:
-        """A state of ``node`` reports ``rack``."""
+    def drop(self, node: str, ts: float, item: Any) -> None:
+        """A state of ``node`` (not needed) is not fed; keep it if it is the node's newest."""
+        old = self.kept_.get(node)
+        if old is None or ts >= old[0]:
+            self.kept_[node] = (ts, item)
+        self.passed_over_total_ += 1
+
+    def _take(self, nodes: Iterable[str]) -> list[Any]:
+        out = sorted((self.kept_.pop(n) for n in nodes if n in self.kept_), key=lambda k: k[0])
+        return [item for _, item in out]
+
+    def learn(self, node: str, rack: str | None) -> list[Any]:
+        """A state of ``node`` reports ``rack``; returns the kept items this made needed."""
         rack = known_rack(rack) if rack is not None else None
         old = self.rack_of_.get(node, "\0")
         if old == rack:
-            return
+            return []
         if old not in ("\0", None):
             peers = self.members_.get(old)  # type: ignore[arg-type]
             if peers is not None:
@@ -101,18 +119,24 @@ class NodeTable:
                 if not peers:
                     del self.members_[old]  # type: ignore[arg-type]
         self.rack_of_[node] = rack
-        if rack is not None:
-            self.members_.setdefault(rack, set()).add(node)
-            if node in self.mine_:
-                self.racks_.add(rack)
+        if rack is None:
+            return []
+        self.members_.setdefault(rack, set()).add(node)
+        if node in self.mine_ and rack not in self.racks_:
+            self.racks_.add(rack)
+            return self._take(self.members_[rack])
+        return self._take([node]) if self.needed(node) else []
 
-    def want(self, nodes: Iterable[str]) -> None:
-        """``nodes`` run a job of this replica's: their states, and their rack peers', are needed."""
+    def want(self, nodes: Iterable[str]) -> list[Any]:
+        """``nodes`` run a job of this replica's: their states, and their rack peers', are needed.
+        Returns the kept items this made needed."""
         new = set(nodes) - self.mine_
         if not new:
-            return
+            return []
         self.mine_ |= new
-        self.racks_ |= {r for r in (self.rack_of_.get(n) for n in new) if r is not None}
+        racks = {r for r in (self.rack_of_.get(n) for n in new) if r is not None} - self.racks_
+        self.racks_ |= racks
+        return self._take(new.union(*(self.members_.get(r, set()) for r in racks)))
 
     def forget(self, nodes: Iterable[str]) -> None:
         """``nodes`` no longer run a job of this replica's."""

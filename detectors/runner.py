@@ -235,12 +235,14 @@ class Runner:
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
             if self.nodes is not None:  # the nodes of this replica's jobs, before any node state is released
-                self.nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
+                back = self.nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
                 for rec in table:
                     if isinstance(rec.msg, NodeState):
-                        self.nodes.learn(rec.msg.node, rec.msg.rack)
-            records = [*records, *table, *self._held]
-            self._held = []
+                        back += self.nodes.learn(rec.msg.node, rec.msg.rack)
+                self._apply_kept(back)
+                table = [*table, *self._held]
+                self._held = []
+            records = [*records, *table]
             lag = {**lag, **self.table.lag()}
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
@@ -258,11 +260,20 @@ class Runner:
         if head is None:
             return True
         node, rack, ts = head
-        self.nodes.learn(node, rack)
+        self._apply_kept(self.nodes.learn(node, rack))
         if self.nodes.needed(node):
             return True
         self._held.append(Record(topic, partition, offset, key, HeldState(node, rack, ts, value)))  # type: ignore[arg-type]
         return False
+
+    def _apply_kept(self, kept: Sequence[Record]) -> None:
+        """Node states dropped before and needed now (their node, or a rack peer, joined a job here) go to
+        the replica's node-state table at once, as every state read went before the filter: a partition
+        this replica got reads its steps again from the commit, older than the newest state."""
+        states = [self._held_states([rec]) for rec in kept]
+        table = self._shared.get("node_states")
+        if table is not None:
+            table.apply([r[0].msg for r in states if r])  # type: ignore[attr-defined]
 
     def _held_states(self, ready: list[Record]) -> list[Record]:
         """``ready`` with each held node state decoded if its node is needed now, else left out."""
@@ -274,7 +285,7 @@ class Runner:
             if not isinstance(held, HeldState):
                 out.append(rec)
             elif not self.nodes.needed(held.node):
-                self.nodes.passed_over_total_ += 1
+                self.nodes.drop(held.node, held.ts, rec)
             else:
                 try:
                     out.append(Record(rec.topic, rec.partition, rec.offset, rec.key, decode(NodeState, held.value)))

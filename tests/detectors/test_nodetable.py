@@ -56,3 +56,20 @@ def test_the_head_of_an_encoded_state_is_read_as_the_wire_writes_it() -> None:
     for other in (b'{"v":1,"rack":"r","node":"n","ts":1.0,"gpu":[]}', b"[1,2]", b"not json", b'{"ts":1}',
                   b'{"v":1,"node":7,"rack":"r","ts":1.0,"gpu":[]}', b'{"v":1,"node":"n","rack":"r","ts":true,"g":1}'):
         assert peek_state(other) is None  # decoded whole instead (and dead-lettered if it is bad)
+
+
+def test_the_newest_state_dropped_comes_back_when_its_node_or_a_rack_peer_joins_a_job_here() -> None:
+    """A partition this replica gets in a rebalance is read again from the commit: its nodes' newest states
+    were dropped here while another replica had it, and must be fed now, as that replica had them."""
+    table = _table()
+    for ts in (10.0, 15.0, 5.0):  # out of order: the newest by event time is kept
+        for node in RACK:
+            table.drop(node, ts, (node, ts))
+    assert table.passed_over_total_ == 3 * len(RACK)
+    assert sorted(table.want(["gpu-b4-02.dc2"])) == [("gpu-b4-01.dc2", 15.0), ("gpu-b4-02.dc2", 15.0)]
+    assert table.want(["gpu-b4-01.dc2"]) == []  # once
+    late = NodeTable()
+    late.drop("gpu-a1-08.dc2", 3.0, "peer")
+    late.learn("gpu-a1-08.dc2", "dc2-a1")
+    late.want(["gpu-a1-07.dc2"])  # its rack not known yet: the peer's state stays kept
+    assert late.learn("gpu-a1-07.dc2", "dc2-a1") == ["peer"]
