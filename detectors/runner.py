@@ -174,8 +174,9 @@ class Runner:
         self.snapshot_format = snapshots if snapshots is not None else Snapshots()
         if self.stage is not Stage.POLICY and snapshot_every_s is not None \
                 and not self.snapshot_format.enabled:
-            log.warning("no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no "
-                        "snapshots, a partition it is given is rebuilt from the group's commit", self.stage)
+            log.log(logging.INFO if self.stage is Stage.ALL else logging.WARNING,  # the one-machine default
+                    "no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no snapshots, "
+                    "its state is rebuilt from the group's commit", self.stage)
         self._snapshot_at: dict[int, float] = {}
         self._whole_restored = self.stage is not Stage.ALL
         self._snapshot_offsets: dict[int, dict[tuple[str, int], int]] = {}
