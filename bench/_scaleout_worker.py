@@ -1,16 +1,23 @@
 """One replica of a detector stage for ``bench/scaleout.py``: join the group, read until every assigned
 partition is read to its end (and, for the job stage, the node-state table too), conclude, exit.
 
-    python bench/_scaleout_worker.py DSN STAGE GROUP STORE_DIR OUT_JSON REPLICAS
+    python bench/_scaleout_worker.py DSN STAGE GROUP STORE_DIR OUT_JSON REPLICAS PARTITIONS
+
+Before it reads, a replica waits until the group has split the partitions between every replica of the
+run (its share at most ``ceil(PARTITIONS / REPLICAS)`` of each of the stage's two group topics) and the
+assignment held still for 3 s: a replica that started late would otherwise join mid-run, and the
+rebalance would make the others read again from the commit what they had read (counted as CPU spent).
 
 Writes ``{"records", "cpu_s", "first_s", "end_s"}`` to OUT_JSON: the records this replica read, its
 process CPU seconds from joining the group to the end, and the wall-clock times (``time.time()``) of
-its first record and of its end.
+its first record and of its end; a job replica also the records it read of its tables, the node states
+it decoded (those of its jobs' nodes and their rack peers) and those it passed over.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,7 +29,8 @@ from fleethealth.store import open_store
 
 
 def main() -> None:
-    dsn, stage, group, store_dir, out, replicas = sys.argv[1:7]
+    dsn, stage, group, store_dir, out, replicas, partitions = sys.argv[1:8]
+    share = 2 * math.ceil(int(partitions) / int(replicas))  # two group topics per stage
     tune_gc()
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
@@ -31,7 +39,9 @@ def main() -> None:
             runner.consumer.wait_assigned(timeout_s=120.0)
             # every replica of the run joins before the group settles: wait until the assignment holds still
             settled, seen = time.monotonic(), runner.consumer.assignment()
-            while time.monotonic() - settled < 3.0 * (int(replicas) > 1):
+            deadline = time.monotonic() + 180.0
+            while (time.monotonic() - settled < 3.0 or len(seen) > share) and int(replicas) > 1 \
+                    and time.monotonic() < deadline:
                 runner.consumer.wait_assigned(timeout_s=5.0)  # drives the group protocol; records are kept
                 now = runner.consumer.assignment()
                 if now != seen:
@@ -48,6 +58,10 @@ def main() -> None:
             runner.drain()
             report = {"records": runner.consumer.consumed_total, "cpu_s": time.process_time() - cpu0,
                       "first_s": first if first is not None else time.time(), "end_s": time.time()}
+            if runner.table is not None and runner.nodes is not None:  # the job stage's fh.nodestate
+                report["table_records"] = runner.table.consumed_total + runner.table.passed_over_total
+                report["node_states_decoded"] = runner.nodes.decoded_total_ + runner.table.consumed_total
+                report["node_states_passed_over"] = runner.nodes.passed_over_total_
     Path(out).write_text(json.dumps(report))
 
 

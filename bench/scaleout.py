@@ -94,21 +94,26 @@ def publish(dsn: str, jobs: list[str], nodes_per_job: int, steps: int, seed: int
     return counts
 
 
-def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path) -> dict[str, float]:
+def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partitions: int) -> dict[str, object]:
     """``replicas`` worker processes of ``stage`` in group ``bench-<stage>-<tag>``, until all caught up."""
     procs = []
     for i in range(replicas):
         out = work / f"{stage}-{tag}-{i}.json"
         procs.append((subprocess.Popen([sys.executable, str(WORKER), dsn, stage, f"bench-{stage}-{tag}",
-                                        str(work / f"store-{stage}-{tag}-{i}"), str(out), str(replicas)]), out))
+                                        str(work / f"store-{stage}-{tag}-{i}"), str(out), str(replicas),
+                                        str(partitions)]), out))
     for proc, _ in procs:
         if proc.wait(timeout=1800) != 0:
             raise SystemExit(f"a {stage} replica exited with {proc.returncode}")
     reports = [json.loads(out.read_text()) for _, out in procs]
     first = min(r["first_s"] for r in reports if r["records"])
     last = max(r["end_s"] for r in reports)
-    return {"records": sum(r["records"] for r in reports), "cpu_s": round(sum(r["cpu_s"] for r in reports), 3),
-            "wall_s": round(last - first, 3), "per_replica_records": [r["records"] for r in reports]}
+    out = {"records": sum(r["records"] for r in reports), "cpu_s": round(sum(r["cpu_s"] for r in reports), 3),
+           "wall_s": round(last - first, 3), "per_replica_records": [r["records"] for r in reports]}
+    for name in ("table_records", "node_states_decoded", "node_states_passed_over"):
+        if all(name in r for r in reports):
+            out[f"per_replica_{name}"] = [r[name] for r in reports]
+    return out
 
 
 def main() -> None:
@@ -131,7 +136,7 @@ def main() -> None:
                                      **counts, "publish_s": round(published_s, 1)}
         samples = {"node": counts["gpu_samples"], "job": counts["rank_steps"]}
         for stage in ("node", "job"):
-            runs = {n: run_stage(broker.dsn, stage, n, f"r{n}", work) for n in (1, 3)}
+            runs = {n: run_stage(broker.dsn, stage, n, f"r{n}", work, args.partitions) for n in (1, 3)}
             one, three = runs[1], runs[3]
             rate = {n: samples[stage] / max(r["wall_s"], 1e-9) for n, r in runs.items()}
             cpu = {n: r["cpu_s"] / samples[stage] for n, r in runs.items()}

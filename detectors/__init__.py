@@ -29,6 +29,10 @@ What the runner calls, per input:
   findings=...)`` (:class:`LifecycleTracker`: one ``interruption`` *event* per stop of a job, with
   its MTTR phases, from ``job_start`` / ``job_exit``, step progress and the hang and Xid findings).
 
+Every detector also has ``forget(jobs=…, nodes=…)`` (drop what it holds about ended jobs and gone
+nodes: afterwards its state names none of them) and ``state_dict()`` / ``from_state()`` (its state as
+plain data, :mod:`fleethealth.detectors.state`).
+
 Bad values inside otherwise valid input have a defined behaviour (dropped and counted in a
 ``*_total_`` attribute); malformed calls raise :class:`~fleethealth.errors.SchemaError`.
 """

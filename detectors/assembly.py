@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.schema import StepBatch, StepBlock
 
 __all__ = ["EventTimeBuffer", "StepAssembler", "AssembledStep"]
@@ -399,20 +399,26 @@ class StepAssembler(Stateful):
         self._done.pop(job, None)
         self._drop_owners(job)
 
-    def forget(self, job: str) -> None:
-        """Drop everything about a job that ended (no batch for a long time)."""
-        self._done.pop(job, None)
-        self._ranks_known.pop(job, None)
-        self._known_mask.pop(job, None)
-        self._oldest.pop(job, None)
-        self._rounds = {k: r for k, r in self._rounds.items() if k[0] != job}
-        self._drop_owners(job)
-        for step in self._open_by_job.pop(job, {}):
-            del self._open[(job, step)]
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop everything about ``jobs`` (ended: no batch for a long time) and the node codes of
+        ``nodes`` (not seen for a long time: a node that comes back gets a new code, and the rank owners
+        of its jobs are learned again)."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        for job in gone_jobs:
+            self._done.pop(job, None)
+            self._ranks_known.pop(job, None)
+            self._known_mask.pop(job, None)
+            self._oldest.pop(job, None)
+            self._drop_owners(job)
+            for step in self._open_by_job.pop(job, {}):
+                del self._open[(job, step)]
+        if gone_jobs:
+            self._rounds = {k: r for k, r in self._rounds.items() if k[0] not in gone_jobs}
+        self._forget_nodes(gone_nodes)
+        if gone_jobs or gone_nodes:
+            self._gathered = None  # a cache of the last round's parts, which may name them
 
-    def forget_node(self, nodes: set[str]) -> None:
-        """Drop the node codes of ``nodes`` (not seen for a long time); a node that comes back gets a new
-        code, and the rank owners of its jobs are learned again."""
+    def _forget_nodes(self, nodes: frozenset[str]) -> None:
         for node in nodes:
             code = self._codes.pop(node, None)
             if code is None:

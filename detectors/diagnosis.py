@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from fleethealth.detectors.nodestate import THERMAL_BITS, NodeStates, StateRule, node_state
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalParams
 from fleethealth.errors import SchemaError
 from fleethealth.nodename import known_rack
@@ -380,8 +380,9 @@ class Diagnoser(Stateful):
     def apply(self, states: Iterable[NodeState]) -> None:
         self.states.apply(states)
 
-    def forget(self, gone: Iterable[str]) -> None:
-        self.states.forget(gone)
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop the states of ``nodes`` (a node's state names no job)."""
+        self.states.forget(jobs, nodes)
 
     def rack_of(self, node: str) -> str | None:
         """The rack ``node`` reports (None when unknown, or the node was never seen)."""
@@ -461,6 +462,17 @@ class RackEpisodes(Stateful):
                         "first_slowdown": f.slowdown, "straggler": dict(f.evidence)}
             out.append(dataclasses.replace(f, rank=None, gpu=None, detector=self.name, evidence=evidence))
         return out
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Close the episodes of ``jobs``, and drop ``nodes`` from the nodes each open episode lists."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        if not getattr(self, "episodes_", None):
+            return
+        if gone_jobs:
+            self.episodes_ = {k: v for k, v in self.episodes_.items() if k[0] not in gone_jobs}
+        if gone_nodes:
+            for ep in self.episodes_.values():
+                ep["nodes"] -= gone_nodes
 
     def open_episodes(self) -> dict[str, int]:
         """Stragglers absorbed so far per rack (all jobs), for metrics and tests."""

@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int, check_number
 from fleethealth.payloads.hang_report import HangReport, RankStacks
@@ -172,10 +172,16 @@ class HangDetector(Stateful):
             self._start()
         return self.rule_
 
-    def forget(self, job: str) -> None:
-        """Drop a job that ended (a scheduler said so); it will not be reported as hung."""
-        if hasattr(self, "jobs_"):
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop ``jobs`` (ended: they will not be reported as hung) and the newest telemetry times of
+        ``nodes``. Where a live job's ranks ran is that job's state, dropped with it."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        if not hasattr(self, "jobs_"):
+            return
+        for job in gone_jobs:
             self.jobs_.pop(job, None)
+        if gone_nodes and any(n in self.alive_ for n in gone_nodes):
+            self.alive_ = {n: ts for n, ts in self.alive_.items() if n not in gone_nodes}
 
     # ------------------------------------------------------------ input
     def _batch(self, b: StepBatch) -> None:

@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fleethealth.detectors.nodestate import nvlink_errors
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
 from fleethealth.params import check_number
@@ -162,6 +162,20 @@ class HealthRules(Stateful):
         self.pending_: dict[tuple[str, int | None, str], _Pending] = {}
         self.newest_ts_ = float("-inf")
         self.sample_before_: float | None = None  # the previous sample's time of the node being read
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop ``nodes``' previous samples, episodes, NVLink windows and the findings waiting for their
+        corroboration (the rules are per node: they hold nothing per job)."""
+        names("jobs", jobs)
+        gone = names("nodes", nodes)
+        if not gone or not hasattr(self, "episodes_"):
+            return
+        for node in gone:
+            self.previous_.pop(node, None)
+            self.nvlink_.pop(node, None)
+        self.episodes_ = {k: v for k, v in self.episodes_.items() if k[0] not in gone}
+        self.pending_ = {k: v for k, v in self.pending_.items() if k[0] not in gone}
+        self.nvlink_hot_ = {k for k in self.nvlink_hot_ if k[0] not in gone}
 
     # ------------------------------------------------------------ episodes
     def _hit(self, key: tuple[str, int | None, str], ts: float, severity: XidSeverity) -> XidSeverity | None:

@@ -83,13 +83,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fleethealth.detectors.hang import StepTimeout
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.ids import interruption as interruption_id
 from fleethealth.params import check_int, check_number
@@ -604,14 +604,26 @@ class LifecycleTracker(Stateful):
         what is known first (its event comes out of the next :meth:`update`)."""
         if not hasattr(self, "jobs_"):
             return
-        for name in [n for n, j in self.jobs_.items() if j.seen_ts < before]:
-            self.forget(name)
+        self.forget(jobs=[n for n, j in self.jobs_.items() if j.seen_ts < before])
 
-    def forget(self, name: str) -> None:
-        """Drop a job (it ended, or went idle); an open stop is concluded with what is known."""
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop ``jobs`` (ended, or idle; an open stop is concluded with what is known, its event out of the
+        next :meth:`update`) and ``nodes`` from the nodes each job ran on."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
         if not hasattr(self, "jobs_"):
             return
+        for name in sorted(gone_jobs):
+            self._forget_job(name)
+        for node in gone_nodes:
+            for name in self.node_jobs_.pop(node, ()):
+                job = self.jobs_.get(name)
+                if job is not None:
+                    job.nodes.discard(node)
+
+    def _forget_job(self, name: str) -> None:
         job = self.jobs_.pop(name, None)
+        self.waiting_.discard(name)
+        self.closing_.discard(name)
         if job is None:
             return
         for stop in (*job.closing, job.stop):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalModel, ThermalParams
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
@@ -306,9 +306,10 @@ class NodeStates(Stateful):
             capped += (hi - lo) * float(bool(rows.any()))
         return None if covered <= 0 else capped / covered
 
-    def forget(self, gone: Iterable[str]) -> None:
-        """Drop every trace of ``gone`` nodes."""
-        for node in gone:
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop every trace of ``nodes`` (a node's state names no job)."""
+        names("jobs", jobs)
+        for node in names("nodes", nodes):
             self.power_cap_.pop(node, None)
             self.latest_.pop(node, None)
             self.thermal_.pop(node, None)

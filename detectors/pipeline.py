@@ -38,7 +38,7 @@ findings, what the policy's goodput needs from detection: the steps assembled an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,7 +50,7 @@ from fleethealth.detectors.health import HealthRules
 from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.predict import FailurePredictor
 from fleethealth.detectors.sdc import SdcDetector
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.straggler import SeedRule, StragglerDetector
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_number
@@ -182,8 +182,8 @@ class Pipeline(Stateful):
                 if isinstance(m, Telemetry):
                     telemetry.append(m)
                     states += self.diagnoser.observe((m,))
-                else:
-                    self.diagnoser.apply((m,))
+                elif self.diagnoser.latest_.get(m.node) is not m:  # a job stage's pipelines share one
+                    self.diagnoser.apply((m,))  # table: the first to see a state applies it, once
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
@@ -280,53 +280,35 @@ class Pipeline(Stateful):
         if self.now_ < self._pruned_at + self.prune_every_s:
             return
         self._pruned_at = self.now_
-        self._forget_nodes({node for node, seen in self.clock_.items() if seen < self.now_ - self.node_idle_s})
+        gone = {node for node, seen in self.clock_.items() if seen < self.now_ - self.node_idle_s}
         idle = [job for job, seen in self.job_seen_.items() if seen < self.now_ - self.job_idle_s]
-        for job in idle:
-            del self.job_seen_[job]
-            self.stragglers_.pop(job, None)
-            self.unscored_jobs_.pop(job, None)
-            self.ended_.append(job)
-            self.assembler.forget(job)
-            self.hang.forget(job)
-            self.lifecycle.forget(job)
+        self.ended_ += idle
+        self.forget(idle, gone)
         self.lifecycle.forget_idle(self.now_ - self.job_idle_s)  # jobs known from their records alone
-        if idle:
-            gone = set(idle)
-            sdc = self.sdc
-            if hasattr(sdc, "passes_"):
-                sdc.passes_ = {k: v for k, v in sdc.passes_.items() if k[0] not in gone}
-                for job in gone:
-                    sdc.checkpoints_.pop(job, None)
-            episodes = getattr(self.rack_episodes, "episodes_", None)
-            if episodes:
-                self.rack_episodes.episodes_ = {k: v for k, v in episodes.items() if k[0] not in gone}
         if self.restarted_:
             self.restarted_ = {k: ts for k, ts in self.restarted_.items() if ts >= self.now_ - self.job_idle_s}
 
-    def _forget_nodes(self, gone: set[str]) -> None:
-        """Drop every detector's state about ``gone`` nodes (one pass over each keyed table)."""
-        if not gone:
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop everything every detector holds about ``jobs`` and ``nodes``, through each detector's own
+        ``forget`` (the straggler detector of a job goes whole). Straggler findings of theirs still waiting
+        for a diagnosis are dropped too. The idle ones are forgotten this way every ``prune_every_s``."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        if not gone_jobs and not gone_nodes:
             return
-        self.forgotten_nodes_total_ += len(gone)
-        for node in gone:
-            del self.clock_[node]
-        self.diagnoser.forget(gone)
-        h = self.health
-        for node in gone:
-            h.previous_.pop(node, None)
-        h.episodes_ = {k: v for k, v in h.episodes_.items() if k[0] not in gone}
-        if getattr(h, "pending_", None):  # findings still waiting for the node's corroboration
-            h.pending_ = {k: v for k, v in h.pending_.items() if k[0] not in gone}
-        features = getattr(self.predictor, "features_", None)
-        if features is not None:
-            for node in gone:
-                features.nodes_.pop(node, None)
-            features.lost_ = {k: v for k, v in features.lost_.items() if k[0] not in gone}
-        episodes = getattr(self.predictor, "episodes_", None)
-        if episodes is not None:
-            self.predictor.episodes_ = {k: v for k, v in episodes.items() if k[0] not in gone}
-        self.assembler.forget_node(gone)
+        self.forgotten_nodes_total_ += sum(1 for node in gone_nodes if node in self.clock_)
+        for job in gone_jobs:
+            self.job_seen_.pop(job, None)
+            self.stragglers_.pop(job, None)
+            self.unscored_jobs_.pop(job, None)
+        for node in gone_nodes:
+            self.clock_.pop(node, None)
+            self.telemetry_ts_.pop(node, None)
+        if self.pending_:
+            self.pending_ = [f for f in self.pending_ if f.job not in gone_jobs and f.node not in gone_nodes]
+            self.waiting_racks_ = {self.diagnoser.rack_of(f.node) for f in self.pending_}
+        for part in (self.assembler, self.hang, self.diagnoser, self.rack_episodes, self.health, self.sdc,
+                     self.predictor, self.lifecycle):
+            part.forget(gone_jobs, gone_nodes)
 
     # ------------------------------------------------------------------ internals
     def _conclude(self, ready: list[Finding], telemetry: list[Telemetry], batches: list[StepBatch],

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from fleethealth.detectors.nodestate import nvlink_errors
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
@@ -157,6 +157,16 @@ class GpuFeatures(Stateful):
         self.nodes_: dict[str, _NodeHistory] = {}
         self.lost_: dict[tuple[str, int], float] = {}
         self.stale_total_ = 0
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop the histories and lost GPUs of ``nodes`` (the features are per GPU: nothing per job)."""
+        names("jobs", jobs)
+        gone = names("nodes", nodes)
+        if not gone or not hasattr(self, "nodes_"):
+            return
+        for node in gone:
+            self.nodes_.pop(node, None)
+        self.lost_ = {k: v for k, v in self.lost_.items() if k[0] not in gone}
 
     def _event(self, e: Event) -> None:
         lost = (e.kind is EventKind.XID and e.code in _LOST) or e.kind is EventKind.GPU_LOST
@@ -387,6 +397,15 @@ class FailurePredictor(Stateful):
         order = [int(i) for i in np.argsort(-drop)[: self.top_k] if drop[i] > 1e-6]
         return [{"feature": FEATURES[i], "value": _num(x[i]), "reference": _num(ref[i]),
                  "probability_without": round(float(p - drop[i]), 4)} for i in order]
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop the features and the risk episodes of ``nodes``' GPUs."""
+        names("jobs", jobs)
+        gone = names("nodes", nodes)
+        if not gone or not hasattr(self, "artifact_"):
+            return
+        self.features_.forget(nodes=gone)
+        self.episodes_ = {k: v for k, v in self.episodes_.items() if k[0] not in gone}
 
     def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
         """Fold in telemetry and events; return ``failure_risk`` findings for GPUs that just crossed."""

@@ -34,9 +34,11 @@ timeline stamp the broker timestamp with the event time, :class:`fleethealth.bus
 
 A crash anywhere replays from the last commit: rows already written are rewritten with the same
 keys, so after merges (or with ``FINAL``) each (job, step, rank) is in the store exactly once.
-The whole-tier runner's detector state lives in memory and restarts empty; findings keep stable
-ids. A node or job stage snapshots each partition's pipeline with the offsets it committed and
-restores it when the partition is assigned (see ``_snapshot`` / ``_restore``): signed explicit
+Findings keep stable ids. A node or job stage snapshots each partition's pipeline with the offsets
+it committed and restores it when the partition is assigned; the whole tier (one pipeline over every
+partition) snapshots its pipeline with the offsets of every partition, under the partition number
+:data:`~fleethealth.detectors.snapshot.WHOLE`, and restores it when it first gets its partitions
+(see ``_snapshot`` / ``_restore``; the policy's state is saved in the store after each batch): signed explicit
 state (:mod:`fleethealth.detectors.snapshot`, ``snapshots``, the ``[detect.snapshot]`` keys);
 without a key none is written or restored. A snapshot refused (unsigned or wrongly signed, over a
 cap, offsets outside its partition's range) is logged with its reason and counted
@@ -64,36 +66,34 @@ dropped here and its new owner reads it again from the last commit.
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import math
 import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopic
 from fleethealth.detectors.assembly import EventTimeBuffer
+from fleethealth.detectors.cores import Conclusions, conclude, publishable
+from fleethealth.detectors.metrics import RunnerMetrics
+from fleethealth.detectors.nodetable import HeldState, NodeTable, peek_state
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
-from fleethealth.detectors.snapshot import SnapshotError, Snapshots, check_offsets
+from fleethealth.detectors.snapshot import WHOLE, SnapshotError, Snapshots, check_offsets
 from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
-from fleethealth.errors import BusError, ConfigError
+from fleethealth.errors import BusError, ConfigError, SchemaError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
-from fleethealth.payloads.progress import job_end_events, job_progress_events
-from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.persist import load_engine, record_outcome, save_engine
 from fleethealth.policy.quarantine import book_decisions, released
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
     TOPIC_TYPES,
-    Action,
     Event,
     Finding,
     Message,
@@ -116,149 +116,6 @@ log = logging.getLogger(__name__)
 
 OutboxRow = tuple[str, str, str, float, str]
 """``(topic, id, key, ts_s, payload)``: one message stored in the outbox, as it is published."""
-
-
-@dataclass
-class Conclusions:
-    """What one batch of input concluded: detection's findings, then the policy's decisions."""
-
-    findings: list[Finding] = field(default_factory=list)
-    recommendations: list[Recommendation] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    """Events detection derived (``interruption``), stored with the input events."""
-    outcomes: list[EvictionOutcome] = field(default_factory=list)
-    policy_changed: bool = False
-    refused: list[StepBatch | StepBlock] = field(default_factory=list)
-    kept: list[tuple[StepBlock, StepBlock]] = field(default_factory=list)
-    rejected: list[tuple[Message, str]] = field(default_factory=list)
-    states: list[NodeState] = field(default_factory=list)
-    """Node states to publish on ``fh.nodestate`` (the node stage)."""
-    unscored: list[tuple[str, int]] = field(default_factory=list)
-    """Jobs newly found too small to score for stragglers, with their largest group (logged once)."""
-    progress: list[Event] = field(default_factory=list)
-    """``job_progress`` and ``job_end`` events for the policy (:mod:`fleethealth.payloads.progress`): a job
-    stage publishes them on ``fh.events``; :func:`conclude` hands them to a policy in process."""
-
-    def extend(self, other: Conclusions) -> None:
-        """Add what ``other`` (a later part of the same batch, or another partition's) concluded."""
-        self.findings += other.findings
-        self.recommendations += other.recommendations
-        self.events += other.events
-        self.states += other.states
-        self.unscored += other.unscored
-        self.progress += other.progress
-        self.outcomes += other.outcomes
-        self.policy_changed = self.policy_changed or other.policy_changed
-        self.refused += other.refused
-        self.kept += other.kept
-        self.rejected += other.rejected
-
-
-def publishable(msg: Finding | Recommendation) -> bool:
-    """Whether ``msg`` goes to the bus: every finding, and the recommendations that ask a scheduler for
-    an action (a ``none`` — already recommended, not worth it, stale — stays in the store only)."""
-    return not isinstance(msg, Recommendation) or msg.action is not Action.NONE
-
-
-def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Sequence[Message], *,
-             final: bool = False, now: float = 0.0) -> Conclusions:
-    """Detection, then policy, on ``messages`` (in event-time order); pure. With ``final`` (end of
-    input), the pipeline's drain is decided too. The one place the two stages are composed.
-
-    Either may be None: a node or job stage detects only (its findings go to the policy stage over
-    ``fh.findings``); the policy stage decides on the findings among ``messages``, at event time ``now``."""
-    events = [m for m in messages if isinstance(m, Event)]
-    if pipeline is None:
-        out = Conclusions()
-        if policy is None:
-            return out
-        # each finding decided at its own event time, as the detectors concluded it (those of one instant together)
-        for ts, group in itertools.groupby((m for m in messages if isinstance(m, Finding | Event)), key=lambda m: m.ts):
-            now = max(now, ts)
-            batch = list(group)
-            decided = policy.update([m for m in batch if isinstance(m, Finding)],
-                                    [m for m in batch if isinstance(m, Event)], now)
-            out.recommendations += decided.recommendations
-            out.outcomes += decided.outcomes
-            out.policy_changed = out.policy_changed or decided.changed
-        if final:
-            flushed = policy.flush()
-            out.recommendations += flushed.recommendations
-        return out
-    out = pipeline.feed(messages)
-    findings, derived_events, states = list(out.findings), list(out.events), list(out.states)
-    unscored = list(out.unscored)
-    # what the policy learns of the jobs' steps and ends: the same messages a job stage publishes
-    progress = [*job_progress_events(out.steps), *job_end_events(out.ended, out.now)]
-    tail = pipeline.drain() if final else None
-    tail_progress: list[Event] = []
-    if tail is not None:
-        findings += tail.findings
-        derived_events += tail.events
-        tail_progress = [*job_progress_events(tail.steps), *job_end_events(tail.ended, tail.now)]
-    if policy is None:
-        return Conclusions(findings=findings, events=derived_events, refused=list(out.refused),
-                           kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored,
-                           progress=[*progress, *tail_progress])
-    decided = policy.update(out.findings, [*events, *out.events, *progress], out.now)
-    if tail is not None:
-        decided.extend(policy.update(tail.findings, [*tail.events, *tail_progress], tail.now))
-        decided.extend(policy.flush())
-    return Conclusions(findings=findings, recommendations=decided.recommendations, events=derived_events,
-                       outcomes=decided.outcomes, policy_changed=decided.changed, refused=list(out.refused),
-                       kept=list(out.kept), rejected=list(out.rejected), states=states, unscored=unscored)
-
-
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.records = Counter("fleethealth_detect_records_total", "Input records processed", ["topic"],
-                               registry=registry)
-        self.findings = Counter("fleethealth_detect_findings_total", "Findings written", ["kind"], registry=registry)
-        self.recommendations = Counter("fleethealth_detect_recommendations_total", "Recommendations written",
-                                       ["action"], registry=registry)
-        self.dead_letters = Counter("fleethealth_detect_dead_letters_total", "Records dead-lettered by this runner",
-                                    registry=registry)
-        self.lag = Gauge("fleethealth_detect_lag_records", "Records not yet read, over assigned partitions",
-                         registry=registry)
-        self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order", registry=registry)
-        self.dropped = Gauge("fleethealth_detect_unscored_batches", "Step batches stored but not scored, by reason",
-                             ["reason"], registry=registry)
-        self.early = Counter("fleethealth_detect_released_early_records_total",
-                             "Records released before the watermark because the reorder buffer was full",
-                             registry=registry)
-        self.outbox = Gauge("fleethealth_detect_outbox_pending", "Stored findings and recommendations not yet "
-                            "acknowledged by the broker", registry=registry)
-        self.unscored_jobs = Gauge("fleethealth_detect_unscored_jobs", "Jobs whose steps the straggler detector "
-                                   "does not score: fewer comparable ranks than detect.straggler.min_group",
-                                   registry=registry)
-        self.over_limit = Gauge("fleethealth_detect_over_limit_records",
-                                "Records dead-lettered for naming a new job or node beyond the cardinality limits",
-                                ["what"], registry=registry)
-        self.publish_errors = Counter("fleethealth_detect_publish_errors_total",
-                                      "Publishes of the outbox that failed (retried on the next batch)",
-                                      registry=registry)
-        self.states = Counter("fleethealth_detect_node_states_published_total",
-                              "Node states published on fh.nodestate (changes and heartbeats)", registry=registry)
-        self.snapshots = Counter("fleethealth_detect_snapshots_total", "Pipeline snapshots written", registry=registry)
-        self.snapshot_bytes = Gauge("fleethealth_detect_snapshot_bytes", "Size of the newest snapshot written",
-                                    registry=registry)
-        self.snapshot_errors = Counter("fleethealth_detect_snapshot_errors_total",
-                                       "Snapshots refused (unsigned or wrongly signed, corrupt, over a cap, "
-                                       "offsets outside the partition, another version): rebuilt from the input "
-                                       "instead", registry=registry)
-        self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
-                                "Records and conclusions dead-lettered because a detector or a store write "
-                                "failed on them deterministically", ["stage"], registry=registry)
-        self.breaker_open = Gauge("fleethealth_policy_breaker_open", "1 while the fleet circuit breaker is open "
-                                  "(automatic removals wait for a human)", registry=registry)
-        self._totals: dict[str, int] = {}
-
-    def advance(self, name: str, total: int) -> None:
-        """Raise counter ``name`` to the running ``total`` a part keeps (a counter only goes up)."""
-        delta = total - self._totals.get(name, 0)
-        if delta > 0:
-            getattr(self, name).inc(delta)
-            self._totals[name] = total
 
 
 class Runner:
@@ -315,11 +172,13 @@ class Runner:
                               f"compacted topic fh.snapshots), got {snapshot_to!r}")
         self._snapshots: Any = SnapshotTopic(bus_dsn) if snapshot_to == "bus" else store
         self.snapshot_format = snapshots if snapshots is not None else Snapshots()
-        if self.stage in (Stage.NODE, Stage.JOB) and snapshot_every_s is not None \
+        if self.stage is not Stage.POLICY and snapshot_every_s is not None \
                 and not self.snapshot_format.enabled:
-            log.warning("no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no "
-                        "snapshots, a partition it is given is rebuilt from the group's commit", self.stage)
+            log.log(logging.INFO if self.stage is Stage.ALL else logging.WARNING,  # the one-machine default
+                    "no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no snapshots, "
+                    "its state is rebuilt from the group's commit", self.stage)
         self._snapshot_at: dict[int, float] = {}
+        self._whole_restored = self.stage is not Stage.ALL
         self._snapshot_offsets: dict[int, dict[tuple[str, int], int]] = {}
         self._seeks: set[int] = set()
         # the job stage's pipelines share the replica's node-state table: referenced by name in a
@@ -337,12 +196,17 @@ class Runner:
         # the job stage's tables are read whole by every replica, from their start (fh.nodestate is compacted)
         self.table = Consumer(bus_dsn, tables, None, producer=self.producer, client_id=f"{group}-table") \
             if tables else None
+        # of fh.nodestate, a job-stage replica decodes only its jobs' nodes and their rack peers
+        self.nodes = NodeTable() if Topic.NODESTATE.value in tables else None
+        self._held: list[Record] = []
+        if self.table is not None and self.nodes is not None:
+            self.table.admit = self._admit
         self._stop = threading.Event()
         self.retry = retry if retry is not None else Retry()
         if retry is None:
             self.retry.stopping = self._stop.is_set
         self.buffer: EventTimeBuffer[Record] = EventTimeBuffer()
-        self.metrics = _Metrics(registry if registry is not None else REGISTRY)
+        self.metrics = RunnerMetrics(registry if registry is not None else REGISTRY)
         self.findings_total = 0
         self.recommendations_total = 0
         self.states_published_total = 0
@@ -365,13 +229,20 @@ class Runner:
         if self.pending_:
             self._publish_pending()
         records = self.consumer.poll(timeout_s, self.max_records)
-        if self._make is not None:
-            restored = self._follow_assignment()
-            if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
-                records = [r for r in records if (r.topic, r.partition) not in restored]
+        restored = self._follow_assignment() if self._make is not None else self._restore_whole()
+        if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
+            records = [r for r in records if (r.topic, r.partition) not in restored]
         lag = self.consumer.lag()
         if self.table is not None:
             table = self.table.poll(0.0 if records else timeout_s, self.max_records)
+            if self.nodes is not None:  # the nodes of this replica's jobs, before any node state is released
+                back = self.nodes.want({r.msg.node for r in records if isinstance(r.msg, StepBatch | StepBlock)})
+                for rec in table:
+                    if isinstance(rec.msg, NodeState):
+                        back += self.nodes.learn(rec.msg.node, rec.msg.rack)
+                self._apply_kept(back)
+                table = [*table, *self._held]
+                self._held = []
             records = [*records, *table]
             lag = {**lag, **self.table.lag()}
         for rec in records:
@@ -379,6 +250,51 @@ class Runner:
         self._release(self._bound(self._watermark(records, lag)))
         self.metrics.lag.set(sum(v for v in lag.values() if v))
         return len(records)
+
+    def _admit(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                ts_ms: int) -> bool:
+        """The table consumer's filter: a node state this replica does not need yet is held undecoded (in
+        the event-time buffer, as a :class:`HeldState`), decided on when released (:meth:`_held_states`)."""
+        if topic != Topic.NODESTATE.value or value is None or self.nodes is None:
+            return True
+        head = peek_state(value)
+        if head is None:
+            return True
+        node, rack, ts = head
+        self._apply_kept(self.nodes.learn(node, rack))
+        if self.nodes.needed(node):
+            return True
+        self._held.append(Record(topic, partition, offset, key, HeldState(node, rack, ts, value)))  # type: ignore[arg-type]
+        return False
+
+    def _apply_kept(self, kept: Sequence[Record]) -> None:
+        """Node states dropped before and needed now (their node, or a rack peer, joined a job here) go to
+        the replica's node-state table at once, as every state read went before the filter: a partition
+        this replica got reads its steps again from the commit, older than the newest state."""
+        states = [self._held_states([rec]) for rec in kept]
+        table = self._shared.get("node_states")
+        if table is not None:
+            table.apply([r[0].msg for r in states if r])  # type: ignore[attr-defined]
+
+    def _held_states(self, ready: list[Record]) -> list[Record]:
+        """``ready`` with each held node state decoded if its node is needed now, else left out."""
+        if self.nodes is None or not any(isinstance(r.msg, HeldState) for r in ready):
+            return ready
+        out = []
+        for rec in ready:
+            held = rec.msg
+            if not isinstance(held, HeldState):
+                out.append(rec)
+            elif not self.nodes.needed(held.node):
+                self.nodes.drop(held.node, held.ts, rec)
+            else:
+                try:
+                    out.append(Record(rec.topic, rec.partition, rec.offset, rec.key, decode(NodeState, held.value)))
+                    self.nodes.decoded_total_ += 1
+                except SchemaError as exc:
+                    self._letter(rec.topic, rec.partition, rec.offset, rec.key, held.value,
+                                 f"{exc.field}: {exc.problem}")
+        return out
 
     def _release(self, watermark: float, *, final: bool = False) -> None:
         """Conclude what the watermark releases in pieces of ``max_records`` (after a partition was slow
@@ -422,6 +338,20 @@ class Runner:
                  self.consumer.group)
         return restored
 
+    def _restore_whole(self) -> set[tuple[str, int]]:
+        """The whole tier's pipeline from its snapshot, once, when the group first gave it partitions (before
+        anything was fed): the consumer moved back to the snapshot's offsets. Returns the pairs moved."""
+        if self._whole_restored or not self.consumer.assignment():
+            return set()
+        self._whole_restored = True
+        pipeline, offsets = self._restore(WHOLE)
+        if not offsets:
+            return set()
+        self.pipelines[None] = pipeline
+        self.buffer.discard(lambda rec: (rec.topic, rec.partition) in offsets)
+        self.consumer.seek(offsets)
+        return set(offsets)
+
     def _restore(self, partition: int) -> tuple[Pipeline, dict[tuple[str, int], int]]:
         """The partition's pipeline from its newest snapshot and the offsets to read from; a fresh one
         (and no offsets: the group's commit) when there is none or it cannot be read (reported)."""
@@ -435,7 +365,8 @@ class Runner:
             _, _, blob = found
             head = self.snapshot_format.info(blob)  # signed, sizes within the caps: nothing inflated yet
             ranges = self.retry.call("read partition ranges", lambda: self.consumer.offset_range(head["offsets"]))
-            check_offsets(head["offsets"], partition=partition, topics=group_topics(self.stage), ranges=ranges)
+            check_offsets(head["offsets"], partition=None if partition == WHOLE else partition,
+                          topics=group_topics(self.stage), ranges=ranges)
             state, offsets = self.snapshot_format.load(blob, like=self._new_pipeline(), shared=self._shared,
                                                        expect=Pipeline)
         except SnapshotError as exc:
@@ -452,15 +383,16 @@ class Runner:
         """Snapshot each pipeline whose interval is due, with the offsets this replica committed for its
         partition (what a restore reads from: the records the state folded in past them are taken again
         as duplicates)."""
-        if self.snapshot_every_s is None or self._make is None or not self.snapshot_format.enabled:
+        if self.snapshot_every_s is None or not self.snapshot_format.enabled:
             return
         now = time.monotonic()
         committed = self.consumer.committed()
         assigned = self.consumer.assignment()
-        for p, pipeline in self.pipelines.items():
-            if p is None or now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
+        for part, pipeline in self.pipelines.items():
+            p = WHOLE if part is None else part  # the whole tier: one pipeline over every partition
+            if now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
                 continue
-            offsets = {tp: off for tp, off in committed.items() if tp[1] == p and tp in assigned}
+            offsets = {tp: off for tp, off in committed.items() if (part is None or tp[1] == p) and tp in assigned}
             if not offsets or offsets == self._snapshot_offsets.get(p):
                 continue  # nothing committed here since the last one
             try:
@@ -555,7 +487,7 @@ class Runner:
         replica's table records (node states, the node stage's findings) going to each of them — and
         return the conclusions and the records concluded. Records the stage does not take (another
         stage's events) are left out: committed with the rest, processed and stored by their stage."""
-        ready = [r for r in ready if self._takes(r.msg)]
+        ready = [r for r in self._held_states(ready) if self._takes(r.msg)]
         if self.stage is Stage.POLICY:
             out = self._conclude_part(None, ready, final)
             if ready:
@@ -591,8 +523,8 @@ class Runner:
         return True
 
     def _new_pipeline(self) -> Pipeline:
-        assert self._make is not None
-        return self._make()
+        """A fresh pipeline of a node or job stage; the whole tier's own, not fed yet when it is restored."""
+        return self._make() if self._make is not None else self.pipelines[None]
 
     def _conclude_part(self, pipeline: Pipeline | None, ready: list[Record],
                        final: bool) -> tuple[Conclusions, list[Record]]:
@@ -706,6 +638,8 @@ class Runner:
         for r in out.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
+        if self.nodes is not None:
+            self.metrics.advance("passed_over", self.nodes.passed_over_total_)
         self.metrics.held.set(len(self.buffer))
         if self.policy is not None:
             self.metrics.breaker_open.set(int(self.policy.engine.breaker_.open_))

@@ -30,9 +30,9 @@ Events with malformed check records are counted in ``invalid_total_`` and skippe
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import SchemaError
 from fleethealth.evidence import Corroboration
 from fleethealth.params import check_int
@@ -65,6 +65,18 @@ class SdcDetector(Stateful):
         self.checkpoints_: dict[str, list[CheckpointRecord]] = {}
         self.invalid_total_ = 0
         self.failures_total_ = 0
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop ``jobs``' passing checks and checkpoints, and the open episodes of ``nodes``' GPUs."""
+        gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        if not hasattr(self, "open_"):
+            return
+        if gone_jobs:
+            self.passes_ = {k: v for k, v in self.passes_.items() if k[0] not in gone_jobs}
+            for job in gone_jobs:
+                self.checkpoints_.pop(job, None)
+        if gone_nodes:
+            self.open_ = {k: v for k, v in self.open_.items() if k[0] not in gone_nodes}
 
     def _remember_pass(self, job: str | None, step: int | None, check: str) -> None:
         if job is None or step is None:

@@ -62,13 +62,16 @@ from fleethealth.errors import ConfigError, FleetHealthError
 from fleethealth.params import check_int
 from fleethealth.schema import SCHEMA_VERSION
 
-__all__ = ["SNAPSHOT_VERSION", "MAGIC", "SnapshotError", "Snapshots", "check_offsets", "read_key"]
+__all__ = ["SNAPSHOT_VERSION", "MAGIC", "WHOLE", "SnapshotError", "Snapshots", "check_offsets", "read_key"]
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 2
 """The layout of a snapshot and of the detector state inside it (2: explicit state, signed; 1 was a
 pickle): a blob of another version is refused."""
+WHOLE = 2**32 - 1
+"""The partition number a whole-tier runner's snapshot is stored under (its one pipeline covers every
+partition of its group; the store's ``partition`` column is a UInt32, and no topic has that many)."""
 MAGIC = b"FHSNAP\r\n"
 """The first 8 bytes of every snapshot (the CR LF catches a blob mangled by a text transfer)."""
 
@@ -313,14 +316,14 @@ def _inflate(inflate: Any, body: bytes | memoryview, out: bytearray, want: int, 
     return out
 
 
-def check_offsets(offsets: Mapping[tuple[str, int], int], *, partition: int, topics: Iterable[str],
+def check_offsets(offsets: Mapping[tuple[str, int], int], *, partition: int | None, topics: Iterable[str],
                   ranges: Mapping[tuple[str, int], tuple[int, int]]) -> None:
     """Refuse (:class:`SnapshotError`) a restored snapshot's ``offsets`` unless each names one of the
-    stage's ``topics`` at ``partition`` and lies in that partition's real range (``ranges``:
-    ``{(topic, partition): (beginning offset, end offset)}``, from the broker)."""
+    stage's ``topics`` at ``partition`` (any partition: None, the whole tier's) and lies in that
+    partition's real range (``ranges``: ``{(topic, partition): (beginning offset, end offset)}``, from the broker)."""
     allowed = set(topics)
     for (topic, p), offset in offsets.items():
-        if topic not in allowed or p != partition:
+        if topic not in allowed or (partition is not None and p != partition):
             raise SnapshotError(f"snapshot offsets name {topic}[{p}], not an input partition {partition} of this stage")
         span = ranges.get((topic, p))
         if span is None:

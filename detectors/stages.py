@@ -13,10 +13,10 @@ one replica per group), or the tier runs as three stages that scale apart:
   too, :data:`fleethealth.schema.JOB_EVENT_KINDS`): step assembly, stragglers, hangs, SDC results,
   the job lifecycle and diagnosis; it publishes the derived interruptions and each job's progress
   and end (``job_progress``, ``job_end``: :mod:`fleethealth.payloads.progress`) for the policy
-  stage. Each replica also reads the whole of ``fh.nodestate`` and the
-  node stage's findings on ``fh.findings`` (the Xid findings the lifecycle names a stop's cause
-  by) as tables, outside the group. N replicas; one pipeline per partition, all sharing the
-  replica's node-state table.
+  stage. Each replica also reads ``fh.nodestate`` (decoding only its jobs' nodes and their rack
+  peers: :mod:`fleethealth.detectors.nodetable`) and the node stage's findings on ``fh.findings``
+  (the Xid findings the lifecycle names a stop's cause by) as tables, outside the group. N replicas;
+  one pipeline per partition, all sharing the replica's node-state table.
 * ``policy`` — one replica (a single writer: the fleet-wide guards — the breaker, one eviction per
   job per hour, the same-rack rule — are decided in one place, and its state is saved in the
   store after each batch): a consumer group over ``fh.findings`` and ``fh.events`` (the job events

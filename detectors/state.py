@@ -54,7 +54,7 @@ import functools
 import math
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,7 @@ import numpy as np
 from fleethealth.errors import FleetHealthError
 
 __all__ = ["State", "StateError", "Stateful", "state_dict", "from_state", "registered", "ARRAY_DTYPES",
-           "STATE_MODULES", "array_dtype"]
+           "STATE_MODULES", "array_dtype", "names"]
 
 STATE_MODULES = (
     "fleethealth.schema", "fleethealth.xid", "fleethealth.detectors.assembly", "fleethealth.detectors.diagnosis",
@@ -474,13 +474,28 @@ def from_state(state: State, *, like: object = None, shared: Mapping[str, object
     return out
 
 
+def names(what: str, values: Iterable[str]) -> frozenset[str]:
+    """``values`` (job or node names) as a set; one name passed alone, not in a collection, is a
+    ``TypeError`` (a string is iterable, and would forget its letters)."""
+    if isinstance(values, str | bytes):
+        raise TypeError(f"forget({what}=...) takes a collection of names, not the single name {values!r}")
+    return frozenset(values)
+
+
 class Stateful:
-    """``state_dict()`` and ``from_state(...)`` for a detector (the codec of this module).
+    """``state_dict()``, ``from_state(...)`` and ``forget(jobs, nodes)`` for a detector (the codec of this
+    module, and the detector's side of bounded state).
 
     Subclasses list configuration and objects that are not data in ``_state_skip``; they come from
-    the configured object passed as ``like``."""
+    the configured object passed as ``like``. Every detector says what it forgets: after
+    ``forget(jobs=J, nodes=N)`` its state names no job of ``J`` and no node of ``N``
+    (``tests/detectors/test_common.py`` checks it)."""
 
     _state_skip: tuple[str, ...] = ()
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Drop everything held about ``jobs`` (ended, or idle) and ``nodes`` (gone, or idle)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it forgets")
 
     def state_dict(self, *, shared: Mapping[str, object] | None = None) -> State:
         """This detector's state as plain data: a JSON tree and the arrays it refers to."""

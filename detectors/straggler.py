@@ -50,11 +50,12 @@ Defined behaviour on bad input (tested in ``tests/detectors``):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
 
-from fleethealth.detectors.state import Stateful
+from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.evidence import MIN_COMPARABLE_RANKS
 from fleethealth.params import check_int, check_number
@@ -146,6 +147,12 @@ class _StepDetector(Stateful):
         self.unscored_small_total_ = 0
         self.unscored_group_ = 0
         self.scored_steps_ = 0
+
+    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Nothing to drop: one detector serves one job and its state is indexed by rank (the pipeline
+        drops the detector with its job); a rank that moves to another node keeps its statistics."""
+        names("jobs", jobs)
+        names("nodes", nodes)
 
     def _grow(self, top: int) -> None:
         if top < self.capacity_:

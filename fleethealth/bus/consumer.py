@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Self
 
 import orjson
@@ -84,6 +84,12 @@ class Consumer:
     :class:`~fleethealth.schema.StepBatch` each); a reader that takes blocks whole (the runner)
     sets it False and gets one record per block."""
 
+    admit: Callable[[str, int, int, bytes | None, bytes | None, int], bool] | None = None
+    """A reader's filter before decoding: ``admit(topic, partition, offset, key, value, timestamp_ms)``;
+    a record it refuses is passed over undecoded (its offset counts as read) and counted in
+    ``passed_over_total``. The job stage reads only the node states it needs this way."""
+    passed_over_total: int = 0
+
     def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Block until the group has assigned partitions and their start offsets are known.
 
@@ -128,11 +134,20 @@ class Consumer:
         out: list[tuple[Record | None, Any, int]] = []
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
+            admit = self.admit
+            skip = set() if admit is None else {
+                i for i, r in enumerate(records)
+                if not admit(r.topic, r.partition, r.offset, r.key, r.value, getattr(r, "timestamp", -1))}
+            self.passed_over_total += len(skip)
             # one bulk decode per partition's records (columnar for step batches); each value still
             # gets its own result, so a bad one is dead-lettered with its own reason
-            bulk = iter(schema.decode_many(cls, [r.value for r in records if r.value is not None])
+            bulk = iter(schema.decode_many(cls, [r.value for i, r in enumerate(records)
+                                                 if r.value is not None and i not in skip])
                         if cls is not DeadLetter else ())
-            for rec in records:
+            for i, rec in enumerate(records):
+                if i in skip:
+                    out.append((None, tp, rec.offset + 1))
+                    continue
                 try:
                     if cls is DeadLetter or rec.value is None:
                         msg = decode_value(cls, rec.value)

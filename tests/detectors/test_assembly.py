@@ -94,7 +94,7 @@ def test_interruption_lets_step_numbers_repeat_and_forget_drops_a_job() -> None:
     asm.restart("j")
     assert [s.step for s in asm.add(_batch(4, 0, 2.0))] == [4]
     assert asm.add(_batch(6, 1, 3.0)) == [] and asm.open_steps() == {("j", 6)}
-    asm.forget("j")
+    asm.forget(jobs=["j"])
     assert asm.open_steps() == set() and asm.drain() == []
 
 

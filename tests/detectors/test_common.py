@@ -295,3 +295,66 @@ def test_state_round_trip_gives_the_same_findings(case):
     assert _canon(after) == _canon(before)
     if case.expect_valid:
         assert _canon(_run(case, calls)) == _canon(_run(case, calls[:cut])) + _canon(after)
+
+
+def _names(value: Any, jobs: set[str], nodes: set[str]) -> None:
+    """The job and node names ``value`` (a call, or anything in one) carries."""
+    if isinstance(value, list | tuple):
+        for v in value:
+            _names(v, jobs, nodes)
+        return
+    for attr, into in (("job", jobs), ("node", nodes)):
+        name = getattr(value, attr, None)
+        if isinstance(name, str) and name:
+            into.add(name)
+
+
+def _strings(tree: Any) -> set[str]:
+    """Every string in a state tree, dictionary keys included."""
+    if isinstance(tree, str):
+        return {tree}
+    if isinstance(tree, dict):
+        return {s for k, v in tree.items() for s in (*_strings(k), *_strings(v))}
+    if isinstance(tree, list | tuple):
+        return {s for v in tree for s in _strings(v)}
+    return set()
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forget_leaves_no_trace_of_the_jobs_and_nodes_forgotten(case):
+    """``forget(jobs, nodes)`` of every job and node the input named: the state names none of them (once
+    the outputs the forgetting concluded are out), so a detector's memory is bounded by what is live."""
+    calls = case.valid()
+    jobs: set[str] = set()
+    nodes: set[str] = set()
+    _names(calls, jobs, nodes)
+    det = case.make()
+    for call in calls:
+        case.feed(det, call)
+    seen = _strings(det.state_dict().tree)
+    assert (jobs | nodes) <= seen or case.name in ("SeedRule", "StragglerDetector")  # it did hold them
+    det.forget(jobs=jobs, nodes=nodes)
+    case.feed(det, case.empty)
+    left = _strings(det.state_dict().tree) & (jobs | nodes)
+    assert not left, f"{case.name} still holds {sorted(left)} after forgetting them"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forgetting_what_it_never_saw_changes_nothing(case):
+    calls = case.valid()
+    det = case.make()
+    out = []
+    for i, call in enumerate(calls):
+        if i == len(calls) // 2:
+            det.forget(jobs=["another-job"], nodes=["another-node.dc1.example"])
+        out += case.feed(det, call)
+    assert _canon(out) == _canon(_run(case, calls))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forget_refuses_a_lone_name(case):
+    det = case.make()
+    with pytest.raises(TypeError, match="collection of names"):
+        det.forget(jobs="j")
+    with pytest.raises(TypeError, match="collection of names"):
+        det.forget(nodes="n0001")

@@ -85,7 +85,7 @@ def test_nodes_not_seen_for_node_idle_s_are_forgotten_by_every_detector() -> Non
     """20 nodes report once, 30 keep reporting: once event time is ``node_idle_s`` past the 20, no
     detector holds anything about them (clock, diagnosis, health, feature windows, rank owners), and
     what remains is the 30 — bounded by the live fleet, not by every name ever seen."""
-    pipe = Pipeline(node_idle_s=600.0, prune_every_s=60.0)
+    pipe = Pipeline(node_idle_s=600.0, job_idle_s=600.0, prune_every_s=60.0)  # job j ran on the 20 alone
     transient = [f"n{1000 + i}" for i in range(20)]
     live = [f"n{i:04d}" for i in range(30)]
     pipe.feed([_sample(n, T0) for n in transient])
@@ -100,6 +100,18 @@ def test_nodes_not_seen_for_node_idle_s_are_forgotten_by_every_detector() -> Non
     assert set(pipe.predictor.features_.nodes_) <= set(live)
     assert not set(pipe.assembler._codes) & set(transient)
     assert pipe.forgotten_nodes_total_ == 20
+    left = _strings(pipe.state_dict().tree) & set(transient)  # nowhere else either (newest telemetry, NVLink windows)
+    assert not left, f"the pipeline's state still names {sorted(left)}"
+
+
+def _strings(tree: object) -> set[str]:
+    if isinstance(tree, str):
+        return {tree}
+    if isinstance(tree, dict):
+        return {s for k, v in tree.items() for s in (*_strings(k), *_strings(v))}
+    if isinstance(tree, list | tuple):
+        return {s for v in tree for s in _strings(v)}
+    return set()
 
 
 def test_beyond_max_nodes_and_max_jobs_a_new_name_is_rejected_with_a_reason() -> None:
