@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from fleethealth.detectors.runner import _Metrics
+from fleethealth.detectors.metrics import RunnerMetrics
 
 
 def test_counts_are_counters_and_advance_only_forward() -> None:
     registry = CollectorRegistry()
-    metrics = _Metrics(registry)
+    metrics = RunnerMetrics(registry)
     kinds = {m.name: m.type for m in registry.collect()}
     assert kinds["fleethealth_detect_dead_letters"] == "counter"
     assert kinds["fleethealth_detect_released_early_records"] == "counter"
