@@ -1,15 +1,15 @@
 """Broker faults end to end on the durable cluster, the long form: one JSON object.
 
 Starts moto's S3 server and ``--brokers`` Tansu brokers on one bucket (``tests/cluster.py``), streams
-two jobs' rank-steps (``--steps`` each, one rank 20 % slow from a third of the way) through the
-probe's spool-backed delivery, runs ``fleethealth detect`` staged (two job replicas, one policy
-replica, chDB stores) and SIGKILLs a broker ``--kills`` times at random points of the stream, each
-time starting it again on its port; with ``--lose-broker`` one broker is then killed for good with
-two chunks of the stream to come. The run is ``tests/broker_faults.run``; the suite has no short form
-while kills sometimes lose a delivered chunk (an open defect: the README's "Broker faults"). Prints the faults injected, rank-steps expected, stored,
-missing and duplicated (``FINAL``), the straggler finding against one uninterrupted pipeline's,
-recommendations stored and published (and copies a fail-over published twice), how soon the
-producer and the detectors resumed after the loss, and ``ok``.
+two jobs' rank-steps (``--steps`` each, one rank 20 % slow from a third of the way) through the probe's
+spool-backed delivery, runs ``fleethealth detect`` staged (two job replicas, one policy replica, chDB
+stores) and SIGKILLs a broker ``--kills`` times at random points of the stream, each time starting it
+again on its port; with ``--lose-broker`` one broker is then killed for good with two chunks of the
+stream to come. The run is ``tests/broker_faults.run``; the suite has no short form while kills
+sometimes lose a delivered chunk (an open defect: the README's "Broker faults"). Prints the faults
+injected, rank-steps expected, stored, missing and duplicated (``FINAL``), the straggler finding against
+one uninterrupted pipeline's, recommendations stored and published (and copies a fail-over published
+twice), how soon the producer and the detectors resumed after the loss, and ``ok``.
 
     python bench/broker_faults.py                          # 10 kills and restarts, then a broker lost
     python bench/broker_faults.py --kills 3 --steps 300    # a quick run

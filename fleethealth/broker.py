@@ -11,8 +11,9 @@ Storage is memory by default: stopping or restarting the broker loses every topi
 committed offset (a production Kafka keeps them). ``storage="s3://BUCKET/"`` with the S3 endpoint and
 credentials in ``env`` (``AWS_ENDPOINT``, ``AWS_ALLOW_HTTP``, ``AWS_ACCESS_KEY_ID`` …) makes it durable:
 brokers on one bucket share one log and its committed offsets, and a broker killed and started again
-serves them (the durable test cluster, ``tests/cluster.py``). ``kill()`` is a SIGKILL, for fault tests. On Linux the broker is also killed when the process that
-started it dies, so a crashed test run leaves no broker behind.
+serves them (the durable test cluster, ``tests/cluster.py``). ``kill()`` is a SIGKILL, for fault tests.
+On Linux the broker is also killed when the process that started it dies, so a crashed test run leaves
+no broker behind.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def test_neither_the_power_cap_nor_the_power_brake_is_thermal():
     assert brake.diagnosis is Diagnosis.UNKNOWN and brake.evidence["power_brake"] is True
     assert "not a thermal cause" in brake.evidence["reason"]
     # a braked rack is not a hot rack either: a hot GPU among braked peers is still its own
-    hot = diagnose_straggler(_sample(hot_gpu=3, reasons=ClockReason.HW_THERMAL), _peers(reasons=ClockReason.HW_POWER_BRAKE),
+    hot = diagnose_straggler(_sample(hot_gpu=3, reasons=ClockReason.HW_THERMAL),
+                             _peers(reasons=ClockReason.HW_POWER_BRAKE),
                              gpu=3)
     assert hot.diagnosis is Diagnosis.NODE_THERMAL and hot.evidence["peer_throttle_share"] == 0.0
 

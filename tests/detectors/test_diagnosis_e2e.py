@@ -43,7 +43,8 @@ def chdb(tmp_path: Path):
 def _fleet(extra: list[Change]) -> ThermalFleet:
     f = ThermalFleet(racks=3, nodes_per_rack=3, gpus=2, every_s=8.0, seed=SEED)
     r0, r1, r2 = f.rack_names
-    f.timeline += [Change(0.0, busy={r: True for r in f.rack_names}), Change(600.0, busy={r: False for r in f.rack_names}),
+    f.timeline += [Change(0.0, busy={r: True for r in f.rack_names}),
+                   Change(600.0, busy={r: False for r in f.rack_names}),
                    Change(START, busy={r0: True, r1: True}), Change(NEIGHBOUR, busy={r2: True}),
                    Change(CAP, cap_w=450.0), Change(END, busy={r0: False, r1: False}), *extra]
     return f
