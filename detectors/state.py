@@ -483,19 +483,14 @@ def names(what: str, values: Iterable[str]) -> frozenset[str]:
 
 
 class Stateful:
-    """``state_dict()``, ``from_state(...)`` and ``forget(jobs, nodes)`` for a detector (the codec of this
-    module, and the detector's side of bounded state).
+    """``state_dict()`` and ``from_state(...)`` for a detector (the codec of this module).
 
     Subclasses list configuration and objects that are not data in ``_state_skip``; they come from
-    the configured object passed as ``like``. Every detector says what it forgets: after
-    ``forget(jobs=J, nodes=N)`` its state names no job of ``J`` and no node of ``N``
-    (``tests/detectors/test_common.py`` checks it)."""
+    the configured object passed as ``like``. Bounded state is each detector's own ``forget(jobs,
+    nodes)``: after ``forget(jobs=J, nodes=N)`` its state names no job of ``J`` and no node of ``N``
+    (``tests/detectors/test_common.py`` calls it on every detector and checks it)."""
 
     _state_skip: tuple[str, ...] = ()
-
-    def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
-        """Drop everything held about ``jobs`` (ended, or idle) and ``nodes`` (gone, or idle)."""
-        raise NotImplementedError(f"{type(self).__name__} does not say what it forgets")
 
     def state_dict(self, *, shared: Mapping[str, object] | None = None) -> State:
         """This detector's state as plain data: a JSON tree and the arrays it refers to."""
