@@ -451,11 +451,13 @@ class Runner:
         """End of input (a finished replay or demo): release everything held and flush the detectors."""
         self._release(float("inf"), final=True)
 
-    def run(self, stop: threading.Event, *, poll_s: float = 0.5) -> None:
-        """Process until ``stop`` is set (which also ends a wait for an unreachable store or broker)."""
+    def run(self, stop: threading.Event, *, poll_s: float = 0.5, between: Callable[[], None] = lambda: None) -> None:
+        """Process until ``stop`` is set (which also ends a wait for an unreachable store or broker);
+        ``between`` runs at each batch boundary, before the next poll (a configuration reload)."""
         self._stop = stop
         self.retry.stopping = stop.is_set
         while not stop.is_set():
+            between()
             self.process_once(poll_s)
 
     def close(self) -> None:

@@ -28,15 +28,30 @@ This module knows no detector or policy: the commands build the :class:`Schema` 
 parameters of the parts they wire (:func:`keys_from_signature`), so a new detector parameter is
 settable without touching this file. :meth:`Settings.render` prints the effective configuration
 with where each value came from (``fleethealth config show``); its TOML form is itself a valid file.
+
+**Reloading a running process.** :data:`LIVE_KEYS` names the keys a running ``detect`` or ``serve``
+takes from its file again without a restart (thresholds, bands, guard rates and windows the
+detectors and the policy read each batch); every other key (DSNs, topics, the stage, listen
+addresses, key files, the shapes of detector state) needs a restart. :class:`LiveSettings` holds
+the settings in force: :meth:`LiveSettings.request` only sets a flag (safe in a signal handler),
+:meth:`LiveSettings.reload` reads the same file with the same environment and flags, validates it
+whole (types and unknown keys here, ranges by the ``validate`` the command passes) and keeps the
+live changes pending; the process applies them at its next batch boundary
+(:meth:`LiveSettings.take`). A changed restart-only key is logged as ignored until restart; an
+invalid file is refused whole, the old values stay, and ``fleethealth_config_reload_failures_total``
+counts it.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import inspect
+import logging
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +62,7 @@ import orjson
 from fleethealth.errors import ConfigError
 
 __all__ = ["Key", "Schema", "Settings", "keys_from_signature", "read_file", "COMMAND_KEYS", "CONFIG_ENV",
-           "DEFAULT_SOURCE"]
+           "DEFAULT_SOURCE", "LIVE_KEYS", "is_live", "LiveSettings", "Reload", "shown_value"]
 
 CONFIG_ENV = "FLEETHEALTH_CONFIG"
 """The environment variable naming the config file when no ``--config`` is given."""
@@ -464,3 +479,214 @@ COMMAND_KEYS: tuple[Key, ...] = (
 )
 """The commands' own settings (the bus, the store, the node, and each command's flags). The
 detector and policy thresholds are added by the commands from the parameters of those parts."""
+
+
+LIVE_KEYS: frozenset[str] = frozenset(
+    [f"detect.straggler.{p}" for p in (
+        "false_rate", "shares", "thresholds", "clip", "clip_margin", "sigma_prior_steps", "min_group",
+        "min_scale", "min_effect", "min_peer_effect", "baseline_steps", "freeze_at", "persistent_min",
+        "persistent_threshold")]
+    + [f"detect.health.{p}" for p in (
+        "clear_after_s", "pcie_busy_util_pct", "min_xid_severity", "nvlink_errors_per_min", "nvlink_clear_per_min",
+        "nvlink_critical_per_min", "nvlink_window_s", "corroborate_window_s", "silence_s", "stall_count",
+        "stall_window_s")]
+    + [f"policy.{p}" for p in (
+        "restart_s", "payback_margin", "default_remaining_s", "facilities_episode_s", "failure_risk_threshold",
+        "power_fault_share", "power_fault_min_slowdown", "corroborate", "require_validated", "dry_run")]
+    + [f"policy.paging.{p}" for p in (
+        "recent_s", "rate_window_s", "rate_factor", "rate_min_count", "baseline_per_h", "baseline_min_count",
+        "goodput_floor", "repage_after_s")])
+"""Keys a running ``detect`` or ``serve`` applies from a reloaded file at its next batch boundary,
+keeping every detector's state. Every other key needs a restart: the bus and store DSNs, the stage
+and group, listen addresses and ports, key and token files, and the parameters that shape detector
+state (``detect.straggler.drifts`` — the number of CUSUM arms —, ``init_steps``, the hang window)
+or live inside stateful parts (the circuit breaker's share and window, the posterior's prior)."""
+
+
+def is_live(name: str) -> bool:
+    """Whether key ``name`` can change in a running process (:data:`LIVE_KEYS`)."""
+    return name in LIVE_KEYS
+
+
+_DSN_KEYS = frozenset({"kafka", "store", "serve.query_store"})
+_USERINFO = re.compile(r"(?<=://)[^/@]*@")
+_SECRET_QUERY = re.compile(r"(?i)((?:password|passwd|secret|token|key)[^=&]*=)[^&]*")
+
+
+def shown_value(name: str, value: Any) -> Any:
+    """``value`` of key ``name`` as it may be shown (``GET /v1/config``, logs): a DSN loses its user
+    information and any password, secret, token or key query parameter (``***``); a key file is shown
+    by its path, never its contents (no key holds a secret itself: tokens come from files or the
+    environment only)."""
+    if isinstance(value, tuple):
+        return list(value)
+    if name in _DSN_KEYS and isinstance(value, str):
+        return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub("***@", value))
+    return value
+
+
+@dataclass(frozen=True)
+class Reload:
+    """One accepted reload: the ``settings`` in force once applied, the live keys it changes
+    (``applied``: name → (old, new)) and the restart-only keys that differ but stay as they are
+    until a restart (``ignored``), and the digest of the file it read."""
+
+    settings: Settings
+    applied: dict[str, tuple[Any, Any]]
+    ignored: dict[str, tuple[Any, Any]]
+    digest: str
+
+    def sections(self) -> set[str]:
+        """The tables whose live keys changed (``detect.straggler``, ``policy``…)."""
+        return {name.rpartition(".")[0] for name in self.applied}
+
+
+def _digest(path: str | Path | None) -> str:
+    if path is None:
+        return ""
+    try:
+        return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+
+
+class LiveSettings:
+    """The settings in force in a running process, and their reload from the same file.
+
+    ``settings`` are those the process started with; ``environ``, ``flags`` and ``sets`` are what it
+    loaded them from (the environment and flags keep their precedence over the file on every reload).
+    ``validate(settings)`` raises :class:`ConfigError` for a value out of its range (the command
+    passes one that builds the parts the live keys reach). Thread-safe: a signal handler calls
+    :meth:`request`, an API thread :meth:`reload`, the detector loop :meth:`take`.
+    """
+
+    def __init__(self, settings: Settings, *, environ: Mapping[str, str] | None = None,
+                 flags: Mapping[str, tuple[str, Any]] | None = None, sets: Iterable[str] = (),
+                 validate: Callable[[Settings], None] | None = None,
+                 logger: logging.Logger | None = None) -> None:
+        self._settings = settings
+        self._environ = dict(os.environ if environ is None else environ)
+        self._flags = dict(flags or {})
+        self._sets = tuple(sets)
+        self._validate = validate
+        self._log = logger if logger is not None else logging.getLogger("fleethealth.config")
+        self._lock = threading.Lock()
+        self._requested = False
+        self._pending: Reload | None = None
+        self.digest = _digest(settings.file)
+        self.reloads_total = 0
+        self.failures_total = 0
+        self.last_error: str | None = None
+        self._counters: Any = None
+
+    @property
+    def current(self) -> Settings:
+        """The settings in force (a pending reload's values once :meth:`take` returned it)."""
+        with self._lock:
+            return self._settings
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return self._pending is not None or self._requested
+
+    def request(self) -> None:
+        """Ask for a reload at the next batch boundary. Only sets a flag: safe in a signal handler."""
+        self._requested = True
+
+    def reload(self) -> Reload:
+        """Read the file again and keep its live changes pending for :meth:`take`; a
+        :class:`ConfigError` (the file unreadable or unparsable, an unknown key, a value of the wrong
+        type or out of range) is logged, counted and raised, and nothing changes."""
+        with self._lock:
+            old = self._settings
+        try:
+            if old.file is None:
+                raise ConfigError("no config file to reload: the process was started without --config or "
+                                  "$FLEETHEALTH_CONFIG")
+            digest = _digest(old.file)
+            fresh = old.schema.load(file=old.file, environ=self._environ, flags=self._flags, sets=self._sets)
+            applied = {n: (old.values[n], v) for n, v in fresh.values.items() if v != old.values[n] and is_live(n)}
+            ignored = {n: (old.values[n], v) for n, v in fresh.values.items()
+                       if v != old.values[n] and not is_live(n)}
+            values = {**fresh.values, **{n: old.values[n] for n in ignored}}
+            sources = {**fresh.sources, **{n: old.sources[n] for n in ignored}}
+            settings = Settings(old.schema, values, sources, old.file)
+            if self._validate is not None:
+                self._validate(settings)
+        except ConfigError as exc:
+            self.failed(str(exc))
+            raise
+        plan = Reload(settings, applied, ignored, digest)
+        for name, (was, now) in sorted(applied.items()):
+            self._log.warning("config reload: %s %s -> %s", name, shown_value(name, was), shown_value(name, now))
+        for name, (was, now) in sorted(ignored.items()):
+            self._log.warning("config reload: %s changed (%s -> %s) but needs a restart: ignored until restart",
+                              name, shown_value(name, was), shown_value(name, now))
+        if not applied and not ignored:
+            self._log.warning("config reload: %s read, nothing changed", old.file)
+        with self._lock:
+            self._pending = plan
+            self.last_error = None
+        return plan
+
+    def take(self) -> Reload | None:
+        """At a batch boundary: the reload to apply now (reading the file first if one was requested),
+        or None. The returned settings are in force from here on."""
+        if self._requested:
+            self._requested = False
+            try:
+                self.reload()
+            except ConfigError:
+                pass  # logged and counted; the old values stay
+        with self._lock:
+            plan, self._pending = self._pending, None
+            if plan is None:
+                return None
+            self._settings = plan.settings
+            self.digest = plan.digest
+            self.reloads_total += 1
+        if self._counters is not None:
+            self._counters[0].inc()
+            self._set_gauges(plan.settings)
+        return plan
+
+    def failed(self, why: str) -> None:
+        """Count and log a reload that was refused (the old values stay)."""
+        with self._lock:
+            self.failures_total += 1
+            self.last_error = why
+        if self._counters is not None:
+            self._counters[1].inc()
+        self._log.error("config reload refused, the old values stay: %s", why)
+
+    def register(self, registry: Any) -> None:
+        """``fleethealth_config_reloads_total``, ``fleethealth_config_reload_failures_total`` and
+        ``fleethealth_config_value{key}`` (each numeric or boolean live key in force) in ``registry``."""
+        from prometheus_client import Counter, Gauge
+
+        self._counters = (
+            Counter("fleethealth_config_reloads_total", "configuration reloads applied", registry=registry),
+            Counter("fleethealth_config_reload_failures_total", "configuration reloads refused (the old values "
+                    "stayed): an unreadable or unparsable file, an unknown key, a value out of range",
+                    registry=registry),
+            Gauge("fleethealth_config_value", "each live configuration key in force (numbers and booleans)",
+                  ["key"], registry=registry))
+        self._set_gauges(self.current)
+
+    def _set_gauges(self, settings: Settings) -> None:
+        gauge = self._counters[2]
+        for name in sorted(LIVE_KEYS & settings.values.keys()):
+            value = settings.values[name]
+            if isinstance(value, bool | int | float):
+                gauge.labels(name).set(float(value))
+
+    def to_obj(self) -> dict[str, Any]:
+        """What ``GET /v1/config`` shows: the file, its digest, the reloads, and every key's value in
+        force (:func:`shown_value`), source and whether it is live."""
+        settings = self.current
+        return {"file": None if settings.file is None else str(settings.file), "digest": self.digest,
+                "reloads_total": self.reloads_total, "reload_failures_total": self.failures_total,
+                "last_error": self.last_error, "pending": self.pending,
+                "keys": {name: {"value": shown_value(name, v), "source": settings.sources[name], "live": is_live(name)}
+                         for name, v in sorted(settings.values.items())}}

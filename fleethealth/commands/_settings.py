@@ -13,9 +13,10 @@ import argparse
 import functools
 from typing import Any
 
-from fleethealth.config import COMMAND_KEYS, Key, Schema, Settings, keys_from_signature
+from fleethealth.config import COMMAND_KEYS, Key, LiveSettings, Schema, Settings, keys_from_signature
 
-__all__ = ["schema", "add_setting", "add_migrate_flag", "add_config_flags", "load_settings", "DETECTION_SECTIONS"]
+__all__ = ["schema", "add_setting", "add_migrate_flag", "add_config_flags", "load_settings", "load_live",
+           "DETECTION_SECTIONS"]
 
 DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # (table, module, class, parameters that are objects or wiring, not settings)
@@ -109,9 +110,22 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="set any config key, e.g. --set policy.fleet_nodes=2048 --set detect.straggler.clip=5")
 
 
+def _flags(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    given = getattr(args, "_given", set())
+    return {key: (flag, getattr(args, dest)) for key, (flag, dest) in (getattr(args, "settings_flags", None)
+                                                                      or {}).items() if dest in given}
+
+
 def load_settings(args: argparse.Namespace) -> Settings:
     """The effective settings for a parsed command: file, environment, then the flags given."""
-    given = getattr(args, "_given", set())
-    flags = {key: (flag, getattr(args, dest)) for key, (flag, dest) in (getattr(args, "settings_flags", None)
-                                                                       or {}).items() if dest in given}
-    return schema().load(file=getattr(args, "config", None), flags=flags, sets=getattr(args, "set", ()) or ())
+    return schema().load(file=getattr(args, "config", None), flags=_flags(args), sets=getattr(args, "set", ()) or ())
+
+
+def load_live(args: argparse.Namespace, validate: Any = None) -> LiveSettings:
+    """:func:`load_settings` held for reloading from the same file, with the same environment and flags
+    (which keep their precedence over the file); ``validate`` checks a reloaded file's ranges."""
+    import os
+
+    sets = getattr(args, "set", ()) or ()
+    settings = schema().load(file=getattr(args, "config", None), flags=_flags(args), sets=sets)
+    return LiveSettings(settings, environ=os.environ, flags=_flags(args), sets=sets, validate=validate)

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleethealth.commands._common import open_store_at, prepare_store, require_bus, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_live
 
 if TYPE_CHECKING:
-    from fleethealth.config import Settings
+    from fleethealth.config import LiveSettings, Settings
     from fleethealth.detectors.pipeline import Pipeline
     from fleethealth.detectors.retry import Retry
     from fleethealth.detectors.runner import Runner
@@ -37,7 +37,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                     "To scale out, run the tier as stages (--stage node, job, policy): replicas of a stage "
                     "share its group and split its partitions; fh.steps, fh.telemetry and fh.events need the "
                     "same partition count (a job's steps and events, a node's samples and events, meet on one "
-                    "partition number).",
+                    "partition number). SIGHUP reloads the config file's live keys (thresholds, bands, windows; "
+                    "`fleethealth config show` and fleethealth.config.LIVE_KEYS) at the next batch boundary, "
+                    "keeping the detectors' state; other changed keys are logged as ignored until restart.",
     )
     add_setting(p, "--kafka", "kafka", metavar="DSN",
                 help="bus, e.g. kafka://broker:9092 (required: flag, config key kafka or $FLEETHEALTH_KAFKA)")
@@ -63,10 +65,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: Any) -> Runner:
+def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, *, live: LiveSettings | None = None,
+                 **kwargs: Any) -> Runner:
     """A detector :class:`~fleethealth.detectors.runner.Runner` whose detectors, policy engine and
     pager take the ``detect.*`` and ``policy*`` keys that differ from their defaults (``kwargs``
-    go to the runner: ``registry``, ``publish`` …)."""
+    go to the runner: ``registry``, ``publish`` …). With ``live``, a pipeline built later (a partition
+    assigned after a reload) takes the settings in force then."""
     from functools import partial
 
     from fleethealth.detectors.assembly import StepAssembler
@@ -86,7 +90,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, **kwargs: A
     from fleethealth.policy.stage import PolicyStage
 
     def of(table: str) -> dict[str, Any]:
-        return settings.section(table, changed_only=True)
+        return (live.current if live is not None else settings).section(table, changed_only=True)
 
     def diagnoser() -> Diagnoser:
         return Diagnoser(thresholds=DiagnosisThresholds(**of("detect.diagnosis")))
@@ -157,9 +161,11 @@ def _startup_retry(stop: threading.Event) -> Retry:
 
 def run(args: argparse.Namespace) -> int:
     from fleethealth.bus import ensure_topics
+    from fleethealth.detectors.live import at_boundary, validate
     from fleethealth.detectors.runner import tune_gc
 
-    settings = load_settings(args)
+    live = load_live(args, validate)
+    settings = live.current
     from fleethealth.probe.logs import configure_logging
 
     configure_logging(settings["log.level"], settings["log.format"])
@@ -175,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
 
         registry = CollectorRegistry()  # this process's: the runner's metrics and fleethealth_build_info
         buildinfo.register(registry)
+        live.register(registry)
+        # SIGHUP only sets a flag; the reload is read, checked and applied between two batches
+        signal.signal(signal.SIGHUP, lambda *_: live.request())
         port = settings["detect.metrics_port"]
         if port:
             from prometheus_client import start_http_server
@@ -184,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         startup = _startup_retry(stop)
         startup.call("fleethealth detect: creating the topics", lambda: ensure_topics(kafka))
         with open_store_at(store_dsn) as store, \
-                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings,
+                startup.call("fleethealth detect: connecting", lambda: build_runner(kafka, store, settings, live=live,
                                                                                   registry=registry)) as runner:
             group = runner.consumer.group
             print(f"fleethealth detect: joining group {group!r}", file=sys.stderr, flush=True)
@@ -193,10 +202,12 @@ def run(args: argparse.Namespace) -> int:
             starts = ", ".join(f"{topic}/{part}@{offset}"
                                for (topic, part), offset in sorted(runner.consumer.positions().items()))
             print(f"fleethealth detect: joined group {group!r}; reading from {starts}", file=sys.stderr, flush=True)
+            between = at_boundary(live, runner)
             if not args.until_caught_up:
-                runner.run(stop)
+                runner.run(stop, between=between)
                 return 0
             while not stop.is_set():
+                between()
                 if runner.caught_up(runner.process_once(0.5)):
                     runner.drain()
                     dead = runner.consumer.dead_lettered_total
