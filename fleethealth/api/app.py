@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleethealth import __version__, buildinfo
-from fleethealth.api import routes
+from fleethealth.api import config_routes, routes
 from fleethealth.api.analyst import AnalystQueries, QueryLimits
 from fleethealth.api.sqlgate import SqlGate
 from fleethealth.api.views import NotFound
@@ -106,7 +106,8 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
                on_breaker_reset: Callable[[], None] | None = None,
                clock: Callable[[], float] = time.time, limits: QueryLimits | None = None,
                query_store: StoreLike | None = None, release_keys: Any = None,
-               interval: IntervalEstimator | None = None) -> FastAPI:
+               interval: IntervalEstimator | None = None, live: Any = None,
+               live_at_batches: bool = False) -> FastAPI:
     """Build the API around an open :class:`~fleethealth.store.StoreLike`.
 
     ``token`` guards the write endpoints (``None``: writes refused); ``read_token`` (or ``token``)
@@ -121,6 +122,9 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     :class:`fleethealth.signing.KeyRing`): a release then also needs the stored self-test record to
     carry the node's own signature (:func:`fleethealth.signing.verify_record`). ``interval`` estimates
     each run's checkpoint interval (``GET /v1/runs/{job}/health``; default: the ``policy.interval.*`` defaults).
+    ``live`` (a :class:`fleethealth.config.LiveSettings`) is shown by ``GET /v1/config`` and reloaded by
+    ``POST /v1/config/reload``; ``live_at_batches``: a detector in this process applies a reload at its
+    next batch boundary (otherwise the route applies it at once).
     """
     if max_rows < 1 or max_execution_s <= 0:
         raise ValueError(f"max_rows must be >= 1 and max_execution_s > 0, got {max_rows}, {max_execution_s}")
@@ -140,6 +144,8 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     app.state.clock = clock
     app.state.release_keys = release_keys
     app.state.interval = interval if interval is not None else IntervalEstimator()
+    app.state.live = live
+    app.state.live_at_batches = live_at_batches
     require = _bearer((token,), metrics, scope="write")
     if open_reads:
         log.warning("reads are open: anyone who reaches this API can read the store (--open-reads)")
@@ -173,4 +179,6 @@ def create_app(store: StoreLike, *, token: str | None, read_token: str | None = 
     app.include_router(routes.read_router(read_dependencies))
     app.include_router(routes.service_router())
     app.include_router(routes.write_router(require))
+    app.include_router(config_routes.config_read_router(read_dependencies))
+    app.include_router(config_routes.config_write_router(require))
     return app

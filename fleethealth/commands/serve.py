@@ -7,10 +7,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from fleethealth.commands._common import embedded_store_dsn, open_store_at, stop_on_signals
-from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_settings
+from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_live
 
 if TYPE_CHECKING:
-    from fleethealth.config import Settings
+    from fleethealth.config import LiveSettings, Settings
     from fleethealth.signing import KeyRing
 
 __all__ = ["add"]
@@ -22,7 +22,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                                    "broker, owns the chDB store at DIR/store and runs the detector runner on a "
                                    "thread, so one process holds the store and every other client goes through "
                                    "the API (fleethealth query included). The detectors take the detect.* and "
-                                   "policy.* config keys (`fleethealth config show`).")
+                                   "policy.* config keys (`fleethealth config show`). SIGHUP, or POST "
+                                   "/v1/config/reload with the write token, reloads the file's live keys "
+                                   "(GET /v1/config shows the values in force).")
     add_setting(p, "--data", "data", metavar="DIR", help="data directory (default: %(default)s)")
     add_setting(p, "--kafka", "kafka", metavar="DSN",
                 help="an existing Kafka (kafka://host:port) instead of the embedded broker")
@@ -71,6 +73,7 @@ def _api_token(path: str | None, *, flag: str = "--token-file", env: str = "FLEE
 
 def run(args: argparse.Namespace) -> int:
     import contextlib
+    import signal
     import threading
 
     import uvicorn
@@ -78,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
     from fleethealth.api import create_app
     from fleethealth.commands.detect import build_runner
+    from fleethealth.detectors.live import at_boundary, validate
     from fleethealth.policy.interval import IntervalEstimator
 
-    settings = load_settings(args)
+    live = load_live(args, validate)
+    settings = live.current
     from fleethealth.probe.logs import configure_logging
 
     configure_logging(settings["log.level"], settings["log.format"])
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     stop = threading.Event()
     registry = CollectorRegistry()
+    live.register(registry)
     with contextlib.ExitStack() as stack:
         dsn = settings["kafka"]
         if dsn is None:
@@ -125,12 +131,13 @@ def run(args: argparse.Namespace) -> int:
 
             # a broker restarting (or not up yet) while serve starts is waited out, with backoff and a log line
             _startup_retry(stop).call("fleethealth serve: creating the topics", lambda: ensure_topics(dsn))
-            runner = stack.enter_context(build_runner(dsn, store, settings, registry=registry))
+            runner = stack.enter_context(build_runner(dsn, store, settings, live=live, registry=registry))
+            between = at_boundary(live, runner)
             hook = runner.policy.engine.reset_breaker
 
             def detect() -> None:  # a dead detector must not leave an API that looks healthy
                 try:
-                    runner.run(stop)
+                    runner.run(stop, between=between)
                 except Exception as exc:
                     failed.append(exc)
                     print(f"fleethealth serve: the detectors stopped: {exc}", file=sys.stderr, flush=True)
@@ -146,15 +153,30 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(store, token=token, read_token=read_token, open_reads=open_reads,
                          registry=registry, on_breaker_reset=hook, query_store=query_store,
                          release_keys=_release_keys(settings),
-                         interval=interval)
+                         interval=interval, live=live, live_at_batches=not no_detect)
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order
+        # SIGHUP only sets a flag: the detector thread reads and applies the file between two batches
+        signal.signal(signal.SIGHUP, (lambda *_: live.request()) if not no_detect
+                      else (lambda *_: threading.Thread(target=_reload_now, args=(live,), daemon=True).start()))
         with stop_on_signals(stop):
             server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
             if not failed:
                 server.run()
     return 1 if failed else 0
+
+
+def _reload_now(live: LiveSettings) -> None:
+    """A reload without a detector in the process: read, check and apply at once (a failure is logged and
+    counted by ``live``)."""
+    from fleethealth.errors import ConfigError
+
+    try:
+        live.reload()
+    except ConfigError:
+        return
+    live.take()
 
 
 def _release_keys(settings: Settings) -> KeyRing | None:
