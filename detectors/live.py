@@ -13,13 +13,15 @@ calls :func:`apply` with what :meth:`~fleethealth.config.LiveSettings.take` retu
   jobs seen later) and every job's straggler detector (its derived thresholds recomputed, its
   per-rank baselines, CUSUM statistics and episodes kept), the health rules, the policy engine's
   scalar thresholds and the pager. New pipelines (a partition assigned later) are built from the
-  settings in force by the command's factory.
+  settings in force by the command's factory, and a pipeline restored from a snapshot (which holds
+  the parameters of the process that wrote it) takes the live keys in force at the next boundary.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -86,15 +88,10 @@ def _straggler_factory(pipeline: Pipeline, params: dict[str, Any]) -> None:
     pipeline.straggler = functools.partial(cls, **params)
 
 
-def apply(runner: Runner, plan: Reload) -> list[str]:
-    """Carry ``plan``'s live changes into ``runner``'s parts; returns what was reconfigured, for the log."""
-    sections = plan.sections()
+def _apply_pipelines(pipelines: list[Pipeline], settings: Settings, sections: set[str]) -> list[str]:
     done: list[str] = []
-    settings = plan.settings
-    pipelines = [p for p in runner.pipelines.values() if p is not None]
     if "detect.straggler" in sections:
-        section = settings.section("detect.straggler")
-        live = {k: v for k, v in section.items() if k in _live("detect.straggler")}
+        live = {k: v for k, v in settings.section("detect.straggler").items() if k in _live("detect.straggler")}
         n = 0
         for pipeline in pipelines:
             _straggler_factory(pipeline, _of(settings, "detect.straggler"))
@@ -108,6 +105,14 @@ def apply(runner: Runner, plan: Reload) -> list[str]:
         for pipeline in pipelines:
             reconfigure(pipeline.health, live)
         done.append(f"health: {len(pipelines)} pipeline(s)")
+    return done
+
+
+def apply(runner: Runner, plan: Reload) -> list[str]:
+    """Carry ``plan``'s live changes into ``runner``'s parts; returns what was reconfigured, for the log."""
+    sections = plan.sections()
+    settings = plan.settings
+    done = _apply_pipelines([p for p in runner.pipelines.values() if p is not None], settings, sections)
     policy = getattr(runner, "policy", None)
     if policy is not None and "policy" in sections:
         twin = PolicyEngine(**_of(settings, "policy"))
@@ -126,17 +131,22 @@ def at_boundary(live: LiveSettings, runner: Runner) -> Callable[[], None]:
     """What the runner calls between two batches: apply a requested or pending reload, and log what it
     reached. A reload that fails to apply (it was validated, so this is a defect) is logged, counted
     and leaves the loop running."""
+    seen: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
     def between() -> None:
         plan = live.take()
-        if plan is None:
-            return
-        if not plan.applied:
-            return
         try:
-            done = apply(runner, plan)
+            if plan is not None and plan.applied:
+                done = apply(runner, plan)
+                log.warning("config reload applied (%d key(s)) to %s", len(plan.applied),
+                            "; ".join(done) or "nothing running")
+            # a pipeline restored from a snapshot carries the detectors' parameters of the process that
+            # wrote it: the live keys in force win
+            fresh = [p for p in runner.pipelines.values() if p is not None and p not in seen]
+            if fresh:
+                _apply_pipelines(fresh, live.current, {"detect.straggler", "detect.health"})
+                seen.update(fresh)
         except (ConfigError, ValueError) as exc:
             live.failed(f"applying the reload: {exc}")
-            return
-        log.warning("config reload applied (%d key(s)) to %s", len(plan.applied), "; ".join(done) or "nothing running")
 
     return between

@@ -209,7 +209,8 @@ class CheckpointValidator:
             verdict = Verdict(valid=False, reasons=(f"validation could not run: {type(exc).__name__}: {exc}",))
         took = self._clock() - began
         result = ValidationResult.VALID if verdict.valid else ValidationResult.INVALID
-        record = CheckpointValidation(item.step, item.uri, result, tuple(verdict.reasons), round(took, 6))
+        record = CheckpointValidation(item.step, item.uri, result, tuple(verdict.reasons), round(took, 6),
+                                      dict(verdict.norms) if verdict.valid else {})
         if verdict.valid:
             with self._lock:
                 self._norms.append(dict(verdict.norms))
@@ -223,7 +224,7 @@ class CheckpointValidator:
             self.results.append(record)
         event = checkpoint_validated_event(ts=self.reporter.now(), step=record.step, uri=record.uri,
                                            result=record.result, reasons=record.reasons,
-                                           duration_s=record.duration_s)
+                                           duration_s=record.duration_s, norms=record.norms)
         on_step_path = threading.current_thread() is not self._thread
         for attempt in range(1 if on_step_path else self.report_tries):
             if self.reporter.emit(event):
