@@ -30,7 +30,10 @@ gate).
 
 Prints one JSON object: ``false_findings`` (change and persistent), ``false_findings_per_job_day``
 at ``--steps-per-s`` (10) with a 95 % upper bound, ``per_job_day`` (the three estimates per arm and
-in total), ``rank_steps`` and ``seconds``.
+in total), ``rank_steps`` and ``seconds``; ``target`` beside them: the false-alarm target (1 a
+job-day) with whether each estimate and the counted upper bound meet it, and the latency targets
+the median must meet (``bench/straggler_latency.py`` measures the median and 90th percentile
+against them, the 90th within ``p90_slack`` of each bound).
 
     python bench/straggler_far.py [--ranks 16384] [--rank-steps 1000000000] [--seed 1] [--thresholds 56,23,9.5,6.5]
                                   [--drifts 0.2,0.5,1.25,2] [--sample-every 1] [--cap-frac 1.0]
@@ -142,6 +145,19 @@ def _extrapolate(counts: np.ndarray, rank_steps: int) -> float | None:
     return float(math.exp(icept + slope))
 
 
+FAR_TARGET_PER_JOB_DAY = 1.0
+LATENCY_TARGETS = {0.20: 5, 0.05: 15, 0.02: 60, 0.01: 250}
+"""The same as ``bench/straggler_latency.py`` ``TARGETS``: slowdown -> steps, met by the median."""
+P90_SLACK = 1.25
+
+
+def _targets(rates: dict[str, float | None]) -> dict[str, object]:
+    """The false-alarm target beside each way the rate is stated, and the latency targets."""
+    return {"false_findings_per_job_day": FAR_TARGET_PER_JOB_DAY,
+            "meets": {way: None if r is None else r <= FAR_TARGET_PER_JOB_DAY for way, r in rates.items()},
+            "latency_steps_median": {str(k): v for k, v in LATENCY_TARGETS.items()}, "p90_slack": P90_SLACK}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=16384)
@@ -218,6 +234,10 @@ def main() -> None:
                                    "total": round(sum(emp_rate) * per_day, 3)},
             "extrapolated": {"per_arm": [None if e is None else round(e * per_day, 4) for e in extrap],
                              "total": None if None in extrap else round(sum(extrap) * per_day, 3)}},
+        "target": _targets({
+            "design": sum(ideal) * per_day, "empirical_exponent": sum(emp_rate) * per_day,
+            "extrapolated": None if None in extrap else sum(extrap) * per_day,
+            "counted_upper95": _upper95(len(findings)) / fed * per_day}),
         "empirical_exponent": [{key: v for key, v in e.items() if key != "rate"} for e in empirical],
         "arms": {"drifts": k.tolist(), "thresholds": h.tolist(), "false_rate": det.false_rate},
         "excursions_reaching_level": {"levels": LEVELS.tolist(), "per_arm": counts.tolist()},
