@@ -2,7 +2,7 @@
 
 Two scopes, each a bearer token (``Authorization: Bearer <token>``): the **read** scope (every
 ``GET`` but ``/healthz`` and ``/metrics``, and analyst SQL) takes the read token or the write
-token; the **write** scope (acknowledge, release, breaker reset) only the write token. No token
+token; the **write** scope (acknowledge, release, breaker reset, config reload) only the write token. No token
 gives 401 (with ``WWW-Authenticate: Bearer``), a wrong one 403; a server started without a write
 token refuses writes with 403, and one started without a read token refuses reads with 403
 unless it was started with ``open_reads=True`` (``fleethealth serve --open-reads``), which logs a
