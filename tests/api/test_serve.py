@@ -83,6 +83,16 @@ def test_serve_owns_the_store_and_answers_sql_through_the_api(served):
     assert _post(f"{url}/v1/breaker/reset", {"by": "ci"}, token="wrong") == 403
     assert _post(f"{url}/v1/breaker/reset", {"by": "ci"}, token="tok-" + "x" * 20) == 200
     assert query_via_api(url, "SELECT reset_by FROM breaker FINAL", token).rows == [("ci",)]
+    # SIGHUP reloads the config file between two batches; started without one, the reload is refused
+    # and counted, and serve keeps serving; the reload route needs the write token
+    proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    refused = "fleethealth_config_reload_failures_total 1.0"
+    while refused not in urllib.request.urlopen(f"{url}/metrics").read().decode():
+        assert proc.poll() is None and time.monotonic() < deadline, "SIGHUP: no refused reload counted within 30 s"
+        time.sleep(0.1)
+    assert _post(f"{url}/v1/config/reload", {}) == 401
+    assert _post(f"{url}/v1/config/reload", {}, token=token) == 422
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
 
