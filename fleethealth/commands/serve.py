@@ -10,6 +10,8 @@ from fleethealth.commands._common import embedded_store_dsn, open_store_at, stop
 from fleethealth.commands._settings import add_config_flags, add_log_flags, add_migrate_flag, add_setting, load_live
 
 if TYPE_CHECKING:
+    import threading
+
     from fleethealth.config import LiveSettings, Settings
     from fleethealth.signing import KeyRing
 
@@ -157,9 +159,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleethealth serve: http://{host}:{port} (bus {dsn}, store {store_dsn})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; ours sets ``stop`` so
         # the runner, store and broker still close in order
-        # SIGHUP only sets a flag: the detector thread reads and applies the file between two batches
-        signal.signal(signal.SIGHUP, (lambda *_: live.request()) if not no_detect
-                      else (lambda *_: threading.Thread(target=_reload_now, args=(live,), daemon=True).start()))
+        # SIGHUP only sets a flag: the detector thread reads and applies the file between two batches (without
+        # detectors, a thread of its own looks for the flag twice a second)
+        signal.signal(signal.SIGHUP, lambda *_: live.request())
+        if no_detect:
+            threading.Thread(target=_reload_when_asked, args=(live, stop), name="fleethealth-reload",
+                             daemon=True).start()
         with stop_on_signals(stop):
             server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
             if not failed:
@@ -167,16 +172,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _reload_now(live: LiveSettings) -> None:
-    """A reload without a detector in the process: read, check and apply at once (a failure is logged and
-    counted by ``live``)."""
-    from fleethealth.errors import ConfigError
-
-    try:
-        live.reload()
-    except ConfigError:
-        return
-    live.take()
+def _reload_when_asked(live: LiveSettings, stop: threading.Event) -> None:
+    """Without a detector in the process: apply a requested reload within half a second (a refused one is
+    logged and counted by ``live``)."""
+    while not stop.wait(0.5):
+        live.take()
 
 
 def _release_keys(settings: Settings) -> KeyRing | None:
