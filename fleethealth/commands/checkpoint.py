@@ -54,9 +54,9 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def stored_band(dsn: str | None, job: str, rules: CheckpointRules) -> tuple[Band | None, str]:
-    """The norm band of ``job``'s newest ``rules.history`` valid checkpoints that the store's
-    ``checkpoint_validated`` records carry norms for (the newest record of a step wins), and a note
-    saying where the band came from; ``(None, note)`` when the store holds none (``--history`` then)."""
+    """The norm band of ``job``'s stored ``checkpoint_validated`` records (:meth:`Band.of_records`; a
+    record that does not parse is left out and counted), and a note saying where the band came from;
+    ``(None, note)`` when the store holds none (``--history`` then)."""
     from fleethealth.commands._common import open_store_at
     from fleethealth.errors import ConfigError, SchemaError
     from fleethealth.injob.ckptcheck.rules import Band
@@ -67,22 +67,19 @@ def stored_band(dsn: str | None, job: str, rules: CheckpointRules) -> tuple[Band
         raise ConfigError("--job needs a store: give --store DSN, config key store or FLEETHEALTH_STORE")
     with open_store_at(dsn) as store:
         events = store.events(kind=EventKind.CHECKPOINT_VALIDATED.value, job=job)
-    newest: dict[int, CheckpointValidation] = {}
+    records: list[CheckpointValidation] = []
     unreadable = 0
-    for event in events:  # ordered by event time: a later record of a step replaces an earlier one
+    for event in events:  # ordered by event time
         try:
-            record = CheckpointValidation.from_event(event)
+            records.append(CheckpointValidation.from_event(event))
         except SchemaError:
             unreadable += 1
-            continue
-        newest[record.step] = record
-    kept = [newest[step] for step in sorted(newest) if newest[step].valid and newest[step].norms][-rules.history:]
+    band, steps = Band.of_records(records, rules.history)
     skipped = f"; {unreadable} unreadable record(s) left out" if unreadable else ""
-    if not kept:
+    if band is None:
         return None, f"the store holds no valid checkpoint with norms for job {job}: band from --history{skipped}"
-    steps = ", ".join(str(r.step) for r in kept)
-    note = f"band from the store: job {job}'s valid checkpoints at steps {steps}{skipped}"
-    return Band.of([r.norms for r in kept]), note
+    return band, (f"band from the store: job {job}'s valid checkpoints at steps {', '.join(map(str, steps))}"
+                  f"{skipped}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,9 +24,12 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from fleethealth.errors import SchemaError
+
+if TYPE_CHECKING:
+    from fleethealth.payloads.validation import CheckpointValidation
 
 __all__ = ["Band", "CheckpointRules", "Facts", "FileDigest", "Manifest", "TensorSpec", "Verdict", "judge",
            "MANIFEST_VERSION", "MAX_MANIFEST_ENTRIES"]
@@ -170,6 +173,17 @@ class Band:
                     lo[name] = min(lo.get(name, value), value)
                     hi[name] = max(hi.get(name, value), value)
         return cls(lo, hi, len(history))
+
+    @classmethod
+    def of_records(cls, records: Sequence[CheckpointValidation], history: int) -> tuple[Self | None, list[int]]:
+        """The band of a job's stored validation records (in event-time order: the newest record of a
+        step wins), from the last ``history`` valid ones that carry norms; and their steps. ``None``
+        when there is none."""
+        newest = {r.step: r for r in records}
+        kept = [newest[s] for s in sorted(newest) if newest[s].valid and newest[s].norms][-history:]
+        if not kept:
+            return None, []
+        return cls.of([r.norms for r in kept]), [r.step for r in kept]
 
 
 @dataclass(frozen=True)
