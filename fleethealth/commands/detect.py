@@ -37,9 +37,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                     "To scale out, run the tier as stages (--stage node, job, policy): replicas of a stage "
                     "share its group and split its partitions; fh.steps, fh.telemetry and fh.events need the "
                     "same partition count (a job's steps and events, a node's samples and events, meet on one "
-                    "partition number). SIGHUP reloads the config file's live keys (thresholds, bands, windows; "
-                    "`fleethealth config show` and fleethealth.config.LIVE_KEYS) at the next batch boundary, "
-                    "keeping the detectors' state; other changed keys are logged as ignored until restart.",
+                    "partition number). SIGHUP reloads the config file's live keys (thresholds, bands, windows: "
+                    "fleethealth.config.LIVE_KEYS) at the next batch boundary, keeping the detectors' state; "
+                    "other changed keys are logged as ignored until restart.",
     )
     add_setting(p, "--kafka", "kafka", metavar="DSN",
                 help="bus, e.g. kafka://broker:9092 (required: flag, config key kafka or $FLEETHEALTH_KAFKA)")
