@@ -78,7 +78,7 @@ def _summary(runs: list[dict[str, object]], target: int) -> dict[str, object]:
     caught = [x for x in lat if x is not None]
     return {"caught": len(caught), "of": len(lat),
             "median_steps": float(np.median(caught)) if caught else None,
-            "p90_steps": float(np.percentile(caught, 90)) if caught else None,
+            "p90_steps": round(float(np.percentile(caught, 90)), 1) if caught else None,
             "max_steps": max(caught) if len(caught) == len(lat) else None,
             "within_target": round(sum(x <= target for x in caught) / len(lat), 3),
             "false_ranks": sum(int(run["false_ranks"]) for run in runs),  # type: ignore[call-overload]
