@@ -340,11 +340,12 @@ class Settings:
 
     def render(self, *, as_json: bool = False) -> str:
         """The settings as JSON (``{key: {value, source, env}}``) or as a TOML file, each line
-        commented with its source; keys whose value is none are commented out (TOML has no null)."""
+        commented with its source (and ``live`` for :data:`LIVE_KEYS`); keys whose value is none are
+        commented out (TOML has no null)."""
         if as_json:
             return orjson.dumps(self.to_obj(), option=orjson.OPT_INDENT_2).decode()
         lines = [f"# effective configuration ({'file ' + str(self.file) if self.file else 'no file'}); "
-                 "precedence: default < file < env < flag"]
+                 "precedence: default < file < env < flag; live: a running detect or serve applies a change on SIGHUP"]
         by_section: dict[str, list[str]] = {}
         for name in self.values:
             by_section.setdefault(self.schema.keys[name].section, []).append(name)
@@ -355,7 +356,8 @@ class Settings:
             texts = [f"{k} = {_toml_value(self.values[n])}" if self.values[n] is not None else f"# {k} = (none)"
                      for n, k in ((n, n.rpartition(".")[2]) for n in names)]
             width = max(map(len, texts))
-            lines += [f"{text.ljust(width)}  # {self.sources[n]}" for n, text in zip(names, texts, strict=True)]
+            lines += [f"{text.ljust(width)}  # {self.sources[n]}{'; live' if is_live(n) else ''}"
+                      for n, text in zip(names, texts, strict=True)]
         return "\n".join(lines)
 
 
