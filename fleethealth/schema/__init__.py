@@ -11,6 +11,7 @@ Where each part lives::
 
     fields.py     the schema version, input limits, Topic, and the field readers every decoder uses
     telemetry.py  Telemetry, NicPorts, ClockReason, GPU_FIELDS / NIC_FIELDS and their physical ranges
+    fabric.py     Fabric: each GPU's NVLink fabric registration, optional in a telemetry sample
     steps.py      StepBatch, StepBlock (fh.steps)
     columnar.py   a poll's step values validated in one NumPy pass per column (for decode_many)
     events.py     Event, EventKind, JOB_EVENT_KINDS, is_job_event (fh.events)
@@ -41,6 +42,7 @@ from fleethealth.schema.fields import (
     SCHEMA_VERSION,
     Topic,
 )
+from fleethealth.schema.fabric import Fabric
 from fleethealth.schema.findings import Action, Diagnosis, Finding, FindingKind, Guard, Recommendation
 from fleethealth.schema.nodestate import NodeState
 from fleethealth.schema.steps import MAX_BLOCK_STEPS, StepBatch, StepBlock
@@ -67,6 +69,7 @@ __all__ = [
     "GPU_FIELDS",
     "NIC_FIELDS",
     "NicPorts",
+    "Fabric",
     "Telemetry",
     "StepBatch",
     "StepBlock",
