@@ -70,7 +70,8 @@ class NvmlReplay:
 
     Test hooks: :meth:`lose_gpu` makes every later call on a GPU raise ``NVML_ERROR_GPU_IS_LOST``
     (enumerating it and registering it for events included); :meth:`block` makes one call wait
-    until :meth:`release` (a wedged driver), on every GPU or (``gpu=``) on one, ``"*"`` every call; :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
+    until :meth:`release` (a wedged driver), on every GPU or (``gpu=``) on one, ``"*"`` every call;
+    :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
     error; :meth:`fail_register` makes registering one GPU for events raise one; :meth:`fail_wait`
     makes the next ``times`` event-set waits raise one; :meth:`unknown_fields` makes field ids
     answer ``NVML_ERROR_INVALID_ARGUMENT`` per value (a driver older than those fields).

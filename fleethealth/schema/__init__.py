@@ -31,6 +31,7 @@ import numpy as np  # noqa: F401
 from fleethealth.errors import SchemaError as SchemaError
 from fleethealth.schema.codec import TOPIC_TYPES, Message, decode, decode_many, encode, load_object
 from fleethealth.schema.events import JOB_EVENT_KINDS, Event, EventKind, is_job_event
+from fleethealth.schema.fabric import Fabric
 from fleethealth.schema.fields import (
     GPU_INDEX_MAX,
     MAX_COMPUTE_S,
@@ -42,7 +43,6 @@ from fleethealth.schema.fields import (
     SCHEMA_VERSION,
     Topic,
 )
-from fleethealth.schema.fabric import Fabric
 from fleethealth.schema.findings import Action, Diagnosis, Finding, FindingKind, Guard, Recommendation
 from fleethealth.schema.nodestate import NodeState
 from fleethealth.schema.steps import MAX_BLOCK_STEPS, StepBatch, StepBlock
