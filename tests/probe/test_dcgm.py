@@ -120,7 +120,8 @@ def _meta(release: str):
     return lookup, recorded["version"]
 
 
-@pytest.mark.parametrize(("release", "missing"), [("3.3", {1523}), ("4.4", {1523}), ("4.6", set())])
+@pytest.mark.parametrize(("release", "missing"), [("3.3", {1523, 170, 171, 172, 173}), ("4.4", {1523}),
+                                                   ("4.6", set())])
 def test_only_fields_the_running_dcgm_knows_are_watched(release, missing) -> None:
     lookup, version = _meta(release)
     chosen = select_fields(WATCHED_FIELDS, lookup, parse_version(version))
