@@ -38,8 +38,9 @@ def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _readers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("fh-gpu-read-")]
+def _readers(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Reader threads started since ``before`` (other tests' sources may still hold theirs)."""
+    return [t for t in threading.enumerate() if t.name.startswith("fh-gpu-read-") and t not in before]
 
 
 def test_bounded_reads_one_worker_per_gpu_and_a_stale_answer_is_dropped() -> None:
@@ -79,6 +80,7 @@ def test_bounded_reads_one_worker_per_gpu_and_a_stale_answer_is_dropped() -> Non
 def test_a_stalled_gpu_is_left_out_while_its_seven_siblings_report_every_sample() -> None:
     replay = NvmlReplay(FIXTURES / "nvml_fabric_h100x8_healthy.json")
     source = NvmlSource("gpu-a", "rack-1", nvml=replay, xid_events=False, gpu_timeout_s=2.0)
+    threads = set(threading.enumerate())
     source.open()
     try:
         before = source.sample(1.0).telemetry
@@ -98,7 +100,7 @@ def test_a_stalled_gpu_is_left_out_while_its_seven_siblings_report_every_sample(
         assert [(e.gpu, e.ts, e.data["gpus"]) for e in stalled] == [(STUCK, 2.0, [STUCK])]
         assert "GPU 5" in stalled[0].message and stalled[0].node == "gpu-a"
         assert source.stalled_gpus == {STUCK} and source.gpu_stalls_total == 1
-        assert len(_readers()) == 8  # one per GPU, however many samples the stall spans
+        assert len(_readers(threads)) == 8  # one per GPU, however many samples the stall spans
         replay.release()
         _wait(lambda: not source.stalled_gpus, "GPU 5's stuck call returning")
         after = source.sample(10.0).telemetry
