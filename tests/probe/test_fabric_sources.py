@@ -37,8 +37,10 @@ def test_nvml_fabric_rows_of_a_registered_node_and_of_one_failed_gpu() -> None:
         assert fabric.cluster_uuid == (CLUSTER,) * 8 and fabric.clique_id.tolist() == [32766] * 8
         assert fabric.since.tolist() == [100.0] * 8 and fabric.fm_status.tolist() == [-1] * 8
         replay.calls_by_name.clear()
+        before = replay.calls
         source.sample(101.0)
         assert replay.calls_by_name["nvmlDeviceGetGpuFabricInfoV"] == 8  # one call a GPU a sample
+        assert (replay.calls - before) / 8 <= 10  # still at most ten calls a GPU a sample
     finally:
         source.close()
     failed, _ = _nvml(FIXTURES / "nvml_fabric_h100x8_gpu5_failed.json")
