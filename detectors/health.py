@@ -121,6 +121,8 @@ class HealthRules(Stateful):
     """
 
     name = "health"
+    fabric_grace_s = 900.0
+    """The class default too: a snapshot written before the fabric rule existed restores with it."""
 
     def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
                  min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,

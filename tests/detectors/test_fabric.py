@@ -105,6 +105,9 @@ def test_fabric_rows_round_trip_and_old_records_still_decode() -> None:
     rules.update([s])
     restored = from_state(state_dict(rules))
     assert restored.previous_["gpu-b"].fabric.status.tolist() == s.fabric.status.tolist()
+    before_fabric = state_dict(rules)  # a snapshot written before the rule existed restores with its default
+    del before_fabric.tree[2]["fabric_grace_s"]
+    assert from_state(before_fabric).fabric_grace_s == 900.0
 
 
 @pytest.mark.parametrize(("change", "field"), [
