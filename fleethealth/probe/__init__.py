@@ -2,7 +2,8 @@
 
 ``fleethealth probe`` runs :class:`Probe`: a telemetry source (:mod:`.nvml`, :mod:`.dcgm` or the
 simulator, :mod:`.simsource`, or none at all on a CPU box, :mod:`.nosource`, chosen by name through
-:mod:`.sources`) sampled every interval under a stall guard; the training ranks' datagrams from the
+:mod:`.sources`) sampled every interval under a stall guard (NVML: each GPU's reads on a thread of its
+own, bounded together, :mod:`.gpureads`, so one stalled GPU costs only its own columns); the training ranks' datagrams from the
 Unix socket (:mod:`.listener`: mode 0660, each sender's credentials checked, sizes bounded) aggregated
 into one step batch per (job, step) (:mod:`.aggregator`); everything written ahead to a bounded
 on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); the node's NIC
@@ -25,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "Sample": "sources",
     "Source": "sources",
     "StallGuard": "sources",
+    "GpuReads": "gpureads",
     "create_source": "sources",
     "register_source": "sources",
     "StepAggregator": "aggregator",
