@@ -79,7 +79,7 @@ def test_bounded_reads_one_worker_per_gpu_and_a_stale_answer_is_dropped() -> Non
 
 def test_a_stalled_gpu_is_left_out_while_its_seven_siblings_report_every_sample() -> None:
     replay = NvmlReplay(FIXTURES / "nvml_fabric_h100x8_healthy.json")
-    source = NvmlSource("gpu-a", "rack-1", nvml=replay, xid_events=False, gpu_timeout_s=2.0)
+    source = NvmlSource("gpu-a", "rack-1", nvml=replay, xid_events=False, gpu_timeout_s=1.0)
     threads = set(threading.enumerate())
     source.open()
     try:
@@ -108,6 +108,24 @@ def test_a_stalled_gpu_is_left_out_while_its_seven_siblings_report_every_sample(
     finally:
         replay.release()
         source.close()
+
+
+def test_a_call_that_never_returns_holds_one_daemon_thread_and_close_does_not_wait_for_it() -> None:
+    replay = NvmlReplay(FIXTURES / "nvml_fabric_h100x8_healthy.json")
+    source = NvmlSource("gpu-a", "rack-1", nvml=replay, xid_events=False, gpu_timeout_s=0.5)
+    threads = set(threading.enumerate())
+    source.open()
+    try:
+        replay.block("*", gpu=STUCK)
+        source.sample(1.0)
+        t0 = time.monotonic()
+        source.close()  # GPU 5's call is still inside the "driver"
+        assert time.monotonic() - t0 < 5.0
+        _wait(lambda: len(_readers(threads)) == 1, "the idle reader threads' exit")
+        (stuck,) = _readers(threads)
+        assert stuck.name == f"fh-gpu-read-{STUCK}" and stuck.daemon  # abandoned, never keeps the process alive
+    finally:
+        replay.release()
 
 
 def test_the_probe_publishes_the_siblings_and_one_event_and_health_names_the_stalled_gpu(tmp_path) -> None:
