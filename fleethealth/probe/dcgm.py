@@ -334,7 +334,8 @@ class DcgmSource:
             return None
         n = len(gpus)
         rows: dict[str, list[Any]] = {"state": [-1] * n, "status": [-1] * n, "fm_status": [-1] * n,
-                                      "since": [math.nan] * n, "clique_id": [-1] * n, "cluster_uuid": [""] * n}
+                                      "health_mask": [0] * n, "since": [math.nan] * n, "clique_id": [-1] * n,
+                                      "cluster_uuid": [""] * n}
         for i, (g, fm) in enumerate(zip(gpus, status, strict=True)):
             if fm is None or not 0 <= fm <= 255:
                 continue
@@ -350,6 +351,8 @@ class DcgmSource:
             clique = cache.get(_FM["clique_id"])
             rows["clique_id"][i] = int(clique) if clique is not None and 0 <= clique < 2**32 else -1
             rows["cluster_uuid"][i] = self._fabric_uuid.get(g, "")
+            mask = cache.get(_FM["health_mask"])
+            rows["health_mask"][i] = int(mask) if mask is not None and 0 <= mask < 2**32 else 0
         return Fabric.build(n, **rows)
 
     def _lost_gpus(self, ts: float, fresh: dict[Any, dict[Any, list[Any]]]) -> list[Event]:

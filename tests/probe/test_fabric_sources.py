@@ -7,6 +7,7 @@ UUID, clique id), replayed by :class:`DcgmReplay`. A node without NVSwitch sends
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -87,11 +88,24 @@ def test_dcgm_fabric_manager_fields_become_fabric_rows_and_one_finding() -> None
     fabric = samples[1].fabric
     assert fabric.fm_status.tolist() == [3] * 5 + [4] + [3] * 2 and fabric.state.tolist() == [3] * 8
     assert fabric.status[5] == -11 and fabric.status[0] == 0 and fabric.since[5] == 20.0
+    assert fabric.health_mask.tolist() == [1 << 14] * 8
     assert fabric.cluster_uuid[5] == "6d1c8f0a-3b5e-4c27-a9f2-d8e1b4c7a350" and fabric.clique_id[5] == 32766
     assert samples[0].fabric.state[5] == 2  # still in progress at the first read: no finding yet
     (f,) = HealthRules().update(samples)
     assert (f.node, f.gpu, f.evidence["reason"]) == ("gpu-c", 5, "registration_failed")
     assert f.evidence["fabric"][0]["fm_status"] == "failure"
+
+
+def test_dcgm_fabric_health_mask_with_the_fabric_manager_disconnected_is_a_finding() -> None:
+    recorded = json.loads((FIXTURES / "dcgm_fabric_h100x8.json").read_text())
+    for read in recorded["reads"][1:]:
+        for fields in read.values():
+            fields["170"], fields["174"] = [3], [2 << 14]  # registered, then the fabric manager went away
+    replay = DcgmReplay(recorded)
+    source = DcgmSource("gpu-c", "rack-1", reader=replay.reader, health=replay.health)
+    source.open()
+    (f,) = HealthRules().update([source.sample(ts).telemetry for ts in (10.0, 20.0, 30.0)])
+    assert f.gpu is None and f.evidence["reason"] == "fabric_manager_down" and f.evidence["gpus"] == list(range(8))
 
 
 @pytest.mark.parametrize("name", ["dcgm_h100_faults.json"])
