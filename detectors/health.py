@@ -30,6 +30,12 @@ Rules (per GPU, on each node's telemetry and the node's events):
            again, which skipped samples alone would hide. One ``telemetry_stall`` finding per node
            (``warning``), with the stalls' times and sources; ``gpu`` is set when every stall
            named the same GPU
+``fabric`` NVSwitch systems (:mod:`fleethealth.detectors.fabric`): a GPU whose fabric registration
+           completed with an error (``critical``), whose fabric manager is disconnected
+           (``warning``), or that stays NOT_STARTED / IN_PROGRESS longer than ``fabric_grace_s``
+           after the probe first read that state (``warning``). One ``fabric`` finding per node and
+           reason (``gpu`` set when one GPU holds, ``evidence["gpus"]`` lists them, each GPU's
+           fabric values in ``evidence["fabric"]``); reported, not acted on
 =========  ==================================================================================
 
 Debounced with hysteresis: an episode per (node, GPU, rule) — per Xid code for ``xid`` — opens
@@ -63,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.fabric import fabric_faults
 from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
@@ -109,16 +116,20 @@ class HealthRules(Stateful):
     ``nvlink_window_s``, measured once at least half the window is seen) that opens a ``link``
     episode and ``nvlink_clear_per_min`` the rate below which it stops holding; at
     ``nvlink_critical_per_min`` the episode escalates to ``critical``; ``stall_count`` the
-    ``telemetry_stalled`` events of one node within ``stall_window_s`` that make a finding.
+    ``telemetry_stalled`` events of one node within ``stall_window_s`` that make a finding;
+    ``fabric_grace_s`` how long a GPU may stay NOT_STARTED / IN_PROGRESS on the fabric.
     """
 
     name = "health"
+    fabric_grace_s = 900.0
+    """The class default too: a snapshot written before the fabric rule existed restores with it."""
 
     def __init__(self, *, clear_after_s: float = 3600.0, pcie_busy_util_pct: float = 10.0,
                  min_xid_severity: str = "warning", nvlink_errors_per_min: float = 10.0,
                  nvlink_clear_per_min: float = 2.0, nvlink_critical_per_min: float = 100.0,
                  nvlink_window_s: float = 300.0, corroborate_window_s: float = 600.0,
-                 silence_s: float = 30.0, stall_count: int = 3, stall_window_s: float = 3600.0) -> None:
+                 silence_s: float = 30.0, stall_count: int = 3, stall_window_s: float = 3600.0,
+                 fabric_grace_s: float = 900.0) -> None:
         self.clear_after_s = clear_after_s
         self.corroborate_window_s = corroborate_window_s
         self.silence_s = silence_s
@@ -130,6 +141,7 @@ class HealthRules(Stateful):
         self.nvlink_window_s = nvlink_window_s
         self.stall_count = stall_count
         self.stall_window_s = stall_window_s
+        self.fabric_grace_s = fabric_grace_s
 
     def _start(self) -> None:
         check_number("clear_after_s", self.clear_after_s, above=0, owner=self)
@@ -144,6 +156,7 @@ class HealthRules(Stateful):
         check_number("silence_s", self.silence_s, above=0, at_most=self.corroborate_window_s, owner=self)
         check_number("stall_count", self.stall_count, at_least=1, owner=self)
         check_number("stall_window_s", self.stall_window_s, above=0, owner=self)
+        check_number("fabric_grace_s", self.fabric_grace_s, above=0, owner=self)
         try:
             self.min_severity_ = XidSeverity(self.min_xid_severity)
         except ValueError:
@@ -326,6 +339,20 @@ class HealthRules(Stateful):
             ev = {"pcie_gen": _f(gen[i]), "pcie_gen_max": _f(gen_max[i]), "pcie_width": _f(width[i]),
                   "pcie_width_max": _f(width_max[i]), "util_pct": _f(util[i])}
             out += self._emit(FindingKind.LINK, s.node, int(s.gpu[i]), s.ts, _WARN, ev, rule="pcie")
+        out += self._fabric(s)
+        return out
+
+    def _fabric(self, s: Telemetry) -> list[Finding]:
+        """GPUs not (properly) on the NVSwitch fabric: one finding per node and reason (module docstring)."""
+        out: list[Finding] = []
+        for reason, rows in fabric_faults(s, self.fabric_grace_s):
+            gpus = [int(g) for g in s.gpu[rows]]
+            fabric = s.fabric
+            ev = {"rule": "fabric", "reason": reason, "gpus": gpus, "grace_s": self.fabric_grace_s,
+                  "fabric": [] if fabric is None else [fabric.describe(int(i)) for i in rows.tolist()]}
+            severity = _CRIT if reason == "registration_failed" else _WARN
+            out += self._emit(FindingKind.FABRIC, s.node, gpus[0] if len(gpus) == 1 else None, s.ts, severity, ev,
+                              rule=f"fabric_{reason}")
         return out
 
     def _nvlink(self, s: Telemetry) -> list[Finding]:

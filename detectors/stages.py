@@ -46,7 +46,7 @@ class Stage(StrEnum):
 
 NODE_FINDING_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL, FindingKind.POWER_BRAKE,
                                 FindingKind.LINK, FindingKind.FAILURE_RISK,
-                                FindingKind.TELEMETRY_STALL})
+                                FindingKind.TELEMETRY_STALL, FindingKind.FABRIC})
 """What the node stage concludes (from telemetry and node events); the job stage the rest."""
 
 _GROUP = {

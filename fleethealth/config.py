@@ -473,6 +473,9 @@ COMMAND_KEYS: tuple[Key, ...] = (
         env="FLEETHEALTH_SYSFS_ROOT"),
     Key("probe.no_nic", "bool", False, "do not read NIC counters"),
     Key("probe.stall_timeout_s", "float", 5.0, "a source call slower than this is reported as telemetry_stalled"),
+    Key("probe.gpu_timeout_s", "float", 0.5, "NVML: one sample's reads of all GPUs wait at most this long; a GPU "
+        "still inside a driver call is left out with a telemetry_stalled event naming it (below "
+        "probe.stall_timeout_s)"),
     Key("probe.step_timeout_s", "float", 5.0, "how long a step batch waits for the node's slower ranks"),
     Key("probe.steps_per_message", "int", 100, "most steps of one job completed in an interval that one fh.steps "
         "message carries (1: one message per step)"),

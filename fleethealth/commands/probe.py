@@ -7,6 +7,7 @@ import sys
 
 from fleethealth.commands._common import require_bus, stop_on_signals
 from fleethealth.commands._settings import add_config_flags, add_log_flags, add_setting, load_settings
+from fleethealth.errors import ConfigError
 
 __all__ = ["add"]
 
@@ -58,6 +59,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_log_flags(p)
     add_setting(p, "--stall-timeout", "probe.stall_timeout_s", type=float, metavar="S",
                 help="a source call slower than this is reported as telemetry_stalled")
+    add_setting(p, "--gpu-timeout", "probe.gpu_timeout_s", type=float, metavar="S",
+                help="NVML: a GPU whose driver calls take longer is left out of the sample with a "
+                     "telemetry_stalled event naming it, its siblings still reported (below --stall-timeout)")
     add_setting(p, "--step-timeout", "probe.step_timeout_s", type=float, metavar="S",
                 help="how long a step batch waits for the node's slower ranks")
     add_setting(p, "--steps-per-message", "probe.steps_per_message", type=int, metavar="N",
@@ -86,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
     rack = s["node.rack"]
     if rack == UNKNOWN_RACK and s["node.topology"]:
         rack = rack_from_topology(s["node.topology"], node)
+    if not 0 < s["probe.gpu_timeout_s"] < s["probe.stall_timeout_s"]:
+        raise ConfigError(f"probe: --gpu-timeout ({s['probe.gpu_timeout_s']:g} s) must be > 0 and below "
+                          f"--stall-timeout ({s['probe.stall_timeout_s']:g} s): a stalled GPU would stall the source")
     source = make_source(source_name, node=node, rack=rack, interval_s=interval,
-                         scenario=s["probe.scenario"], dcgm_host=s["probe.dcgm_host"])
+                         scenario=s["probe.scenario"], dcgm_host=s["probe.dcgm_host"],
+                         gpu_timeout_s=s["probe.gpu_timeout_s"])
     from fleethealth.probe.aggregator import SocketLimits
     from fleethealth.probe.listener import parse_ids
 

@@ -2,15 +2,17 @@
 
 ``fleethealth probe`` runs :class:`Probe`: a telemetry source (:mod:`.nvml`, :mod:`.dcgm` or the
 simulator, :mod:`.simsource`, or none at all on a CPU box, :mod:`.nosource`, chosen by name through
-:mod:`.sources`) sampled every interval under a stall guard; the training ranks' datagrams from the
-Unix socket (:mod:`.listener`: mode 0660, each sender's credentials checked, sizes bounded) aggregated
-into one step batch per (job, step) (:mod:`.aggregator`); everything written ahead to a bounded
-on-disk spool (:mod:`.spool`) and delivered to Kafka from it (:mod:`.delivery`); the node's NIC
-port counters read from sysfs into each telemetry sample (:mod:`.nic`); Prometheus ``/metrics``
-under the probe's own names, or dcgm-exporter's in its compatibility mode (:mod:`.metrics`,
-:mod:`.fields`); operator warnings and log set-up (:mod:`.logs`). The probe shares only the
-wire format (:mod:`fleethealth.wire`) with the in-job library. Names resolve lazily, so importing
-the package loads neither NVML, DCGM nor the simulator.
+:mod:`.sources`) sampled every interval under a stall guard (NVML: each GPU's reads on a thread of
+its own, bounded together, :mod:`.gpureads`, so one stalled GPU costs only its own columns); the
+training ranks' datagrams from the Unix socket (:mod:`.listener`: mode 0660, each sender's
+credentials checked, sizes bounded) aggregated into one step batch per (job, step)
+(:mod:`.aggregator`); everything written ahead to a bounded on-disk spool (:mod:`.spool`) and
+delivered to Kafka from it (:mod:`.delivery`); the node's NIC port counters read from sysfs into
+each telemetry sample (:mod:`.nic`); Prometheus ``/metrics`` under the probe's own names, or
+dcgm-exporter's in its compatibility mode (:mod:`.metrics`, :mod:`.fields`); operator warnings and
+log set-up (:mod:`.logs`). The probe shares only the wire format (:mod:`fleethealth.wire`) with the
+in-job library. Names resolve lazily, so importing the package loads neither NVML, DCGM nor the
+simulator.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "Sample": "sources",
     "Source": "sources",
     "StallGuard": "sources",
+    "GpuReads": "gpureads",
     "create_source": "sources",
     "register_source": "sources",
     "StepAggregator": "aggregator",

@@ -3,6 +3,7 @@
 ::
 
     every interval:  source.sample()  --(StallGuard: timeout -> telemetry_stalled event)-->
+                     (NVML: each GPU on its own thread, gpu_timeout_s -> telemetry_stalled naming the GPU)
                      + the node's NIC port counters from sysfs (NicReader, unless the source has its own)
                      one fh.telemetry message + the source's events (Xid, health, gpu_lost)
     continuously:    Unix-socket datagrams from the node's training ranks (own thread) -> StepAggregator
@@ -341,7 +342,9 @@ class Probe:
             bus_connected=int(delivery.connected),
             datagrams_refused_total=0 if sock is None else sock.refused_total,
             datagrams_oversize_total=0 if sock is None else sock.oversize_total,
-            events_limited_total=agg.events_limited_total, ranks_limited_total=agg.ranks_limited_total)
+            events_limited_total=agg.events_limited_total, ranks_limited_total=agg.ranks_limited_total,
+            gpu_stalls_total=int(getattr(self.source, "gpu_stalls_total", 0)),
+            gpus_stalled=len(getattr(self.source, "stalled_gpus", ())))
 
     # ------------------------------------------------------------ internals
     def _drain(self) -> int:
@@ -369,8 +372,9 @@ class Probe:
 
 
 def make_source(name: str, *, node: str, rack: str, interval_s: float = 1.0, scenario: str | None = None,
-                dcgm_host: str = "localhost") -> Source:
-    """Build the named source with the options that apply to it (``--scenario`` only for ``sim``)."""
+                dcgm_host: str = "localhost", gpu_timeout_s: float | None = None) -> Source:
+    """Build the named source with the options that apply to it (``--scenario`` only for ``sim``,
+    ``gpu_timeout_s`` for ``nvml``)."""
     from fleethealth.probe.sources import create_source
 
     if scenario is not None and name != "sim":
@@ -379,4 +383,6 @@ def make_source(name: str, *, node: str, rack: str, interval_s: float = 1.0, sce
         return create_source("sim", node=node, rack=rack, scenario=scenario)
     if name == "dcgm":
         return create_source("dcgm", node=node, rack=rack, hostname=dcgm_host, interval_s=interval_s)
+    if name == "nvml" and gpu_timeout_s is not None:
+        return create_source("nvml", node=node, rack=rack, gpu_timeout_s=gpu_timeout_s)
     return create_source(name, node=node, rack=rack)

@@ -49,9 +49,16 @@ from typing import Any
 import numpy as np
 
 from fleethealth.errors import DeviceError
-from fleethealth.probe.fields import DCGM_GPU_RECOVERY_ACTION, DCGM_XID_ERRORS, FIELD_SINCE, FIELDS, RECOVERY_ACTIONS
+from fleethealth.probe.fields import (
+    DCGM_FABRIC_FIELDS,
+    DCGM_GPU_RECOVERY_ACTION,
+    DCGM_XID_ERRORS,
+    FIELD_SINCE,
+    FIELDS,
+    RECOVERY_ACTIONS,
+)
 from fleethealth.probe.sources import Sample
-from fleethealth.schema import GPU_FIELDS, Event, EventKind, Telemetry
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, Fabric, Telemetry
 
 __all__ = ["DcgmSource", "find_bindings", "select_fields", "FieldSelection", "parse_version", "BINDING_DIRS",
            "WATCHED_FIELDS", "HEALTH_SYSTEMS"]
@@ -60,7 +67,7 @@ _log = logging.getLogger("fleethealth.probe.dcgm")
 
 BINDING_DIRS = ("/usr/share/datacenter-gpu-manager-4/bindings/python3", "/usr/local/dcgm/bindings/python3")
 WATCHED_FIELDS: tuple[int, ...] = tuple(s.dcgm_id for s in FIELDS if s.dcgm_id is not None) + (
-    DCGM_XID_ERRORS, DCGM_GPU_RECOVERY_ACTION)
+    DCGM_XID_ERRORS, DCGM_GPU_RECOVERY_ACTION, *DCGM_FABRIC_FIELDS.values())
 HEALTH_SYSTEMS: dict[int, str] = {0x1: "pcie", 0x2: "nvlink", 0x4: "pmu", 0x8: "mcu", 0x10: "memory", 0x20: "sm",
                                   0x40: "inforom", 0x80: "thermal", 0x100: "power", 0x200: "driver",
                                   0x400: "nvswitch_nonfatal", 0x800: "nvswitch_fatal"}
@@ -69,6 +76,10 @@ _HEALTH_WATCH_ALL = 0xFFFFFFFF
 _INT64_BLANK = 0x7FFFFFFFFFFFFFF0  # DCGM_INT64_BLANK; NOT_FOUND, NOT_SUPPORTED, NOT_PERMISSIONED are +1..+3
 _INT32_BLANK = 0x7FFFFFF0          # DCGM_INT32_BLANK, for the few 32-bit values (field size 4)
 _FP64_BLANK = 140737488355328.0    # DCGM_FP64_BLANK and above
+_FM = DCGM_FABRIC_FIELDS
+_FM_STATE = {0: 0, 1: 1, 2: 2, 3: 3, 4: 3}
+"""``dcgmFabricManagerStatus_t`` -> NVML's fabric state (Failure is a completed registration with an error;
+Unrecognized and NvmlTooOld say nothing of the state)."""
 _HINT = "use --source nvml to read the driver directly, or --source sim without GPUs"
 
 
@@ -155,6 +166,8 @@ class DcgmSource:
         self._recovery: dict[int, int] = {}
         self._incidents: set[tuple[int, int, int]] = set()
         self._silent: dict[int, int] = {}
+        self._fabric_uuid: dict[int, str] = {}                # GPU -> DCGM_FI_DEV_FABRIC_CLUSTER_UUID
+        self._fabric_seen: dict[int, tuple[int, float]] = {}  # GPU -> (fabric state, when first read)
         self.lost_after = 3
         self.health_error: str | None = None
         self._field_meta = field_meta
@@ -276,6 +289,9 @@ class DcgmSource:
             cache = self._cache.setdefault(gpu_id, {})
             for field_id, values in fields.items():
                 field_id = int(field_id)
+                if field_id == _FM["cluster_uuid"]:  # the one string field: kept apart from the numbers
+                    self._cluster_uuid(gpu_id, values)
+                    continue
                 width = self.selection.widths.get(field_id, 64)
                 numbers = [_number(v, width) for v in (values if isinstance(values, list) else [values])]
                 numbers = [x for x in numbers if not math.isnan(x)]
@@ -300,8 +316,44 @@ class DcgmSource:
         uuid = tuple(self._uuids.get(g, "") for g in gpus) if self._uuids else ()
         bus = tuple(self._bus_ids.get(g, "") for g in gpus) if self._bus_ids else ()
         telemetry = Telemetry.from_columns(self.node, self.rack, ts, gpus, model=self._model, uuid=uuid,
-                                           pci_bus_id=bus, **cols)
+                                           pci_bus_id=bus, fabric=self._fabric(gpus, ts), **cols)
         return Sample(telemetry, tuple(events))
+
+    def _cluster_uuid(self, gpu: int, values: Any) -> None:
+        for v in values if isinstance(values, list) else [values]:
+            raw = getattr(v, "value", v)
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            if isinstance(text, str) and not text.startswith("<<<") and len(text) <= 64:  # DCGM_STR_BLANK & co.
+                self._fabric_uuid[gpu] = text
+
+    def _fabric(self, gpus: list[int], ts: float) -> Fabric | None:
+        """The GPUs' fabric rows from DCGM's Fabric Manager fields; ``None`` while no GPU reports a
+        fabric (every status NotSupported or unread)."""
+        status = [self._cache.get(g, {}).get(_FM["fm_status"]) for g in gpus]
+        if all(s is None or s == 0 for s in status):
+            return None
+        n = len(gpus)
+        rows: dict[str, list[Any]] = {"state": [-1] * n, "status": [-1] * n, "fm_status": [-1] * n,
+                                      "health_mask": [0] * n, "since": [math.nan] * n, "clique_id": [-1] * n,
+                                      "cluster_uuid": [""] * n}
+        for i, (g, fm) in enumerate(zip(gpus, status, strict=True)):
+            if fm is None or not 0 <= fm <= 255:
+                continue
+            cache, fm = self._cache.get(g, {}), int(fm)
+            state = _FM_STATE.get(fm, -1)
+            seen = self._fabric_seen.get(g)
+            if seen is None or seen[0] != state:
+                seen = self._fabric_seen[g] = (state, ts)
+            error = cache.get(_FM["fm_error"])
+            rows["state"][i], rows["fm_status"][i], rows["since"][i] = state, fm, seen[1]
+            rows["status"][i] = 0 if fm == 3 else (int(error) if fm == 4 and error is not None
+                                                   and -(2**31) <= error < 2**31 else -1)
+            clique = cache.get(_FM["clique_id"])
+            rows["clique_id"][i] = int(clique) if clique is not None and 0 <= clique < 2**32 else -1
+            rows["cluster_uuid"][i] = self._fabric_uuid.get(g, "")
+            mask = cache.get(_FM["health_mask"])
+            rows["health_mask"][i] = int(mask) if mask is not None and 0 <= mask < 2**32 else 0
+        return Fabric.build(n, **rows)
 
     def _lost_gpus(self, ts: float, fresh: dict[Any, dict[Any, list[Any]]]) -> list[Event]:
         """A GPU that answered before and now yields no value ``lost_after`` reads in a row, while

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from fleethealth.schema import GPU_FIELDS
 
 __all__ = ["FieldSpec", "FIELDS", "DCGM_XID_ERRORS", "DCGM_GPU_RECOVERY_ACTION", "RECOVERY_ACTIONS",
-           "XID_METRIC", "DCGM_XID_METRIC", "FIELD_SINCE", "by_column"]
+           "DCGM_FABRIC_FIELDS", "XID_METRIC", "DCGM_XID_METRIC", "FIELD_SINCE", "by_column"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,16 @@ DCGM_XID_ERRORS = 230
 """``DCGM_FI_DEV_XID_ERRORS``: the value is the last Xid code."""
 DCGM_GPU_RECOVERY_ACTION = 1523
 """``DCGM_FI_DEV_GET_GPU_RECOVERY_ACTION`` (``nvmlDeviceGpuRecoveryAction_t``), DCGM 4.5.0 and later."""
-FIELD_SINCE: dict[int, tuple[int, int, int]] = {DCGM_GPU_RECOVERY_ACTION: (4, 5, 0)}
+DCGM_FABRIC_FIELDS: dict[str, int] = {"fm_status": 170, "fm_error": 171, "cluster_uuid": 172, "clique_id": 173,
+                                      "health_mask": 174}
+"""NVSwitch fabric registration (``fleethealth.schema.fabric``): ``DCGM_FI_DEV_FABRIC_MANAGER_STATUS``
+(``dcgmFabricManagerStatus_t``), ``..._FABRIC_MANAGER_ERROR_CODE`` (``..._FABRIC_MANAGER_ERROR`` in 4.6;
+a ``dcgmReturn_t``), ``DCGM_FI_DEV_FABRIC_CLUSTER_UUID`` (a string), ``DCGM_FI_DEV_FABRIC_CLIQUE_ID``,
+in ``dcgmlib/dcgm_fields.h`` from DCGM 4.0.0 on (not in 3.3.9); ``DCGM_FI_DEV_FABRIC_HEALTH_MASK`` (NVML's
+health mask, read with NVML's ``NVML_GPU_FABRIC_HEALTH_TEST``) from 4.4.2 on (not in 4.4.1)."""
+FIELD_SINCE: dict[int, tuple[int, int, int]] = {DCGM_GPU_RECOVERY_ACTION: (4, 5, 0),
+                                                **dict.fromkeys(DCGM_FABRIC_FIELDS.values(), (4, 0, 0)),
+                                                DCGM_FABRIC_FIELDS["health_mask"]: (4, 4, 2)}
 """First DCGM release that knows a field, for the fields newer than DCGM 3.3."""
 RECOVERY_ACTIONS: dict[int, str] = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p",
                                     4: "drain_and_reset"}

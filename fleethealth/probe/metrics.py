@@ -108,6 +108,8 @@ class ProbeHealth:
     datagrams_oversize_total: int = 0
     events_limited_total: int = 0
     ranks_limited_total: int = 0
+    gpu_stalls_total: int = 0
+    gpus_stalled: int = 0
 
 
 _HELP = {
@@ -133,6 +135,9 @@ _HELP = {
     "datagrams_oversize_total": "datagrams dropped unread beyond probe.socket_max_bytes",
     "events_limited_total": "event datagrams dropped beyond a job's (or the node's) event rate limit",
     "ranks_limited_total": "step datagrams dropped beyond probe.socket_max_ranks ranks in one step",
+    "gpu_stalls_total": "times one GPU's driver calls did not answer within probe.gpu_timeout_s (its siblings kept "
+                        "reporting)",
+    "gpus_stalled": "GPUs whose driver call is stuck now, left out of the samples until it returns",
 }
 
 
@@ -258,6 +263,8 @@ class ProbeMetrics:
         reasons = []
         if h.stalled:
             reasons.append("the telemetry source is stalled (a GPU not answering its driver calls)")
+        if h.gpus_stalled:
+            reasons.append(f"{h.gpus_stalled} GPU(s) not answering their driver calls, left out of the samples")
         if not h.bus_connected:
             reasons.append(f"not connected to the broker: {h.spool_records} records spooled")
         return reasons

@@ -34,6 +34,17 @@ thread skips GPUs it cannot register (reporting each failure, lost GPUs aside, a
 ``probe_error`` event) and keeps waiting after an event-set error, backing off and reporting the
 error once as a ``probe_error`` event until a wait succeeds.
 
+Each GPU is read on a thread of its own (:class:`~fleethealth.probe.gpureads.GpuReads`), all of them
+together bounded by ``gpu_timeout_s``: a GPU whose driver call stalls is left out of the sample (NaN
+columns) with one ``telemetry_stalled`` event naming it (``data["gpus"]`` lists them when several
+stall at once; ``gpu_stalls_total`` counts them), while its siblings' columns go out every interval;
+the stuck GPU is not read again until its call returns, so a stuck call holds one thread, never more.
+
+Fabric registration (NVSwitch systems, :mod:`fleethealth.schema.fabric`): each GPU's
+``nvmlDeviceGetGpuFabricInfoV`` (``nvmlDeviceGetGpuFabricInfo`` on drivers without it), one call a
+GPU a sample; a GPU that answers NOT_SUPPORTED (no NVSwitch) is not asked again, and a node none of
+whose GPUs has a fabric sends no ``fabric`` in its telemetry.
+
 The library handle is injected (``nvml=``): production passes nothing and gets ``pynvml``; the
 tests pass a recorded-values fixture with the same call surface
 (:class:`fleethealth.probe.recorded.NvmlReplay`, which also counts the calls), since these
@@ -42,6 +53,8 @@ machines have no GPU.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 import threading
@@ -50,8 +63,9 @@ from typing import Any
 import numpy as np
 
 from fleethealth.errors import DeviceError
+from fleethealth.probe.gpureads import GpuReads
 from fleethealth.probe.sources import Sample
-from fleethealth.schema import GPU_FIELDS, Event, EventKind, Telemetry
+from fleethealth.schema import GPU_FIELDS, Event, EventKind, Fabric, Telemetry
 
 __all__ = ["NvmlSource", "load_pynvml", "SCALAR_FIELDS"]
 
@@ -117,13 +131,20 @@ class NvmlSource:
     ``nvml`` is the library module (``pynvml`` when omitted) or any object with the same calls,
     constants and ``NVMLError``. ``xid_events`` starts the Xid event-set thread on ``open()``;
     after an event-set error it retries with a backoff doubling up to ``xid_backoff_max_s``.
+    ``gpu_timeout_s`` bounds one sample's reads of all GPUs together (config
+    ``probe.gpu_timeout_s``; below ``probe.stall_timeout_s``, which bounds the whole source).
     """
 
     name = "nvml"
 
     def __init__(self, node: str, rack: str, *, nvml: Any = None, xid_events: bool = True,
-                 xid_wait_ms: int = 500, xid_backoff_max_s: float = 5.0) -> None:
+                 xid_wait_ms: int = 500, xid_backoff_max_s: float = 5.0, gpu_timeout_s: float = 0.5) -> None:
         self.node = node
+        self.gpu_timeout_s = gpu_timeout_s
+        self._reads = GpuReads(timeout_s=gpu_timeout_s)
+        self._fabric_off: set[int] = set()                   # GPUs without a fabric (NOT_SUPPORTED)
+        self._fabric_seen: dict[int, tuple[int, float]] = {}  # GPU -> (fabric state, when first read)
+        self._errors: dict[int, str] = {}                     # GPU -> the last unexpected read error
         self.rack = rack
         self._nvml = nvml
         self._xid_events = xid_events
@@ -229,6 +250,7 @@ class NvmlSource:
             read = _Reader(nv)
             try:
                 self._static[i] = {column: self._read_static(i, read, handle, column) for column, _, _ in _STATIC}
+                self._read_fabric(i, read, handle)  # once at open: a GPU without a fabric is not asked again
             except _GpuLost as exc:
                 self._mark_lost_at_open(i, str(exc))
 
@@ -257,6 +279,7 @@ class NvmlSource:
 
     def close(self) -> None:
         self._stop.set()
+        self._reads.close()
         if self._xid_thread is not None:
             self._xid_thread.join(timeout=2 * self._xid_wait_ms / 1000 + 1)
         if self._nvml is not None:
@@ -270,31 +293,105 @@ class NvmlSource:
     def gpu_count(self) -> int:
         return len(self._handles)
 
+    @property
+    def gpu_stalls_total(self) -> int:
+        """Per-GPU stalls begun since open (each GPU's stall counts once however long it lasts)."""
+        return sum(self._reads.stalls_total.values())
+
+    @property
+    def stalled_gpus(self) -> frozenset[int]:
+        """GPUs whose driver call is stuck now (left out of every sample until it returns)."""
+        return frozenset(self._reads.stalled)
+
     def sample(self, ts: float) -> Sample:
         if not self._handles and self._nvml is None:
             raise DeviceError("NVML source: sample() before open()")
         g = len(self._handles)
         cols = {name: np.full(g, np.nan) for name in GPU_FIELDS}
         events: list[Event] = []
-        for i, handle in enumerate(self._handles):
-            if i in self._lost:
-                continue
-            try:
-                for name, value in self._read_gpu(i, handle).items():
-                    cols[name][i] = value
-            except _GpuLost as exc:
+        calls = [(i, functools.partial(self._read_gpu, i, h)) for i, h in enumerate(self._handles)
+                 if i not in self._lost]
+        rnd = self._reads.read(calls)
+        fabric: dict[int, tuple[int, int, int, int, str]] = {}
+        for i, out in sorted(rnd.results.items()):
+            info = out.pop("_fabric", None)
+            if info is not None:
+                fabric[i] = info
+            for name, value in out.items():
+                cols[name][i] = value
+            self._errors.pop(i, None)
+        for i, exc in sorted(rnd.errors.items()):
+            uuid = self._uuids[i] if i < len(self._uuids) else ""
+            if isinstance(exc, _GpuLost):
                 self._lost.add(i)
                 events.append(Event(node=self.node, ts=ts, kind=EventKind.GPU_LOST, gpu=i,
-                                    message=f"GPU {i} fell off the bus ({exc})",
-                                    data={"uuid": self._uuids[i] if i < len(self._uuids) else "",
-                                          "source": "nvml"}))
+                                    message=f"GPU {i} fell off the bus ({exc})", data={"uuid": uuid, "source": "nvml"}))
+                continue
+            text = f"{type(exc).__name__}: {exc}"[:1000]
+            if self._errors.get(i) != text:  # once per distinct error; the GPU's columns stay NaN
+                self._errors[i] = text
+                events.append(Event(node=self.node, ts=ts, kind=EventKind.PROBE_ERROR, gpu=i,
+                                    message=f"reading GPU {i} failed: {text}", data={"source": "nvml"}))
+        if rnd.began:
+            began = list(rnd.began)
+            events.append(Event(node=self.node, ts=ts, kind=EventKind.TELEMETRY_STALLED,
+                                gpu=began[0] if len(began) == 1 else None,
+                                message=f"GPU {', '.join(map(str, began))} did not answer its driver calls within "
+                                        f"{self.gpu_timeout_s:g} s; left out until they return",
+                                data={"source": "nvml", "timeout_s": self.gpu_timeout_s, "gpus": began}))
         with self._pending_lock:
             xids, self._pending = self._pending, []
         events.extend(Event(node=self.node, ts=ts, kind=e.kind, gpu=e.gpu, code=e.code, message=e.message,
                             data=e.data) for e in xids)
         telemetry = Telemetry.from_columns(self.node, self.rack, ts, np.arange(g), model=self._model,
-                                           uuid=self._uuids, pci_bus_id=self._bus_ids, **cols)
+                                           uuid=self._uuids, pci_bus_id=self._bus_ids,
+                                           fabric=self._fabric_of(g, ts, fabric), **cols)
         return Sample(telemetry, tuple(events))
+
+    def _fabric_of(self, g: int, ts: float, read: dict[int, tuple[int, int, int, int, str]]) -> Fabric | None:
+        """The sample's fabric rows: ``None`` while no GPU has a fabric; ``since`` is when the probe first
+        read each GPU's current state."""
+        if not read:
+            return None
+        state, status = np.full(g, -1, dtype=np.int64), np.full(g, -1, dtype=np.int64)
+        mask, clique = np.zeros(g, dtype=np.int64), np.full(g, -1, dtype=np.int64)
+        since, uuid = np.full(g, np.nan), [""] * g
+        for i, (st, code, health, cid, cluster) in read.items():
+            seen = self._fabric_seen.get(i)
+            if seen is None or seen[0] != st:
+                seen = self._fabric_seen[i] = (st, ts)
+            state[i], status[i], mask[i], clique[i], since[i], uuid[i] = st, code, health, cid, seen[1], cluster
+        return Fabric(state=state, status=status, fm_status=np.full(g, -1, dtype=np.int64), health_mask=mask,
+                      since=since, clique_id=clique, cluster_uuid=tuple(uuid))
+
+    def _read_fabric(self, i: int, read: _Reader, h: Any) -> tuple[int, int, int, int, str] | None:
+        """(state, status, health mask, clique id, cluster UUID hex) of GPU ``i``, or ``None`` (no fabric,
+        or this read failed). The V call first; a driver without it (FUNCTION_NOT_FOUND) or with another
+        struct version (ARGUMENT_VERSION_MISMATCH) gets the older call."""
+        if i in self._fabric_off:
+            return None
+        nv = self._nvml
+        older = (nv.NVML_ERROR_FUNCTION_NOT_FOUND, getattr(nv, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", -25))
+        for call, struct in (("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
+                             ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")):
+            fn, cls = getattr(nv, call, None), getattr(nv, struct, None)
+            if fn is None or cls is None:
+                continue
+            info = cls()
+            if read.raw(fn, h, ctypes.byref(info)) is None:
+                if read.last_code in older:
+                    continue
+                if read.last_code == nv.NVML_ERROR_NOT_SUPPORTED:
+                    break
+                self._note(i, "fabric", read.last_code)
+                return None
+            state = int(info.state)
+            if state == getattr(nv, "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED", 0):
+                break
+            return (state, int(info.status), int(getattr(info, "healthMask", 0)), int(info.cliqueId),
+                    bytes(info.clusterUuid).hex())
+        self._fabric_off.add(i)
+        return None
 
     def _read_gpu(self, i: int, h: Any) -> dict[str, float]:
         """GPU ``i``'s columns: its field batch, the calls no field covers, its static values."""
@@ -331,6 +428,9 @@ class NvmlSource:
         out["util_pct"] = math.nan if util is None else float(util.gpu)
         out["pcie_gen"] = self._call(i, read, "pcie_gen", nv.nvmlDeviceGetCurrPcieLinkGeneration, h)
         out["pcie_width"] = self._call(i, read, "pcie_width", nv.nvmlDeviceGetCurrPcieLinkWidth, h)
+        fabric = self._read_fabric(i, read, h)
+        if fabric is not None:
+            out["_fabric"] = fabric  # type: ignore[assignment]
         return out
 
     def _scalars(self) -> list[tuple[str, int, float]]:

@@ -43,6 +43,8 @@ from fleethealth.errors import ConfigError
 __all__ = ["FORMAT", "DCGM_FORMAT", "FIELD_CALLS", "NvmlReplay", "NvmlRecorder", "DcgmReplay"]
 
 FORMAT = "fleethealth-nvml-recording/1"
+FABRIC_CALLS = ("nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetGpuFabricInfo")
+"""Calls answered by filling a struct the caller passes by reference (recorded as its fields)."""
 _UNION = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 
@@ -68,7 +70,8 @@ class NvmlReplay:
 
     Test hooks: :meth:`lose_gpu` makes every later call on a GPU raise ``NVML_ERROR_GPU_IS_LOST``
     (enumerating it and registering it for events included); :meth:`block` makes one call wait
-    until :meth:`release` (a wedged driver); :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
+    until :meth:`release` (a wedged driver), on every GPU or (``gpu=``) on one, ``"*"`` every call;
+    :meth:`fail_init` makes ``nvmlInit`` raise a given NVML
     error; :meth:`fail_register` makes registering one GPU for events raise one; :meth:`fail_wait`
     makes the next ``times`` event-set waits raise one; :meth:`unknown_fields` makes field ids
     answer ``NVML_ERROR_INVALID_ARGUMENT`` per value (a driver older than those fields).
@@ -103,8 +106,8 @@ class NvmlReplay:
     def lose_gpu(self, index: int) -> None:
         self._lost.add(index)
 
-    def block(self, name: str) -> None:
-        self._blocked[name] = threading.Event()
+    def block(self, name: str, gpu: int | None = None) -> None:
+        self._blocked[name if gpu is None else (name, gpu)] = threading.Event()  # type: ignore[index]
 
     def release(self) -> None:
         for gate in self._blocked.values():
@@ -181,18 +184,37 @@ class NvmlReplay:
         with self._lock:
             self.calls += 1
             self.calls_by_name[name] += 1
-        gate = self._blocked.get(name)
+        blocked = self._blocked
+        gate = blocked.get(name) or blocked.get((name, handle.index)) or blocked.get(("*", handle.index))  # type: ignore[call-overload]
         if gate is not None:
             gate.wait()
         if handle.index in self._lost:
             raise self._lib.NVMLError(self._lib.NVML_ERROR_GPU_IS_LOST)
         if name == "nvmlDeviceGetFieldValues":
             return [self._field(handle.index, f) for f in args[0]]
+        if name in FABRIC_CALLS:
+            return self._fabric(handle.index, name, args[0])
         answers = self.devices[handle.index].get(name)
         key = ",".join(str(a) for a in args)
         if answers is None or key not in answers:
             raise self._lib.NVMLError(self._lib.NVML_ERROR_NOT_SUPPORTED)
         return _decode(self._lib, answers[key])
+
+    def _fabric(self, index: int, name: str, out: Any) -> int:
+        """Fill the caller's fabric-info struct (passed by reference) from the recorded answer."""
+        answer = self.devices[index].get(name, {}).get("")
+        if answer is None:
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_NOT_SUPPORTED)
+        if "error" in answer:
+            raise self._lib.NVMLError(getattr(self._lib, answer["error"]))
+        struct = getattr(out, "_obj", out)
+        for key, value in answer.items():
+            if key == "clusterUuid":
+                raw = bytes.fromhex(value)
+                struct.clusterUuid[:len(raw)] = list(raw)
+            elif hasattr(struct, key):
+                setattr(struct, key, int(value))
+        return self._lib.NVML_SUCCESS
 
     def _field(self, index: int, field: int | tuple[int, int]) -> SimpleNamespace:
         """One value of a field-values batch, with its own return code."""
@@ -329,7 +351,7 @@ class NvmlRecorder:
 
         def call(handle: Any, *args: Any) -> Any:
             index = self._index.get(_addr(handle))
-            key = ",".join(str(a) for a in args)
+            key = "" if name in FABRIC_CALLS else ",".join(str(a) for a in args)
             try:
                 result = target(handle, *args)
             except self._lib.NVMLError as exc:
@@ -337,6 +359,12 @@ class NvmlRecorder:
                     self.devices[index].setdefault(name, {})[key] = {"error": _error_name(self._lib, exc)}
                 raise
             if index is None:
+                return result
+            if name in FABRIC_CALLS:  # the answer is the struct the caller passed by reference
+                struct = getattr(args[0], "_obj", args[0])
+                self.devices[index].setdefault(name, {})[""] = {
+                    f: (bytes(getattr(struct, f)).hex() if f == "clusterUuid" else int(getattr(struct, f)))
+                    for f, _ in struct._fields_ if f != "version"}
                 return result
             if name == "nvmlDeviceGetFieldValues":  # one entry per field, so any batch replays
                 fields = self.devices[index].setdefault(name, {})

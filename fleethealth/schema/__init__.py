@@ -11,6 +11,7 @@ Where each part lives::
 
     fields.py     the schema version, input limits, Topic, and the field readers every decoder uses
     telemetry.py  Telemetry, NicPorts, ClockReason, GPU_FIELDS / NIC_FIELDS and their physical ranges
+    fabric.py     Fabric: each GPU's NVLink fabric registration, optional in a telemetry sample
     steps.py      StepBatch, StepBlock (fh.steps)
     columnar.py   a poll's step values validated in one NumPy pass per column (for decode_many)
     events.py     Event, EventKind, JOB_EVENT_KINDS, is_job_event (fh.events)
@@ -30,6 +31,7 @@ import numpy as np  # noqa: F401
 from fleethealth.errors import SchemaError as SchemaError
 from fleethealth.schema.codec import TOPIC_TYPES, Message, decode, decode_many, encode, load_object
 from fleethealth.schema.events import JOB_EVENT_KINDS, Event, EventKind, is_job_event
+from fleethealth.schema.fabric import Fabric
 from fleethealth.schema.fields import (
     GPU_INDEX_MAX,
     MAX_COMPUTE_S,
@@ -67,6 +69,7 @@ __all__ = [
     "GPU_FIELDS",
     "NIC_FIELDS",
     "NicPorts",
+    "Fabric",
     "Telemetry",
     "StepBatch",
     "StepBlock",

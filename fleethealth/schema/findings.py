@@ -35,6 +35,7 @@ class FindingKind(StrEnum):
     POWER_BRAKE = "power_brake"
     LINK = "link"
     TELEMETRY_STALL = "telemetry_stall"  # a node's driver calls stalled repeatedly (health rule ``stall``)
+    FABRIC = "fabric"  # a GPU not (properly) registered with the NVSwitch fabric (health rule ``fabric``)
 
 
 class Diagnosis(StrEnum):

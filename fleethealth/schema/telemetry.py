@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Self
 import numpy as np
 
 from fleethealth.errors import SchemaError
+from fleethealth.schema.fabric import Fabric
 from fleethealth.schema.fields import SCHEMA_VERSION, Topic, _array, _float, _jsonable, _obj, _str, _ts
 
 
@@ -205,8 +206,10 @@ class Telemetry:
     ``nic`` holds the node's NIC port counters (:class:`NicPorts`, ``None`` when no NIC was read);
     ``nic_util`` is a summary kept for older readers: the busiest up port's utilisation over the
     probe's last interval, in [0, 1] (NaN when unknown). ``pci_bus_id`` gives each GPU's PCI
-    address (``()`` when the source does not say). Both are optional on the wire, so messages
-    from older probes still decode.
+    address (``()`` when the source does not say). ``fabric`` holds each GPU's NVLink fabric
+    registration (:class:`~fleethealth.schema.fabric.Fabric`; ``None`` where no GPU of the node has
+    one, as without NVSwitch). All three are optional on the wire, so messages from older probes
+    still decode.
     """
 
     node: str
@@ -219,13 +222,14 @@ class Telemetry:
     uuid: tuple[str, ...] = ()
     nic: NicPorts | None = None
     pci_bus_id: tuple[str, ...] = ()
+    fabric: Fabric | None = None
     TOPIC: ClassVar[Topic] = Topic.TELEMETRY
 
     @classmethod
     def from_columns(cls, node: str, rack: str, ts: float, gpu: np.ndarray | list[int], *,
                      nic_util: float = math.nan, model: str = "", uuid: tuple[str, ...] = (),
                      nic: NicPorts | None = None, pci_bus_id: tuple[str, ...] = (),
-                     **columns: np.ndarray | list[float]) -> Telemetry:
+                     fabric: Fabric | None = None, **columns: np.ndarray | list[float]) -> Telemetry:
         """Build a sample; fields of :data:`GPU_FIELDS` not given are NaN. Unknown names raise."""
         gpu = np.asarray(gpu, dtype=np.int16)
         unknown = set(columns) - set(GPU_FIELDS)
@@ -237,7 +241,7 @@ class Telemetry:
             full[name] = (np.full(gpu.shape, np.nan) if col is None
                           else np.asarray(col, dtype=np.float64).reshape(gpu.shape))
         return cls(node=node, rack=rack, ts=float(ts), gpu=gpu, columns=full, nic_util=float(nic_util),
-                   model=model, uuid=tuple(uuid), nic=nic, pci_bus_id=tuple(pci_bus_id))
+                   model=model, uuid=tuple(uuid), nic=nic, pci_bus_id=tuple(pci_bus_id), fabric=fabric)
 
     @property
     def key(self) -> str:
@@ -260,6 +264,8 @@ class Telemetry:
             obj["nic"] = self.nic.to_obj()
         if self.pci_bus_id:
             obj["pci_bus_id"] = list(self.pci_bus_id)
+        if self.fabric is not None:
+            obj["fabric"] = self.fabric.to_obj()
         return obj
 
     @classmethod
@@ -283,7 +289,9 @@ class Telemetry:
         if not isinstance(bus, list) or not all(isinstance(b, str) for b in bus):
             raise SchemaError("pci_bus_id", "expected an array of strings")
         ports = obj.get("nic")
-        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu,
+        ts = _ts(obj)
+        fabric = obj.get("fabric")
+        return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=ts, gpu=gpu,
                    columns=columns, nic_util=math.nan if nic is None else _float(obj, "nic_util"),
                    model=model, uuid=tuple(uuid), nic=None if ports is None else NicPorts.from_obj(ports),
-                   pci_bus_id=tuple(bus))
+                   pci_bus_id=tuple(bus), fabric=None if fabric is None else Fabric.from_obj(fabric, len(gpu), ts))

@@ -120,7 +120,8 @@ def _meta(release: str):
     return lookup, recorded["version"]
 
 
-@pytest.mark.parametrize(("release", "missing"), [("3.3", {1523}), ("4.4", {1523}), ("4.6", set())])
+@pytest.mark.parametrize(("release", "missing"), [("3.3", {1523, 170, 171, 172, 173, 174}), ("4.4", {1523}),
+                                                   ("4.6", set())])
 def test_only_fields_the_running_dcgm_knows_are_watched(release, missing) -> None:
     lookup, version = _meta(release)
     chosen = select_fields(WATCHED_FIELDS, lookup, parse_version(version))
@@ -135,7 +136,8 @@ def test_only_fields_the_running_dcgm_knows_are_watched(release, missing) -> Non
 def test_an_engine_older_than_the_library_is_judged_by_its_version() -> None:
     lookup, _ = _meta("4.6")  # the local library knows 1523, the host engine is 4.4.1
     chosen = select_fields(WATCHED_FIELDS, lookup, parse_version("version:4.4.1;arch:x86_64"))
-    assert chosen.unknown == {1523: "DCGM 4.4.1 predates field 1523 (added in DCGM 4.5.0)"}
+    assert chosen.unknown == {1523: "DCGM 4.4.1 predates field 1523 (added in DCGM 4.5.0)",
+                              174: "DCGM 4.4.1 predates field 174 (added in DCGM 4.4.2)"}
 
 
 def test_unknown_field_is_one_warning_and_the_sample_still_published(recording, caplog) -> None:
