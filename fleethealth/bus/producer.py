@@ -89,6 +89,8 @@ class Producer:
         self._failures: list[str] = []
         self.published_total = 0
         self.failed_total = 0
+        self.unplaced_total = 0
+        """Records acknowledged without an offset (see :meth:`_placed`), also counted in ``failed_total``."""
 
     def publish(self, msg: Message) -> None:
         """Queue one schema message for delivery."""
@@ -105,8 +107,24 @@ class Producer:
         with translated(f"publishing to {topic}", self.dsn):
             future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
                                    **({"headers": list(headers)} if headers else {}))
+        future.add_callback(self._placed, str(topic))
         future.add_errback(self._failed, str(topic))
         self.published_total += 1
+
+    def _placed(self, topic: str, metadata: Any) -> None:
+        """An acknowledgement without an offset is not a delivery. kafka-python completes a batch the broker
+        answered ``DUPLICATE_SEQUENCE_NUMBER`` as a success at offset -1; a Tansu broker on S3 SIGKILLed
+        between taking a batch's sequence numbers and writing the batch answers so to the retry of a batch
+        it never stored (``bench/broker_kill_repro.py``). Counted as failed: the flush raises and the
+        caller publishes the records again (through a new producer id), the natural keys absorbing a copy
+        that had arrived after all."""
+        offset = getattr(metadata, "offset", None)
+        if isinstance(offset, int) and offset >= 0:
+            return
+        with self._lock:
+            self.unplaced_total += 1
+        self._failed(topic, BusError(f"acknowledged without an offset ({offset!r}): a retried batch the broker "
+                                     "called a duplicate, not known to be stored"))
 
     def _failed(self, topic: str, exc: Exception) -> None:
         with self._lock:
