@@ -82,6 +82,23 @@ class _KafkaBackend:
                                       **self.options)
 
 
+def reaches_a_broker(kc: Any) -> bool | None:
+    """Whether a kafka-python client holds a connection to any broker it knows (its metadata's brokers
+    and its group coordinator); None where this kafka-python does not say."""
+    client = getattr(kc, "_client", None)
+    cluster = getattr(client, "cluster", None)
+    if client is None or cluster is None or not hasattr(client, "connected"):
+        return None
+    try:
+        nodes = [b.node_id if hasattr(b, "node_id") else b.nodeId for b in cluster.brokers()]  # 3.x, 2.x
+        coordinator = getattr(getattr(kc, "_coordinator", None), "coordinator_id", None)
+        if coordinator is not None:
+            nodes.append(coordinator)
+        return any(client.connected(node) for node in nodes)
+    except Exception:  # noqa: BLE001 — introspection of a client's internals: unknown, never an error
+        return None
+
+
 def _never_leave(kc: Any) -> None:
     """Make a group member leave only by its session expiring, never by a LeaveGroup request (as a Kafka
     static member does): on close, and when ``max_poll_interval_ms`` passed without a poll, it forgets its
