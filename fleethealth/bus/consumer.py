@@ -136,8 +136,16 @@ class Consumer:
 
     def _fetch(self, timeout_s: float, max_records: int) -> list[tuple[Record | None, Any, int]]:
         """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
-        with translated(f"polling {', '.join(self.topics)}", self.dsn):
-            batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        try:
+            with translated(f"polling {', '.join(self.topics)}", self.dsn):
+                batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except BusUnavailable as exc:  # with several brokers: one is gone, fail over rather than stop
+            if not self._several():
+                raise
+            if self._unreachable_since is None:
+                _log.warning("group %r: %s", self.group, exc)
+            self._watch_reach()
+            return []
         if not batches:
             self._watch_reach()
         else:
@@ -189,10 +197,14 @@ class Consumer:
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
 
+    def _several(self) -> bool:
+        return self.fail_over_after_s > 0 and len(parse_dsn(self.dsn)[1]) >= 2
+
     def _watch_reach(self, now: float | None = None) -> None:
-        """After an empty poll: note since when the client has reached no broker, and fail over once that
-        is ``fail_over_after_s`` ago (kafka-python neither raises nor returns anything meanwhile)."""
-        if self.fail_over_after_s <= 0 or len(parse_dsn(self.dsn)[1]) < 2 or reaches_a_broker(self._kc) is not False:
+        """After an empty or failed poll, or a failed commit: note since when the client has reached no
+        broker, and fail over once that is ``fail_over_after_s`` ago (kafka-python mostly neither raises
+        nor returns anything meanwhile; a commit to a dead coordinator times out, again and again)."""
+        if not self._several() or reaches_a_broker(self._kc) is not False:
             self._unreachable_since = None
             return
         now = time.monotonic() if now is None else now
@@ -241,6 +253,17 @@ class Consumer:
         self.dead_lettered_total += 1
 
     def commit(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
+        """Commit every record returned (or dead-lettered) by :meth:`poll` so far (see
+        :meth:`_commit_pending`). A commit the broker did not answer counts toward the fail-over: a
+        coordinator that died for good times it out again and again, and after a fail-over nothing read
+        here is pending."""
+        try:
+            self._commit_pending(hold)
+        except BusUnavailable:
+            self._watch_reach()
+            raise
+
+    def _commit_pending(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
         """Commit every record returned (or dead-lettered) by :meth:`poll` so far.
 
         ``hold`` maps ``(topic, partition)`` to the first offset the caller has not finished
