@@ -93,6 +93,10 @@ class Consumer:
     ``passed_over_total``. The job stage reads only the node states it needs this way."""
     passed_over_total: int = 0
 
+    commit_timeout_s: float = 30.0
+    """How long one commit waits for the group coordinator's answer before it raises
+    :class:`~fleethealth.errors.BusUnavailable` (the caller retries it)."""
+
     fail_over_after_s: float = 10.0
     """With several brokers in the DSN: a client that has reached no broker for this long, across polls,
     is replaced by one bootstrapped from all of them (see :meth:`_fail_over`); 0 or less: never."""
@@ -200,17 +204,17 @@ class Consumer:
     def _several(self) -> bool:
         return self.fail_over_after_s > 0 and len(parse_dsn(self.dsn)[1]) >= 2
 
-    def _watch_reach(self, now: float | None = None) -> None:
+    def _watch_reach(self, since: float | None = None) -> None:
         """After an empty or failed poll, or a failed commit: note since when the client has reached no
         broker, and fail over once that is ``fail_over_after_s`` ago (kafka-python mostly neither raises
         nor returns anything meanwhile; a commit to a dead coordinator times out, again and again)."""
         if not self._several() or reaches_a_broker(self._kc) is not False:
             self._unreachable_since = None
             return
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         if self._unreachable_since is None:
-            self._unreachable_since = now
-        elif now - self._unreachable_since >= self.fail_over_after_s:
+            self._unreachable_since = now if since is None else since
+        if now - self._unreachable_since >= self.fail_over_after_s:
             self._fail_over(now - self._unreachable_since)
 
     def _fail_over(self, unreachable_s: float) -> None:
@@ -257,10 +261,11 @@ class Consumer:
         :meth:`_commit_pending`). A commit the broker did not answer counts toward the fail-over: a
         coordinator that died for good times it out again and again, and after a fail-over nothing read
         here is pending."""
+        started = time.monotonic()
         try:
             self._commit_pending(hold)
         except BusUnavailable:
-            self._watch_reach()
+            self._watch_reach(since=started)  # the time the commit waited reached no broker either
             raise
 
     def _commit_pending(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
@@ -290,7 +295,7 @@ class Consumer:
         offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in targets.items()}
         with translated(f"committing offsets of group {self.group!r}", self.dsn):
             try:
-                self._kc.commit(offsets=offsets)
+                self._kc.commit(offsets=offsets, timeout_ms=int(self.commit_timeout_s * 1000))
             except Exception as exc:
                 if type(exc).__name__ not in ("CommitFailedError", "RebalanceInProgressError"):
                     raise

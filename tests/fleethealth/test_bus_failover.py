@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from fleethealth.bus import Consumer, Producer, ensure_topics
+from fleethealth.errors import BusUnavailable
 from fleethealth.schema import Event, EventKind, Topic
 
 FAIL_OVER_AFTER_S = 2.0
@@ -71,3 +72,49 @@ def test_a_consumer_fails_over_when_its_broker_dies_for_good(cluster) -> None:
     # consumer reads what is there; only the 100 before the kill are checked to be read exactly once
     assert not {m for m in twice if int(m.split()[1]) < 100}, f"read twice after the fail-over: {twice}"
     print(f"every record back {took:.1f} s after the kill")
+
+
+def test_a_consumer_whose_commits_time_out_on_a_dead_coordinator_fails_over(cluster) -> None:
+    """The runner retries a commit without polling in between: the commits that time out against the
+    dead broker count toward the fail-over, after which nothing read by the old client is pending and
+    the group's records come again from its last commit."""
+    ensure_topics(cluster.dsn, partitions=2)
+    with Producer(cluster.dsn) as producer:
+        for k in range(100):
+            producer.publish(_event(k))
+        producer.flush()
+    consumer = Consumer(cluster.dsn, [Topic.EVENTS.value], "fh-failover-commit", session_timeout_s=3.0,
+                        max_poll_interval_s=6.0)
+    consumer.fail_over_after_s = FAIL_OVER_AFTER_S
+    consumer.commit_timeout_s = 3.0
+    try:
+        first: Counter[str] = Counter()
+        deadline = time.monotonic() + 60.0
+        while len(first) < 100:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(first)} of 100 records read in 60 s")
+            first.update(r.msg.message for r in consumer.poll(0.5))
+        known = {b.port for b in consumer._kc._client.cluster.brokers()}
+        next(b for b in cluster.brokers if b.port in known).kill()
+        killed = time.monotonic()
+        failures = 0
+        while True:  # as the runner's retry: the commit again until it returns
+            try:
+                consumer.commit()
+                break
+            except BusUnavailable:
+                failures += 1
+                if time.monotonic() - killed > WITHIN_S:
+                    raise AssertionError(f"the commit still failed {WITHIN_S} s after the kill") from None
+        assert consumer.failovers_total == 1 and failures >= 1
+        again: Counter[str] = Counter()
+        while len(again) < 100:  # nothing was committed: the new member reads them all again
+            if time.monotonic() - killed > WITHIN_S:
+                raise AssertionError(f"{len(again)} of 100 records read again {WITHIN_S} s after the kill")
+            again.update(r.msg.message for r in consumer.poll(0.5))
+            consumer.commit()
+        print(f"fail-over after {failures} failed commit(s); every record back {time.monotonic() - killed:.1f} s "
+              "after the kill")
+    finally:
+        consumer.close()
+    assert set(again) == set(first) and max(again.values()) == 1
