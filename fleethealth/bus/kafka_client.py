@@ -75,6 +75,13 @@ class _KafkaBackend:
         _never_leave(kc)
         return kc
 
+    def reader(self, client_id: str, connect_timeout_ms: int) -> Any:
+        """A consumer in no group, assigned nothing yet (the caller assigns and seeks)."""
+        kafka = self._kafka()
+        return kafka.KafkaConsumer(bootstrap_servers=self.hosts, group_id=None, client_id=client_id,
+                                   enable_auto_commit=False, bootstrap_timeout_ms=connect_timeout_ms,
+                                   fetch_max_wait_ms=100, **self.options)
+
     def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
         kafka = self._kafka()
         return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,

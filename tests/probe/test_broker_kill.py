@@ -4,7 +4,9 @@ A Tansu broker on S3 writes a batch in two steps: the partition's watermark (nex
 producer's sequence numbers), then the batch object. Killed between them and started again, it answers
 the producer's retry of that batch ``DUPLICATE_SEQUENCE_NUMBER``, which kafka-python completes as a
 success at offset -1: the batch was acknowledged and never stored, and its offsets are a hole in the log
-(``bench/broker_kill_repro.py`` measures how often random kills land there). The S3 gate
+(``bench/broker_kill_repro.py`` measures how often random kills land there). The producer reads such
+records back and fails the flush for those not found; a frozen broker's late copy is found, and not
+published again (``test_broker_freeze.py``). The S3 gate
 (``tests/cluster.py``) holds the batch write, so the kill falls in that window every time.
 """
 
@@ -89,7 +91,7 @@ def test_an_acknowledgement_without_an_offset_fails_the_flush(gated) -> None:
         _kill_in_the_window(gated, lambda: p.publish_raw(TOPIC, b"in-the-window"))
         with pytest.raises(BusError, match="without an offset"):
             p.flush(timeout_s=30.0)
-        assert p.unplaced_total == 1
+        assert p.unplaced_total == p.read_back_total == 1  # read back, not found
         p.publish_raw(TOPIC, b"after")
         p.flush(timeout_s=30.0)
     assert b"in-the-window" not in _served(gated.dsn, b"after")  # the broker's loss, which the flush reported
