@@ -60,7 +60,9 @@ class Report:
     records_sent: int = 0
     records_acknowledged: int = 0
     acknowledged_without_offset: int = 0
-    """Records a restarted broker answered as duplicates of batches it never stored; published again."""
+    """Records a broker answered as duplicates (acknowledged at offset -1), each read back."""
+    acknowledged_not_stored: int = 0
+    """Of those, the ones not found when read back (a restarted broker that never stored them): published again."""
     producer_rebuilt: int = 0
     consumer_failovers: int = 0
     rank_steps_expected: int = 0
@@ -362,7 +364,8 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
     finally:
         delivery.close(drain_timeout_s=5.0)
         report.records_acknowledged = delivery.stats.delivered_total
-        report.acknowledged_without_offset = sum(p.unplaced_total for p in producers)
+        report.acknowledged_without_offset = sum(p.read_back_total for p in producers)
+        report.acknowledged_not_stored = sum(p.unplaced_total for p in producers)
         report.producer_rebuilt = max(0, len(producers) - 1)
         codes = [d.stop() for d in detectors]
         report.consumer_failovers = sum(d.failovers() for d in detectors)
