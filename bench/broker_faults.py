@@ -5,9 +5,11 @@ two jobs' rank-steps (``--steps`` each, one rank 20 % slow from a third of the w
 spool-backed delivery, runs ``fleethealth detect`` staged (two job replicas, one policy replica, chDB
 stores) and SIGKILLs a broker ``--kills`` times at random points of the stream, each time starting it
 again on its port; with ``--lose-broker`` one broker is then killed for good with two chunks of the
-stream to come. The run is ``tests/broker_faults.run``; the suite has no short form while kills
-sometimes lose a delivered chunk (an open defect: the README's "Broker faults"). Prints the faults
-injected, rank-steps expected, stored, missing and duplicated (``FINAL``), the straggler finding against
+stream to come. The run is ``tests/broker_faults.run``; the suite's short forms are
+``tests/probe/test_broker_kill.py`` (one kill in the broker's crash window, which lost acknowledged
+records) and ``tests/fleethealth/test_bus_failover.py`` (a broker lost for good). Prints the faults
+injected, records sent, acknowledged and read back after an acknowledgement without an offset,
+rank-steps expected, stored, missing and duplicated (``FINAL``), the straggler finding against
 one uninterrupted pipeline's, recommendations stored and published (and copies a fail-over published
 twice), how soon the producer and the detectors resumed after the loss, and ``ok``.
 

@@ -465,7 +465,7 @@ class HangDetector(Stateful):
                 and self._advances(job, item)):
             job.deadline = math.nan  # progress made in time, delivered late: the clock ran ahead of it
             self.clock_ahead_total_ += 1
-        if job is not None:
+        if job is not None and not _unseen_behind(job, item):
             out += self._check(item.job, job, ts)
         if isinstance(item, StepBatch):
             if job is not None and self._pending(job) and self._advances(job, item):
@@ -480,6 +480,25 @@ class HangDetector(Stateful):
     @staticmethod
     def _pending(job: _Job) -> bool:
         return not (job.reported or job.interrupted or math.isnan(job.deadline))
+
+
+def _unseen_behind(job: _Job, item: StepBatch | Event) -> bool:
+    """Whether ``item`` comes from a part of ``job`` never seen here — a step batch of ranks it has never
+    seen, or a ``job_start`` (the pipeline's restart marker ahead of such a batch) from a node it has never
+    seen — at a step its known ranks have passed. Then what it knew was part of the job, and the time
+    since their progress is no stall of the job: the check at the item's time is skipped. A node whose
+    clock stepped back (an NTP correction within ``max_behind_s``) puts its stretch of steps an hour
+    ahead of the other nodes' in event time; the others, arriving an hour later in event time at lower
+    steps, are that case. A run resuming after a real hang is ranks (and nodes) the job knows; a hang
+    that a run restarted on only new nodes ends is reported by the checks at ``now`` before it."""
+    if isinstance(item, Event):
+        return (item.kind is EventKind.JOB_START and item.step is not None and item.step <= job.max_step
+                and item.node not in job.node_index)
+    ranks = np.asarray(item.ranks, dtype=np.int64)
+    if ranks.size == 0 or item.step > job.max_step:
+        return False
+    known = ranks[ranks < job.node_of.size]
+    return bool(known.size == 0 or (job.node_of[known] < 0).all())
 
 
 def _exit_step(e: Event, max_step: int) -> int:

@@ -409,6 +409,8 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("detect.group", "str", "fh-detect", "consumer group of the detector runners (a stage's: GROUP-STAGE)"),
     Key("detect.stage", "str", "all", "which part of the detector tier a runner runs: all, node, job or policy"),
     Key("detect.metrics_port", "int", 9403, "Prometheus /metrics port of detect, 0 to disable"),
+    Key("detect.fail_over_after_s", "float", 10.0, "with several brokers in the DSN, a detector's consumer whose "
+        "client has reached no broker for this long reconnects from all of them (a rebalance); 0: never"),
     # serve
     Key("serve.host", "str", "127.0.0.1", "listen address"),
     Key("serve.port", "int", 8080, "listen port"),

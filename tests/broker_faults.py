@@ -20,6 +20,7 @@ commits all of it (the tail itself stays held and is not checked).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -56,6 +57,14 @@ class Report:
     faults: int = 0
     restarts: int = 0
     brokers_lost: int = 0
+    records_sent: int = 0
+    records_acknowledged: int = 0
+    acknowledged_without_offset: int = 0
+    """Records a broker answered as duplicates (acknowledged at offset -1), each read back."""
+    acknowledged_not_stored: int = 0
+    """Of those, the ones not found when read back (a restarted broker that never stored them): published again."""
+    producer_rebuilt: int = 0
+    consumer_failovers: int = 0
     rank_steps_expected: int = 0
     rank_steps_stored: int = 0
     rank_steps_missing: int = 0
@@ -181,6 +190,10 @@ class Detector:
         self._out.close()
         return code
 
+    def failovers(self) -> int:
+        """Consumer fail-overs this replica logged (``fleethealth/bus/consumer.py``)."""
+        return self.tail(10_000_000).count("reconnecting from every broker of the DSN")
+
     def tail(self, chars: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
@@ -271,8 +284,17 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
                              + " | ".join(d.tail(500) for d in detectors))
     offsets = _Offsets(cluster.dsn)
     say(f"replicas joined {time.monotonic() - started:.1f} s after the start")
+    producers: list[Any] = []
+
+    def producer_factory(dsn: str) -> Any:  # Delivery's own producer, kept to count what it was told
+        from fleethealth.bus import Producer
+
+        producers.append(Producer(dsn, client_id="fleethealth-probe", max_block_s=2.0, request_timeout_s=2.0,
+                                  delivery_timeout_s=math.inf, reconnect_backoff_max_s=0.5))
+        return producers[-1]
+
     delivery = Delivery(cluster.dsn, Spool(root / "spool"), node="faults-probe", flush_timeout_s=1.0,
-                        request_timeout_s=2.0, reconnect_backoff_max_s=0.5)
+                        request_timeout_s=2.0, reconnect_backoff_max_s=0.5, producer_factory=producer_factory)
     delivery.start()
     # the restarts at random chunks; the loss (if asked) after them, with two chunks still to come
     last = chunks - 2 if lose_broker else chunks
@@ -283,6 +305,7 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
         for c, chunk in enumerate(stream.chunks(chunks)):
             for block in chunk:
                 delivery.submit(block)
+            report.records_sent += len(chunk)
             if c not in plan and c != loss_at:
                 time.sleep(rng.uniform(0.2, 0.8))
                 continue
@@ -318,6 +341,7 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
                 f"detectors {report.detectors_resumed_s} s")
         for batch in stream.tail():
             delivery.submit(batch)
+            report.records_sent += 1
         if _until(lambda: len(delivery.spool) == 0, 120.0, time.monotonic()) is None:
             report.problems.append(f"the probe's spool still held {len(delivery.spool)} records after 120 s")
         caught = time.monotonic()
@@ -339,7 +363,12 @@ def run(cluster: Any, root: Path, *, steps: int = 300, chunks: int = 6, kills: i
         report.caught_up_s = round(time.monotonic() - caught, 1)
     finally:
         delivery.close(drain_timeout_s=5.0)
+        report.records_acknowledged = delivery.stats.delivered_total
+        report.acknowledged_without_offset = sum(p.read_back_total for p in producers)
+        report.acknowledged_not_stored = sum(p.unplaced_total for p in producers)
+        report.producer_rebuilt = max(0, len(producers) - 1)
         codes = [d.stop() for d in detectors]
+        report.consumer_failovers = sum(d.failovers() for d in detectors)
     for d, code in zip(detectors, codes, strict=True):
         if code != 0:
             report.problems.append(f"{d.store_dir.name} exited {code}: {d.tail()}")

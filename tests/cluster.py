@@ -16,12 +16,15 @@ server that does not answer); the fixture turns it into a skip that prints the r
 from __future__ import annotations
 
 import contextlib
+import http.client
+import http.server
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +34,7 @@ from typing import Self
 from fleethealth.broker import EmbeddedBroker, _die_with_parent, find_broker_binary, free_port
 from fleethealth.errors import BusUnavailable
 
-__all__ = ["ClusterUnavailable", "DurableCluster", "S3Server"]
+__all__ = ["ClusterUnavailable", "DurableCluster", "S3Gate", "S3Server"]
 
 _HOST = "127.0.0.1"
 _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "fleethealth", "AWS_SECRET_ACCESS_KEY": "fleethealth",
@@ -108,12 +111,88 @@ class S3Server:
             proc.wait(timeout=10)
 
 
+class S3Gate:
+    """A pass-through HTTP proxy in front of :class:`S3Server` that can hold the brokers' record-batch
+    writes: the crash window between a broker's two S3 writes of one produce.
+
+    A Tansu broker on S3 appends a batch in two writes: the partition's ``watermark.json`` (the next
+    offset, and the producer's sequence numbers), then the ``records/<offset>.batch`` object. After
+    :meth:`hold_batches` every batch PUT is held (never forwarded, never answered) and counted in
+    ``held``; a broker SIGKILLed then has taken the sequence numbers and not written the batch.
+    :meth:`release` forwards nothing that was held: it only lets later writes through.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.held = 0
+        self._holding = threading.Event()
+        self._freed = threading.Event()
+        gate = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                if self.command == "PUT" and self.path.endswith(".batch") and gate._holding.is_set():
+                    gate.held += 1
+                    gate._freed.wait(120.0)  # held; its broker is SIGKILLed meanwhile
+                    self.close_connection = True
+                    return
+                upstream = http.client.HTTPConnection(_HOST, gate.upstream_port, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    answer = upstream.getresponse()
+                    data = answer.read()
+                finally:
+                    upstream.close()
+                self.send_response(answer.status, answer.reason)
+                for k, v in answer.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self._server = http.server.ThreadingHTTPServer((_HOST, 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="s3-gate")
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{_HOST}:{self.port}"
+
+    def hold_batches(self) -> None:
+        self._freed.clear()
+        self._holding.set()
+
+    def release(self) -> None:
+        self._holding.clear()
+        self._freed.set()
+
+    def stop(self) -> None:
+        self.release()
+        self._server.shutdown()
+        self._server.server_close()
+
+
 class DurableCluster:
     """``brokers`` Tansu brokers on one S3 bucket (moto), each on a port of its own that it keeps across
-    restarts; a context manager. ``root`` holds the logs (else a temporary folder)."""
+    restarts; a context manager. ``root`` holds the logs (else a temporary folder). ``gated``: the
+    brokers reach S3 through an :class:`S3Gate` (``cluster.gate``), which can hold their batch writes."""
 
     def __init__(self, *, brokers: int = 2, root: str | os.PathLike[str] | None = None,
-                 bucket: str = "fleethealth", start_timeout_s: float = 30.0) -> None:
+                 bucket: str = "fleethealth", start_timeout_s: float = 30.0, gated: bool = False) -> None:
         if not 1 <= brokers <= 5:
             raise ValueError(f"brokers must be 1 to 5, got {brokers}")
         self._temp = None if root is not None else tempfile.TemporaryDirectory(prefix="fleethealth-cluster-")
@@ -123,6 +202,8 @@ class DurableCluster:
         self.count = brokers
         self.start_timeout_s = start_timeout_s
         self.brokers: list[EmbeddedBroker] = []
+        self.gated = gated
+        self.gate: S3Gate | None = None
 
     @property
     def dsn(self) -> str:
@@ -135,7 +216,9 @@ class DurableCluster:
         except BusUnavailable as exc:
             raise ClusterUnavailable(str(exc)) from exc
         self.s3.start()
-        env = {**_CREDENTIALS, "AWS_ENDPOINT": self.s3.endpoint}
+        if self.gated:
+            self.gate = S3Gate(self.s3.port)  # type: ignore[arg-type]
+        env = {**_CREDENTIALS, "AWS_ENDPOINT": self.s3.endpoint if self.gate is None else self.gate.endpoint}
         try:
             for k in range(self.count):
                 broker = EmbeddedBroker(port=free_port(), binary=binary, log_path=self.root / f"broker{k}.log",
@@ -172,6 +255,9 @@ class DurableCluster:
                 with contextlib.suppress(OSError, ClusterUnavailable):
                     os.kill(broker.pid, signal.SIGCONT)  # a frozen broker would not see SIGINT
             broker.stop()
+        if self.gate is not None:
+            self.gate.stop()
+            self.gate = None
         self.s3.stop()
         if self._temp is not None:
             self._temp.cleanup()

@@ -13,8 +13,8 @@ import orjson
 
 from fleethealth import schema
 from fleethealth.bus.deadletter import DeadLetter
-from fleethealth.bus.dsn import _backend
-from fleethealth.bus.kafka_client import translated
+from fleethealth.bus.dsn import _backend, parse_dsn
+from fleethealth.bus.kafka_client import reaches_a_broker, translated
 from fleethealth.bus.producer import Producer
 from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
 from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
@@ -62,10 +62,13 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
+        self._connect = lambda: backend.consumer(self.topics, group, client_id, from_beginning,
+                                                 int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
+                                                 int(connect_timeout_s * 1000))
         with translated(f"joining group {group!r}", dsn):
-            self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
-                                        int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
-                                        int(connect_timeout_s * 1000))
+            self._kc = self._connect()
+        self._unreachable_since: float | None = None
+        self.failovers_total = 0
         self._producer = producer
         self._own_producer = producer is None
         self._pending: dict[Any, int] = {}
@@ -89,6 +92,14 @@ class Consumer:
     a record it refuses is passed over undecoded (its offset counts as read) and counted in
     ``passed_over_total``. The job stage reads only the node states it needs this way."""
     passed_over_total: int = 0
+
+    commit_timeout_s: float = 30.0
+    """How long one commit waits for the group coordinator's answer before it raises
+    :class:`~fleethealth.errors.BusUnavailable` (the caller retries it)."""
+
+    fail_over_after_s: float = 10.0
+    """With several brokers in the DSN: a client that has reached no broker for this long, across polls,
+    is replaced by one bootstrapped from all of them (see :meth:`_fail_over`); 0 or less: never."""
 
     def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Block until the group has assigned partitions and their start offsets are known.
@@ -129,8 +140,20 @@ class Consumer:
 
     def _fetch(self, timeout_s: float, max_records: int) -> list[tuple[Record | None, Any, int]]:
         """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
-        with translated(f"polling {', '.join(self.topics)}", self.dsn):
-            batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        try:
+            with translated(f"polling {', '.join(self.topics)}", self.dsn):
+                batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except BusUnavailable as exc:  # with several brokers: one is gone, fail over rather than stop
+            if not self._several():
+                raise
+            if self._unreachable_since is None:
+                _log.warning("group %r: %s", self.group, exc)
+            self._watch_reach()
+            return []
+        if not batches:
+            self._watch_reach()
+        else:
+            self._unreachable_since = None
         out: list[tuple[Record | None, Any, int]] = []
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
@@ -178,6 +201,49 @@ class Consumer:
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
 
+    def _several(self) -> bool:
+        return self.fail_over_after_s > 0 and len(parse_dsn(self.dsn)[1]) >= 2
+
+    def _watch_reach(self, since: float | None = None) -> None:
+        """After an empty or failed poll, or a failed commit: note since when the client has reached no
+        broker, and fail over once that is ``fail_over_after_s`` ago (kafka-python mostly neither raises
+        nor returns anything meanwhile; a commit to a dead coordinator times out, again and again)."""
+        if not self._several() or reaches_a_broker(self._kc) is not False:
+            self._unreachable_since = None
+            return
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now if since is None else since
+        if now - self._unreachable_since >= self.fail_over_after_s:
+            self._fail_over(now - self._unreachable_since)
+
+    def _fail_over(self, unreachable_s: float) -> None:
+        """Replace the client by a new one bootstrapped from every broker of the DSN. kafka-python forgets
+        its bootstrap list once it has metadata, and brokers that share one node id (Tansu's, on one
+        storage) leave it one address, so a client whose broker died for good would poll and commit
+        there forever, silently. The new client joins the group anew: what this one had read and not
+        committed is read again by the partitions' owners (a rebalance: the runner sees its assignment
+        empty, then restores what it is given from the snapshots); nothing read here is committed."""
+        _log.warning("group %r reached no broker of %s for %.0f s: reconnecting from every broker of the DSN",
+                     self.group, self.dsn, unreachable_s)
+        try:
+            with translated(f"rejoining group {self.group!r}", self.dsn):
+                fresh = self._connect()
+        except BusUnavailable as exc:  # none answers now: keep the old client, try again later
+            _log.warning("group %r: no broker of %s answered: %s", self.group, self.dsn, exc)
+            self._unreachable_since = time.monotonic()
+            return
+        old, self._kc = self._kc, fresh
+        self._pending.clear()
+        self._buffer = []
+        self._committed.clear()
+        self._unreachable_since = None
+        self.failovers_total += 1
+        try:
+            old.close(autocommit=False)
+        except Exception:  # noqa: BLE001 — the old client's broker is gone; it is dropped either way
+            pass
+
     def _dead_letter(self, rec: Any, reason: str) -> None:
         if rec.topic == Topic.DEADLETTER.value:
             self.dead_lettered_total += 1  # never loop a dead letter back into its own topic
@@ -191,6 +257,18 @@ class Consumer:
         self.dead_lettered_total += 1
 
     def commit(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
+        """Commit every record returned (or dead-lettered) by :meth:`poll` so far (see
+        :meth:`_commit_pending`). A commit the broker did not answer counts toward the fail-over: a
+        coordinator that died for good times it out again and again, and after a fail-over nothing read
+        here is pending."""
+        started = time.monotonic()
+        try:
+            self._commit_pending(hold)
+        except BusUnavailable:
+            self._watch_reach(since=started)  # the time the commit waited reached no broker either
+            raise
+
+    def _commit_pending(self, hold: Mapping[tuple[str, int], int] | None = None) -> None:
         """Commit every record returned (or dead-lettered) by :meth:`poll` so far.
 
         ``hold`` maps ``(topic, partition)`` to the first offset the caller has not finished
@@ -217,7 +295,7 @@ class Consumer:
         offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in targets.items()}
         with translated(f"committing offsets of group {self.group!r}", self.dsn):
             try:
-                self._kc.commit(offsets=offsets)
+                self._kc.commit(offsets=offsets, timeout_ms=int(self.commit_timeout_s * 1000))
             except Exception as exc:
                 if type(exc).__name__ not in ("CommitFailedError", "RebalanceInProgressError"):
                     raise

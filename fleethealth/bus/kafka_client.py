@@ -75,11 +75,35 @@ class _KafkaBackend:
         _never_leave(kc)
         return kc
 
+    def reader(self, client_id: str, connect_timeout_ms: int) -> Any:
+        """A consumer in no group, assigned nothing yet (the caller assigns and seeks)."""
+        kafka = self._kafka()
+        return kafka.KafkaConsumer(bootstrap_servers=self.hosts, group_id=None, client_id=client_id,
+                                   enable_auto_commit=False, bootstrap_timeout_ms=connect_timeout_ms,
+                                   fetch_max_wait_ms=100, **self.options)
+
     def admin(self, client_id: str, connect_timeout_ms: int) -> Any:
         kafka = self._kafka()
         return kafka.KafkaAdminClient(bootstrap_servers=self.hosts, client_id=client_id,
                                       request_timeout_ms=10_000, bootstrap_timeout_ms=connect_timeout_ms,
                                       **self.options)
+
+
+def reaches_a_broker(kc: Any) -> bool | None:
+    """Whether a kafka-python client holds a connection to any broker it knows (its metadata's brokers
+    and its group coordinator); None where this kafka-python does not say."""
+    client = getattr(kc, "_client", None)
+    cluster = getattr(client, "cluster", None)
+    if client is None or cluster is None or not hasattr(client, "connected"):
+        return None
+    try:
+        nodes = [b.node_id if hasattr(b, "node_id") else b.nodeId for b in cluster.brokers()]  # 3.x, 2.x
+        coordinator = getattr(getattr(kc, "_coordinator", None), "coordinator_id", None)
+        if coordinator is not None:
+            nodes.append(coordinator)
+        return any(client.connected(node) for node in nodes)
+    except Exception:  # noqa: BLE001 — introspection of a client's internals: unknown, never an error
+        return None
 
 
 def _never_leave(kc: Any) -> None:

@@ -28,6 +28,11 @@ def _compression() -> str:
     return "gzip"
 
 
+_READ_BACK_S = 10.0
+"""The longest a flush reads back records acknowledged without an offset (see :meth:`Producer._verify`)."""
+_READ_BACK_MAX = 100_000
+"""How many of a partition's last records are read back when nothing of it was placed before."""
+
 _NEVER_MS = 2**31 - 1
 """A delivery timeout of ``math.inf``: about 24.8 days, the largest a Kafka client takes."""
 
@@ -80,6 +85,8 @@ class Producer:
         timeouts = _producer_timeouts(max_block_s=max_block_s, request_timeout_s=request_timeout_s,
                                       delivery_timeout_s=delivery_timeout_s,
                                       reconnect_backoff_max_s=reconnect_backoff_max_s)
+        self._backend = backend
+        self._client_id = client_id
         self._connect = lambda: backend.producer(client_id, self.compression, int(connect_timeout_s * 1000),
                                                  **timeouts)
         with translated("connecting a producer", dsn):
@@ -89,6 +96,13 @@ class Producer:
         self._failures: list[str] = []
         self.published_total = 0
         self.failed_total = 0
+        self.unplaced_total = 0
+        """Records acknowledged without an offset and not found when read back (see :meth:`_verify`), also
+        counted in ``failed_total``; ``read_back_total`` counts every record read back."""
+        self.read_back_total = 0
+        self._unplaced: list[tuple[tuple[str, int], bytes | None, bytes]] = []
+        self._acked: dict[tuple[str, int], int] = {}
+        self._flushed: dict[tuple[str, int], int] = {}
 
     def publish(self, msg: Message) -> None:
         """Queue one schema message for delivery."""
@@ -105,8 +119,86 @@ class Producer:
         with translated(f"publishing to {topic}", self.dsn):
             future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
                                    **({"headers": list(headers)} if headers else {}))
+        future.add_callback(self._placed, str(topic), key, value)
         future.add_errback(self._failed, str(topic))
         self.published_total += 1
+
+    def _placed(self, topic: str, key: bytes | None, value: bytes, metadata: Any) -> None:
+        """An acknowledgement without an offset is not yet a delivery. kafka-python completes a batch the
+        broker answered ``DUPLICATE_SEQUENCE_NUMBER`` as a success at offset -1. A broker that took the
+        first copy (a frozen one, answering late) did store it; a Tansu broker on S3 SIGKILLed between
+        taking a batch's sequence numbers and writing the batch answers the same to the retry of a batch
+        it never stored (``bench/broker_kill_repro.py``). :meth:`flush` reads such records back."""
+        offset = getattr(metadata, "offset", None)
+        tp = (topic, int(getattr(metadata, "partition", -1)))
+        with self._lock:
+            if isinstance(offset, int) and offset >= 0:
+                if offset > self._acked.get(tp, -1):
+                    self._acked[tp] = offset
+            else:
+                self._unplaced.append((tp, key, value))
+
+    def _verify(self, timeout_s: float) -> None:
+        """Read back the records acknowledged without an offset (see :meth:`_placed`): each one found on
+        its partition, after what the previous flush had placed there, is delivered; each one not found
+        is counted failed (``unplaced_total``), so the flush raises and the caller publishes it again
+        (a new producer id: no broker calls it a duplicate)."""
+        with self._lock:
+            unplaced, self._unplaced = self._unplaced, []
+            since = dict(self._flushed)
+        if not unplaced:
+            return
+        found = self._read_back(set(unplaced), since, min(timeout_s, _READ_BACK_S))
+        missing = [(tp, k, v) for tp, k, v in unplaced if (tp, k, v) not in found]
+        with self._lock:
+            self.read_back_total += len(unplaced)
+            self.unplaced_total += len(missing)
+        for (topic, partition), _, _ in missing:
+            self._failed(topic, BusError(f"acknowledged without an offset and not found on partition {partition} "
+                                         "when read back: a retried batch the broker called a duplicate and "
+                                         "never stored"))
+
+    def _read_back(self, wanted: set[tuple[tuple[str, int], bytes | None, bytes]], since: dict[tuple[str, int], int],
+                   timeout_s: float) -> set[tuple[tuple[str, int], bytes | None, bytes]]:
+        """Which of ``wanted`` (``(partition, key, value)``) are on their partitions after ``since`` (the last
+        offset placed there as of the previous flush; else among the last :data:`_READ_BACK_MAX`
+        records), read until all are found, the partitions' ends are reached, five polls in a row answer
+        nothing (a Tansu fetch inside a hole in the log answers nothing), or ``timeout_s``."""
+        tps = {tp for tp, _, _ in wanted}
+        import time
+
+        from kafka.structs import TopicPartition
+
+        out: set[tuple[tuple[str, int], bytes | None, bytes]] = set()
+        try:
+            reader = self._backend.reader(f"{self._client_id}-readback", 10_000)
+        except Exception as exc:
+            if _is_kafka_error(exc):
+                return out
+            raise
+        try:
+            parts = [TopicPartition(t, p) for t, p in sorted(tps) if p >= 0]
+            reader.assign(parts)
+            ends = reader.end_offsets(parts)
+            for tp in parts:
+                start = since.get((tp.topic, tp.partition))
+                reader.seek(tp, start + 1 if start is not None else max(0, int(ends[tp]) - _READ_BACK_MAX))
+            deadline, quiet = time.monotonic() + timeout_s, 0
+            while time.monotonic() < deadline and quiet < 5 and not wanted <= out:
+                got = reader.poll(timeout_ms=200)
+                for tp, records in got.items():
+                    out.update(((tp.topic, tp.partition), r.key, r.value) for r in records)
+                known = all(reader.highwater(tp) is not None for tp in parts)
+                if not got and known and all(reader.position(tp) >= reader.highwater(tp) for tp in parts):
+                    break
+                quiet = quiet + 1 if not got and known else 0
+        except Exception as exc:
+            if not _is_kafka_error(exc):
+                raise
+        finally:
+            with contextlib.suppress(Exception):
+                reader.close()
+        return out
 
     def _failed(self, topic: str, exc: Exception) -> None:
         with self._lock:
@@ -122,7 +214,9 @@ class Producer:
         except BusError:
             self._fail_over()
             raise
+        self._verify(timeout_s)
         with self._lock:
+            self._flushed.update(self._acked)
             failures, self._failures = self._failures, []
         if failures:
             self._fail_over()

@@ -127,6 +127,9 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, *, live: Li
     runner = Runner(bus_dsn, store, group=group, pipeline=pipelines, policy=policy, stage=stage,
                     **{"snapshots": Snapshots(**of("detect.snapshot")), **of("detect.runner"), **kwargs})
     _sign_and_verify(runner, settings)
+    for consumer in (runner.consumer, runner.table):  # fleethealth/bus/consumer.py Consumer._fail_over
+        if consumer is not None:
+            consumer.fail_over_after_s = settings["detect.fail_over_after_s"]
     return runner
 
 
