@@ -2,7 +2,10 @@
 
 :class:`Pipeline` takes messages already ordered by event time (the runner's reorder buffer
 does that) and returns findings. It does no I/O and reads no clock: "now" is the median over
-nodes of their newest message's event time. What it calls, in order, for each ``feed``:
+nodes of their newest message's event time. It feeds each detector through its one entry point,
+``update(batch, now)`` (a :class:`~fleethealth.detectors.batch.Batch` of the records it reads), and
+asks no more of it than questions (a node's rack, a diagnosis, a job's step timeout). What it
+feeds, in order, for each ``feed``:
 
 1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
    power brake, PCIe) and the failure predictor;
