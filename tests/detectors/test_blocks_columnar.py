@@ -206,7 +206,7 @@ def test_a_block_naming_a_job_or_node_beyond_the_limits_is_rejected_as_a_batch_w
     assert pipe.over_limit_ == {"jobs": 1, "nodes": 1}
 
 
-def test_update_many_is_update_of_each_step_bit_for_bit() -> None:
+def test_check_many_is_check_of_each_step_bit_for_bit() -> None:
     """Steps scored ten at a time as one matrix: the same findings and the same detector state, to
     the last bit, as one step at a time (a persistent, a 5 % and a 2 % straggler among 1,024 ranks)."""
     ranks, steps = 1024, 240
