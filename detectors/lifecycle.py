@@ -181,6 +181,10 @@ class _Job:
     home: str = ""  # the node its lifecycle records come from (rank 0's)
 
 
+_Plan = tuple[_Job, int, float, list[float], list[float]]
+"""How a block folds in whole: its job, the new top step and its time, the step durations, the step times."""
+
+
 class LifecycleTracker(Stateful):
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
@@ -195,6 +199,10 @@ class LifecycleTracker(Stateful):
     """
 
     name = "lifecycle"
+    _state_skip = ("_planned",)
+    _planned: tuple[StepBlock, _Plan | None] | None = None
+    """:meth:`takes_whole`'s answer for the block it was asked about, used by the fold that follows at once
+    (the pipeline asks, then updates with the same block): not state, dropped by any other call."""
 
     def __init__(self, *, step_timeout: StepTimeout | None = None, rewind_gap_s: float = 1.0,
                  cause_window_s: float = 60.0, restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000) -> None:
@@ -278,9 +286,11 @@ class LifecycleTracker(Stateful):
             (b.ts, 0, i, b) for i, b in enumerate(batches)]
         items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
         markers: list[Event] = []
-        for _, _, _, item in sorted(items, key=lambda x: x[:3]):
-            if type(item) is StepBlock:
-                if self._whole(item):
+        planned, self._planned = self._planned, None
+        for k, (_, _, _, item) in enumerate(sorted(items, key=lambda x: x[:3])):
+            if type(item) is StepBlock:  # the plan asked for just before holds for the first record alone
+                known = planned is not None and k == 0 and planned[0] is item
+                if self._whole(item, planned[1] if known else self._plan(item)):  # type: ignore[index]
                     continue
                 parts: Iterable[StepBatch | Event] = item.split()
             else:
@@ -310,9 +320,11 @@ class LifecycleTracker(Stateful):
         by step, so a caller that assembles steps can restart the assembly between them."""
         if not hasattr(self, "jobs_"):
             self._start()
-        return self._plan(block) is not None
+        plan = self._plan(block)
+        self._planned = (block, plan)
+        return plan is not None
 
-    def _plan(self, block: StepBlock) -> tuple[_Job, int, float, list[float], list[float]] | None:
+    def _plan(self, block: StepBlock) -> _Plan | None:
         job = self.jobs_.get(block.job)
         if job is None or job.stop is not None or job.exit is not None:
             return None
@@ -332,10 +344,10 @@ class LifecycleTracker(Stateful):
                 return None
         return job, top, top_ts, durations, stamps
 
-    def _whole(self, block: StepBlock) -> bool:
-        """Fold in every step of ``block`` at once when :meth:`takes_whole`: exactly :meth:`_observe` of its
-        steps in order. False, having changed nothing, when the steps must be observed one by one."""
-        plan = self._plan(block)
+    def _whole(self, block: StepBlock, plan: _Plan | None) -> bool:
+        """Fold in every step of ``block`` at once by its ``plan`` (:meth:`_plan`): exactly :meth:`_observe`
+        of its steps in order. False, having changed nothing, when there is none: the steps must be
+        observed one by one."""
         if plan is None:
             return False
         job, top, top_ts, durations, stamps = plan
@@ -661,6 +673,7 @@ class LifecycleTracker(Stateful):
         """Drop ``jobs`` (ended, or idle; an open stop is concluded with what is known, its event out of the
         next concluding :meth:`update`) and ``nodes`` from the nodes each job ran on."""
         gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        self._planned = None
         if not hasattr(self, "jobs_"):
             return
         for name in sorted(gone_jobs):

@@ -375,12 +375,12 @@ def test_input_not_mutated(case):
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Batch):
+        return all(_same(getattr(a, name), getattr(b, name)) for name in Batch._fields)
     if isinstance(a, np.ndarray):
         return np.array_equal(a, b, equal_nan=True)
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Batch):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(Batch))
     if isinstance(a, AssembledStep):
         return a.step == b.step and _same(a.compute_s, b.compute_s) and _same(a.ranks, b.ranks)
     if isinstance(a, Telemetry):

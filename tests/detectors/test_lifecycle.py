@@ -25,7 +25,7 @@ from fleethealth.payloads.hang_report import hang_report_event
 from fleethealth.payloads.job import job_exit_event, job_start_event
 from fleethealth.policy.goodput import Interruption
 from fleethealth.policy.stage import PolicyStage
-from fleethealth.schema import Event, EventKind, Message, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Message, StepBatch, StepBlock, Telemetry
 from fleethealth.store import open_store
 
 T0 = 1_767_225_600.0
@@ -289,3 +289,30 @@ def test_a_run_halted_by_its_own_failed_check_is_an_sdc_interruption() -> None:
         "sdc", "n0001", 2, "halted", True, 10)
     assert d["detection_s"] == pytest.approx(1.0) and d["isolation_s"] == 0.0 and d["reload_s"] == pytest.approx(5.0)
     assert Interruption.from_event(ev).node == "n0001"
+
+
+def _block(first: int, ts: float, n: int = 10) -> StepBlock:
+    return StepBlock.of([b for k in range(first, first + n) for b in _batches(k, ts + STEP_S * (k - first),
+                                                                           nodes=("n0000",))])
+
+
+def test_takes_whole_answers_without_changing_anything_and_its_answer_serves_only_the_next_update() -> None:
+    """The pipeline asks ``takes_whole(block)`` and then updates with that block: the answer is kept for
+    that update alone (not state), so a state with it is the same as without it, a forget drops it, and
+    an update with another block plans that block afresh."""
+    asked, plain = LifecycleTracker(), LifecycleTracker()
+    for det in (asked, plain):
+        det.update(Batch(events=[_start(T0 - 5.0)], steps=[_block(0, T0)]), T0 + 20.0)
+    first, second = _block(10, T0 + 20.0), _block(20, T0 + 40.0)
+    assert asked.takes_whole(first) and asked.state_dict().tree == plain.state_dict().tree
+    asked.update(Batch(steps=[first], conclude=False), T0 + 40.0)
+    plain.update(Batch(steps=[first], conclude=False), T0 + 40.0)
+    assert asked.state_dict().tree == plain.state_dict().tree
+    assert asked.takes_whole(second)  # asked about one block, then updated with another: planned afresh
+    rewind = _block(5, T0 + 45.0)  # the counter goes back: a restart, taken step by step
+    markers = asked.update(Batch(steps=[rewind], conclude=False), T0 + 45.0)
+    assert [(m.kind, m.step) for m in markers] == [(EventKind.JOB_START, 5)]
+    asked.takes_whole(second)
+    asked.forget(jobs=["j"])  # a forget in between drops the answer: the job is unknown again
+    assert asked.update(Batch(steps=[second], conclude=False), T0 + 60.0) == []
+    assert "j" in asked.jobs_ and asked.jobs_["j"].top == 29
