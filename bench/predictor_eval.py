@@ -49,12 +49,12 @@ def _score(artifact: ModelArtifact, specs: list, spent: dict[str, float]) -> tup
         for telemetry, events in _stream(spec):
             samples += len(telemetry)
             t = time.perf_counter()
-            found += det.update(telemetry, events)
+            found += det.check(telemetry, events)
             spent["predictor_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            ecc += [f for f in health.update(telemetry, events) if f.kind is FindingKind.ECC]
+            ecc += [f for f in health.check(telemetry, events) if f.kind is FindingKind.ECC]
             spent["baseline_s"] += time.perf_counter() - t
-            by_default += default.update(telemetry, events)
+            by_default += default.check(telemetry, events)
         model.add(spec, found)
         rule.add(spec, [f for f in ecc if "escalated_from" not in f.evidence])
         shipped.add(spec, by_default)

@@ -99,7 +99,7 @@ def build(ranks: int, steps: int, fed_steps: int, telemetry_every: int, seed: in
         detector = pipe.stragglers_[JOB]
         placed = AssembledStep(job=JOB, step=step, ts=ts, ranks=all_ranks, gpus=gpu_of, nodes=node_of,
                                compute_s=compute, groups=None, complete=True)
-        pipe._wait(detector.update(step, all_ranks, compute, None, placement=placed))
+        pipe._wait(detector.check(step, all_ranks, compute, None, placement=placed))
     raise AssertionError("unreachable")
 
 

@@ -195,7 +195,7 @@ def main() -> None:
         fed += ranks.size
         if inc is not None and step % args.sample_every == 0:  # the increments the update will score
             inc.add(det, ranks, t, groups, det.base_, det.sig2_, det.base_n_ >= det.baseline_steps)
-        for f in det.update(step, ranks, t, groups):
+        for f in det.check(step, ranks, t, groups):
             findings.append({"rank": f.rank, "step": f.step, "persistent": f.evidence["persistent"],
                              "slowdown": f.slowdown, "z": f.z})
         cur = det.stat_[:, :n] / det.h_

@@ -62,7 +62,7 @@ def _latency(n_ranks: int, warmup: int, slowdown: float, target: int, seed: int,
         ranks, t, groups = gen.draw(slow)
         for name, det in dets.items():
             t0 = time.perf_counter()
-            found = det.update(step, ranks, t, groups)
+            found = det.check(step, ranks, t, groups)
             elapsed[name] += time.perf_counter() - t0
             for f in found:
                 if step >= warmup and f.rank in slow_ranks:

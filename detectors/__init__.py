@@ -1,37 +1,37 @@
-"""Streaming detectors (pure ``update(...) -> list[Finding]``) and the runner that feeds them.
+"""Streaming detectors (pure ``update(batch, now) -> list``) and the runner that feeds them.
 
 Every detector here is an estimator in scikit-learn's manner: keyword-only parameters stored by
-``__init__``, checked on the first ``update`` (:class:`~fleethealth.errors.ConfigError`), running
+``__init__``, checked on the first update (:class:`~fleethealth.errors.ConfigError`), running
 state in attributes ending in ``_``, no I/O and no wall clock — event time comes in with the
 data. ``tests/detectors/test_common.py`` runs them all through one set of checks.
 
-What the runner calls, per input:
+**The detector contract.** Every detector has one entry point, ``update(batch, now)``: ``batch`` a
+:class:`~fleethealth.detectors.batch.Batch` (step records, one job's assembled steps, telemetry, node
+states, events, findings, each possibly empty, plus what the caller knows that a detector asks about:
+``alive``, ``owns``, ``rack_of``), ``now`` the event time; it returns what it concluded — findings;
+the node-state table the states it published; the job lifecycle its restart markers and
+``interruption`` events. Each also has ``forget(jobs=…, nodes=…)`` (drop what it holds about ended
+jobs and gone nodes: afterwards its state names none of them) and ``state_dict()`` / ``from_state()``
+(its state as plain data, :mod:`fleethealth.detectors.state`). What the pipeline feeds each, in order:
 
 * **an assembled step** of one job (all ranks, columnar) — one straggler detector *per job*
-  (its state is indexed by rank)::
+  (:class:`StragglerDetector`; :class:`SeedRule`, seed 000's rule, the benchmark baseline), its
+  state indexed by rank: ``Batch(assembled=steps)``; then :class:`Diagnoser` ``diagnose(node, gpu)``
+  and :class:`RackEpisodes` ``Batch(findings=…, rack_of=diagnoser.rack_of)``;
+* **step records, events and the event-time watermark** — :class:`HangDetector`
+  ``Batch(steps=…, events=…, alive=…)`` (one instance for all jobs);
+* **telemetry samples and events** — the :class:`Diagnoser` (its node-state table)
+  ``Batch(telemetry=…)`` or, in a job stage, ``Batch(states=…)``; :class:`HealthRules` (``ecc`` /
+  ``xid`` / ``power_brake`` / ``link``) and :class:`FailurePredictor` (``failure_risk``; loads the
+  shipped model on first use, needs scikit-learn) ``Batch(telemetry=…, events=…)``;
+* **events** — :class:`SdcDetector` ``Batch(events=…, owns=…)`` (``sdc`` from ``sdc_check`` records);
+* **step records, events and the findings above** — :class:`LifecycleTracker` (one ``interruption``
+  *event* per stop of a job, with its MTTR phases): each record as it comes with
+  ``Batch(conclude=False)`` (a restart it sees restarts the step assembly), then the feed's findings.
 
-      findings = straggler.update(step.step, step.ranks, step.compute_s, step.groups,
-                                  placement=step)                        # StragglerDetector()
-      # each finding already names its job, node, GPU and time; diagnose it once telemetry caught up:
-      res = diagnoser.diagnose(f.node, f.gpu)                            # Diagnoser()
-      f = dataclasses.replace(f, diagnosis=res.diagnosis, evidence={**f.evidence, **res.evidence})
-      findings = rack_episodes.update(findings, diagnoser.rack_of)      # RackEpisodes()
-
-  ``SeedRule()`` has the same interface (seed 000's rule, the benchmark baseline).
-* **step batches, events and the event-time watermark** — ``hang.update(batches, events, now, alive=...)``
-  (:class:`HangDetector`; one instance for all jobs).
-* **telemetry samples and events** — ``diagnoser.observe(samples)``;
-  ``health.update(samples, events)`` (:class:`HealthRules`: ``ecc`` / ``xid`` /
-  ``power_brake`` / ``link``); ``predictor.update(samples, events)`` (:class:`FailurePredictor`:
-  ``failure_risk``; loads the shipped model on first use, needs scikit-learn).
-* **events** — ``sdc.update(events)`` (:class:`SdcDetector`: ``sdc`` from ``sdc_check`` records).
-* **step batches, events and the findings above** — ``lifecycle.update(batches, events, now,
-  findings=...)`` (:class:`LifecycleTracker`: one ``interruption`` *event* per stop of a job, with
-  its MTTR phases, from ``job_start`` / ``job_exit``, step progress and the hang and Xid findings).
-
-Every detector also has ``forget(jobs=…, nodes=…)`` (drop what it holds about ended jobs and gone
-nodes: afterwards its state names none of them) and ``state_dict()`` / ``from_state()`` (its state as
-plain data, :mod:`fleethealth.detectors.state`).
+Each detector's per-kind form, ``check(...)`` (``StragglerDetector.check(step, ranks, compute_s,
+groups, placement=…)`` and ``check_many``, ``HealthRules.check(telemetry, events)``, …), is what
+``update`` calls, kept for tests and benchmarks that drive one detector by hand.
 
 Bad values inside otherwise valid input have a defined behaviour (dropped and counted in a
 ``*_total_`` attribute); malformed calls raise :class:`~fleethealth.errors.SchemaError`.

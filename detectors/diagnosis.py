@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.nodestate import THERMAL_BITS, NodeStates, StateRule, node_state
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalParams
@@ -374,6 +375,11 @@ class Diagnoser(Stateful):
         """Samples or states older than (or as old as) the node's newest, ignored."""
         return self.states.stale_total_
 
+    def update(self, batch: Batch, now: float) -> list[NodeState]:
+        """The table's :meth:`NodeStates.update`: ``batch.telemetry`` observed, ``batch.states`` applied;
+        returns the states published."""
+        return self.states.update(expect(batch, self), now)
+
     def observe(self, samples: Iterable[Telemetry]) -> list[NodeState]:
         return self.states.observe(samples)
 
@@ -422,7 +428,8 @@ class Diagnoser(Stateful):
 class RackEpisodes(Stateful):
     """Fold ``ENVIRONMENTAL`` stragglers of one rack into one finding per (job, rack) episode.
 
-    ``update(findings, rack_of)`` passes every other finding through unchanged. The first
+    ``update(Batch(findings=…, rack_of=…), now)`` (or ``check(findings, rack_of)``) passes every other
+    finding through unchanged. The first
     ``ENVIRONMENTAL`` straggler of a rack opens an episode and is replaced by one rack finding
     (``detector="straggler.rack"``, ``rank``/``gpu`` None, ``evidence["rack"]``, the first
     straggler's rank, node and diagnosis evidence). Later ones in the same rack are absorbed
@@ -438,7 +445,16 @@ class RackEpisodes(Stateful):
     def __init__(self, *, quiet_s: float = 1800.0) -> None:
         self.quiet_s = quiet_s
 
-    def update(self, findings: Sequence[Finding], rack_of: Callable[[str], str | None]) -> list[Finding]:
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """:meth:`check` of ``batch.findings`` with ``batch.rack_of`` (required; ``now`` is not read)."""
+        batch = expect(batch, self)
+        if batch.rack_of is None:
+            if not batch.findings:
+                return []
+            raise TypeError("RackEpisodes.update needs Batch.rack_of: the rack each finding's node reports")
+        return self.check(batch.findings, batch.rack_of)
+
+    def check(self, findings: Sequence[Finding], rack_of: Callable[[str], str | None]) -> list[Finding]:
         if not hasattr(self, "episodes_"):
             check_number("quiet_s", self.quiet_s, above=0, owner=self)
             self.episodes_: dict[tuple[str | None, str], dict[str, Any]] = {}

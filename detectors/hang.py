@@ -41,7 +41,8 @@ time: the deadline is withdrawn (counted in ``clock_ahead_total_``), not reporte
 hang. Level ranks wait the ``stack_grace_s`` before being reported, which is what lets a
 stalled partition deliver its backlog first.
 
-``update(batches, events, now, alive=...)``: ``now`` is the newest event time the caller has seen
+``update(Batch(steps=…, events=…, alive=…), now)`` (or ``check(batches, events, now, alive=...)``):
+``now`` is the newest event time the caller has seen
 (the runner passes its watermark); it must be finite. ``alive`` maps a node to the event time of
 its newest telemetry sample.
 """
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import SchemaError
 from fleethealth.params import check_int, check_number
@@ -418,8 +420,13 @@ class HangDetector(Stateful):
             return True
         return bool((job.last_step[ranks] < b.step).any())
 
-    def update(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float, *,
-               alive: Mapping[str, float] | None = None) -> list[Finding]:
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """:meth:`check` of ``batch.steps`` and ``batch.events`` at ``now``, with ``batch.alive``."""
+        batch = expect(batch, self)
+        return self.check(batch.steps, batch.events, now, alive=batch.alive)
+
+    def check(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float, *,
+              alive: Mapping[str, float] | None = None) -> list[Finding]:
         """Fold in step batches and events in event-time order; return new ``hang`` findings.
 
         Before each input the job is checked at that input's time, so a stall is seen even when
@@ -458,7 +465,7 @@ class HangDetector(Stateful):
         return out
 
     def _one(self, ts: float, item: StepBatch | Event) -> list[Finding]:
-        """One input of :meth:`update`, at its event time ``ts``."""
+        """One input of :meth:`check`, at its event time ``ts``."""
         out: list[Finding] = []
         job = self.jobs_.get(item.job) if item.job is not None else None
         if (job is not None and isinstance(item, StepBatch) and self._pending(job) and ts <= job.deadline

@@ -54,7 +54,8 @@ still holding) or for the node to fall silent for ``silence_s`` while others rep
 emitted with what was found, or with ``by`` empty and ``missing`` saying what was not. An Xid for a
 node with no telemetry in the window is emitted at once, uncorroborated.
 
-``update(telemetry, events) -> list[Finding]``: pure, event time only. Samples of a node older
+``update(Batch(telemetry=…, events=…), now)`` or ``check(telemetry, events) -> list[Finding]``: pure, event
+time only. Samples of a node older
 than its newest one are ignored (``stale_total_``); NaN fields never satisfy a rule; an Xid event
 without a code is counted in ``invalid_events_total_`` and skipped.
 """
@@ -69,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.fabric import fabric_faults
 from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful, names
@@ -426,7 +428,12 @@ class HealthRules(Stateful):
               "threshold": self.stall_count}
         return self._emit(FindingKind.TELEMETRY_STALL, e.node, gpu, e.ts, _WARN, ev, rule="stall")
 
-    def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """:meth:`check` of ``batch.telemetry`` and ``batch.events`` (``now`` is not read)."""
+        batch = expect(batch, self)
+        return self.check(batch.telemetry, batch.events)
+
+    def check(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
         """Apply the rules to new samples and events (each in event-time order); return new findings."""
         if not hasattr(self, "episodes_"):
             self._start()

@@ -48,7 +48,7 @@ A stop's timeline and the phases (``data`` keys of the event, the contract of
 Seed 002's "reload & replay" is ``reload_s`` + ``recompute_s``. The event is emitted once the
 resumed run passes ``H`` (all phases known), or when the job stops again before that (the phases
 measured so far, ``passed`` false), or without a restart after ``restart_wait_s`` of event time, when
-the job is forgotten, or at :meth:`LifecycleTracker.drain` (``restarted`` false: no restart
+the job is forgotten, or at the end of the input (``Batch(final=True)``; ``restarted`` false: no restart
 phases, no lost steps). Its ``ts`` is when the stop was known, ``step`` the high-water step ``H``,
 ``node`` / ``gpu`` / ``rank`` the culprit when one is named (``data.culprit`` true; else the node of
 the job's lifecycle records, rank 0's, with ``culprit`` false and no GPU or rank), and
@@ -73,10 +73,11 @@ cleared, not an interruption (``stalls_cleared_total_``). Beyond ``max_jobs`` jo
 new job are ignored (``over_limit_total_``).
 
 Per message the work is constant (a dict lookup and a few comparisons per step batch, never a loop
-over ranks). The pipeline calls :meth:`LifecycleTracker.observe` for each step batch and lifecycle
-event in its own event-time loop (a restart must reset step assembly before the new run's batches
-are assembled), and :meth:`LifecycleTracker.update` with the batch's findings and clock;
-``update(batches, events, now, findings=...)`` does both for a stretch of input.
+over ranks). The pipeline calls :meth:`LifecycleTracker.update` with each step batch and lifecycle
+event in its own event-time loop, with ``Batch(conclude=False)`` (a restart must reset step assembly
+before the new run's batches are assembled: the restart markers it returns say when), and once more
+with the feed's findings and clock to conclude; ``check(batches, events, now, findings=...)`` folds
+in and concludes a stretch of input at once, returning the ``interruption`` events alone.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.hang import StepTimeout
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError, SchemaError
@@ -179,6 +181,10 @@ class _Job:
     home: str = ""  # the node its lifecycle records come from (rank 0's)
 
 
+_Plan = tuple[_Job, int, float, list[float], list[float]]
+"""How a block folds in whole: its job, the new top step and its time, the step durations, the step times."""
+
+
 class LifecycleTracker(Stateful):
     """One ``interruption`` event per stop of a job, with its MTTR phases (see the module docstring).
 
@@ -193,6 +199,10 @@ class LifecycleTracker(Stateful):
     """
 
     name = "lifecycle"
+    _state_skip = ("_planned",)
+    _planned: tuple[StepBlock, _Plan | None] | None = None
+    """:meth:`takes_whole`'s answer for the block it was asked about, used by the fold that follows at once
+    (the pipeline asks, then updates with the same block): not state, dropped by any other call."""
 
     def __init__(self, *, step_timeout: StepTimeout | None = None, rewind_gap_s: float = 1.0,
                  cause_window_s: float = 60.0, restart_wait_s: float = 6 * 3600.0, max_jobs: int = 20_000) -> None:
@@ -252,7 +262,45 @@ class LifecycleTracker(Stateful):
         return float(np.median(np.fromiter(job.durations, dtype=np.float64, count=len(job.durations))))
 
     # ------------------------------------------------------------------ input
-    def observe(self, msg: StepBatch | Event) -> bool:
+    def update(self, batch: Batch, now: float) -> list[Event]:
+        """Fold in ``batch.steps`` and ``batch.events`` in event-time order (a step block whole when
+        :meth:`takes_whole`, else its steps one by one), then ``batch.findings``; return one restart
+        marker per record that began a new run of its job (a ``job_start`` a nanosecond before it, for
+        the hang detector alone: never stored or published), then, with ``batch.conclude``, the
+        ``interruption`` events concluded at ``now`` (and at ``batch.final`` every open stop's)."""
+        batch = expect(batch, self)
+        if not hasattr(self, "jobs_"):
+            self._start()
+        markers = self._fold(batch.steps, batch.events)
+        for f in sorted(batch.findings, key=lambda f: f.ts):
+            self._finding(f)
+        if not batch.conclude:
+            return markers
+        out = markers + self._conclude(now)
+        if batch.final:
+            out += self._drain()
+        return out
+
+    def _fold(self, batches: Sequence[StepBatch | StepBlock], events: Sequence[Event]) -> list[Event]:
+        items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
+            (b.ts, 0, i, b) for i, b in enumerate(batches)]
+        items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
+        markers: list[Event] = []
+        planned, self._planned = self._planned, None
+        for k, (_, _, _, item) in enumerate(sorted(items, key=lambda x: x[:3])):
+            if type(item) is StepBlock:  # the plan asked for just before holds for the first record alone
+                known = planned is not None and k == 0 and planned[0] is item
+                if self._whole(item, planned[1] if known else self._plan(item)):  # type: ignore[index]
+                    continue
+                parts: Iterable[StepBatch | Event] = item.split()
+            else:
+                parts = (item,)
+            for part in parts:
+                if self._observe(part):
+                    markers.append(_restart_marker(part))
+        return markers
+
+    def _observe(self, msg: StepBatch | Event) -> bool:
         """Fold in one step batch or event (in event-time order). Returns True when it starts a new
         run of its job after a stop — the caller's step assembly must restart for that job."""
         if not hasattr(self, "jobs_"):
@@ -265,19 +313,24 @@ class LifecycleTracker(Stateful):
             self._job_exit(msg)
         return False
 
-    def observe_block(self, block: StepBlock) -> bool:
-        """Fold in every step of ``block`` at once, when no step of it can start a new run or touch a
-        stop (the job is known, running, has not exited, and the block neither rewinds the step
-        counter nor is older than the run): exactly :meth:`observe` of its steps in order. Returns
-        False, having changed nothing, when the caller must observe the steps one by one."""
+    def takes_whole(self, block: StepBlock) -> bool:
+        """Whether :meth:`update` folds ``block`` in whole: no step of it can start a new run or touch a
+        stop (the job is known, running, has not exited, and the block neither rewinds the step counter
+        nor is older than the run). Changes nothing; a block it does not take whole is folded in step
+        by step, so a caller that assembles steps can restart the assembly between them."""
         if not hasattr(self, "jobs_"):
             self._start()
+        plan = self._plan(block)
+        self._planned = (block, plan)
+        return plan is not None
+
+    def _plan(self, block: StepBlock) -> _Plan | None:
         job = self.jobs_.get(block.job)
         if job is None or job.stop is not None or job.exit is not None:
-            return False
+            return None
         steps, stamps = block.steps.tolist(), block.step_ts.tolist()
         if min(stamps) < job.run_ts:
-            return False
+            return None
         top, top_ts, gap = job.top, job.top_ts, self.rewind_gap_s
         durations = []
         for step, ts in zip(steps, stamps, strict=True):  # the steps in order, unless one rewinds the counter
@@ -288,7 +341,16 @@ class LifecycleTracker(Stateful):
             elif step == top:
                 top_ts = max(top_ts, ts)
             elif top >= 0 and ts > top_ts + gap:
-                return False
+                return None
+        return job, top, top_ts, durations, stamps
+
+    def _whole(self, block: StepBlock, plan: _Plan | None) -> bool:
+        """Fold in every step of ``block`` at once by its ``plan`` (:meth:`_plan`): exactly :meth:`_observe`
+        of its steps in order. False, having changed nothing, when there is none: the steps must be
+        observed one by one."""
+        if plan is None:
+            return False
+        job, top, top_ts, durations, stamps = plan
         if block.node not in job.nodes:
             job.nodes.add(block.node)
             self.node_jobs_.setdefault(block.node, set()).add(block.job)
@@ -456,7 +518,7 @@ class LifecycleTracker(Stateful):
         return stop
 
     def _close(self, name: str, job: _Job, stop: _Stop) -> None:
-        """The stop is complete (or will learn no more): emitted by the next :meth:`update`, once the
+        """The stop is complete (or will learn no more): emitted by the next concluding :meth:`update`, once the
         findings of the same input are in."""
         job.closing.append(stop)
         self.closing_.add(name)
@@ -567,21 +629,22 @@ class LifecycleTracker(Stateful):
             message=f"job {name} stopped after step {stop.high}{where}: {best.cause}{again}", data=data))
         self.emitted_total_ += 1
 
-    def update(self, batches: Sequence[StepBatch], events: Sequence[Event], now: float | None = None, *,
-               findings: Sequence[Finding] = ()) -> list[Event]:
+    def check(self, batches: Sequence[StepBatch | StepBlock], events: Sequence[Event], now: float | None = None, *,
+              findings: Sequence[Finding] = ()) -> list[Event]:
         """Fold in step batches and events (in event-time order), then ``findings``; return the
-        ``interruption`` events concluded, oldest first. ``now`` (event time) lets a stop that waited
-        ``restart_wait_s`` without a restart conclude; it must be finite when given."""
+        ``interruption`` events concluded, oldest first (the restart markers of :meth:`update` are left
+        out). ``now`` (event time) lets a stop that waited ``restart_wait_s`` without a restart conclude;
+        it must be finite when given."""
         if not hasattr(self, "jobs_"):
             self._start()
-        if now is not None and (isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now)):
-            raise SchemaError("now", f"expected a finite event time, got {now!r}")
-        items: list[tuple[float, int, int, StepBatch | Event]] = [(b.ts, 0, i, b) for i, b in enumerate(batches)]
-        items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
-        for _, _, _, item in sorted(items, key=lambda x: x[:3]):
-            self.observe(item)
+        self._fold(batches, events)
         for f in sorted(findings, key=lambda f: f.ts):
             self._finding(f)
+        return self._conclude(now)
+
+    def _conclude(self, now: float | None) -> list[Event]:
+        if now is not None and (isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now)):
+            raise SchemaError("now", f"expected a finite event time, got {now!r}")
         for name in sorted(self.waiting_):
             job = self.jobs_.get(name)
             stop = None if job is None else job.stop
@@ -601,15 +664,16 @@ class LifecycleTracker(Stateful):
 
     def forget_idle(self, before: float) -> None:
         """Forget jobs with no record since event time ``before``; a stop still open is concluded with
-        what is known first (its event comes out of the next :meth:`update`)."""
+        what is known first (its event comes out of the next concluding :meth:`update`)."""
         if not hasattr(self, "jobs_"):
             return
         self.forget(jobs=[n for n, j in self.jobs_.items() if j.seen_ts < before])
 
     def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
         """Drop ``jobs`` (ended, or idle; an open stop is concluded with what is known, its event out of the
-        next :meth:`update`) and ``nodes`` from the nodes each job ran on."""
+        next concluding :meth:`update`) and ``nodes`` from the nodes each job ran on."""
         gone_jobs, gone_nodes = names("jobs", jobs), names("nodes", nodes)
+        self._planned = None
         if not hasattr(self, "jobs_"):
             return
         for name in sorted(gone_jobs):
@@ -636,7 +700,7 @@ class LifecycleTracker(Stateful):
                 if not jobs:
                     del self.node_jobs_[node]
 
-    def drain(self) -> list[Event]:
+    def _drain(self) -> list[Event]:
         """End of input: conclude every open stop with what is known."""
         if not hasattr(self, "jobs_"):
             return []
@@ -648,6 +712,14 @@ class LifecycleTracker(Stateful):
             job.stop = None
         out, self.ready_ = self.ready_, []
         return sorted(out, key=lambda e: (e.ts, e.job or ""))
+
+
+def _restart_marker(msg: StepBatch | Event) -> Event:
+    """A ``job_start`` for the hang detector alone (never stored or published), just before the record
+    that showed a run restarted without its own start record, so the rank state starts afresh."""
+    step = msg.step or 0
+    return Event(node=msg.node, ts=float(np.nextafter(msg.ts, -np.inf)), kind=EventKind.JOB_START, job=msg.job,
+                 step=step, message="restart seen from the step counter", data={"world": 1, "first_step": step})
 
 
 def _r(x: float) -> float:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalModel, ThermalParams
 from fleethealth.nodename import known_rack
@@ -228,6 +229,17 @@ class NodeStates(Stateful):
         self.samples_total_ = 0
         self.published_total_ = 0
 
+    def update(self, batch: Batch, now: float) -> list[NodeState]:
+        """:meth:`observe` of ``batch.telemetry`` (returns the states it published), then :meth:`apply` of
+        ``batch.states`` (a state already in the table — the same object, as the job-stage pipelines of
+        one replica share the table — is not news and is skipped). ``now`` is not read."""
+        batch = expect(batch, self)
+        out = self.observe(batch.telemetry) if batch.telemetry else []
+        if batch.states:
+            table = self.published_
+            self.apply([s for s in batch.states if table.get(s.node) is not s])
+        return out
+
     def observe(self, samples: Iterable[Telemetry]) -> list[NodeState]:
         out = []
         for sample in samples:
@@ -282,7 +294,7 @@ class NodeStates(Stateful):
             model = self.thermal_[sample.node] = ThermalModel(self.thermal)
         cols = sample.columns
         thermal = (np.nan_to_num(cols["clock_reasons"], nan=0.0).astype(np.int64) & THERMAL_BITS) != 0
-        load, residual = model.update(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
+        load, residual = model.observe(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
                                       cols["power_limit_w"], thermal)
         return model.fast_.copy(), load, residual
 

@@ -2,7 +2,10 @@
 
 :class:`Pipeline` takes messages already ordered by event time (the runner's reorder buffer
 does that) and returns findings. It does no I/O and reads no clock: "now" is the median over
-nodes of their newest message's event time. What it calls, in order, for each ``feed``:
+nodes of their newest message's event time. It feeds each detector through its one entry point,
+``update(batch, now)`` (a :class:`~fleethealth.detectors.batch.Batch` of the records it reads), and
+asks no more of it than questions (a node's rack, a diagnosis, a job's step timeout). What it
+feeds, in order, for each ``feed``:
 
 1. telemetry → the :class:`Diagnoser` (latest samples per node), the health rules (ECC, Xid,
    power brake, PCIe) and the failure predictor;
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fleethealth.detectors.assembly import AssembledStep, StepAssembler
+from fleethealth.detectors.batch import Batch
 from fleethealth.detectors.diagnosis import Diagnoser, RackEpisodes
 from fleethealth.detectors.hang import HangDetector
 from fleethealth.detectors.health import HealthRules
@@ -90,13 +94,6 @@ class Output:
 
 
 _LIFECYCLE = (EventKind.JOB_START, EventKind.JOB_EXIT)
-
-
-def _restart_marker(b: StepBatch) -> Event:
-    """A ``job_start`` for the hang detector alone (never stored or published), just before the batch
-    that showed a run restarted without its own start record, so the rank state starts afresh."""
-    return Event(node=b.node, ts=float(np.nextafter(b.ts, -np.inf)), kind=EventKind.JOB_START, job=b.job,
-                 step=b.step, message="restart seen from the step counter", data={"world": 1, "first_step": b.step})
 
 
 class Pipeline(Stateful):
@@ -181,18 +178,16 @@ class Pipeline(Stateful):
                 self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
                 if isinstance(m, Telemetry):
                     telemetry.append(m)
-                    states += self.diagnoser.observe((m,))
-                elif self.diagnoser.latest_.get(m.node) is not m:  # a job stage's pipelines share one
-                    self.diagnoser.apply((m,))  # table: the first to see a state applies it, once
+                    states += self.diagnoser.update(Batch(telemetry=(m,)), self.now_)
+                else:  # a job stage's pipelines share one table: the first to see a state applies it, once
+                    self.diagnoser.update(Batch(states=(m,)), self.now_)
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
                     ready += self._diagnosable(final=False)
             elif isinstance(m, StepBatch):
                 batches.append(m)
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.job_seen_[m.job] = max(self.job_seen_.get(m.job, m.ts), m.ts)
-                if self.lifecycle.observe(m):  # the step counter went back, or a run came after an exit
-                    self.assembler.restart(m.job)
-                    markers.append(_restart_marker(m))
+                self._restarts(m, markers)
                 for step in self.assembler.add(m):
                     self._wait(self._stragglers(step))
                 if self.assembler.refused_:
@@ -203,7 +198,7 @@ class Pipeline(Stateful):
                 foreign.append(m)
             else:
                 events.append(m)
-                if m.kind in _LIFECYCLE and self.lifecycle.observe(m):
+                if m.kind in _LIFECYCLE and self.lifecycle.update(Batch(events=(m,), conclude=False), self.now_):
                     self.assembler.restart(m.job or "")
         self._advance_clock(events)
         for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
@@ -221,7 +216,8 @@ class Pipeline(Stateful):
         ts = m.ts
         self.clock_[m.node] = max(self.clock_.get(m.node, ts), ts)
         self.job_seen_[m.job] = max(self.job_seen_.get(m.job, ts), ts)
-        if self.lifecycle.observe_block(m):
+        if self.lifecycle.takes_whole(m):
+            self.lifecycle.update(Batch(steps=(m,), conclude=False), self.now_)
             batches.append(m)
             steps, rows = self.assembler.add_block(m)
             self._stragglers_many(steps)
@@ -233,9 +229,7 @@ class Pipeline(Stateful):
             return
         parts: list[StepBatch] = []
         for b in m.split():
-            if self.lifecycle.observe(b):
-                self.assembler.restart(b.job)
-                markers.append(_restart_marker(b))
+            self._restarts(b, markers)
             for step in self.assembler.add(b):
                 self._wait(self._stragglers(step))
             if not self.assembler.refused_:
@@ -245,6 +239,14 @@ class Pipeline(Stateful):
             refused.append(m)
             if parts:
                 kept.append((m, StepBlock.of(parts)))
+
+    def _restarts(self, b: StepBatch, markers: list[Event]) -> None:
+        """The job lifecycle takes ``b``; when it began a new run (the step counter went back, or a run
+        came after an exit) the job's step assembly restarts, and its marker goes to the hang detector."""
+        seen = self.lifecycle.update(Batch(steps=(b,), conclude=False), self.now_)
+        if seen:
+            self.assembler.restart(b.job)
+            markers += seen
 
     def _over_limit(self, m: Message) -> str | None:
         """Why ``m`` is refused for naming a new job or node beyond the limits, or None."""
@@ -316,20 +318,19 @@ class Pipeline(Stateful):
                   foreign: Sequence[Finding] = ()) -> Output:
         now = self.now_ if np.isfinite(self.now_) else 0.0
         out = Output(now=now)
-        out.findings += self.hang.update(batches, [*events, *markers], now, alive=self.telemetry_ts_)
-        out.findings += self.sdc.update(events, owns=self.assembler.owns)
-        out.findings += self.health.update(telemetry, events)
-        out.findings += self.predictor.update(telemetry, events)
+        out.findings += self.hang.update(Batch(steps=batches, events=[*events, *markers], alive=self.telemetry_ts_),
+                                         now)
+        out.findings += self.sdc.update(Batch(events=events, owns=self.assembler.owns), now)
+        out.findings += self.health.update(Batch(telemetry=telemetry, events=events), now)
+        out.findings += self.predictor.update(Batch(telemetry=telemetry, events=events), now)
         ready += self._diagnosable(final)
-        out.findings += self.rack_episodes.update(ready, self.diagnoser.rack_of)
+        out.findings += self.rack_episodes.update(Batch(findings=ready, rack_of=self.diagnoser.rack_of), now)
         out.findings = [self._with_rack(f) for f in out.findings]
         for ev in events:
             if ev.kind is EventKind.INTERRUPTION and ev.job is not None and ev.id not in self.restarted_:
                 self.restarted_[ev.id] = ev.ts
                 self.assembler.restart(ev.job)
-        out.events = self.lifecycle.update((), (), now, findings=[*out.findings, *foreign])
-        if final:
-            out.events += self.lifecycle.drain()
+        out.events = self.lifecycle.update(Batch(findings=[*out.findings, *foreign], final=final), now)
         out.steps, self.steps_ = self.steps_, []
         out.ended, self.ended_ = self.ended_, []
         out.unscored, self.unscored_new_ = self.unscored_new_, []
@@ -348,7 +349,7 @@ class Pipeline(Stateful):
         detector = self.stragglers_.get(step.job)
         if detector is None:
             detector = self.stragglers_[step.job] = self.straggler()
-        found = detector.update(step.step, step.ranks, step.compute_s, step.groups, placement=step)
+        found = detector.update(Batch(assembled=(step,)), self.now_)
         if (step.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
                 and not getattr(detector, "scored_steps_", 0)):
             self._unscored(step.job, detector)
@@ -362,7 +363,8 @@ class Pipeline(Stateful):
 
     def _stragglers_many(self, steps: list[AssembledStep]) -> None:
         """:meth:`_stragglers` (and :meth:`_wait`) of each step in order; a run of steps of one job on the
-        same ranks (a block's steps completed together) goes to the detector's ``update_many`` at once."""
+        same ranks (a block's steps completed together) goes to the detector in one update (columnar
+        over the run when the detector can score it so)."""
         i = 0
         while i < len(steps):
             first = steps[i]
@@ -373,13 +375,11 @@ class Pipeline(Stateful):
             detector = self.stragglers_.get(first.job)
             if detector is None:
                 detector = self.stragglers_[first.job] = self.straggler()
-            many = getattr(detector, "update_many", None)
-            if j - i > 1 and many is not None:
+            if j - i > 1:
                 run = steps[i:j]
                 self.steps_total_ += len(run)
                 self.steps_ += [(a.job, a.ts) for a in run]
-                self._wait(many([a.step for a in run], first.ranks, np.stack([a.compute_s for a in run]),
-                                placements=run))
+                self._wait(detector.update(Batch(assembled=run), self.now_))
                 if (first.job not in self.unscored_jobs_ and getattr(detector, "unscored_small_total_", 0)
                         and not getattr(detector, "scored_steps_", 0)):
                     self._unscored(first.job, detector)

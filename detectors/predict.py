@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
@@ -225,7 +226,12 @@ class GpuFeatures(Stateful):
         ])
         return FeatureRows(node=node, ts=now, gpu=hist.gpu.copy(), X=X)
 
-    def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[FeatureRows]:
+    def update(self, batch: Batch, now: float) -> list[FeatureRows]:
+        """:meth:`check` of ``batch.telemetry`` and ``batch.events`` (``now`` is not read)."""
+        batch = expect(batch, self)
+        return self.check(batch.telemetry, batch.events)
+
+    def check(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[FeatureRows]:
         """Fold in samples and events in event-time order; return the rows produced."""
         if not hasattr(self, "nodes_"):
             self._start()
@@ -317,7 +323,7 @@ class FailurePredictor(Stateful):
     """``failure_risk`` findings from per-GPU features and a trained classifier.
 
     Parameters (keyword-only): ``model`` an artifact path, a :class:`ModelArtifact`, or None for
-    the shipped one (loaded on the first ``update``); ``threshold`` the probability that opens an
+    the shipped one (loaded on the first ``update`` / ``check``); ``threshold`` the probability that opens an
     episode (default: the artifact's calibrated ``meta["threshold"]``); an episode closes after
     ``clear_after_s`` below ``threshold / 2``; ``quiet_after_loss_s`` mutes a GPU just reported
     lost (it is already gone); ``top_k`` features listed in the evidence; ``features`` the
@@ -407,11 +413,16 @@ class FailurePredictor(Stateful):
         self.features_.forget(nodes=gone)
         self.episodes_ = {k: v for k, v in self.episodes_.items() if k[0] not in gone}
 
-    def update(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """:meth:`check` of ``batch.telemetry`` and ``batch.events`` (``now`` is not read)."""
+        batch = expect(batch, self)
+        return self.check(batch.telemetry, batch.events)
+
+    def check(self, telemetry: Sequence[Telemetry], events: Sequence[Event] = ()) -> list[Finding]:
         """Fold in telemetry and events; return ``failure_risk`` findings for GPUs that just crossed."""
         if not hasattr(self, "artifact_"):
             self._start()
-        rows = self.features_.update(telemetry, events)
+        rows = self.features_.check(telemetry, events)
         if not rows:
             return []
         X = np.concatenate([r.X for r in rows])
@@ -422,7 +433,7 @@ class FailurePredictor(Stateful):
                lost: dict[tuple[str, int], float]) -> list[Finding]:
         """The episode logic on scored rows (``probabilities`` concatenated in row order).
 
-        ``update`` calls it; calibration replays cached scores through it. ``lost`` maps
+        ``check`` calls it; calibration replays cached scores through it. ``lost`` maps
         ``(node, gpu)`` to the event time the GPU was lost (rows shortly after are muted).
         """
         if not hasattr(self, "artifact_"):

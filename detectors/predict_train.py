@@ -147,7 +147,7 @@ class _Scored:
 
 def _rows(spec: Run) -> _Scored:
     feats = GpuFeatures()
-    batches = [rows for telemetry, events in _stream(spec) if (rows := feats.update(telemetry, events))]
+    batches = [rows for telemetry, events in _stream(spec) if (rows := feats.check(telemetry, events))]
     return _Scored(spec, batches, dict(feats.lost_))
 
 

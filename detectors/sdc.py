@@ -19,7 +19,7 @@ see) and the job's recent ``checkpoints`` (from ``checkpoint`` events, each with
 Corroboration (docs/architecture.md, "Corroboration"): a single failing check is one event from one
 sender, so its finding carries ``evidence["corroboration"]`` with ``by`` empty, and the policy takes the
 rollback but leaves the quarantine to a human — unless the job's own step stream places the reporting
-rank on that node (``rank_on_node``: the assembler's rank owners, passed to :meth:`SdcDetector.update`
+rank on that node (``rank_on_node``: the assembler's rank owners, passed to :meth:`SdcDetector.update` as ``Batch.owns``
 as ``owns``), which a report about a node that is not running the job cannot have. The second
 failing check of the same GPU and kind in the episode emits one more finding (its own episode
 time), ``by = ["second_check"]``, which the policy may act on alone.
@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import SchemaError
 from fleethealth.evidence import Corroboration
@@ -95,7 +96,7 @@ class SdcDetector(Stateful):
         transient = replay if selfcheck is None else selfcheck if replay is None else max(replay, selfcheck)
         return Marks(transient=transient, deterministic=replay)
 
-    def _check(self, e: Event, owns: Callable[[str | None, str, int | None], bool] | None = None) -> list[Finding]:
+    def _result(self, e: Event, owns: Callable[[str | None, str, int | None], bool] | None = None) -> list[Finding]:
         try:
             rec = SdcCheck.from_event(e)
         except SchemaError:
@@ -139,7 +140,12 @@ class SdcDetector(Stateful):
         book = [*self.checkpoints_.get(e.job, ()), record]
         self.checkpoints_[e.job] = retained(book, self._marks(e.job, None))[-16 * self.keep:]
 
-    def update(self, events: Sequence[Event], *, owns: Callable[[str | None, str, int | None], bool] | None = None
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """:meth:`check` of ``batch.events`` with ``batch.owns`` (``now`` is not read)."""
+        batch = expect(batch, self)
+        return self.check(batch.events, owns=batch.owns)
+
+    def check(self, events: Sequence[Event], *, owns: Callable[[str | None, str, int | None], bool] | None = None
                ) -> list[Finding]:
         """Read ``sdc_check`` and ``checkpoint`` events (others are ignored); return new findings.
         ``owns(job, node, rank)`` says whether the job's step stream places the rank on the node."""
@@ -148,7 +154,7 @@ class SdcDetector(Stateful):
         out: list[Finding] = []
         for e in sorted(events, key=lambda e: e.ts):
             if e.kind is EventKind.SDC_CHECK:
-                out += self._check(e, owns)
+                out += self._result(e, owns)
             elif e.kind is EventKind.CHECKPOINT:
                 self._checkpoint(e)
         return out

@@ -2,7 +2,8 @@
 
 Both detectors share one contract, used as is by the runner and the benchmarks::
 
-    det.update(step, ranks, compute_s, groups=None, *, placement=None) -> list[Finding]
+    det.update(Batch(assembled=steps), now) -> list[Finding]   # one job's assembled steps
+    det.check(step, ranks, compute_s, groups=None, *, placement=None) -> list[Finding]   # one step
 
 ``ranks`` (int, shape ``(r,)``), ``compute_s`` (float seconds, shape ``(r,)``) and optional
 ``groups`` (int labels of comparable ranks, e.g. pipeline stage, shape ``(r,)``) hold one step of
@@ -44,7 +45,7 @@ Defined behaviour on bad input (tested in ``tests/detectors``):
   delivery) is left out and counted in ``stale_total_``.
 * Mismatched array lengths, duplicate ranks within one call, negative or huge rank ids, a
   negative step: :class:`~fleethealth.errors.SchemaError` naming the argument.
-* Bad parameters: :class:`~fleethealth.errors.ConfigError` on the first ``update``.
+* Bad parameters: :class:`~fleethealth.errors.ConfigError` on the first ``update`` / ``check``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError, SchemaError
 from fleethealth.evidence import MIN_COMPARABLE_RANKS
@@ -147,6 +149,21 @@ class _StepDetector(Stateful):
         self.unscored_small_total_ = 0
         self.unscored_group_ = 0
         self.scored_steps_ = 0
+
+    def update(self, batch: Batch, now: float) -> list[Finding]:
+        """Score ``batch.assembled`` (one job's assembled steps, in order, each its own placement); return
+        the findings of ranks that just alarmed. A run of steps on the same ranks without groups goes to
+        ``check_many`` at once (columnar over the run), any other step to ``check``; ``now`` is not read
+        (a step's time is its own)."""
+        steps = expect(batch, self).assembled
+        many = getattr(self, "check_many", None)
+        if len(steps) > 1 and many is not None:
+            first = steps[0]
+            if first.groups is None and all(a.ranks is first.ranks and a.groups is None for a in steps):
+                return many([a.step for a in steps], first.ranks, np.stack([a.compute_s for a in steps]),
+                            placements=list(steps))
+        return [f for a in steps for f in self.check(a.step, a.ranks, a.compute_s, a.groups,  # type: ignore[attr-defined]
+                                                          placement=a)]
 
     def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
         """Nothing to drop: one detector serves one job and its state is indexed by rank (the pipeline
@@ -277,7 +294,7 @@ class SeedRule(_StepDetector):
         self.flagged_ = np.empty(0, dtype=bool)
         super()._reset()
 
-    def update(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
+    def check(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
                groups: np.ndarray | None = None, *, placement: Placement | None = None) -> list[Finding]:
         """Score one step (all ranks at once); return findings for ranks that just crossed."""
         r, t, g = self._prepare(step, ranks, compute_s, groups)
@@ -525,7 +542,7 @@ class StragglerDetector(_StepDetector):
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(self.flagged_ | self.persistent_)
 
-    def update(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
+    def check(self, step: int, ranks: np.ndarray, compute_s: np.ndarray,
                groups: np.ndarray | None = None, *, placement: Placement | None = None) -> list[Finding]:
         """Score one step (all ranks at once); return findings for ranks that just alarmed."""
         r, t, g = self._prepare(step, ranks, compute_s, groups)
@@ -542,13 +559,13 @@ class StragglerDetector(_StepDetector):
         self.scored_steps_ += 1
         return self._score(step, r, _as_index(r), lr, med, xscale, placement)
 
-    def update_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
+    def check_many(self, steps: list[int], ranks: np.ndarray, compute_s: np.ndarray,
                     groups: np.ndarray | None = None, *, placements: list[Placement] | None = None) -> list[Finding]:
-        """:meth:`update` of each row of ``compute_s`` (shape ``(s, r)``, one row a step of ``steps``, all
+        """:meth:`check` of each row of ``compute_s`` (shape ``(s, r)``, one row a step of ``steps``, all
         on the same ``ranks``), in order, with ``placements[k]`` for row ``k``. When the rows need none
-        of :meth:`update`'s per-step care (no groups, every time valid, the steps increasing and new to
+        of :meth:`check`'s per-step care (no groups, every time valid, the steps increasing and new to
         every rank) the checks and the robust statistics are computed over the whole matrix at once and
-        only the sequential tests run step by step; otherwise each row goes through :meth:`update`."""
+        only the sequential tests run step by step; otherwise each row goes through :meth:`check`."""
         places = placements if placements is not None else [None] * len(steps)
         t = np.asarray(compute_s)
         r = np.asarray(ranks)
@@ -567,7 +584,7 @@ class StragglerDetector(_StepDetector):
                     and bool((np.isfinite(t) & (t > 0.0) & (t <= MAX_COMPUTE_S)).all()))
         if not fast:
             return [f for k, step in enumerate(steps)
-                    for f in self.update(step, ranks, t[k], groups, placement=places[k])]
+                    for f in self.check(step, ranks, t[k], groups, placement=places[k])]
         self.last_step_[r] = steps[-1]
         self.steps_seen_ += n
         self.scored_steps_ += n

@@ -66,7 +66,8 @@ class ThermalParams:
 
 
 class ThermalModel:
-    """One node's GPUs' load power and thermal model (see the module); ``update`` once per sample.
+    """One node's GPUs' load power and thermal model (see the module); ``observe`` once per sample (a part of
+    :class:`~fleethealth.detectors.nodestate.NodeStates`, whose state holds it: not a detector of its own).
 
     State (plain arrays, shape ``(g,)``): ``fast_`` / ``slow_`` the power averages, ``sums_`` the
     weighted sums ``(w, w*P, w*T, w*P*P, w*P*T)`` of the learned samples (shape ``(5, g)``), ``ts_``
@@ -81,7 +82,7 @@ class ThermalModel:
         self.slow_ = np.zeros(0)
         self.sums_ = np.zeros((5, 0))
 
-    def update(self, ts: float, temp_c: np.ndarray, power_w: np.ndarray, util_pct: np.ndarray,
+    def observe(self, ts: float, temp_c: np.ndarray, power_w: np.ndarray, util_pct: np.ndarray,
                power_limit_w: np.ndarray, thermal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Take one sample (per GPU arrays; ``thermal``: the GPU reports a thermal clock event) and
         return ``(load_power_w, residual_c)`` at it (NaN where unknown); ``fast_`` is then the power

@@ -32,17 +32,17 @@ class Recording(StragglerDetector):
         self.seen.append((placement.job, int(step), np.asarray(ranks)[order].tolist(),
                           np.asarray(compute_s)[order].tolist()))
 
-    def update(self, step, ranks, compute_s, groups=None, *, placement=None):  # type: ignore[override]
+    def check(self, step, ranks, compute_s, groups=None, *, placement=None):  # type: ignore[override]
         if not self._many:
             self._keep(placement, step, ranks, compute_s)
-        return super().update(step, ranks, compute_s, groups, placement=placement)
+        return super().check(step, ranks, compute_s, groups, placement=placement)
 
-    def update_many(self, steps, ranks, compute_s, groups=None, *, placements=None):  # type: ignore[override]
+    def check_many(self, steps, ranks, compute_s, groups=None, *, placements=None):  # type: ignore[override]
         for k, step in enumerate(steps):
             self._keep(placements[k], step, ranks, compute_s[k])
         self._many = True
         try:
-            return super().update_many(steps, ranks, compute_s, groups, placements=placements)
+            return super().check_many(steps, ranks, compute_s, groups, placements=placements)
         finally:
             self._many = False
 
@@ -177,16 +177,16 @@ def test_the_hang_detector_takes_blocks_as_their_steps() -> None:
     for i in range(0, len(blocks), 9):
         chunk = blocks[i:i + 9]
         now = max(x.ts for x in chunk)
-        found_a += a.update([s for x in chunk for s in x.split()], [], now)
-        found_b += b.update(chunk, [], now)
+        found_a += a.check([s for x in chunk for s in x.split()], [], now)
+        found_b += b.check(chunk, [], now)
         ja, jb = a.jobs_["j"], b.jobs_["j"]
         for name in ("last_step", "last_ts", "node_of", "gpu_of"):
             np.testing.assert_array_equal(getattr(jb, name), getattr(ja, name))
         assert (jb.progress_ts, jb.max_step, jb.reported, jb.nodes) == (ja.progress_ts, ja.max_step, ja.reported,
                                                                         ja.nodes)
     later = blocks[-1].ts + 200.0
-    found_a += a.update([], [], later)
-    found_b += b.update([], [], later)
+    found_a += a.check([], [], later)
+    found_b += b.check([], [], later)
     assert [f.id for f in found_b] == [f.id for f in found_a]
     assert [f.rank for f in found_a] == [None] and found_a[0].evidence["behind_nodes"] == ["n3"]
 
@@ -206,7 +206,7 @@ def test_a_block_naming_a_job_or_node_beyond_the_limits_is_rejected_as_a_batch_w
     assert pipe.over_limit_ == {"jobs": 1, "nodes": 1}
 
 
-def test_update_many_is_update_of_each_step_bit_for_bit() -> None:
+def test_check_many_is_check_of_each_step_bit_for_bit() -> None:
     """Steps scored ten at a time as one matrix: the same findings and the same detector state, to
     the last bit, as one step at a time (a persistent, a 5 % and a 2 % straggler among 1,024 ranks)."""
     ranks, steps = 1024, 240
@@ -220,9 +220,9 @@ def test_update_many_is_update_of_each_step_bit_for_bit() -> None:
                            gpus=(np.arange(ranks) % GPUS).astype(np.int16), nodes=nodes, compute_s=t[k], groups=None,
                            complete=True) for k in range(steps)]
     one, many = StragglerDetector(), StragglerDetector()
-    found_one = [f for k in range(steps) for f in one.update(k, place[k].ranks, t[k], placement=place[k])]
+    found_one = [f for k in range(steps) for f in one.check(k, place[k].ranks, t[k], placement=place[k])]
     found_many = [f for k0 in range(0, steps, 10)
-                  for f in many.update_many(list(range(k0, k0 + 10)), place[0].ranks, t[k0:k0 + 10],
+                  for f in many.check_many(list(range(k0, k0 + 10)), place[0].ranks, t[k0:k0 + 10],
                                             placements=place[k0:k0 + 10])]
     assert {f.rank for f in found_one} == {5, 37, 500}
     assert [(f.id, f.z, f.slowdown, f.evidence, f.episode_ts) for f in found_many] == \

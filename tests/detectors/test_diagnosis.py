@@ -195,18 +195,18 @@ def test_rack_episode_folds_64_environmental_stragglers_into_one():
     agg = RackEpisodes(quiet_s=600.0)
     stragglers = [_straggler(f"n{16 + r // 8:04d}", 128 + r, 1000.0 + r) for r in range(64)]
     other = _straggler("n0003", 24, 1001.0, diagnosis=Diagnosis.NODE_THERMAL)
-    out = agg.update(stragglers[:30] + [other], racks.get) + agg.update(stragglers[30:], racks.get)
+    out = agg.check(stragglers[:30] + [other], racks.get) + agg.check(stragglers[30:], racks.get)
     rack = [f for f in out if f.detector == "straggler.rack"]
     assert len(rack) == 1 and other in out and len(out) == 2
     assert rack[0].diagnosis is Diagnosis.ENVIRONMENTAL and rack[0].rank is None
     assert rack[0].evidence["rack"] == "r02" and rack[0].evidence["first_rank"] == 128
     assert agg.open_episodes() == {"r02": 64}
     # after a quiet period, a new episode in the same rack; another job has its own episode
-    later = agg.update([_straggler("n0017", 130, 5000.0), _straggler("n0017", 130, 5001.0, job="train-2")],
+    later = agg.check([_straggler("n0017", 130, 5000.0), _straggler("n0017", 130, 5001.0, job="train-2")],
                        racks.get)
     assert len(later) == 2 and all(f.detector == "straggler.rack" for f in later)
     unknown_rack = _straggler("n0999", 1, 6000.0)
-    assert agg.update([unknown_rack], racks.get) == [unknown_rack]
+    assert agg.check([unknown_rack], racks.get) == [unknown_rack]
 
 
 def test_simulated_faults_get_their_diagnosis():

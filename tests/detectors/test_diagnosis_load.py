@@ -166,7 +166,7 @@ def test_a_rack_episode_keeps_a_node_signature_as_its_own_finding() -> None:
 
     episodes = RackEpisodes()
     findings = [finding(k[0], k[1], ts, r) for k, ts, r in env[:5]] + [finding(*second, ts2, res2)]
-    outcome = episodes.update(findings, diag.rack_of)
+    outcome = episodes.check(findings, diag.rack_of)
     assert [f.detector for f in outcome] == ["straggler.rack", "straggler.cusum"]
     own = outcome[1]
     assert own.node == second[0] and own.diagnosis is Diagnosis.NODE_THERMAL

@@ -37,58 +37,58 @@ def _with(values: list[int], i: int, v: int) -> list[int]:
 def test_a_registration_that_completed_with_an_error_is_one_critical_finding_naming_the_gpu() -> None:
     rules = HealthRules()
     status = _with([0] * G, 5, 10)  # NVML_ERROR_TIMEOUT
-    (f,) = rules.update([_sample(100.0, status=status)])
+    (f,) = rules.check([_sample(100.0, status=status)])
     assert f.kind is FindingKind.FABRIC and f.node == "gpu-b" and f.gpu == 5 and f.detector == "health.fabric"
     ev = f.evidence
     assert ev["reason"] == "registration_failed" and ev["severity"] == "critical" and ev["gpus"] == [5]
     assert ev["fabric"][0]["state"] == "completed" and ev["fabric"][0]["status"] == 10
     # the same fault in every later sample: one episode, no second finding
-    assert rules.update([_sample(100.0 + 10 * k, status=status) for k in range(1, 30)]) == []
+    assert rules.check([_sample(100.0 + 10 * k, status=status) for k in range(1, 30)]) == []
 
 
 def test_a_healthy_fabric_and_a_node_without_one_are_no_finding() -> None:
     rules = HealthRules()
-    assert rules.update([_sample(100.0 + k) for k in range(5)]) == []
+    assert rules.check([_sample(100.0 + k) for k in range(5)]) == []
     plain = Telemetry.from_columns("gpu-c", "rack-1", 200.0, list(range(G)), temp_c=[50.0] * G)
     unsupported = _sample(201.0, node="gpu-d", state=[0] * G, status=[-1] * G, health_mask=[0] * G)
-    assert rules.update([plain, unsupported]) == []
+    assert rules.check([plain, unsupported]) == []
 
 
 def test_not_registered_past_the_grace_is_a_warning_and_within_it_is_nothing() -> None:
     rules = HealthRules(fabric_grace_s=600.0)
     waiting = dict(state=_with([3] * G, 2, 2), status=_with([0] * G, 2, -1), since=[1000.0] * G)
-    assert rules.update([_sample(1000.0 + 60 * k, **waiting) for k in range(11)]) == []  # 600 s: not yet
-    (f,) = rules.update([_sample(1000.0 + 660.0, **waiting)])
+    assert rules.check([_sample(1000.0 + 60 * k, **waiting) for k in range(11)]) == []  # 600 s: not yet
+    (f,) = rules.check([_sample(1000.0 + 660.0, **waiting)])
     assert (f.gpu, f.evidence["reason"], f.evidence["severity"]) == (2, "not_registered", "warning")
     assert f.evidence["fabric"][0]["state"] == "in_progress" and f.evidence["grace_s"] == 600.0
     # NOT_STARTED on every GPU (a fabric manager that never started): one finding for the node, GPUs listed
     never = dict(state=[1] * G, status=[-1] * G, since=[0.0] * G)
-    (g,) = HealthRules(fabric_grace_s=600.0).update([_sample(700.0, node="gpu-e", **never)])
+    (g,) = HealthRules(fabric_grace_s=600.0).check([_sample(700.0, node="gpu-e", **never)])
     assert g.gpu is None and g.evidence["gpus"] == list(range(G)) and g.evidence["reason"] == "not_registered"
 
 
 def test_a_disconnected_fabric_manager_and_dcgms_failure_status_are_findings() -> None:
-    (down,) = HealthRules().update([_sample(50.0, health_mask=[DISCONNECTED] * G)])
+    (down,) = HealthRules().check([_sample(50.0, health_mask=[DISCONNECTED] * G)])
     assert down.gpu is None and down.evidence["reason"] == "fabric_manager_down" and len(down.evidence["gpus"]) == G
     dcgm = dict(fm_status=_with([3] * G, 7, 4), status=_with([0] * G, 7, -1))  # DcgmFMStatusFailure on GPU 7
-    (failed,) = HealthRules().update([_sample(50.0, **dcgm)])
+    (failed,) = HealthRules().check([_sample(50.0, **dcgm)])
     assert failed.gpu == 7 and failed.evidence["reason"] == "registration_failed"
     assert failed.evidence["fabric"][0]["fm_status"] == "failure"
     # Unrecognized (5) and NvmlTooOld (6): a driver and DCGM that do not match, not a fault of the GPU
     mismatch = dict(fm_status=[5] * 4 + [6] * 4, state=[-1] * G, status=[-1] * G)
-    assert HealthRules().update([_sample(50.0, **mismatch)]) == []
+    assert HealthRules().check([_sample(50.0, **mismatch)]) == []
 
 
 def test_the_grace_is_checked_and_is_a_configuration_key() -> None:
     from fleethealth.commands._settings import schema
 
     with pytest.raises(ConfigError, match="fabric_grace_s"):
-        HealthRules(fabric_grace_s=0).update([])
+        HealthRules(fabric_grace_s=0).check([])
     assert "detect.health.fabric_grace_s" in schema().keys
 
 
 def test_the_policy_reports_a_fabric_finding_like_the_other_node_hardware_findings() -> None:
-    (f,) = HealthRules().update([_sample(100.0, status=_with([0] * G, 5, 10))])
+    (f,) = HealthRules().check([_sample(100.0, status=_with([0] * G, 5, 10))])
     (rec,) = PolicyEngine().decide([f], now=101.0)
     assert rec.action is Action.NONE and rec.node == "gpu-b"
 
@@ -102,7 +102,7 @@ def test_fabric_rows_round_trip_and_old_records_still_decode() -> None:
     del old["fabric"]
     assert decode(Telemetry, orjson.dumps(old)).fabric is None
     rules = HealthRules()
-    rules.update([s])
+    rules.check([s])
     restored = from_state(state_dict(rules))
     assert restored.previous_["gpu-b"].fabric.status.tolist() == s.fabric.status.tolist()
     before_fabric = state_dict(rules)  # a snapshot written before the rule existed restores with its default

@@ -59,7 +59,7 @@ def _stragglers(det, steps: int, slow_from: int) -> list[Finding]:
         compute = np.full(12, 1.0) + 0.001 * np.sin(np.arange(12) + s)
         if s >= slow_from:
             compute[5] = 1.25
-        out += det.update(s, ranks, compute, placement=_Placed("ep", 1000.0 + 10.0 * s, ranks))
+        out += det.check(s, ranks, compute, placement=_Placed("ep", 1000.0 + 10.0 * s, ranks))
     return out
 
 
@@ -85,11 +85,11 @@ def test_a_hang_detected_again_with_less_history_has_the_same_id():
         out = []
         for s in range(first, 40):
             ts = 1000.0 + (40.0 * s if s < 10 else 400.0 + 20.0 * (s - 10))
-            out += det.update(_step(s, ts), [], ts)
+            out += det.check(_step(s, ts), [], ts)
         stall = 1000.0 + 400.0 + 20.0 * 30
-        out += det.update(_step(40, stall, skip_node=1), [], stall)
+        out += det.check(_step(40, stall, skip_node=1), [], stall)
         for k in range(1, 60):
-            out += det.update([], [], stall + 10.0 * k)
+            out += det.check([], [], stall + 10.0 * k)
         return out
 
     [full] = run(0)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import Producer, ensure_topics
+from fleethealth.detectors.batch import Batch
 from fleethealth.detectors.lifecycle import LifecycleTracker
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.runner import Runner, conclude
@@ -24,7 +25,7 @@ from fleethealth.payloads.hang_report import hang_report_event
 from fleethealth.payloads.job import job_exit_event, job_start_event
 from fleethealth.policy.goodput import Interruption
 from fleethealth.policy.stage import PolicyStage
-from fleethealth.schema import Event, EventKind, Message, StepBatch, Telemetry
+from fleethealth.schema import Event, EventKind, Message, StepBatch, StepBlock, Telemetry
 from fleethealth.store import open_store
 
 T0 = 1_767_225_600.0
@@ -98,7 +99,7 @@ def test_a_lost_gpu_and_a_restart_from_a_checkpoint_give_each_phase() -> None:
     assert ev.data["resumed_from"] == CKPT and ev.data["first_step"] == 51
     # the replayed steps were assembled again (restart of step assembly), and the run is no hang
     assert pipe.assembler.late_total == 0
-    assert not [f for f in pipe.hang.update([], [], good + 1000.0)]
+    assert not [f for f in pipe.hang.check([], [], good + 1000.0)]
 
 
 def test_the_same_input_in_any_batching_derives_the_same_event() -> None:
@@ -158,7 +159,7 @@ def test_a_hang_killed_and_restarted_without_an_exit_record() -> None:
     assert d["detection_s"] == pytest.approx(30.0) and d["isolation_s"] == pytest.approx(30.0)
     assert d["reconfiguration_s"] == pytest.approx(340.0) and d["reload_s"] == pytest.approx(10.0)
     assert d["lost_steps"] == 15 and d["recompute_s"] == pytest.approx(30.0)   # 26..40 again, then 41
-    assert [f.kind.value for f in pipe.hang.update([], [], good + 2000.0)] == []
+    assert [f.kind.value for f in pipe.hang.check([], [], good + 2000.0)] == []
 
 
 def test_steps_going_back_without_a_start_are_a_restart() -> None:
@@ -181,51 +182,51 @@ def test_steps_going_back_without_a_start_are_a_restart() -> None:
 
 def test_a_failed_run_never_restarted_is_reported_once_after_the_wait() -> None:
     det = LifecycleTracker(restart_wait_s=600.0)
-    assert det.update([], [_start(T0 - 5.0)], T0) == []
-    det.update([b for k in range(10) for b in _batches(k, T0 + STEP_S * k)], [], T0 + 20.0)
-    assert det.update([], [_exit(T0 + 30.0, last_step=9)], T0 + 30.0) == []
-    assert det.update([], [], T0 + 600.0) == []
-    (ev,) = det.update([], [], T0 + 631.0)
+    assert det.check([], [_start(T0 - 5.0)], T0) == []
+    det.check([b for k in range(10) for b in _batches(k, T0 + STEP_S * k)], [], T0 + 20.0)
+    assert det.check([], [_exit(T0 + 30.0, last_step=9)], T0 + 30.0) == []
+    assert det.check([], [], T0 + 600.0) == []
+    (ev,) = det.check([], [], T0 + 631.0)
     d = ev.data
     assert (d["restarted"], d["lost_steps"], d["cause"], d["reason"]) == (False, 0, "job_failed", "NCCL error")
     assert d["detection_s"] == pytest.approx(30.0 - 18.0) and d["reconfiguration_s"] == 0.0
     # a start that comes much later after all: the same stop, not a second interruption
-    det.update([], [_start(T0 + 5000.0, first_step=0)], T0 + 5000.0)
-    assert det.update(_batches(0, T0 + 5010.0) + _batches(10, T0 + 5030.0), [], T0 + 5030.0) == []
-    assert det.drain() == []
+    det.check([], [_start(T0 + 5000.0, first_step=0)], T0 + 5000.0)
+    assert det.check(_batches(0, T0 + 5010.0) + _batches(10, T0 + 5030.0), [], T0 + 5030.0) == []
+    assert det.update(Batch(final=True), T0 + 5030.0) == []  # the end of input concludes nothing more
 
 
 def test_bad_lifecycle_input_is_counted_never_raised() -> None:
     det = LifecycleTracker()
     # an exit of a job never started or seen: taken at its word (a completed one ends nothing)
-    assert det.update([], [_exit(T0, status="completed", last_step=None)], T0) == []
+    assert det.check([], [_exit(T0, status="completed", last_step=None)], T0) == []
     assert det.unstarted_exits_total_ == 1
     # a start, the same start redelivered, a second start with nothing in between: one run
-    det.update([], [_start(T0 + 10.0), _start(T0 + 10.0), _start(T0 + 11.0)], T0 + 11.0)
+    det.check([], [_start(T0 + 10.0), _start(T0 + 10.0), _start(T0 + 11.0)], T0 + 11.0)
     assert det.duplicate_starts_total_ == 2
-    det.update([b for k in range(5) for b in _batches(k, T0 + 20.0 + STEP_S * k)], [], T0 + 30.0)
+    det.check([b for k in range(5) for b in _batches(k, T0 + 20.0 + STEP_S * k)], [], T0 + 30.0)
     # malformed records and ones without a job
     broken = [Event(node="n0000", ts=T0 + 31.0, kind=EventKind.JOB_START, job="j", data={"world": "four"}),
               Event(node="n0000", ts=T0 + 31.0, kind=EventKind.JOB_EXIT, job="j", data={"status": "exploded"}),
               Event(node="n0000", ts=T0 + 31.0, kind=EventKind.JOB_EXIT, data={"status": "failed"})]
-    assert det.update([], broken, T0 + 31.0) == []
+    assert det.check([], broken, T0 + 31.0) == []
     assert det.invalid_total_ == 2
     # the failed exit, redelivered; a batch of the old run delivered after the restart (stale)
-    det.update([], [_exit(T0 + 40.0, last_step=4), _exit(T0 + 40.0, last_step=4)], T0 + 40.0)
+    det.check([], [_exit(T0 + 40.0, last_step=4), _exit(T0 + 40.0, last_step=4)], T0 + 40.0)
     assert det.duplicate_exits_total_ == 1
-    det.update([], [_start(T0 + 100.0, first_step=3)], T0 + 100.0)
-    det.update(_batches(3, T0 + 35.0), [], T0 + 101.0)
+    det.check([], [_start(T0 + 100.0, first_step=3)], T0 + 100.0)
+    det.check(_batches(3, T0 + 35.0), [], T0 + 101.0)
     assert det.stale_total_ == 2  # one batch per node
-    (ev,) = det.update([b for k in range(3, 7) for b in _batches(k, T0 + 110.0 + STEP_S * k)], [], T0 + 130.0)
+    (ev,) = det.check([b for k in range(3, 7) for b in _batches(k, T0 + 110.0 + STEP_S * k)], [], T0 + 130.0)
     assert ev.data["lost_steps"] == 2 and ev.step == 4
     # a resumed start of a job whose earlier runs were never seen derives nothing
-    assert det.update([], [job_start_event(ts=T0, world=2, first_step=500, resumed_from="x", node="n9",
+    assert det.check([], [job_start_event(ts=T0, world=2, first_step=500, resumed_from="x", node="n9",
                                            job="other")], T0 + 131.0) == []
     assert det.unseen_restarts_total_ == 1
     with pytest.raises(SchemaError, match="now"):
-        det.update([], [], float("nan"))
+        det.check([], [], float("nan"))
     with pytest.raises(ConfigError, match="rewind_gap_s"):
-        LifecycleTracker(rewind_gap_s=-1.0).update([], [])
+        LifecycleTracker(rewind_gap_s=-1.0).check([], [])
 
 
 def test_a_stall_that_clears_by_itself_is_no_interruption() -> None:
@@ -275,16 +276,43 @@ def test_a_run_halted_by_its_own_failed_check_is_an_sdc_interruption() -> None:
     from fleethealth.schema import Finding, FindingKind
 
     det = LifecycleTracker()
-    det.update([], [_start(T0 - 5.0)])
-    det.update([b for k in range(31) for b in _batches(k, T0 + STEP_S * k)], [])
+    det.check([], [_start(T0 - 5.0)])
+    det.check([b for k in range(31) for b in _batches(k, T0 + STEP_S * k)], [])
     sdc = Finding(kind=FindingKind.SDC, node="n0001", ts=T0 + 60.5, job="j", gpu=0, rank=2, step=30,
                   detector="sdc.selfcheck")
-    det.update([], [_exit(T0 + 61.0, status="halted", last_step=30, reason="SDC check failed at step 30")],
+    det.check([], [_exit(T0 + 61.0, status="halted", last_step=30, reason="SDC check failed at step 30")],
                findings=[sdc])
-    det.update([], [_start(T0 + 70.0, first_step=21, resumed_from="ckpt://j/step-00000020")])
-    (ev,) = det.update([b for k in range(21, 32) for b in _batches(k, T0 + 75.0 + STEP_S * (k - 20))], [])
+    det.check([], [_start(T0 + 70.0, first_step=21, resumed_from="ckpt://j/step-00000020")])
+    (ev,) = det.check([b for k in range(21, 32) for b in _batches(k, T0 + 75.0 + STEP_S * (k - 20))], [])
     d = ev.data
     assert (d["cause"], ev.node, ev.rank, d["exit_status"], d["culprit"], d["lost_steps"]) == (
         "sdc", "n0001", 2, "halted", True, 10)
     assert d["detection_s"] == pytest.approx(1.0) and d["isolation_s"] == 0.0 and d["reload_s"] == pytest.approx(5.0)
     assert Interruption.from_event(ev).node == "n0001"
+
+
+def _block(first: int, ts: float, n: int = 10) -> StepBlock:
+    return StepBlock.of([b for k in range(first, first + n) for b in _batches(k, ts + STEP_S * (k - first),
+                                                                           nodes=("n0000",))])
+
+
+def test_takes_whole_answers_without_changing_anything_and_its_answer_serves_only_the_next_update() -> None:
+    """The pipeline asks ``takes_whole(block)`` and then updates with that block: the answer is kept for
+    that update alone (not state), so a state with it is the same as without it, a forget drops it, and
+    an update with another block plans that block afresh."""
+    asked, plain = LifecycleTracker(), LifecycleTracker()
+    for det in (asked, plain):
+        det.update(Batch(events=[_start(T0 - 5.0)], steps=[_block(0, T0)]), T0 + 20.0)
+    first, second = _block(10, T0 + 20.0), _block(20, T0 + 40.0)
+    assert asked.takes_whole(first) and asked.state_dict().tree == plain.state_dict().tree
+    asked.update(Batch(steps=[first], conclude=False), T0 + 40.0)
+    plain.update(Batch(steps=[first], conclude=False), T0 + 40.0)
+    assert asked.state_dict().tree == plain.state_dict().tree
+    assert asked.takes_whole(second)  # asked about one block, then updated with another: planned afresh
+    rewind = _block(5, T0 + 45.0)  # the counter goes back: a restart, taken step by step
+    markers = asked.update(Batch(steps=[rewind], conclude=False), T0 + 45.0)
+    assert [(m.kind, m.step) for m in markers] == [(EventKind.JOB_START, 5)]
+    asked.takes_whole(second)
+    asked.forget(jobs=["j"])  # a forget in between drops the answer: the job is unknown again
+    assert asked.update(Batch(steps=[second], conclude=False), T0 + 60.0) == []
+    assert "j" in asked.jobs_ and asked.jobs_["j"].top == 29

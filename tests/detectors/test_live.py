@@ -24,7 +24,7 @@ def test_reconfigure_keeps_the_baselines_and_recomputes_the_thresholds() -> None
     for step in range(40):
         t = 1.0 + 0.005 * rng.standard_normal(64)
         t[9] *= 1.1
-        assert det.update(step, ranks, t) == []
+        assert det.check(step, ranks, t) == []
     base, h = det.base_.copy(), det.h_.copy()
     reconfigure(det, {"persistent_min": 0.03, "false_rate": 1e-9})
     assert np.array_equal(det.base_, base) and det.log_persistent_ == pytest.approx(np.log1p(0.03))

@@ -42,7 +42,7 @@ def test_rates_deltas_and_levels():
     rows = []
     for i in range(13):  # one sample every 5 min for an hour
         ts = 300.0 * i
-        rows += feats.update([_sample(ts, ecc_sbe_volatile=[10.0 * i, 0.0], retired_sbe=[i // 6, 0],
+        rows += feats.check([_sample(ts, ecc_sbe_volatile=[10.0 * i, 0.0], retired_sbe=[i // 6, 0],
                                       remap_pending=[float(i > 10), 0.0], temp_c=[66.0 + 0.5 * i, 66.0],
                                       nvlink_crc_flit=[0.0, 30.0 * i], nvlink_links_up=[18.0, 16.0])])
     last = rows[-1]
@@ -61,10 +61,10 @@ def test_rates_deltas_and_levels():
 
 def test_resolution_stale_samples_and_xid_classes():
     feats = GpuFeatures(resolution_s=60.0)
-    assert len(feats.update([_sample(0.0), _sample(30.0), _sample(60.0)])) == 2  # 30 s is under resolution
-    assert feats.update([_sample(10.0)]) == [] and feats.stale_total_ == 1
+    assert len(feats.check([_sample(0.0), _sample(30.0), _sample(60.0)])) == 2  # 30 s is under resolution
+    assert feats.check([_sample(10.0)]) == [] and feats.stale_total_ == 1
     events = [Event(node="n0001", ts=100.0, kind=EventKind.XID, gpu=0, code=code) for code in (63, 48, 74, 13, 62)]
-    (row,) = feats.update([_sample(200.0)], events)
+    (row,) = feats.check([_sample(200.0)], events)
     x = row.X[0]
     assert (x[F["xid_ecc"]], x[F["xid_nvlink"]], x[F["xid_app"]], x[F["xid_hw_other"]]) == (2, 1, 1, 1)
     assert row.X[1][F["xid_ecc"]] == 0
@@ -73,10 +73,10 @@ def test_resolution_stale_samples_and_xid_classes():
 def test_lost_gpu_starts_a_fresh_history():
     feats = GpuFeatures()
     for i in range(6):
-        feats.update([_sample(300.0 * i, ecc_sbe_volatile=[500.0 * i, 0.0])])
+        feats.check([_sample(300.0 * i, ecc_sbe_volatile=[500.0 * i, 0.0])])
     lost = Event(node="n0001", ts=1600.0, kind=EventKind.XID, gpu=0, code=79)
-    feats.update([], [lost])
-    (row,) = feats.update([_sample(1900.0, ecc_sbe_volatile=[0.0, 0.0])])
+    feats.check([], [lost])
+    (row,) = feats.check([_sample(1900.0, ecc_sbe_volatile=[0.0, 0.0])])
     assert row.X[0][F["sbe_rate_short_per_h"]] == 0.0 and row.X[0][F["xid_hw_other"]] == 0.0
     assert feats.lost_[("n0001", 0)] == 1600.0
 
@@ -100,7 +100,7 @@ def test_version_mismatch_and_bad_artifacts_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"scikit-learn 0\.0\.1.*retrain with"):
         load_model(tmp_path / "m.joblib")
     with pytest.raises(ConfigError, match="retrain"):
-        FailurePredictor(model=tmp_path / "m.joblib", use_model=True).update([], [])
+        FailurePredictor(model=tmp_path / "m.joblib", use_model=True).check([], [])
     assert load_model(tmp_path / "m.joblib", check_version=False).meta["sklearn"] == "0.0.1"
     (tmp_path / "m.json").write_text(json.dumps({**meta, "features": ["x"]}))
     with pytest.raises(ConfigError, match="other features"):
@@ -120,7 +120,7 @@ def test_simulated_precursor_is_flagged_before_failure_and_healthy_gpus_are_not(
     det = FailurePredictor(use_model=True)
     found = []
     for frame in sim.run():
-        found += det.update(frame.telemetry, frame.events)
+        found += det.check(frame.telemetry, frame.events)
     assert [(f.node, f.gpu) for f in found] == [("n0002", 6)]
     f = found[0]
     assert f.kind is FindingKind.FAILURE_RISK and f.ts < sim.step_ts(500)
@@ -149,13 +149,13 @@ def test_probability_needs_hard_evidence_and_fires_once_per_episode():
     det = FailurePredictor(model=_artifact(0.99), clear_after_s=600.0, use_model=True)
     found = []
     for i in range(30):  # GPU 0: a steady trickle (2 per 5 min); GPU 1: corrected errors piling up
-        found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[2.0 * i, 40.0 * i])])
+        found += det.check([_sample(300.0 * i, ecc_sbe_volatile=[2.0 * i, 40.0 * i])])
     assert [(f.gpu, f.ts) for f in found] == [(1, 600.0)]  # 80 errors in the hour passes the 50 floor
     assert found[0].probability == 0.99 and found[0].evidence["model"] == "stub"
     lost = Event(node="n0001", ts=9000.0, kind=EventKind.XID, gpu=1, code=79)
-    assert det.update([_sample(9100.0, ecc_sbe_volatile=[60.0, 9999.0])], [lost]) == []  # muted after loss
+    assert det.check([_sample(9100.0, ecc_sbe_volatile=[60.0, 9999.0])], [lost]) == []  # muted after loss
     quiet = FailurePredictor(model=_artifact(0.1), use_model=True)
-    assert quiet.update([_sample(0.0, remap_pending=[1.0, 0.0])]) == []
+    assert quiet.check([_sample(0.0, remap_pending=[1.0, 0.0])]) == []
 
 
 def test_default_is_the_ecc_rule_and_needs_no_model():
@@ -163,24 +163,24 @@ def test_default_is_the_ecc_rule_and_needs_no_model():
     found = []
     for i in range(30):  # GPU 0: corrected errors piling up, nothing else; GPU 1: a row remap pending from 1 h
         pending = [0.0, float(i >= 12)]
-        found += det.update([_sample(300.0 * i, ecc_sbe_volatile=[400.0 * i, 0.0], remap_pending=pending)])
+        found += det.check([_sample(300.0 * i, ecc_sbe_volatile=[400.0 * i, 0.0], remap_pending=pending)])
     assert [(f.gpu, f.ts, f.probability) for f in found] == [(1, 3600.0, 1.0)]
     assert found[0].evidence["rule"] == ["remap_pending"] and found[0].evidence["model"] == "ecc_rule"
     hopper = FailurePredictor()
     nan = np.full(2, np.nan)
-    assert hopper.update([_sample(0.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan)]) == []
+    assert hopper.check([_sample(0.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan)]) == []
     # Hopper retires no pages: a row remapped for an uncorrectable error is what the rule reads
-    [remap] = hopper.update([_sample(60.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan,
+    [remap] = hopper.check([_sample(60.0, retired_sbe=nan, retired_dbe=nan, retired_pending=nan,
                                      remap_uncorrectable=[0.0, 1.0])])
     assert (remap.gpu, remap.evidence["rule"]) == (1, ["row_remap_delta"])
     assert remap.evidence["features"]["retired_pages_delta"] is None
     with pytest.raises(ConfigError, match="use_model"):
-        FailurePredictor(use_model="yes").update([], [])
+        FailurePredictor(use_model="yes").check([], [])
 
 
 def test_threshold_parameter_is_validated():
     with pytest.raises(ConfigError, match="threshold"):
-        FailurePredictor(threshold=1.5).update([], [])
+        FailurePredictor(threshold=1.5).check([], [])
 
 
 def test_training_script_round_trip(tmp_path):
@@ -209,8 +209,8 @@ def test_harder_generator_reports_what_each_gpu_model_reports_and_features_keep_
     lost, rows = [], []
     for telemetry, events in stream(run):
         lost += [(e.node, e.gpu, e.ts) for e in events if e.code == 79]
-        rows += feats.update(telemetry, events)
-        rules.update(telemetry, events)
+        rows += feats.check(telemetry, events)
+        rules.check(telemetry, events)
         for s in telemetry:
             spec = GPU_MODELS[s.model]
             up = ~np.isnan(s.columns["ecc_sbe_volatile"])
@@ -230,9 +230,9 @@ def test_temperature_margin_is_to_each_gpus_own_slowdown_limit():
     """A GPU that reports its slowdown temperature is judged against it; one that does not (NaN:
     an old driver) against ``thermal_limit_c``."""
     feats = GpuFeatures(thermal_limit_c=85.0)
-    rows = feats.update([_sample(0.0, temp_c=[80.0, 80.0], slowdown_temp_c=[87.0, np.nan])])
+    rows = feats.check([_sample(0.0, temp_c=[80.0, 80.0], slowdown_temp_c=[87.0, np.nan])])
     own, fallback = rows[-1].X[:, F["temp_margin_c"]]
     assert own == pytest.approx(7.0) and fallback == pytest.approx(5.0)
-    rows = GpuFeatures(thermal_limit_c=90.0).update([_sample(0.0, temp_c=[80.0, 80.0],
+    rows = GpuFeatures(thermal_limit_c=90.0).check([_sample(0.0, temp_c=[80.0, 80.0],
                                                               slowdown_temp_c=[87.0, np.nan])])
     assert rows[-1].X[:, F["temp_margin_c"]].tolist() == pytest.approx([7.0, 10.0])

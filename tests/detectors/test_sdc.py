@@ -21,7 +21,7 @@ def test_failed_selfcheck_names_node_gpu_rank_check_and_classification():
     events = [_check(50, True), checkpoint_event(ts=160.0, step=60, uri="ckpt://60", last_verified_step=50,
                                                   node="n0000", job="train-1"),
               _check(100, True, rank=3), _check(100, False, classification="transient")]
-    (f,) = det.update(events)
+    (f,) = det.check(events)
     assert f.kind is FindingKind.SDC and f.node == "n0001" and f.gpu == 1 and f.rank == 9 and f.step == 100
     assert f.detector == "sdc.selfcheck" and f.job == "train-1"
     ev = f.evidence
@@ -33,19 +33,19 @@ def test_deterministic_replay_failures_are_one_episode_until_a_pass():
     """One finding standing alone, one more when a second check fails (corroborated), then none."""
     det = SdcDetector()
     fails = [_check(s, False, check="replay", culprit=9, classification="persistent") for s in (200, 400, 600)]
-    found = det.update(fails)
+    found = det.check(fails)
     assert len(found) == 2 and found[0].rank == 9 and found[0].evidence["culprit_rank"] == 9
     assert [f.evidence["corroboration"]["by"] for f in found] == [[], ["second_check"]]
     assert [f.step for f in found] == [200, 400] and found[0].id != found[1].id
     assert det.failures_total_ == 3
-    det.update([_check(800, True, check="replay")])
-    assert len(det.update([_check(1000, False, check="replay", culprit=9)])) == 1
+    det.check([_check(800, True, check="replay")])
+    assert len(det.check([_check(1000, False, check="replay", culprit=9)])) == 1
 
 
 def test_peer_votes_do_not_move_the_watermark_and_data_or_code_is_not_hardware():
     det = SdcDetector()
-    det.update([_check(50, True), _check(200, True, check="replay", rank=2, culprit=9)])
-    (f,) = det.update([_check(200, False, check="replay", culprit=None, classification="data_or_code")])
+    det.check([_check(50, True), _check(200, True, check="replay", rank=2, culprit=9)])
+    (f,) = det.check([_check(200, False, check="replay", culprit=None, classification="data_or_code")])
     assert f.evidence["last_verified_step"] == 50 and f.evidence["hardware"] is False and f.rank == 9
 
 
@@ -54,7 +54,7 @@ def test_malformed_records_are_counted_and_skipped():
     bad = [Event(node="n1", ts=1.0, kind=EventKind.SDC_CHECK, data={"check": "guess", "passed": False}),
            Event(node="n1", ts=2.0, kind=EventKind.SDC_CHECK, data={"check": "replay", "passed": "no"}),
            Event(node="n1", ts=3.0, kind=EventKind.CHECKPOINT, data={"step": "x"})]
-    assert det.update(bad) == [] and det.invalid_total_ == 3
+    assert det.check(bad) == [] and det.invalid_total_ == 3
 
 
 def test_simulated_sdc_faults():
@@ -68,7 +68,7 @@ def test_simulated_sdc_faults():
     det = SdcDetector()
     found = []
     for step in range(0, 420, 50):
-        found += det.update(sim.step(step).events)
+        found += det.check(sim.step(step).events)
     got = sorted((f.node, f.gpu, f.evidence["check"], f.step) for f in found)
     assert got == [("n0001", 5, "selfcheck", 150), ("n0003", 2, "replay", 200), ("n0003", 2, "replay", 400)]
     assert {f.evidence["classification"] for f in found} == {"transient", "persistent"}

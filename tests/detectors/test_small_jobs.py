@@ -37,15 +37,15 @@ def _steps(job: str, nodes: int, steps: int, slow_rank: int | None = None) -> li
 def test_a_small_job_is_counted_as_not_scored_and_a_large_one_is_scored() -> None:
     small = StragglerDetector()
     for k in range(50):
-        assert small.update(k, np.arange(4), np.full(4, 1.0)) == []
+        assert small.check(k, np.arange(4), np.full(4, 1.0)) == []
     assert (small.unscored_small_total_, small.unscored_group_) == (200, 4)
     grouped = StragglerDetector()  # two pipeline stages of 8 and 3 ranks: only the small stage is left out
-    grouped.update(0, np.arange(11), np.ones(11), np.array([0] * 8 + [1] * 3))
+    grouped.check(0, np.arange(11), np.ones(11), np.array([0] * 8 + [1] * 3))
     assert (grouped.unscored_small_total_, grouped.unscored_group_) == (3, 3)
     large = StragglerDetector()
-    large.update_many(list(range(20)), np.arange(8), np.ones((20, 8)))
+    large.check_many(list(range(20)), np.arange(8), np.ones((20, 8)))
     assert large.unscored_small_total_ == 0 and large.scored_steps_ == 20
-    large.update(20, np.arange(7), np.ones(7))  # one rank missing from a step: left out, the job is not small
+    large.check(20, np.arange(7), np.ones(7))  # one rank missing from a step: left out, the job is not small
     assert large.unscored_small_total_ == 7 and large.scored_steps_ == 20
     pipe = Pipeline()
     pipe.feed(_steps("tiny", 2, 30, slow_rank=1) + _steps("big", 4, 30))

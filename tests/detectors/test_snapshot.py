@@ -263,7 +263,7 @@ def test_a_restored_object_runs_no_code_of_the_blobs_choosing() -> None:
         SNAPS.load(forge(tree))
     del tree[2]["__setstate__"]
     configured = FailurePredictor(use_model=True)
-    configured.update([])
+    configured.check([])
     back, _ = SNAPS.load(forge(tree), like=configured)
     assert back.model is None and back.artifact_ is configured.artifact_ and calls == []
     assert "/tmp/evil.joblib" not in repr(vars(back))

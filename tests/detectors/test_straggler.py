@@ -22,7 +22,7 @@ def _run(det, steps, *, slow=None, noise=None, seed=0, n=R, start=0):
     found = []
     for step in range(start, start + steps):
         t, drift = step_times(rng, n, noise, drift=drift, slowdown=slow)
-        found += det.update(step, ranks, t)
+        found += det.check(step, ranks, t)
     return found
 
 
@@ -39,7 +39,7 @@ def _fleet(det, steps, *, n=512, seed=0, slow_from=None, slow=None, start=0, gen
     for step in range(start, start + steps):
         on = slow is not None and (slow_from is None or step >= slow_from)
         ranks, t, groups = gen.draw(slow if on else None)
-        found += det.update(step, ranks, t, groups)
+        found += det.check(step, ranks, t, groups)
     return found
 
 
@@ -94,7 +94,7 @@ def test_no_false_rank_under_heavy_null_model():
     ranks = np.arange(R)
     for step in range(500):
         t, drift = step_times(rng, R, StepNoise(), drift=drift)
-        assert det.update(step, ranks, t) == []
+        assert det.check(step, ranks, t) == []
         peak = np.maximum(peak, det.stat_.max(axis=1) / det.h_[:, 0])
     assert peak.max() < 0.8
 
@@ -109,7 +109,7 @@ def test_single_hiccup_and_whole_step_drift_do_not_trip():
             t[17] *= 50.0  # one OS hiccup
         if step == 20:
             t *= 3.0  # everyone slow: a data or network phase, not a straggler
-        assert det.update(step, ranks, t) == []
+        assert det.check(step, ranks, t) == []
 
 
 def test_groups_compare_within_stage_only():
@@ -122,11 +122,11 @@ def test_groups_compare_within_stage_only():
     for step in range(20):
         t = 2.0 * np.exp(0.02 * rng.standard_normal(n)) * (1.0 + 0.3 * (groups == 3))
         t[300] *= 1.2
-        found += det.update(step, ranks, t, groups)
+        found += det.check(step, ranks, t, groups)
     assert [f.rank for f in found] == [300]
     ungrouped = StragglerDetector()
     t = 2.0 * np.exp(0.02 * rng.standard_normal(n)) * (1.0 + 0.3 * (groups == 3))
-    assert len(sum((ungrouped.update(s, ranks, t) for s in range(5)), [])) == 256
+    assert len(sum((ungrouped.check(s, ranks, t) for s in range(5)), [])) == 256
 
 
 def test_flagged_once_per_episode_cleared_on_recovery_and_reflagged():
@@ -157,7 +157,7 @@ def test_missing_and_new_ranks_grow_state_and_do_not_update():
         ranks = np.arange(64) if step < 4 else np.r_[np.arange(0, 64, 2), 100_000 + np.arange(64)]
         t = 2.0 * np.exp(0.02 * rng.standard_normal(ranks.size))
         t[ranks == 100_010] *= 1.3
-        found += det.update(step, ranks, t)
+        found += det.check(step, ranks, t)
     assert [f.rank for f in found] == [100_010]
     assert det.capacity_ > 100_063
     assert det.last_step_[1] == 3
@@ -168,7 +168,7 @@ def test_bad_values_are_dropped_and_counted():
     ranks = np.arange(16)
     t = np.full(16, 2.0)
     t[[1, 2, 3, 4]] = [np.nan, -1.0, np.inf, 1e9]
-    assert det.update(0, ranks, t) == []
+    assert det.check(0, ranks, t) == []
     assert det.rejected_total_ == 4
     assert det.last_step_[1] == -1 and det.last_step_[0] == 0
 
@@ -177,17 +177,17 @@ def test_identical_times_do_not_divide_by_zero():
     det = StragglerDetector()
     t = np.full(32, 2.0)
     t[5] = 2.2
-    found = sum((det.update(s, np.arange(32), t) for s in range(5)), [])
+    found = sum((det.check(s, np.arange(32), t) for s in range(5)), [])
     assert [f.rank for f in found] == [5]
 
 
 def test_out_of_order_and_duplicate_steps_are_ignored_per_rank():
     det = StragglerDetector()
     ranks = np.arange(16)
-    det.update(5, ranks, np.full(16, 2.0))
+    det.check(5, ranks, np.full(16, 2.0))
     before = det.stat_.copy()
-    assert det.update(5, ranks, np.full(16, 9.0)) == []
-    assert det.update(3, ranks, np.full(16, 9.0)) == []
+    assert det.check(5, ranks, np.full(16, 9.0)) == []
+    assert det.check(3, ranks, np.full(16, 9.0)) == []
     assert det.stale_total_ == 32
     np.testing.assert_array_equal(det.stat_, before)
 
@@ -196,17 +196,17 @@ def test_out_of_order_and_duplicate_steps_are_ignored_per_rank():
 def test_malformed_calls_raise_schema_errors(make):
     det = make()
     with pytest.raises(SchemaError, match="compute_s"):
-        det.update(0, np.arange(4), np.ones(3))
+        det.check(0, np.arange(4), np.ones(3))
     with pytest.raises(SchemaError, match="groups"):
-        det.update(0, np.arange(4), np.ones(4), np.zeros(3, dtype=int))
+        det.check(0, np.arange(4), np.ones(4), np.zeros(3, dtype=int))
     with pytest.raises(SchemaError, match="duplicate"):
-        det.update(0, np.array([1, 1, 2]), np.ones(3))
+        det.check(0, np.array([1, 1, 2]), np.ones(3))
     with pytest.raises(SchemaError, match="rank ids"):
-        det.update(0, np.array([-1, 2]), np.ones(2))
+        det.check(0, np.array([-1, 2]), np.ones(2))
     with pytest.raises(SchemaError, match="step"):
-        det.update(-1, np.arange(4), np.ones(4))
+        det.check(-1, np.arange(4), np.ones(4))
     with pytest.raises(SchemaError, match="ranks"):
-        det.update(0, np.array([0.5, 1.5]), np.ones(2))
+        det.check(0, np.array([0.5, 1.5]), np.ones(2))
 
 
 @pytest.mark.parametrize("params", [{"clip": 0.1}, {"drifts": (1.0,), "thresholds": (1.0, 2.0)},
@@ -219,14 +219,14 @@ def test_malformed_calls_raise_schema_errors(make):
 def test_bad_parameters_raise_config_error_on_first_update(params):
     det = StragglerDetector(**params)  # construction only stores
     with pytest.raises(ConfigError, match="StragglerDetector"):
-        det.update(0, np.arange(8), np.ones(8))
+        det.check(0, np.arange(8), np.ones(8))
 
 
 def test_seed_rule_bad_parameters():
     with pytest.raises(ConfigError, match="consecutive"):
-        SeedRule(consecutive=0).update(0, np.arange(8), np.ones(8))
+        SeedRule(consecutive=0).check(0, np.arange(8), np.ones(8))
     with pytest.raises(ConfigError, match="z must"):
-        SeedRule(z=float("nan")).update(0, np.arange(8), np.ones(8))
+        SeedRule(z=float("nan")).check(0, np.arange(8), np.ones(8))
 
 
 def test_robust_z_grouped_matches_per_group_numpy():
@@ -259,7 +259,7 @@ def test_with_a_placement_a_finding_comes_out_complete(make):
         t[11] *= 1.3
         placed = AssembledStep(job="train-1", step=step, ts=1000.0 + step, ranks=ranks, gpus=gpus, nodes=nodes,
                                compute_s=t, groups=None, complete=True)
-        found += det.update(step, ranks, t, placement=placed)
+        found += det.check(step, ranks, t, placement=placed)
     [f] = found
     assert (f.rank, f.node, f.gpu, f.job) == (11, "n0001", 3, "train-1") and f.ts == 1000.0 + f.step
 
@@ -317,7 +317,7 @@ def test_power_cap_dips_and_hiccups_after_warmup_do_not_accumulate():
         slow[7] = 0.03 / 0.97 if step % 100 < 8 else 0.0
         slow[9] = 9.0 if step % 50 == 0 else 0.0
         ranks, t, groups = gen.draw(slow)
-        assert det.update(step, ranks, t, groups) == []
+        assert det.check(step, ranks, t, groups) == []
     assert det.stat_[:, [7, 9]].max() < 0.5 * det.h_.min()
 
 
@@ -327,15 +327,15 @@ def test_thresholds_follow_the_false_alarm_budget_by_siegmund():
     explicit thresholds override the budget."""
     assert siegmund_rate(0.5, siegmund_threshold(0.5, 1e9)) == pytest.approx(1e-9, rel=1e-3)
     det = StragglerDetector()
-    det.update(0, np.arange(8), np.ones(8))
+    det.check(0, np.arange(8), np.ones(8))
     shares = np.asarray(det.shares) / np.sum(det.shares)
     np.testing.assert_allclose(det.rate_, det.false_rate * shares, rtol=1e-3)
     assert det.rate_.sum() * 16384 * 10 * 86400 < 1.0  # under one a job-day at 16,384 ranks, 10 steps/s
     stricter = StragglerDetector(false_rate=det.false_rate / 10)
-    stricter.update(0, np.arange(8), np.ones(8))
+    stricter.check(0, np.arange(8), np.ones(8))
     assert (stricter.h_ > det.h_).all()
     fixed = StragglerDetector(thresholds=(48.0, 20.0, 9.5, 6.5))
-    fixed.update(0, np.arange(8), np.ones(8))
+    fixed.check(0, np.arange(8), np.ones(8))
     assert fixed.h_[:, 0].tolist() == [48.0, 20.0, 9.5, 6.5]
 
 
@@ -347,7 +347,7 @@ def _noisy_fleet(det, steps, sigma, *, slow=None, slow_from=0, seed=31, start=0)
         t = 2.0 * np.exp(sigma * rng.standard_normal(n))
         if slow is not None and step >= slow_from:
             t *= 1.0 + slow
-        found += det.update(step, np.arange(n), t)
+        found += det.check(step, np.arange(n), t)
     return found
 
 
@@ -382,6 +382,6 @@ def test_a_storm_of_hiccups_does_not_accumulate():
         t = 2.0 * np.exp(0.02 * rng.standard_normal(n))
         if step % 20 == 0:
             t[5] *= rng.uniform(2.0, 10.0)
-        assert det.update(step, np.arange(n), t) == []
+        assert det.check(step, np.arange(n), t) == []
         peak = max(peak, float((det.stat_[:, 5] / det.h_[:, 0]).max()))
     assert peak < 0.5

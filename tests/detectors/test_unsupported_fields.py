@@ -38,12 +38,12 @@ def test_retired_pages_are_nan_from_the_probe_through_the_store_and_the_rules_us
     assert max(t.columns["remap_correctable"][2] for t in back) > 0
 
     fail_ts = min(e.ts for e in events if e.kind is EventKind.XID and e.code == 79)
-    rows = GpuFeatures().update(back, events)
+    rows = GpuFeatures().check(back, events)
     retired = FEATURES.index("retired_pages_delta")
     assert all(np.isnan(r.X[:, retired]).all() for r in rows)
-    [risk] = FailurePredictor().update(back, events)
+    [risk] = FailurePredictor().check(back, events)
     assert risk.kind is FindingKind.FAILURE_RISK and (risk.node, risk.gpu) == ("n0001", 2) and risk.ts < fail_ts
     assert "row_remap_delta" in risk.evidence["rule"] and risk.evidence["features"]["retired_pages_delta"] is None
-    ecc = [f for f in HealthRules().update(back, events) if f.kind is FindingKind.ECC]
+    ecc = [f for f in HealthRules().check(back, events) if f.kind is FindingKind.ECC]
     assert ecc and ecc[0].gpu == 2 and ecc[0].ts < fail_ts and "remap_growth" in ecc[0].evidence["reasons"]
     assert ecc[0].evidence["retired_pages"] is None

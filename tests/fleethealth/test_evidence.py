@@ -11,7 +11,7 @@ from fleethealth.schema import Action, Event, EventKind, Telemetry
 
 
 def test_an_xid_finding_keeps_its_wire_shape_and_reads_back_typed():
-    [f] = HealthRules().update([], [Event(node="n0019", ts=5.0, kind=EventKind.XID, gpu=6, code=79, message="m")])
+    [f] = HealthRules().check([], [Event(node="n0019", ts=5.0, kind=EventKind.XID, gpu=6, code=79, message="m")])
     support = f.evidence.pop("corroboration")  # n0019 sent no telemetry: the event stands alone
     assert support["by"] == [] and "no telemetry from n0019" in support["missing"]
     assert f.evidence == {"severity": "critical", "code": 79, "name": "GPU has fallen off the bus",
@@ -26,9 +26,9 @@ def test_an_ecc_finding_keeps_its_wire_shape_and_escalation():
                                      "retired_sbe", "retired_dbe", "ecc_sbe_volatile")}
     rules = HealthRules()
     pending = {**cols, "remap_pending": np.array([0.0, 1.0])}
-    [warn] = rules.update([Telemetry.from_columns("n0001", "r00", 1.0, [0, 1], **pending)])
+    [warn] = rules.check([Telemetry.from_columns("n0001", "r00", 1.0, [0, 1], **pending)])
     broken = {**pending, "ecc_dbe_volatile": np.array([0.0, 2.0])}
-    [crit] = rules.update([Telemetry.from_columns("n0001", "r00", 2.0, [0, 1], **broken)])
+    [crit] = rules.check([Telemetry.from_columns("n0001", "r00", 2.0, [0, 1], **broken)])
     assert list(warn.evidence) == ["severity", "reasons", "uncorrectable", "remap_failure", "remap_pending",
                                    "retired_pages", "remapped_rows", "corrected_volatile"]
     facts = EccEvidence.from_evidence(crit.evidence)

@@ -65,7 +65,7 @@ def test_every_code_the_policy_drains_for_is_in_the_catalog():
 def test_health_rules_and_policy_agree_end_to_end():
     rules = HealthRules()
     for code in (92, 94, 95, 79, 13):
-        [f] = rules.update([], [Event(node="n0003", ts=T0, kind=EventKind.XID, gpu=1, code=code)])
+        [f] = rules.check([], [Event(node="n0003", ts=T0, kind=EventKind.XID, gpu=1, code=code)])
         [rec] = PolicyEngine().decide([f], T0)
         assert f.evidence["action"] == lookup(code).action.value
         assert (rec.action is Action.DRAIN) is lookup(code).drains, code

@@ -72,7 +72,7 @@ def test_loop_rolls_back_to_the_policys_target_by_itself(ranks: list[dict]) -> N
     events = [e for e in sorted(events, key=lambda e: e.ts)]
     cut = next(e.ts for e in events if e.kind.value == "sdc_check" and not e.data["passed"])
     seen = [e for e in events if e.ts <= cut]  # what the stream held when the failure arrived
-    findings = SdcDetector().update(seen)
+    findings = SdcDetector().check(seen)
     engine = PolicyEngine()
     engine.observe(seen)
     recs = [x for x in engine.decide(findings, time.time()) if x.action is Action.ROLLBACK]

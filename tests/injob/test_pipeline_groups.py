@@ -46,7 +46,7 @@ def _findings(batches: list) -> list[tuple[int, int]]:
     det = StragglerDetector(min_group=3)
     out = []
     for b in sorted(batches, key=lambda b: b.step):
-        out += [(f.rank, f.step) for f in det.update(b.step, b.ranks, b.compute_s, b.groups)]
+        out += [(f.rank, f.step) for f in det.check(b.step, b.ranks, b.compute_s, b.groups)]
     return out
 
 

@@ -77,7 +77,7 @@ def test_the_rollback_target_is_never_after_the_fault_starts(start, kind, every,
     if mark is not None and any(c.step <= mark for c in book):
         assert target is not None  # not vacuous: a clean checkpoint the mark vouches for is found
     # the streaming side: the SDC detector's finding, then the policy, from the same events
-    finding = SdcDetector().update(events)
+    finding = SdcDetector().check(events)
     assert len(finding) == 1
     recs = PolicyEngine().decide(finding, now=float(failed[0]))
     rollback = [r for r in recs if r.action is Action.ROLLBACK][0]
@@ -97,7 +97,7 @@ def test_the_issue_case_a_deterministic_fault_before_the_first_replay_needs_a_hu
     assert failed == (200, "replay") and wm.last_verified_step == 150 and wm.last_replay_step is None
     assert wm.rollback_target(book, "persistent") is None
     assert wm.rollback_target(book, "transient").step == 150  # what the single watermark used to say
-    recs = PolicyEngine().decide(SdcDetector().update(events), now=200.0)
+    recs = PolicyEngine().decide(SdcDetector().check(events), now=200.0)
     assert [r.guard for r in recs if r.action is Action.ROLLBACK] == [Guard.NEEDS_HUMAN]
 
 

@@ -20,7 +20,7 @@ def _finding_from_the_detector():
     bad = sdc_check_event(ts=7.0, check="replay", passed=False, classification="persistent",
                           digests=["0a1b", "ffee"], duration_s=0.4, peer_ranks=[3, 5], culprit_rank=1,
                           tolerance=1e-6, node="n0000", job="train-1", rank=1, gpu=1, step=500)
-    (finding,) = SdcDetector().update([ck, ok, bad])
+    (finding,) = SdcDetector().check([ck, ok, bad])
     return finding
 
 

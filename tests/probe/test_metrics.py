@@ -273,7 +273,7 @@ def test_xid_and_clock_event_counters_start_at_zero_and_count_each_occurrence(re
     for e in xids:
         metrics.count_event(e)
     rules = HealthRules()
-    found = rules.update([first], xids)
+    found = rules.check([first], xids)
     assert [(f.kind.value, f.gpu, f.evidence["code"]) for f in found if f.kind.value == "xid"] == [("xid", 2, 79)]
     # GPU 0 power-capped for two samples, clear, then capped again: two clock events
     cap = float(ClockReason.SW_POWER_CAP)
