@@ -33,7 +33,7 @@ def test_reconfigure_keeps_the_baselines_and_recomputes_the_thresholds() -> None
     for step in range(40, 60):
         t = 1.0 + 0.005 * rng.standard_normal(64)
         t[9] *= 1.1
-        found += det.update(step, ranks, t)
+        found += det.check(step, ranks, t)
     assert [f.rank for f in found] == [9] and found[0].evidence["persistent"]
     with pytest.raises(ConfigError, match="no parameter"):
         reconfigure(det, {"no_such": 1})
