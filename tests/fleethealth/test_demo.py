@@ -112,14 +112,14 @@ def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path:
     targets = {r["node"]: r["evidence"]["target_step"] for r in recs if r["action"] == "rollback"}
     assert set(targets) == set(starts) and all(targets[n] < starts[n] for n in starts), targets
 
-    # the job's two stops, derived by the detectors from its start / exit records (the simulator writes none)
-    query = subprocess.run([sys.executable, "-m", "fleethealth", "query", "--json", "--data", str(tmp_path / "data"),
-                            "SELECT node, step, data FROM events FINAL WHERE kind = 'interruption' ORDER BY ts"],
-                           capture_output=True, text=True, timeout=120)
-    assert query.returncode == 0, query.stderr
-    stops = [orjson.loads(line) for line in query.stdout.splitlines()]
-    data = [orjson.loads(s["data"]) for s in stops]
-    assert [(s["node"], s["step"], d["cause"], d["lost_steps"]) for s, d in zip(stops, data, strict=True)] == [
-        ("n0002", 450, "hang", 0), ("n0007", 500, "gpu_failure", 0)]
+    # the job's two stops, derived by the detectors from its start / exit records (the simulator writes none);
+    # read in this process (`fleethealth query` on the demo's store is the small scenario's test above)
+    from fleethealth.store import open_store
+
+    with open_store(f"chdb://{tmp_path / 'data' / 'store'}") as store:
+        stops = store.query("SELECT node, step, data FROM events FINAL WHERE kind = 'interruption' ORDER BY ts").rows
+    data = [orjson.loads(d) for _, _, d in stops]
+    assert [(node, int(step), d["cause"], d["lost_steps"]) for (node, step, _), d in zip(stops, data, strict=True)] \
+        == [("n0002", 450, "hang", 0), ("n0007", 500, "gpu_failure", 0)]
     assert all(d["detection_s"] + d["restart_s"] == pytest.approx(gap, abs=1.0)
                for d, gap in zip(data, (120.0 + 600.0, 600.0), strict=True))  # the simulated stall, whole
