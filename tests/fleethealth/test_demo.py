@@ -36,10 +36,11 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_thermal_straggler_found_on_the_injected_node_only(tmp_path: Path) -> None:
-    run = _demo(tmp_path, SMALL, "--json")
+    run = _demo(tmp_path, SMALL, "--json", "--no-report")  # tests/report/test_report.py checks the page
     assert run.returncode == 0, run.stderr
     summary = orjson.loads(run.stdout)
     assert summary["dead_letters"] == 0 and summary["messages"] > 160 * 8
+    assert summary["report"] is None and not (tmp_path / "out" / "report.html").exists()
     findings = _jsonl(tmp_path / "out" / "findings.jsonl")
     assert findings, "no findings exported"
     assert {f["node"] for f in findings} == {"n0005"}
