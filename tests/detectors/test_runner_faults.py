@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from fleethealth.bus import Consumer, Producer
 from fleethealth.detectors.runner import Runner
 from fleethealth.schema import Action, ClockReason, Event, EventKind, Guard, Message, StepBatch, Telemetry, Topic
-from fleethealth.store import open_store
 
 NODES = [f"n{i:04d}" for i in range(4)]
 GPUS = 2
@@ -34,10 +32,9 @@ OWN_BROKER_PARTITIONS = 4  # own_broker (tests/detectors/conftest.py)
 
 
 @pytest.fixture
-def chdb(tmp_path: Path):
-    with open_store(f"chdb://{tmp_path}/store") as store:
-        store.migrate()
-        yield store
+def chdb(store):
+    """The shared ``store`` fixture (tests/conftest.py): a migrated chDB path of the test's own."""
+    return store
 
 
 def _sample(node: str, ts: float, **cols: list[float]) -> Telemetry:

@@ -36,10 +36,11 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_thermal_straggler_found_on_the_injected_node_only(tmp_path: Path) -> None:
-    run = _demo(tmp_path, SMALL, "--json")
+    run = _demo(tmp_path, SMALL, "--json", "--no-report")  # tests/report/test_report.py checks the page
     assert run.returncode == 0, run.stderr
     summary = orjson.loads(run.stdout)
     assert summary["dead_letters"] == 0 and summary["messages"] > 160 * 8
+    assert summary["report"] is None and not (tmp_path / "out" / "report.html").exists()
     findings = _jsonl(tmp_path / "out" / "findings.jsonl")
     assert findings, "no findings exported"
     assert {f["node"] for f in findings} == {"n0005"}
@@ -75,7 +76,8 @@ def test_bad_scenario_is_one_line_and_exit_2(tmp_path: Path, text: str, needle: 
 def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path: Path) -> None:
     """docs/architecture.md "Fault scenarios": each kind's expected outcome, on the shipped scenario."""
     run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--out", str(tmp_path / "out"),
-                          "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=300)
+                          "--data", str(tmp_path / "data")], capture_output=True, text=True,
+                         timeout=540)  # 89 s in the last quiet full run; past 300 s at load average 10
     assert run.returncode == 0, run.stderr
     findings = _jsonl(tmp_path / "out" / "findings.jsonl")
     recs = _jsonl(tmp_path / "out" / "recommendations.jsonl")
@@ -112,14 +114,14 @@ def test_default_demo_finds_every_fault_kind_and_flags_no_healthy_node(tmp_path:
     targets = {r["node"]: r["evidence"]["target_step"] for r in recs if r["action"] == "rollback"}
     assert set(targets) == set(starts) and all(targets[n] < starts[n] for n in starts), targets
 
-    # the job's two stops, derived by the detectors from its start / exit records (the simulator writes none)
-    query = subprocess.run([sys.executable, "-m", "fleethealth", "query", "--json", "--data", str(tmp_path / "data"),
-                            "SELECT node, step, data FROM events FINAL WHERE kind = 'interruption' ORDER BY ts"],
-                           capture_output=True, text=True, timeout=120)
-    assert query.returncode == 0, query.stderr
-    stops = [orjson.loads(line) for line in query.stdout.splitlines()]
-    data = [orjson.loads(s["data"]) for s in stops]
-    assert [(s["node"], s["step"], d["cause"], d["lost_steps"]) for s, d in zip(stops, data, strict=True)] == [
-        ("n0002", 450, "hang", 0), ("n0007", 500, "gpu_failure", 0)]
+    # the job's two stops, derived by the detectors from its start / exit records (the simulator writes none);
+    # read in this process (`fleethealth query` on the demo's store is the small scenario's test above)
+    from fleethealth.store import open_store
+
+    with open_store(f"chdb://{tmp_path / 'data' / 'store'}") as store:
+        stops = store.query("SELECT node, step, data FROM events FINAL WHERE kind = 'interruption' ORDER BY ts").rows
+    data = [orjson.loads(d) for _, _, d in stops]
+    assert [(node, int(step), d["cause"], d["lost_steps"]) for (node, step, _), d in zip(stops, data, strict=True)] \
+        == [("n0002", 450, "hang", 0), ("n0007", 500, "gpu_failure", 0)]
     assert all(d["detection_s"] + d["restart_s"] == pytest.approx(gap, abs=1.0)
                for d, gap in zip(data, (120.0 + 600.0, 600.0), strict=True))  # the simulated stall, whole

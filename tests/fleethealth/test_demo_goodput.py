@@ -28,8 +28,9 @@ def _demo(where: Path, *extra: str) -> dict[str, object]:
     where.mkdir(parents=True, exist_ok=True)
     scenario = where / "scenario.yaml"
     scenario.write_text(SCENARIO)
-    run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--scenario", str(scenario),
-                          "--out", str(where / "out"), "--data", str(where / "data"), *extra],
+    run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--no-report",
+                          "--scenario", str(scenario), "--out", str(where / "out"), "--data", str(where / "data"),
+                          *extra],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = where / "out"

@@ -31,8 +31,9 @@ def test_the_flaky_rack_shortens_the_interval_the_health_route_recommends(tmp_pa
     from fleethealth.store import open_store
 
     scenario = resources.files("fleethealth.scenarios") / "flaky_rack.yaml"
-    run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--scenario", str(scenario),
-                          "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data")],
+    run = subprocess.run([sys.executable, "-m", "fleethealth", "demo", "--json", "--no-report",
+                          "--scenario", str(scenario), "--out", str(tmp_path / "out"),
+                          "--data", str(tmp_path / "data")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     with open_store(f"chdb://{tmp_path / 'data' / 'store'}") as store:
