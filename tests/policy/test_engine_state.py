@@ -12,6 +12,7 @@ held, its reset and the held removals decided again, a release and a forgotten j
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import orjson
@@ -19,7 +20,7 @@ import pytest
 
 from fleethealth.payloads.checkpoint import checkpoint_event
 from fleethealth.payloads.validation import checkpoint_validated_event
-from fleethealth.policy.engine import PolicyEngine
+from fleethealth.policy.engine import EngineState, PolicyEngine
 from fleethealth.schema import Diagnosis, Event, EventKind, Finding, FindingKind
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "engine_state_v1.json"
@@ -131,3 +132,18 @@ def test_a_state_saved_before_the_move_loads_and_decides_the_same(saved: dict) -
     assert orjson.loads(orjson.dumps(engine.to_state())) == saved["state"]    # round trip, key for key
     assert _rows(_after(engine)) == saved["after"]
     assert orjson.loads(orjson.dumps(engine.to_state())) == saved["state_after"]
+
+
+def test_the_engine_memory_is_one_dataclass_saved_field_for_field(saved: dict) -> None:
+    engine = PolicyEngine(**saved["params"])
+    engine.load_state(saved["state"])
+    assert isinstance(engine.state_, EngineState)
+    fields = {f.name for f in dataclasses.fields(EngineState)}
+    assert set(engine.to_state()) == fields                  # every field saved, nothing saved beside them
+    # beside state_ the engine holds only its parameters: numbers and flags set at construction
+    others = {k: v for k, v in vars(engine).items() if k != "state_"}
+    assert others and all(isinstance(v, int | float | bool) for v in others.values()), others
+    # the engine's name_ attributes are the dataclass's fields, not copies
+    assert engine.drained_ is engine.state_.drained and engine.breaker_ is engine.state_.breaker
+    engine.release("n0030")
+    assert "n0030" not in engine.state_.drained and "n0030" not in engine.drained_
