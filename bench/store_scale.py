@@ -17,7 +17,7 @@ Three stores, one after the other in this process (chDB opens one data path at a
    baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollup's day);
    after ``OPTIMIZE ... FINAL`` the bytes of both tables and the rollup's bytes per GPU-minute;
 3. the three analyst queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes``: named queries
-   of ``fleethealth/store/queries.py``) over the day through the rollup, over the 1 Hz hour on raw
+   of ``fleethealth/store/queries/report.py``) over the day through the rollup, over the 1 Hz hour on raw
    samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each;
 4. the API's latest readers (``node_summaries``, ``node_gpu_latest``) through the latest-sample
    table ``gpu_latest`` (009) and, as the baseline, scanning every raw sample (``source="raw"``),

@@ -182,7 +182,8 @@ def test_the_table_is_read_as_written() -> None:
     """A few rows of the page, as this test reads them."""
     assert _unit("fleethealth.schema.telemetry") == "contracts" and _unit("fleethealth") == "contracts"
     assert _unit("fleethealth.store.protocol") == "contracts"
-    assert _unit("fleethealth.store.queries") == "fleethealth.store"
+    assert _unit("fleethealth.store.queries") == _unit("fleethealth.store.queries.api") == "fleethealth.store"
+    assert _unit("fleethealth.policy.rules.straggler") == _unit("fleethealth.policy.engine") == "fleethealth.policy"
     assert _unit("fleethealth.bus.consumer") == "fleethealth.bus" and _floor("fleethealth.bus") == 3
     assert _unit("fleethealth.demo_injob_worker") == _unit("fleethealth.commands.detect") == "top"
     assert _floor(_unit("fleethealth.kernels.gemm")) == 1 != _unit("fleethealth.kernels.gemm")

@@ -1,8 +1,10 @@
 """Decisions: eviction payback with guards, quarantine, paging on patterns, goodput and budget arithmetic.
 
 The engine (:class:`PolicyEngine`) is pure: findings and an event time in, explained and guarded
-recommendations out. :class:`PolicyStage` is the stage the detector runner composes after detection:
-the engine, the pager and the goodput it reads, and the eviction-outcome loop.
+recommendations out; its rules live in :mod:`fleethealth.policy.rules`, one module a family of
+findings, and its memory is one dataclass (``rules.context.EngineState``). :class:`PolicyStage` is
+the stage the detector runner composes after detection: the engine, the pager and the goodput it
+reads, and the eviction-outcome loop.
 
 Store-backed parts are thin: :mod:`fleethealth.policy.quarantine` (the
 quarantine book) and :mod:`fleethealth.policy.persist` (engine state, eviction history, breaker).

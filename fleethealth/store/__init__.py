@@ -23,8 +23,9 @@ One concern a module:
 * :mod:`~fleethealth.store.cluster` — the cluster form of the migrations (DSN ``?cluster=NAME``):
   replicated local tables under Distributed ones, ``ON CLUSTER``, generated from the same text;
 * :mod:`~fleethealth.store.columns` — schema dataclasses to columns and back (``FLOAT32_FIELDS``);
-* :mod:`~fleethealth.store.queries` — every named application query (the only SQL outside it is
-  the analyst's own, through the API's SQL gate, and the migrations).
+* :mod:`~fleethealth.store.queries` — every named application query, one module a caller (the
+  detectors', the policy's, the API's, the report's, the operators'); the only SQL outside it is
+  the analyst's own, through the API's SQL gate, and the migrations.
 
 chDB allows ONE open data path per process at a time: a second store on the same path shares the
 engine, a store on a different path fails with :class:`~fleethealth.errors.StoreError` until every

@@ -13,10 +13,10 @@ Detectors, the runner, the API, policy, sweeps and kernels take a store, never a
 * :class:`OpsStore` — the self-tests' baselines, and what the benches read (engine memory, stored
   rank-steps, storage accounting).
 
-The named queries' SQL lives in :mod:`fleethealth.store.queries` and nowhere else; rows come back as
-``dict`` keyed by column name where a caller turns them into its own records. A role a caller uses
-is checked by ``tests/fleethealth/store/test_protocol.py`` (each package calls only the members of
-its role).
+The named queries' SQL lives in :mod:`fleethealth.store.queries` (one module a role) and nowhere
+else; rows come back as ``dict`` keyed by column name where a caller turns them into its own
+records. A role a caller uses is checked by ``tests/fleethealth/store/test_protocol.py`` (each
+package calls only the members of its role, each query module serves one role).
 
 This module imports only the standard library, :mod:`fleethealth.schema` and
 :mod:`fleethealth.errors`, so modules below the store (policy, kernels) may name it under

@@ -8,7 +8,8 @@ import sys
 
 import fleethealth.policy as policy
 
-MODULES = ("budget", "engine", "eviction", "goodput", "guards", "paging", "persist", "stage", "quarantine")
+MODULES = ("budget", "engine", "eviction", "goodput", "guards", "paging", "persist", "stage", "rules", "rules.context",
+           "rules.straggler", "rules.sdc", "rules.hang", "rules.hardware", "rules.risk", "quarantine")
 
 
 def test_exported_names():

@@ -16,6 +16,14 @@ import pytest
 from fleethealth.store import Store, StoreLike
 from fleethealth.store import protocol as protocol_module
 from fleethealth.store.protocol import ApiStore, DetectorStore, OpsStore, PolicyStore, StoreBase
+from fleethealth.store.queries import (
+    ApiQueries,
+    DetectorQueries,
+    NamedQueries,
+    OpsQueries,
+    PolicyQueries,
+    ReportQueries,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 CODE = [ROOT / d for d in ("fleethealth", "detectors", "kernels", "sweeps", "bench")]
@@ -79,6 +87,23 @@ def test_store_has_each_protocol_member_with_the_same_parameters(name: str) -> N
     assert shape(getattr(Store, name)) == shape(getattr(StoreLike, name))
 
 
+# each query module's mixin -> the role it serves (the API's role is served by two modules)
+ROLE_OF_QUERIES = {DetectorQueries: DetectorStore, PolicyQueries: PolicyStore, ApiQueries: ApiStore,
+                   ReportQueries: ApiStore, OpsQueries: OpsStore}
+
+
+def test_each_query_module_serves_one_role_and_together_every_named_query() -> None:
+    served: dict[type, set[str]] = {}
+    for mixin, role in ROLE_OF_QUERIES.items():
+        mine = {name for name in _own(mixin) if not name.startswith("_")}
+        outside = mine - _own(role)
+        assert not outside, f"{mixin.__module__} holds {sorted(outside)}, not members of {role.__name__}"
+        served.setdefault(role, set()).update(mine)
+    for role in set(ROLE_OF_QUERIES.values()):
+        assert served[role] == _own(role), f"{role.__name__} members without a query: {_own(role) - served[role]}"
+    assert set(NamedQueries.__mro__) >= set(ROLE_OF_QUERIES) and Store.__mro__[1] is NamedQueries
+
+
 def test_an_open_store_is_store_like(store: Store) -> None:
     assert isinstance(store, StoreLike)
     assert not isinstance(object(), StoreLike)
@@ -116,7 +141,7 @@ def test_no_application_sql_outside_the_store() -> None:
         for line, text in _strings(ast.parse(path.read_text(), str(path))):
             if _SQL.match(text.strip()):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {text.strip()[:60]}")
-    assert not found, "SQL belongs in fleethealth/store/queries.py:\n" + "\n".join(found)
+    assert not found, "SQL belongs in fleethealth/store/queries/:\n" + "\n".join(found)
 
 
 def test_the_sql_rule_sees_sql() -> None:
