@@ -23,6 +23,21 @@ from fleethealth.schema import Topic
 _log = logging.getLogger("fleethealth.bus")
 
 
+def group_read_to_end(members: Sequence[tuple[Collection[tuple[str, int]], bool]],
+                      partitions: Collection[tuple[str, int]]) -> bool:
+    """Whether a consumer group is read to its end, from what each member said after its last poll,
+    ``(assignment, read to its end)``: every partition is assigned to exactly one member and each member
+    that holds partitions has read them to their end.
+
+    Pure. A member between two generations holds nothing, and one that lost partitions has dropped what
+    it held of them, so a group is not done while a partition has no owner (its new owner has not
+    joined yet) or two (a report older than the move): its records past the commit are unread."""
+    held = [tp for assigned, _ in members for tp in assigned]
+    if len(held) != len(set(held)) or set(held) != set(partitions) or not partitions:
+        return False
+    return all(done for assigned, done in members if assigned)
+
+
 class Consumer:
     """Consumes schema messages from ``topics`` as member of consumer group ``group``.
 
@@ -272,6 +287,11 @@ class Consumer:
     def committed(self) -> dict[tuple[str, int], int]:
         """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
+
+    def partitions(self) -> set[tuple[str, int]]:
+        """Every ``(topic, partition)`` of this consumer's topics the broker knows (those a group splits)."""
+        with translated("reading partitions", self.dsn):
+            return {(t, p) for t in self.topics for p in (self._kc.partitions_for_topic(t) or ())}
 
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""
