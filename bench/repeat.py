@@ -11,7 +11,9 @@ number and the first lines that say why: the assertion's ``E`` lines or pytest's
 ``seconds`` (each run's wall time) and ``load`` (the busy processes started and the 1-minute load
 average before and after the runs, and its highest sample).
 
-    python bench/repeat.py tests/detectors/test_runner.py::test_replay_after_crash --runs 20 [--load 2]
+    python bench/repeat.py NODEID --runs 20 [--load 2] [--keep DIR] [--stop-on-fail]
+
+    NODEID e.g. tests/detectors/test_runner.py::test_killed_between_every_write_and_publish_no_recommendation_is_lost
 """
 
 from __future__ import annotations
