@@ -77,10 +77,12 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
+        self._revoked: list[set[Any]] = []  # appended by the client's rebalance listener, settled by _settle
+        self._moved: set[tuple[str, int]] = set()
         with translated(f"joining group {group!r}", dsn):
             self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
                                         int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
-                                        int(connect_timeout_s * 1000))
+                                        int(connect_timeout_s * 1000), on_revoked=self._revoked.append)
         self._producer = producer
         self._own_producer = producer is None
         self._pending: dict[Any, int] = {}
@@ -146,6 +148,7 @@ class Consumer:
         """Poll Kafka once: ``(record, partition, next offset)`` per value, ``None`` for a dead letter."""
         with translated(f"polling {', '.join(self.topics)}", self.dsn):
             batches = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        self._settle()  # a rebalance happens inside a poll: what it revoked, before what this poll returned
         out: list[tuple[Record | None, Any, int]] = []
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
@@ -193,6 +196,27 @@ class Consumer:
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
 
+    def _settle(self) -> None:
+        """Forget what this member knew of the partitions the group revoked from it — even those it was
+        given back in the same rebalance, which it now reads again from the group's commit: the offsets
+        it had read to and committed there (a commit or a snapshot must never name them again, since a
+        partition's next owner may have gone further, or restored an older snapshot and not yet) and the
+        records it had fetched and not returned. :meth:`take_moved` tells the reader which they were."""
+        while self._revoked:
+            for tp in self._revoked.pop(0):
+                self._pending.pop(tp, None)
+                self._committed.pop(tp, None)
+                self._moved.add((tp.topic, tp.partition))
+                self._buffer = [entry for entry in self._buffer if entry[1] != tp]
+
+    def take_moved(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs the group revoked from this member since the last call, whether
+        or not it holds them again now: a reader's state of them may be behind what another member did
+        with them meanwhile, so it is dropped and taken again from the partition's snapshot or commit."""
+        self._settle()
+        moved, self._moved = self._moved, set()
+        return moved
+
     def _dead_letter(self, rec: Any, reason: str) -> None:
         if rec.topic == Topic.DEADLETTER.value:
             self.dead_lettered_total += 1  # never loop a dead letter back into its own topic
@@ -218,6 +242,7 @@ class Consumer:
         if self.group is None:  # a table reader: it re-reads from its start, nothing to commit
             self._pending.clear()
             return
+        self._settle()
         hold = hold or {}
         # never for a partition the group has moved to another member: its records read here were not
         # all processed, and a coordinator takes a commit for any partition from a current member
@@ -285,7 +310,9 @@ class Consumer:
         return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
-        """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""
+        """The offsets this consumer has committed, per ``(topic, partition)``, of the partitions it has held
+        since it committed them (a partition revoked and given back has none until it commits it again)."""
+        self._settle()
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
 
     def partitions(self) -> set[tuple[str, int]]:

@@ -4,11 +4,14 @@ generations while a partition they had given up went to a replica that had stopp
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from fleethealth.bus import Consumer, ensure_topics
+from fleethealth.bus import Consumer, Producer, ensure_topics
 from fleethealth.bus.consumer import group_read_to_end
-from fleethealth.schema import Topic
+from fleethealth.schema import Event, EventKind, Topic
 
 STEPS = [(Topic.STEPS.value, p) for p in range(4)]
 
@@ -46,3 +49,43 @@ def test_partitions_are_every_partition_of_the_topics_on_the_real_broker(broker)
     # (the session's broker: a topic another test created first keeps its own partition count)
     assert set(per_topic) == {Topic.STEPS.value, Topic.EVENTS.value}
     assert all(ps and ps == list(range(len(ps))) for ps in per_topic.values()), per_topic
+
+
+@pytest.mark.slow
+def test_a_partition_revoked_and_given_back_is_named_and_its_commit_forgotten(broker) -> None:  # noqa: ANN001
+    """A member commits every partition; a second member joins, and the rebalance revokes every partition
+    from the first (the eager protocol) and gives some back. For those too the first member now reads from
+    the group's commit, which another member may have moved meanwhile: it names every revoked partition
+    (``take_moved``) and no longer reports its old commits (``committed``), so no snapshot is written
+    with offsets its state does not reflect. Before, a partition given back kept its old commit here."""
+    import uuid
+
+    ensure_topics(broker.dsn)
+    group = f"revoked-{uuid.uuid4().hex[:8]}"
+    with Producer(broker.dsn) as producer:
+        for n in range(64):  # keys spread over every partition
+            producer.publish(Event(node=f"host-{n}", ts=1.0, kind=EventKind.XID, code=31, message=group))
+        producer.flush()
+    fast = {"session_timeout_s": 2.0, "max_poll_interval_s": 5.0}
+    with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as first:
+        first.wait_assigned(timeout_s=30)
+        deadline = time.monotonic() + 60
+        while not (lag := first.lag()) or any(v != 0 for v in lag.values()):
+            assert time.monotonic() < deadline, f"the first member did not read every partition to its end: {lag}"
+            first.poll(0.2)
+        first.commit()
+        held = first.assignment()
+        assert set(first.committed()) == held and first.take_moved() == set()
+        with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as second:
+            joining = threading.Thread(target=second.wait_assigned, args=(60.0,), daemon=True)
+            joining.start()  # each member polls in a thread of its own: the rebalance needs both
+            deadline = time.monotonic() + 60
+            while joining.is_alive() or not first.assignment() or first.assignment() & second.assignment():
+                assert time.monotonic() < deadline, "the group did not split its partitions between two members"
+                first.poll(0.1)
+            moved = first.take_moved()
+            given_back = first.assignment()
+            assert moved == held  # every partition it held, the ones it holds again as well
+            assert given_back and given_back < held
+            assert not set(first.committed()) & given_back  # no commit of this member's, until it commits again
+            assert first.take_moved() == set()
