@@ -17,7 +17,7 @@ from fleethealth.bus.dsn import _backend
 from fleethealth.bus.kafka_client import translated
 from fleethealth.bus.producer import Producer
 from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
-from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
+from fleethealth.errors import BusError, BusUnavailable, ConfigError, SchemaError
 from fleethealth.schema import Topic
 
 _log = logging.getLogger("fleethealth.bus")
@@ -77,7 +77,8 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
-        self._revoked: list[set[Any]] = []  # appended by the client's rebalance listener, settled by _settle
+        self._revoked: list[tuple[str, set[Any]]] = []  # the client's rebalance listener's, settled by _settle
+        self._leaving: set[Any] = set()  # revoked, the new assignment not known yet
         self._moved: set[tuple[str, int]] = set()
         with translated(f"joining group {group!r}", dsn):
             self._kc = backend.consumer(self.topics, group, client_id, from_beginning,
@@ -197,17 +198,37 @@ class Consumer:
         return out
 
     def _settle(self) -> None:
-        """Forget what this member knew of the partitions the group revoked from it — even those it was
-        given back in the same rebalance, which it now reads again from the group's commit: the offsets
-        it had read to and committed there (a commit or a snapshot must never name them again, since a
-        partition's next owner may have gone further, or restored an older snapshot and not yet) and the
-        records it had fetched and not returned. :meth:`take_moved` tells the reader which they were."""
+        """Apply the group's rebalances since the last call (the client's listener records each revoked
+        and each assigned set, in order). A partition revoked and not given back, or given back at a
+        group commit another member has moved meanwhile (this member reads it again from there), loses
+        what this member knew of it: the offsets it had read to and committed (a commit or a snapshot
+        must never name them again: the other member may have gone further, or restored an older
+        snapshot and not yet) and the records it had fetched and not returned; :meth:`take_moved` names
+        it. One given back at this member's own commit (nobody committed past it: what another member
+        read of it meanwhile comes again) is kept as it was, so a rebalance costs no restore."""
         while self._revoked:
-            for tp in self._revoked.pop(0):
+            kind, tps = self._revoked.pop(0)
+            if kind == "revoked":
+                self._leaving |= tps
+                continue
+            for tp in self._leaving | tps:
+                if tp in self._leaving and tp in tps and self._group_commit(tp) == self._committed.get(tp):
+                    continue
                 self._pending.pop(tp, None)
                 self._committed.pop(tp, None)
-                self._moved.add((tp.topic, tp.partition))
                 self._buffer = [entry for entry in self._buffer if entry[1] != tp]
+                if tp in self._leaving:  # (one newly assigned was named when it left, if it was held here)
+                    self._moved.add((tp.topic, tp.partition))
+            self._leaving = set()
+
+    def _group_commit(self, tp: Any) -> int | None | bool:
+        """The group's committed offset of ``tp`` as the coordinator has it now (False if it cannot say)."""
+        try:
+            with translated("reading a committed offset", self.dsn):
+                found = self._kc.committed(tp)
+        except BusError:
+            return False
+        return None if found is None else int(found)
 
     def take_moved(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs the group revoked from this member since the last call, whether

@@ -46,11 +46,12 @@ class _KafkaBackend:
 
     def consumer(self, topics: Sequence[str], group: str | None, client_id: str, from_beginning: bool,
                  max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int,
-                 on_revoked: Callable[[set[Any]], object] | None = None) -> Any:
+                 on_revoked: Callable[[tuple[str, set[Any]]], object] | None = None) -> Any:
         """A group member subscribed to ``topics``; with ``group`` None, a reader assigned every
-        partition of them (a table: no group, no commits). ``on_revoked`` gets each set of partitions
-        the group revokes from the member (or that it loses with its membership); the client calls it
-        inside a poll, on its own network thread, so it should only record the set."""
+        partition of them (a table: no group, no commits). ``on_revoked`` gets ``("revoked", set)`` for
+        each set of partitions the group revokes from the member (or that it loses with its membership)
+        and ``("assigned", set)`` for each it assigns, in order; the client calls it inside a poll, on
+        its own network thread, so it should only record them."""
         kafka = self._kafka()
         if group is None:
             kc = kafka.KafkaConsumer(
@@ -86,17 +87,18 @@ class _KafkaBackend:
                                       **self.options)
 
 
-def _revocations(kafka: Any, call: Callable[[set[Any]], object]) -> Any:
-    """A kafka-python rebalance listener passing each revoked (or lost) set of partitions to ``call``."""
+def _revocations(kafka: Any, call: Callable[[tuple[str, set[Any]]], object]) -> Any:
+    """A kafka-python rebalance listener passing ``("revoked", partitions)`` for each set revoked (or lost
+    with the membership) and ``("assigned", partitions)`` for each set assigned to ``call``, in order."""
     class _Revoked(kafka.ConsumerRebalanceListener):  # type: ignore[misc, name-defined]
         def on_partitions_revoked(self, revoked: Any) -> None:
-            call(set(revoked))
+            call(("revoked", set(revoked)))
 
         def on_partitions_assigned(self, assigned: Any) -> None:
-            pass
+            call(("assigned", set(assigned)))
 
         def on_partitions_lost(self, lost: Any) -> None:
-            call(set(lost))
+            call(("revoked", set(lost)))
 
     return _Revoked()
 

@@ -51,41 +51,65 @@ def test_partitions_are_every_partition_of_the_topics_on_the_real_broker(broker)
     assert all(ps and ps == list(range(len(ps))) for ps in per_topic.values()), per_topic
 
 
+def _publish(dsn: str, tag: str) -> None:
+    with Producer(dsn) as producer:
+        for n in range(64):  # keys spread over every partition
+            producer.publish(Event(node=f"host-{n}", ts=1.0, kind=EventKind.XID, code=31, message=tag))
+        producer.flush()
+
+
+def _read_to_end(consumer: Consumer, who: str) -> None:
+    deadline = time.monotonic() + 60
+    while not (lag := consumer.lag()) or any(v != 0 for v in lag.values()):
+        assert time.monotonic() < deadline, f"the {who} member did not read every partition to its end: {lag}"
+        consumer.poll(0.2)
+
+
 @pytest.mark.slow
-def test_a_partition_revoked_and_given_back_is_named_and_its_commit_forgotten(broker) -> None:  # noqa: ANN001
-    """A member commits every partition; a second member joins, and the rebalance revokes every partition
-    from the first (the eager protocol) and gives some back. For those too the first member now reads from
-    the group's commit, which another member may have moved meanwhile: it names every revoked partition
-    (``take_moved``) and no longer reports its old commits (``committed``), so no snapshot is written
-    with offsets its state does not reflect. Before, a partition given back kept its old commit here."""
+def test_a_partition_revoked_is_named_and_its_commit_forgotten_unless_given_back_at_this_members_commit(
+        broker) -> None:  # noqa: ANN001
+    """A member commits every partition; a second joins (the eager protocol revokes every partition from
+    the first and gives some back). The first names the ones it lost (``take_moved``: its runner drops
+    their pipelines), not the ones given back at its own commit (nobody committed past it: a rebalance
+    costs no restore there), and keeps its commits of those only. The second reads what was published
+    since, commits past the first's commits and leaves; the first gets those partitions back at the
+    second's commit and reports no old commit of its own for them (``committed``), so it never writes a
+    snapshot naming offsets its state has not reached. Before, it kept its old commits of partitions it
+    had lost, and a snapshot of a partition taken back could name them."""
     import uuid
 
     ensure_topics(broker.dsn)
     group = f"revoked-{uuid.uuid4().hex[:8]}"
-    with Producer(broker.dsn) as producer:
-        for n in range(64):  # keys spread over every partition
-            producer.publish(Event(node=f"host-{n}", ts=1.0, kind=EventKind.XID, code=31, message=group))
-        producer.flush()
+    _publish(broker.dsn, group)
     fast = {"session_timeout_s": 2.0, "max_poll_interval_s": 5.0}
     with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as first:
         first.wait_assigned(timeout_s=30)
-        deadline = time.monotonic() + 60
-        while not (lag := first.lag()) or any(v != 0 for v in lag.values()):
-            assert time.monotonic() < deadline, f"the first member did not read every partition to its end: {lag}"
-            first.poll(0.2)
+        _read_to_end(first, "first")
         first.commit()
         held = first.assignment()
-        assert set(first.committed()) == held and first.take_moved() == set()
-        with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as second:
-            joining = threading.Thread(target=second.wait_assigned, args=(60.0,), daemon=True)
-            joining.start()  # each member polls in a thread of its own: the rebalance needs both
-            deadline = time.monotonic() + 60
-            while joining.is_alive() or not first.assignment() or first.assignment() & second.assignment():
-                assert time.monotonic() < deadline, "the group did not split its partitions between two members"
-                first.poll(0.1)
-            moved = first.take_moved()
-            given_back = first.assignment()
-            assert moved == held  # every partition it held, the ones it holds again as well
-            assert given_back and given_back < held
-            assert not set(first.committed()) & given_back  # no commit of this member's, until it commits again
-            assert first.take_moved() == set()
+        before = first.committed()
+        assert set(before) == held and first.take_moved() == set()
+        second = Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast)
+        joining = threading.Thread(target=second.wait_assigned, args=(60.0,), daemon=True)
+        joining.start()  # each member polls in a thread of its own: the rebalance needs both
+        deadline = time.monotonic() + 60
+        while joining.is_alive() or not first.assignment() or first.assignment() & second.assignment():
+            assert time.monotonic() < deadline, "the group did not split its partitions between two members"
+            first.poll(0.1)
+        kept, theirs = first.assignment(), second.assignment()
+        assert kept and theirs and kept | theirs == held
+        assert first.take_moved() == {(t, p) for t, p in theirs}  # given back at its own commit: not named
+        assert first.committed() == {tp: off for tp, off in before.items() if tp in kept}
+        _publish(broker.dsn, group + "-more")
+        _read_to_end(second, "second")
+        second.commit()  # past the first member's commits of these partitions
+        assert all(off > before[tp] for tp, off in second.committed().items()), (second.committed(), before)
+        second.close()  # (it leaves by its session expiring)
+        deadline = time.monotonic() + 60
+        while first.assignment() != held:
+            assert time.monotonic() < deadline, f"the first member did not get all back: {first.assignment()}"
+            first.poll(0.1)
+        # named when they left (above); back now at the second's commit, which is where it reads them from:
+        # none of its own old commits of them is left to name in a snapshot
+        assert first.take_moved() == set()
+        assert set(first.committed()) == kept
