@@ -222,10 +222,12 @@ class Consumer:
             self._leaving = set()
 
     def _group_commit(self, tp: Any) -> int | None | bool:
-        """The group's committed offset of ``tp`` as the coordinator has it now (False if it cannot say)."""
+        """The group's committed offset of ``tp`` as the coordinator has it now (False if it cannot say
+        within 2 s: kafka-python's call has no bound of its own, and a member blocked here would hold
+        up the group's next rebalance)."""
         try:
             with translated("reading a committed offset", self.dsn):
-                found = self._kc.committed(tp)
+                found = self._kc.committed(tp, timeout_ms=2000)
         except BusError:
             return False
         return None if found is None else int(found)
@@ -324,10 +326,11 @@ class Consumer:
             # Tansu 0.6 answers ListOffsets 'latest' with the last record batch's base offset + 1, short
             # of the log's end; the group's own commit, and a fetch's high watermark, are never past it
             mine = set(self._kc.assignment()) if self.group is not None else set()
-            for tp in tps:
-                if tp in mine:
-                    seen = (self._kc.highwater(tp), self._kc.committed(tp))
-                    last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
+        for tp in tps:
+            if tp in mine:
+                group = self._group_commit(tp)  # (bounded: a restore runs inside a batch, between polls)
+                seen = (self._kc.highwater(tp), None if group is False else group)
+                last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
         return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
