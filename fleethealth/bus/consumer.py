@@ -212,7 +212,7 @@ class Consumer:
                 self._leaving |= tps
                 continue
             for tp in self._leaving | tps:
-                if tp in self._leaving and tp in tps and self._group_commit(tp) == self._committed.get(tp):
+                if tp in self._leaving and tp in tps and self._unmoved(tp):
                     continue
                 self._pending.pop(tp, None)
                 self._committed.pop(tp, None)
@@ -220,6 +220,11 @@ class Consumer:
                 if tp in self._leaving:  # (one newly assigned was named when it left, if it was held here)
                     self._moved.add((tp.topic, tp.partition))
             self._leaving = set()
+
+    def _unmoved(self, tp: Any) -> bool:
+        """Whether the group's commit of ``tp`` is still this member's own (or both are none)."""
+        group = self._group_commit(tp)
+        return group is not False and group == self._committed.get(tp)
 
     def _group_commit(self, tp: Any) -> int | None | bool:
         """The group's committed offset of ``tp`` as the coordinator has it now (False if it cannot say
@@ -233,9 +238,9 @@ class Consumer:
         return None if found is None else int(found)
 
     def take_moved(self) -> set[tuple[str, int]]:
-        """The ``(topic, partition)`` pairs the group revoked from this member since the last call, whether
-        or not it holds them again now: a reader's state of them may be behind what another member did
-        with them meanwhile, so it is dropped and taken again from the partition's snapshot or commit."""
+        """The ``(topic, partition)`` pairs the group took from this member since the last call, or gave
+        back at a commit another member moved: a reader's state of them is behind what the other member
+        did with them, so it is dropped and taken again from the partition's snapshot or commit."""
         self._settle()
         moved, self._moved = self._moved, set()
         return moved
@@ -335,7 +340,8 @@ class Consumer:
 
     def committed(self) -> dict[tuple[str, int], int]:
         """The offsets this consumer has committed, per ``(topic, partition)``, of the partitions it has held
-        since it committed them (a partition revoked and given back has none until it commits it again)."""
+        since it committed them (one taken away, or given back at another member's commit, has none until
+        it commits it again)."""
         self._settle()
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
 
