@@ -17,7 +17,7 @@ from fleethealth.bus.dsn import _backend
 from fleethealth.bus.kafka_client import translated
 from fleethealth.bus.producer import Producer
 from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
-from fleethealth.errors import BusError, BusUnavailable, ConfigError, SchemaError
+from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
 from fleethealth.schema import Topic
 
 _log = logging.getLogger("fleethealth.bus")
@@ -199,48 +199,30 @@ class Consumer:
 
     def _settle(self) -> None:
         """Apply the group's rebalances since the last call (the client's listener records each revoked
-        and each assigned set, in order). A partition revoked and not given back, or given back at a
-        group commit another member has moved meanwhile (this member reads it again from there), loses
-        what this member knew of it: the offsets it had read to and committed (a commit or a snapshot
-        must never name them again: the other member may have gone further, or restored an older
-        snapshot and not yet) and the records it had fetched and not returned; :meth:`take_moved` names
-        it. One given back at this member's own commit (nobody committed past it: what another member
-        read of it meanwhile comes again) is kept as it was, so a rebalance costs no restore."""
+        and each assigned set, in order). A partition revoked and not given back loses what this member
+        knew of it — the offsets it had read to and committed (a commit or a snapshot must never name
+        them again: the partition's next owner may go further, or restore an older snapshot) and the
+        records it had fetched and not returned — and :meth:`take_moved` names it. A partition assigned
+        anew starts with nothing known here (read from the group's commit). One given back in the same
+        rebalance is kept as it was (kafka-python tells of an eager revocation before the new
+        assignment is known, so the two are matched here)."""
         while self._revoked:
             kind, tps = self._revoked.pop(0)
             if kind == "revoked":
                 self._leaving |= tps
                 continue
-            for tp in self._leaving | tps:
-                if tp in self._leaving and tp in tps and self._unmoved(tp):
-                    continue
+            for tp in (self._leaving - tps) | (tps - self._leaving):
                 self._pending.pop(tp, None)
                 self._committed.pop(tp, None)
                 self._buffer = [entry for entry in self._buffer if entry[1] != tp]
-                if tp in self._leaving:  # (one newly assigned was named when it left, if it was held here)
+                if tp in self._leaving:
                     self._moved.add((tp.topic, tp.partition))
             self._leaving = set()
 
-    def _unmoved(self, tp: Any) -> bool:
-        """Whether the group's commit of ``tp`` is still this member's own (or both are none)."""
-        group = self._group_commit(tp)
-        return group is not False and group == self._committed.get(tp)
-
-    def _group_commit(self, tp: Any) -> int | None | bool:
-        """The group's committed offset of ``tp`` as the coordinator has it now (False if it cannot say
-        within 2 s: kafka-python's call has no bound of its own, and a member blocked here would hold
-        up the group's next rebalance)."""
-        try:
-            with translated("reading a committed offset", self.dsn):
-                found = self._kc.committed(tp, timeout_ms=2000)
-        except BusError:
-            return False
-        return None if found is None else int(found)
-
     def take_moved(self) -> set[tuple[str, int]]:
-        """The ``(topic, partition)`` pairs the group took from this member since the last call, or gave
-        back at a commit another member moved: a reader's state of them is behind what the other member
-        did with them, so it is dropped and taken again from the partition's snapshot or commit."""
+        """The ``(topic, partition)`` pairs the group took from this member since the last call (even one it
+        gave back in a later rebalance before this call): a reader's state of them may be behind what
+        another member did with them, so it is dropped and taken again from the partition's snapshot."""
         self._settle()
         moved, self._moved = self._moved, set()
         return moved
@@ -331,17 +313,15 @@ class Consumer:
             # Tansu 0.6 answers ListOffsets 'latest' with the last record batch's base offset + 1, short
             # of the log's end; the group's own commit, and a fetch's high watermark, are never past it
             mine = set(self._kc.assignment()) if self.group is not None else set()
-        for tp in tps:
-            if tp in mine:
-                group = self._group_commit(tp)  # (bounded: a restore runs inside a batch, between polls)
-                seen = (self._kc.highwater(tp), None if group is False else group)
-                last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
+            for tp in tps:
+                if tp in mine:
+                    seen = (self._kc.highwater(tp), self._kc.committed(tp))
+                    last[tp] = max([int(last[tp]), *(int(v) for v in seen if v is not None)])
         return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
         """The offsets this consumer has committed, per ``(topic, partition)``, of the partitions it has held
-        since it committed them (one taken away, or given back at another member's commit, has none until
-        it commits it again)."""
+        since it committed them (one taken away and assigned again has none until it commits it again)."""
         self._settle()
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
 
