@@ -318,6 +318,8 @@ class Runner:
         assigned = {partition for _, partition in self.consumer.assignment()}
         restored: set[tuple[str, int]] = set()
         group = set(group_topics(self.stage))
+        moved = {p for t, p in self.consumer.take_moved() if t in group}  # revoked, even if given back: stale here
+        self._drop_partitions(sorted(moved & set(self.pipelines)), group)  # (restored below from its snapshot)
         for p in sorted(assigned - set(self.pipelines)):
             pipeline, offsets = self._restore(p)
             self.pipelines[p] = pipeline
@@ -326,17 +328,18 @@ class Runner:
                 self.buffer.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
                 self.consumer.seek(offsets)
                 restored |= set(offsets)
-        gone = [p for p in self.pipelines if p not in assigned]
-        if not gone:
-            return restored
+        self._drop_partitions([p for p in self.pipelines if p not in assigned], group)
+        return restored
+
+    def _drop_partitions(self, gone: list[int], group: set[str]) -> None:
+        """Forget the pipelines and held records of partitions the group moved away from this replica."""
         for p in gone:
             del self.pipelines[p]
             self._snapshot_at.pop(p, None)
             self._snapshot_offsets.pop(p, None)
-        self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
-        log.info("partitions %s moved to another replica of group %r: their state is dropped here", sorted(gone),
-                 self.consumer.group)
-        return restored
+        if gone:
+            self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
+            log.info("partitions %s moved away from this replica of group %r: state dropped", gone, self.consumer.group)
 
     def _restore_whole(self) -> set[tuple[str, int]]:
         """The whole tier's pipeline from its snapshot, once, when the group first gave it partitions (before

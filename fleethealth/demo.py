@@ -26,6 +26,7 @@ import orjson
 
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import ensure_topics
+from fleethealth.bus.consumer import group_read_to_end
 from fleethealth.detectors.runner import Runner, Stage
 from fleethealth.detectors.snapshot import Snapshots
 from fleethealth.errors import BusUnavailable
@@ -231,6 +232,25 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
         read = threading.Event()
         errors: list[BaseException] = []
         held: dict[int, set[int]] = {id(r): set() for r in runners}  # partitions each replica held at some time
+        # the end, decided for the group: in rounds, every replica polls once and says what it holds and
+        # whether that is read to its end; none polls again before all have said, and all drain together
+        # once a round finds each partition held by exactly one replica, read to its end. A replica that
+        # stopped on its own view could stop between two generations (holding nothing) while the
+        # partition it lost went to a replica that had stopped too: its records past the commit unread
+        said: dict[int, tuple[set[tuple[str, int]], bool]] = {}
+        everything = runners[0].consumer.partitions()
+        finished = threading.Event()
+        started_end = [0.0]
+
+        def decide() -> None:
+            if group_read_to_end(list(said.values()), everything):
+                finished.set()
+            elif time.monotonic() - started_end[0] > _STALL_S:
+                errors.append(BusUnavailable(f"the {stage} stage's replicas did not read every partition to its end "
+                                             f"within {_STALL_S:.0f} s: {[(sorted(a), d) for a, d in said.values()]}"))
+                finished.set()
+
+        rounds = threading.Barrier(count, action=decide)
 
         def work(runner: Runner) -> None:
             mine = held[id(runner)]
@@ -240,13 +260,20 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
                     mine.update(p for _, p in runner.consumer.assignment())
                     if expected is None and runner.caught_up(got):
                         break
-                while not runner.caught_up(runner.process_once(0.2)) and runner.consumer.assignment():
-                    mine.update(p for _, p in runner.consumer.assignment())  # (a replica the group gave no
-                    # partition has nothing to finish)
+                if not started_end[0]:
+                    started_end[0] = time.monotonic()
+                while not finished.is_set():
+                    got = runner.process_once(0.2)
+                    assigned = runner.consumer.assignment()
+                    mine.update(p for _, p in assigned)
+                    said[id(runner)] = (assigned, runner.caught_up(got))
+                    rounds.wait(_STALL_S)
                 runner.drain()
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
                 read.set()
+                finished.set()
+                rounds.abort()
 
         threads = [threading.Thread(target=work, args=(r,), name=f"demo-{stage}-{i}", daemon=True)
                    for i, r in enumerate(runners)]

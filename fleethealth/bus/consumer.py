@@ -23,6 +23,21 @@ from fleethealth.schema import Topic
 _log = logging.getLogger("fleethealth.bus")
 
 
+def group_read_to_end(members: Sequence[tuple[Collection[tuple[str, int]], bool]],
+                      partitions: Collection[tuple[str, int]]) -> bool:
+    """Whether a consumer group is read to its end, from what each member said after its last poll,
+    ``(assignment, read to its end)``: every partition is assigned to exactly one member and each member
+    that holds partitions has read them to their end.
+
+    Pure. A member between two generations holds nothing, and one that lost partitions has dropped what
+    it held of them, so a group is not done while a partition has no owner (its new owner has not
+    joined yet) or two (a report older than the move): its records past the commit are unread."""
+    held = [tp for assigned, _ in members for tp in assigned]
+    if len(held) != len(set(held)) or set(held) != set(partitions) or not partitions:
+        return False
+    return all(done for assigned, done in members if assigned)
+
+
 class Consumer:
     """Consumes schema messages from ``topics`` as member of consumer group ``group``.
 
@@ -62,9 +77,12 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
+        self._revoked: list[tuple[str, set[Any]]] = []  # the client's rebalance listener's, settled by _settle
+        self._leaving: set[Any] = set()  # revoked, the new assignment not known yet
+        self._moved: set[tuple[str, int]] = set()
         self._connect = lambda: backend.consumer(self.topics, group, client_id, from_beginning,
                                                  int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
-                                                 int(connect_timeout_s * 1000))
+                                                 int(connect_timeout_s * 1000), on_revoked=self._revoked.append)
         with translated(f"joining group {group!r}", dsn):
             self._kc = self._connect()
         self._unreachable_since: float | None = None
@@ -150,6 +168,7 @@ class Consumer:
                 _log.warning("group %r: %s", self.group, exc)
             self._watch_reach()
             return []
+        self._settle()  # a rebalance happens inside a poll: what it revoked, before what this poll returned
         if not batches:
             self._watch_reach()
         else:
@@ -234,6 +253,10 @@ class Consumer:
             self._unreachable_since = time.monotonic()
             return
         old, self._kc = self._kc, fresh
+        self._settle()
+        # every partition the old client held is given up: its reader's state is dropped and taken again
+        self._moved |= {(tp.topic, tp.partition) for tp in (*self._pending, *self._committed, *self._leaving)}
+        self._leaving = set()
         self._pending.clear()
         self._buffer = []
         self._committed.clear()
@@ -243,6 +266,36 @@ class Consumer:
             old.close(autocommit=False)
         except Exception:  # noqa: BLE001 — the old client's broker is gone; it is dropped either way
             pass
+
+    def _settle(self) -> None:
+        """Apply the group's rebalances since the last call (the client's listener records each revoked
+        and each assigned set, in order). A partition revoked and not given back loses what this member
+        knew of it — the offsets it had read to and committed (a commit or a snapshot must never name
+        them again: the partition's next owner may go further, or restore an older snapshot) and the
+        records it had fetched and not returned — and :meth:`take_moved` names it. A partition assigned
+        anew starts with nothing known here (read from the group's commit). One given back in the same
+        rebalance is kept as it was (kafka-python tells of an eager revocation before the new
+        assignment is known, so the two are matched here)."""
+        while self._revoked:
+            kind, tps = self._revoked.pop(0)
+            if kind == "revoked":
+                self._leaving |= tps
+                continue
+            for tp in (self._leaving - tps) | (tps - self._leaving):
+                self._pending.pop(tp, None)
+                self._committed.pop(tp, None)
+                self._buffer = [entry for entry in self._buffer if entry[1] != tp]
+                if tp in self._leaving:
+                    self._moved.add((tp.topic, tp.partition))
+            self._leaving = set()
+
+    def take_moved(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs the group took from this member since the last call (even one it
+        gave back in a later rebalance before this call): a reader's state of them may be behind what
+        another member did with them, so it is dropped and taken again from the partition's snapshot."""
+        self._settle()
+        moved, self._moved = self._moved, set()
+        return moved
 
     def _dead_letter(self, rec: Any, reason: str) -> None:
         if rec.topic == Topic.DEADLETTER.value:
@@ -281,6 +334,7 @@ class Consumer:
         if self.group is None:  # a table reader: it re-reads from its start, nothing to commit
             self._pending.clear()
             return
+        self._settle()
         hold = hold or {}
         # never for a partition the group has moved to another member: its records read here were not
         # all processed, and a coordinator takes a commit for any partition from a current member
@@ -348,8 +402,15 @@ class Consumer:
         return {(tp.topic, tp.partition): (int(first[tp]), int(last[tp])) for tp in tps}
 
     def committed(self) -> dict[tuple[str, int], int]:
-        """The offsets this consumer has committed, per ``(topic, partition)`` (since it started)."""
+        """The offsets this consumer has committed, per ``(topic, partition)``, of the partitions it has held
+        since it committed them (one taken away and assigned again has none until it commits it again)."""
+        self._settle()
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
+
+    def partitions(self) -> set[tuple[str, int]]:
+        """Every ``(topic, partition)`` of this consumer's topics the broker knows (those a group splits)."""
+        with translated("reading partitions", self.dsn):
+            return {(t, p) for t in self.topics for p in (self._kc.partitions_for_topic(t) or ())}
 
     def assignment(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs this consumer reads now (empty between group generations)."""

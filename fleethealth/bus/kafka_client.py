@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fleethealth.errors import BusError, BusUnavailable, ConfigError
@@ -45,9 +45,13 @@ class _KafkaBackend:
             bootstrap_timeout_ms=connect_timeout_ms, **settings, **self.options)
 
     def consumer(self, topics: Sequence[str], group: str | None, client_id: str, from_beginning: bool,
-                 max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int) -> Any:
+                 max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int,
+                 on_revoked: Callable[[tuple[str, set[Any]]], object] | None = None) -> Any:
         """A group member subscribed to ``topics``; with ``group`` None, a reader assigned every
-        partition of them (a table: no group, no commits)."""
+        partition of them (a table: no group, no commits). ``on_revoked`` gets ``("revoked", set)`` for
+        each set of partitions the group revokes from the member (or that it loses with its membership)
+        and ``("assigned", set)`` for each it assigns, in order; the client calls it inside a poll, on
+        its own network thread, so it should only record them."""
         kafka = self._kafka()
         if group is None:
             kc = kafka.KafkaConsumer(
@@ -66,12 +70,13 @@ class _KafkaBackend:
             kc.assign(parts)
             return kc
         kc = kafka.KafkaConsumer(
-            *topics, bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
+            bootstrap_servers=self.hosts, group_id=group, client_id=client_id,
             enable_auto_commit=False, auto_offset_reset="earliest" if from_beginning else "latest",
             max_poll_interval_ms=max_poll_interval_ms, session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
                 30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100,
             **self.options)
+        kc.subscribe(list(topics), listener=None if on_revoked is None else _revocations(kafka, on_revoked))
         _never_leave(kc)
         return kc
 
@@ -104,6 +109,22 @@ def reaches_a_broker(kc: Any) -> bool | None:
         return any(client.connected(node) for node in nodes)
     except Exception:  # noqa: BLE001 — introspection of a client's internals: unknown, never an error
         return None
+
+
+def _revocations(kafka: Any, call: Callable[[tuple[str, set[Any]]], object]) -> Any:
+    """A kafka-python rebalance listener passing ``("revoked", partitions)`` for each set revoked (or lost
+    with the membership) and ``("assigned", partitions)`` for each set assigned to ``call``, in order."""
+    class _Revoked(kafka.ConsumerRebalanceListener):  # type: ignore[misc, name-defined]
+        def on_partitions_revoked(self, revoked: Any) -> None:
+            call(("revoked", set(revoked)))
+
+        def on_partitions_assigned(self, assigned: Any) -> None:
+            call(("assigned", set(assigned)))
+
+        def on_partitions_lost(self, lost: Any) -> None:
+            call(("revoked", set(lost)))
+
+    return _Revoked()
 
 
 def _never_leave(kc: Any) -> None:

@@ -12,7 +12,8 @@ the last record batch's base offset plus one, short of the end when that batch h
 so a check against it would find the group done while a partition's last records are unread.
 
 With ``POINT:N`` it SIGKILLs itself right after the N-th call of one step of the write path
-(:data:`KILL_POINTS`): after a write of step rows, after an offset commit, after a snapshot save.
+(:data:`KILL_POINTS`): after a write of step rows, after an offset commit, after a snapshot save, after
+a restore's seek.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-KILL_POINTS = ("steps", "commit", "snapshot")
+KILL_POINTS = ("steps", "commit", "snapshot", "seek")
 """Where a worker may kill itself: after storing step rows (not committed yet), after committing offsets
-(not snapshotted yet), after saving a snapshot."""
+(not snapshotted yet), after saving a snapshot, after moving back to a restored snapshot's offsets (a
+partition taken over, nothing of it read or committed here yet)."""
 
 
 def _arm(runner: Any, point: str, after: int) -> None:
@@ -55,7 +57,8 @@ def _arm(runner: Any, point: str, after: int) -> None:
 
     targets = {"steps": (runner.store, "insert_steps", lambda args, _: len(args[0]) > 0),
                "commit": (runner.consumer, "commit", lambda _, before: runner.consumer.committed() != before),
-               "snapshot": (SnapshotTopic, "save_snapshot", lambda *_: True)}
+               "snapshot": (SnapshotTopic, "save_snapshot", lambda *_: True),
+               "seek": (runner.consumer, "seek", lambda args, _: bool(args[0]))}
     wrap(*targets[point])
 
 

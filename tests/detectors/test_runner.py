@@ -154,17 +154,28 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
         assert {(f.node, f.gpu) for f in stragglers} == {("n0001", 2)}
 
 
-def _topic_ids(dsn: str, topic: Topic, expected: int, timeout_s: float = 20.0) -> list[str]:
-    """The ids of every record on ``topic``, read from the beginning by a group of its own."""
-    ids: list[str] = []
+def _topic_records(dsn: str, topic: Topic, expected: int = 0, timeout_s: float = 120.0) -> list:
+    """Every record on ``topic``, read from the beginning to its end by a group of its own: until every
+    partition the group assigned is read to its end (as its last fetch knows it) and at least ``expected``
+    distinct ids were read. Published before this is called, so the end does not move; the bound is for
+    a broker that stops answering, not a guess at how long reading takes on a loaded machine."""
+    records: list = []
     with Consumer(dsn, [topic.value], _uid("read")) as consumer:
+        consumer.wait_assigned(timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
-        idle = 0
-        while time.monotonic() < deadline and (len(ids) < expected or idle < 3):
-            got = consumer.poll(0.5)
-            ids += [r.msg.id for r in got]
-            idle = 0 if got else idle + 1
-    return ids
+        while True:
+            records += consumer.poll(0.5)
+            lag = consumer.lag()
+            if lag and all(v == 0 for v in lag.values()) and len({r.msg.id for r in records}) >= expected:
+                return records
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{topic.value} was not read to its end within {timeout_s} s: lag {lag}, "
+                                     f"{len({r.msg.id for r in records})} of at least {expected} ids read")
+
+
+def _topic_ids(dsn: str, topic: Topic, expected: int, timeout_s: float = 120.0) -> list[str]:
+    """The ids of every record on ``topic`` (republished copies included), read to its end."""
+    return [r.msg.id for r in _topic_records(dsn, topic, expected, timeout_s)]
 
 
 def test_killed_between_every_write_and_publish_no_recommendation_is_lost(own_broker: EmbeddedBroker,
@@ -220,8 +231,8 @@ def test_killed_between_every_write_and_publish_no_recommendation_is_lost(own_br
     on_topic = _topic_ids(own_broker.dsn, Topic.RECOMMENDATIONS, expected=len(actionable))
     assert set(on_topic) == actionable
     assert {i for i, a in stored if a == "none"}.isdisjoint(on_topic)
-    with Consumer(own_broker.dsn, [Topic.RECOMMENDATIONS.value], _uid("raw")) as consumer:
-        copies = consumer.poll(2.0)
+    copies = _topic_records(own_broker.dsn, Topic.RECOMMENDATIONS, len(actionable))
+    assert len(copies) >= len(actionable)
     assert all(orjson.loads(payloads[r.msg.id]) == r.msg.to_obj() for r in copies)
 
 

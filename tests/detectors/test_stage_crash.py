@@ -3,8 +3,10 @@ every finding is in the store once, and a straggler that began before the kills 
 id and at the step the uninterrupted detectors find it.
 
 The kills fall 0.2–0.4 s after a replica first read records, and at arranged points: right after a
-write of step rows (not yet committed), after an offset commit (not yet snapshotted) and after a
-snapshot save (``_stage_worker.KILL_POINTS``).
+write of step rows (not yet committed), after an offset commit (not yet snapshotted), after a
+snapshot save, and right after a replica moved back to a restored snapshot's offsets (nothing of the
+partition read or committed yet) (``_stage_worker.KILL_POINTS``). For runs in a row, beside CPU load:
+``python bench/repeat.py tests/detectors/test_stage_crash.py::… --runs 20 --load 2``.
 
 The real parts: the Tansu broker over TCP, replicas in processes of their own (``_stage_worker.py``)
 in one consumer group, snapshots of each partition's pipeline in chDB. Each replica writes to a
@@ -36,9 +38,9 @@ OWN_BROKER_PARTITIONS = 4
 WORKER = Path(__file__).with_name("_stage_worker.py")
 KILL_POINTS = runpy.run_path(str(WORKER))["KILL_POINTS"]
 KILLS = 10
-PLAN = [None if k % 4 == 0 else f"{KILL_POINTS[k % 4 - 1]}:2" for k in range(KILLS)]
+PLAN = [None, "steps:2", "commit:2", None, "snapshot:2", "seek:1", None, "steps:2", "commit:2", "snapshot:2"]
 """How each kill falls: None, 0.2–0.4 s after the victim first read records; ``POINT:N``, the victim
-kills itself right after the N-th call at POINT."""
+kills itself right after the N-th call at POINT (every point of ``KILL_POINTS`` at least once)."""
 NODES_PER_JOB, RANKS_PER_NODE, STEPS, CHUNKS = 2, 8, 1000, 10
 SLOW_JOB, SLOW_RANK, SLOW_FROM, SLOW_BY = 0, 5, 250, 1.20
 T0 = 1_767_225_600.0
