@@ -7,14 +7,16 @@ A consumer group over the stage's input topics (all of ``fh.steps``, ``fh.teleme
 2. pushes records into the :class:`EventTimeBuffer` and releases those below the low
    watermark over the partitions that still have unread data (``lateness_s`` behind the newest
    record once all are read to their end, since nodes sharing a partition are not in step);
-3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
-   detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
-   recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs (telemetry, the step batches the assembler accepted) to the store, then what is
-   to be published to the **outbox** (pending), then the events (with the ``interruption``
-   events detection derived), findings and recommendations, then eviction outcomes and the
-   policy engine's state — idempotently: every table is a ReplacingMergeTree on its natural key
-   and every insert carries a deduplication token derived from the offsets it covers;
+3. steps the stage's core (:mod:`fleethealth.detectors.cores`, chosen once by :func:`make_core`) on
+   them, in event-time order: ``core.step(records, now)`` returns the
+   :class:`~fleethealth.detectors.effects.Effects` to carry out (the whole tier's core feeds
+   detection, :class:`Pipeline`, and then policy, :class:`PolicyStage`, composed by :func:`conclude`);
+4. carries them out, the same for every stage: writes inputs (telemetry, the step batches the
+   assembler accepted) to the store, then what is to be published to the **outbox** (pending), then
+   the events (with the ``interruption`` events detection derived), findings and recommendations,
+   then eviction outcomes and the policy engine's state — idempotently: every table is a
+   ReplacingMergeTree on its natural key and every insert carries a deduplication token derived from
+   the offsets it covers;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
    published (a failed publish leaves them pending: they go out again on the next batch);
 6. commits offsets — only now, never past a record still held in the buffer, and never past
@@ -59,8 +61,10 @@ also runs as stages, each a group of its own: ``node`` (telemetry and node event
 states on ``fh.nodestate``), ``job`` (steps and job events, plus ``fh.nodestate`` and the node
 stage's findings read whole as tables) — both with N replicas and one pipeline per partition,
 built by the ``pipeline`` factory — and ``policy`` (one replica: findings and events in,
-recommendations out). When the group moves a partition away, its pipeline and held records are
-dropped here and its new owner reads it again from the last commit.
+recommendations out). What differs between them is the core (its topics, what it takes, stores,
+publishes and snapshots); this shell is the same. When the group moves a partition away, the
+core drops its state (:meth:`~fleethealth.detectors.cores.Core.drop`) and held records are dropped
+here; its new owner reads it again from the last commit.
 """
 
 from __future__ import annotations
