@@ -21,7 +21,7 @@ from fleethealth.bus import Record
 from fleethealth.detectors.effects import Effects
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.snapshot import WHOLE
-from fleethealth.detectors.stages import Stage, group_topics, takes_event, takes_finding
+from fleethealth.detectors.stages import NODE_FINDING_KINDS, Stage, group_topics, takes_event, takes_finding
 from fleethealth.detectors.state import State, from_state, state_dict
 from fleethealth.errors import ConfigError
 from fleethealth.ids import token as digest_token
@@ -38,9 +38,11 @@ from fleethealth.schema import (
     StepBatch,
     StepBlock,
     Telemetry,
+    Topic,
 )
 
-__all__ = ["Conclusions", "conclude", "publishable", "Core", "DetectCore", "WholeCore", "PolicyCore", "make_core"]
+__all__ = ["Conclusions", "conclude", "publishable", "Core", "DetectCore", "WholeCore", "PolicyCore", "Tier",
+           "make_core"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class Core:
     """Whether the events it derives and the jobs' progress and ends go out on ``fh.events`` (the job stage)."""
     publishes_states = False
     """Whether its node states go out on ``fh.nodestate`` (the node stage)."""
+    state_class: type = Pipeline
+    """The class of one unit of its state (a snapshot of another class is refused)."""
     keeps_state = False
     """Whether it has units of state to snapshot (the detection stages, the whole tier)."""
     without_key = logging.WARNING
@@ -214,12 +218,12 @@ class Core:
                   final: bool) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
         raise NotImplementedError
 
-    def _part(self, pipeline: Pipeline | None, ready: list[Record], now: float,
-              final: bool) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
-        """:func:`conclude` on one pipeline's records; if a detector raises, the records again one at a
-        time (the detectors take what they had folded in before as duplicates), each record it raises
-        on returned with the error."""
-        policy = self.policy
+    def _part(self, pipeline: Pipeline | None, ready: list[Record], now: float, final: bool, *,
+              decide: bool = True) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
+        """:func:`conclude` on one pipeline's records (and the policy's decisions, with ``decide``); if a
+        detector raises, the records again one at a time (the detectors take what they had folded in before
+        as duplicates), each record it raises on returned with the error."""
+        policy = self.policy if decide else None
         try:
             return conclude(pipeline, policy, [r.msg for r in ready], final=final, now=now), ready, []
         except Exception as exc:
@@ -290,7 +294,8 @@ class Core:
 
     def from_state(self, unit: int, state: State) -> Pipeline:
         """One unit's state rebuilt from ``state`` (configuration from :meth:`fresh`); not held yet."""
-        return from_state(state, like=self.fresh(unit), shared=self.shared, expect=Pipeline)  # type: ignore[no-any-return]
+        return from_state(state, like=self.fresh(unit), shared=self.shared,  # type: ignore[no-any-return]
+                          expect=self.state_class)
 
 
 class DetectCore(Core):
@@ -350,26 +355,67 @@ class DetectCore(Core):
             self.pipelines.pop(p, None)
 
 
-class WholeCore(Core):
-    """The whole tier in one process (``--stage all``): one pipeline over every partition, and the policy,
-    composed by :func:`conclude` — detection's findings, derived events and the jobs' progress and ends go
-    to the policy as the same messages the staged form publishes. One unit of state,
-    :data:`~fleethealth.detectors.snapshot.WHOLE`, restored once when the group first gives it partitions."""
+@dataclass
+class Tier:
+    """The whole tier's state in one snapshot: the node side's pipeline and the job side's (the policy's
+    is the engine's, saved in the store)."""
 
-    def __init__(self, pipeline: Pipeline, policy: PolicyStage) -> None:
+    node: Pipeline
+    job: Pipeline
+
+    @property
+    def now_(self) -> float:
+        return max(self.node.now_, self.job.now_)
+
+
+class WholeCore(Core):
+    """The whole tier in one process (``--stage all``): the node, job and policy stages wired in process.
+    What passes between them passes as the messages the staged form publishes, in event-time order: the node
+    side's node states and findings (those of :data:`~fleethealth.detectors.stages.NODE_FINDING_KINDS`) to
+    the job side; every finding, the input events, the derived ``interruption`` events and the jobs'
+    ``job_progress`` and ``job_end`` to the policy, which decides each finding at its own event time. One
+    unit of state, :data:`~fleethealth.detectors.snapshot.WHOLE` (a :class:`Tier`), restored once when the
+    group first gives the runner partitions."""
+
+    state_class = Tier
+
+    def __init__(self, node: Pipeline, job: Pipeline, policy: PolicyStage) -> None:
         super().__init__(Stage.ALL)
         self.keeps_state = True
         self.without_key = logging.INFO  # the one-machine default
-        self.pipelines = {None: pipeline}
+        self.node, self.job = node, job
+        self.pipelines = {None: job, NODE_SIDE: node}
         self.policy = policy
         self.restored_ = False
+        self.clock_ = float("-inf")
+        """The policy side's event time: the newest of what it was handed."""
 
     def _conclude(self, ready: list[Record], now: float,
                   final: bool) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
-        return self._part(self.pipelines[None], ready, now, final)
+        node_in = [r for r in ready if isinstance(r.msg, Telemetry) or (
+            isinstance(r.msg, Event) and takes_event(Stage.NODE, r.msg))]
+        job_in = [r for r in ready if isinstance(r.msg, StepBatch | StepBlock) or (
+            isinstance(r.msg, Event) and takes_event(Stage.JOB, r.msg))]
+        node, node_kept, bad = self._part(self.node, node_in, now, final, decide=False)
+        handed = [*(_handed(Topic.NODESTATE, s) for s in node.states),
+                  *(_handed(Topic.FINDINGS, f) for f in node.findings if f.kind in NODE_FINDING_KINDS)]
+        job, job_kept, job_bad = self._part(self.job, _by_time([*job_in, *handed]), now, final, decide=False)
+        events = [r for r in ready if isinstance(r.msg, Event)]
+        told = [*(_handed(Topic.FINDINGS, f) for f in (*node.findings, *job.findings)),
+                *(_handed(Topic.EVENTS, e) for e in (*node.events, *job.events, *job.progress))]
+        policy_in = _by_time([*events, *told])
+        decided, _, policy_bad = self._part(None, policy_in, self.clock_, final)
+        self.clock_ = max([self.clock_, *(r.msg.ts for r in policy_in)])
+        out = Conclusions(findings=[*node.findings, *job.findings], recommendations=decided.recommendations,
+                          events=[*node.events, *job.events], outcomes=decided.outcomes,
+                          policy_changed=decided.policy_changed, refused=[*node.refused, *job.refused],
+                          kept=[*node.kept, *job.kept], rejected=[*node.rejected, *job.rejected],
+                          states=node.states, unscored=[*node.unscored, *job.unscored], progress=job.progress)
+        kept = [*node_kept, *(r for r in job_kept if r.offset >= 0)]
+        return out, kept, [*bad, *job_bad, *((r, why) for r, why in policy_bad if r.offset >= 0)]
 
     def _reached(self, ready: Sequence[Record], now: float) -> float:
-        return self.pipelines[None].now_
+        return max(self.node.now_, self.job.now_)
 
     def wanted(self, assigned: set[int]) -> set[int]:
         return {WHOLE} if assigned or self.restored_ else set()
@@ -377,15 +423,30 @@ class WholeCore(Core):
     def held(self) -> set[int]:
         return {WHOLE} if self.restored_ else set()
 
-    def fresh(self, unit: int) -> Pipeline:
-        return self.pipelines[None]  # not fed yet when it is restored: its configuration is the one to keep
+    def fresh(self, unit: int) -> Tier:  # type: ignore[override]
+        return Tier(self.node, self.job)  # not fed yet when it is restored: their configuration is the one to keep
 
-    def unit(self, unit: int) -> Pipeline:
-        return self.pipelines[None]
+    def unit(self, unit: int) -> Tier:  # type: ignore[override]
+        return Tier(self.node, self.job)
 
-    def adopt(self, unit: int, state: Pipeline) -> None:
-        self.pipelines[None] = state
+    def adopt(self, unit: int, state: Tier) -> None:  # type: ignore[override]
+        self.node, self.job = state.node, state.job
+        self.pipelines = {None: state.job, NODE_SIDE: state.node}
         self.restored_ = True
+
+
+NODE_SIDE = -1
+"""The key of the whole tier's node-side pipeline among its ``pipelines`` (the job side's is None)."""
+
+
+def _handed(topic: Topic, msg: Message) -> Record:
+    """A message one stage hands another in process, as the record it would be on ``topic`` (no offset)."""
+    return Record(topic.value, -1, -1, None, msg)
+
+
+def _by_time(records: list[Record]) -> list[Record]:
+    """``records`` in event-time order (stable: those of one instant keep their order)."""
+    return sorted(records, key=lambda r: r.msg.ts)
 
 
 class PolicyCore(Core):
@@ -414,14 +475,15 @@ def make_core(stage: Stage | str, *, pipeline: Pipeline | Callable[[], Pipeline]
     tier's and the policy stage's)."""
     stage = Stage(stage)
     make_policy = policy if policy is not None else PolicyStage
-    if stage is Stage.ALL:
-        single = pipeline() if callable(pipeline) and not isinstance(pipeline, Pipeline) else pipeline
-        return WholeCore(single if single is not None else Pipeline(), make_policy())
     if stage is Stage.POLICY:
         return PolicyCore(make_policy())
     if isinstance(pipeline, Pipeline):
-        raise ConfigError(f"the {stage} stage keeps one pipeline per partition: pass a factory "
-                          "(a callable returning a Pipeline), not one pipeline")
+        raise ConfigError(f"the {stage} stage keeps " + ("a node-side and a job-side pipeline" if stage is Stage.ALL
+                          else "one pipeline per partition") + ": pass a factory (a callable returning a "
+                          "Pipeline), not one pipeline")
+    if stage is Stage.ALL:
+        make_all = pipeline if pipeline is not None else Pipeline
+        return WholeCore(make_all(), make_all(), make_policy())
     if stage is Stage.NODE:
         return DetectCore(stage, pipeline if pipeline is not None else Pipeline, publishes_states=True)
     make = pipeline if pipeline is not None else _job_pipelines()
