@@ -137,8 +137,8 @@ def main() -> None:
         ensure_topics(broker.dsn, partitions=4)
         with open_store(f"chdb://{Path(tmp) / 'store'}") as store:
             store.migrate()
-            pipeline = Pipeline(job_idle_s=args.idle_s, node_idle_s=args.idle_s)
-            with Runner(broker.dsn, store, group="soak", pipeline=pipeline, registry=CollectorRegistry(),
+            with Runner(broker.dsn, store, group="soak", registry=CollectorRegistry(),
+                        pipeline=lambda: Pipeline(job_idle_s=args.idle_s, node_idle_s=args.idle_s),
                         max_records=2000) as runner:
                 feeder = threading.Thread(target=publish, daemon=True,
                                           args=(broker.dsn, args.rate, args.nodes, args.job_steps, args.step_s,
@@ -151,8 +151,9 @@ def main() -> None:
                     if now >= next_sample:
                         point = {"minute": round((now - start) / 60.0, 2), "rss_mib": round(rss_mib(), 1),
                                  "published": sent[0], "processed": runner.consumer.consumed_total,
-                                 "jobs": len(pipeline.job_seen_), "nodes": len(pipeline.clock_),
-                                 "open_steps": len(pipeline.open_steps()), "held": len(runner.buffer),
+                                 "jobs": len(runner.pipeline.job_seen_),
+                                 "nodes": len({n for p in runner.pipelines.values() for n in p.clock_}),
+                                 "open_steps": len(runner.pipeline.open_steps()), "held": len(runner.buffer),
                                  "py_objects": len(gc.get_objects()),
                                  "gc_full": gc.get_stats()[2]["collections"], "heap": heap_memory(),
                                  "engine": engine_memory(store)}

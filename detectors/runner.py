@@ -7,14 +7,16 @@ A consumer group over the stage's input topics (all of ``fh.steps``, ``fh.teleme
 2. pushes records into the :class:`EventTimeBuffer` and releases those below the low
    watermark over the partitions that still have unread data (``lateness_s`` behind the newest
    record once all are read to their end, since nodes sharing a partition are not in step);
-3. feeds them, in event-time order, to the two pure stages, composed by :func:`conclude`:
-   detection (:class:`Pipeline`: findings) and then policy (:class:`PolicyStage`:
-   recommendations, pages, and the outcomes of executed evictions);
-4. writes inputs (telemetry, the step batches the assembler accepted) to the store, then what is
-   to be published to the **outbox** (pending), then the events (with the ``interruption``
-   events detection derived), findings and recommendations, then eviction outcomes and the
-   policy engine's state — idempotently: every table is a ReplacingMergeTree on its natural key
-   and every insert carries a deduplication token derived from the offsets it covers;
+3. steps the stage's core (:mod:`fleethealth.detectors.cores`, chosen once by :func:`make_core`) on
+   them, in event-time order: ``core.step(records, now)`` returns the
+   :class:`~fleethealth.detectors.effects.Effects` to carry out (the whole tier's core feeds
+   detection, :class:`Pipeline`, and then policy, :class:`PolicyStage`, composed by :func:`conclude`);
+4. carries them out, the same for every stage: writes inputs (telemetry, the step batches the
+   assembler accepted) to the store, then what is to be published to the **outbox** (pending), then
+   the events (with the ``interruption`` events detection derived), findings and recommendations,
+   then eviction outcomes and the policy engine's state — idempotently: every table is a
+   ReplacingMergeTree on its natural key and every insert carries a deduplication token derived from
+   the offsets it covers;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
    published (a failed publish leaves them pending: they go out again on the next batch);
 6. commits offsets — only now, never past a record still held in the buffer, and never past
@@ -59,8 +61,10 @@ also runs as stages, each a group of its own: ``node`` (telemetry and node event
 states on ``fh.nodestate``), ``job`` (steps and job events, plus ``fh.nodestate`` and the node
 stage's findings read whole as tables) — both with N replicas and one pipeline per partition,
 built by the ``pipeline`` factory — and ``policy`` (one replica: findings and events in,
-recommendations out). When the group moves a partition away, its pipeline and held records are
-dropped here and its new owner reads it again from the last commit.
+recommendations out). What differs between them is the core (its topics, what it takes, stores,
+publishes and snapshots); this shell is the same. When the group moves a partition away, the
+core drops its state (:meth:`~fleethealth.detectors.cores.Core.drop`) and held records are dropped
+here; its new owner reads it again from the last commit.
 """
 
 from __future__ import annotations
@@ -79,13 +83,15 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopic
 from fleethealth.detectors.assembly import EventTimeBuffer
-from fleethealth.detectors.cores import Conclusions, conclude, publishable
+from fleethealth.detectors.cores import Conclusions, conclude, make_core, publishable
+from fleethealth.detectors.effects import Effects
 from fleethealth.detectors.metrics import RunnerMetrics
 from fleethealth.detectors.nodetable import HeldState, NodeTable, peek_state
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.retry import Retry, isolate
 from fleethealth.detectors.snapshot import WHOLE, SnapshotError, Snapshots, check_offsets
-from fleethealth.detectors.stages import Stage, group_topics, table_topics, takes_event, takes_finding
+from fleethealth.detectors.stages import Stage, group_topics, table_topics
+from fleethealth.detectors.state import StateError
 from fleethealth.errors import BusError, ConfigError, SchemaError
 from fleethealth.ids import derived
 from fleethealth.ids import token as _digest_token
@@ -94,14 +100,12 @@ from fleethealth.policy.quarantine import book_decisions, released
 from fleethealth.policy.stage import PolicyStage
 from fleethealth.schema import (
     TOPIC_TYPES,
-    Event,
     Finding,
     Message,
     NodeState,
     Recommendation,
     StepBatch,
     StepBlock,
-    Telemetry,
     Topic,
     decode,
     encode,
@@ -142,23 +146,14 @@ class Runner:
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
                  stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
                  snapshot_to: str = "store", snapshots: Snapshots | None = None) -> None:
-        self.stage = Stage(stage)
         self.store = store
-        if self.stage is Stage.ALL:
-            single = pipeline() if callable(pipeline) and not isinstance(pipeline, Pipeline) else pipeline
-            self.pipelines: dict[int | None, Pipeline] = {None: single if single is not None else Pipeline()}
-            self._make: Callable[[], Pipeline] | None = None
-        else:
-            if isinstance(pipeline, Pipeline):
-                raise ConfigError(f"the {self.stage} stage keeps one pipeline per partition: pass a factory "
-                                  "(a callable returning a Pipeline), not one pipeline")
-            self.pipelines = {}
-            self._make = pipeline if pipeline is not None else _default_factory(self.stage)
-        has_policy = self.stage in (Stage.ALL, Stage.POLICY)
-        self.policy = (policy if policy is not None else PolicyStage(load_engine(store))) if has_policy else None
-        if self.policy is not None and self.policy.book is None:  # quarantine's one home: the store's book
-            self.policy.book = lambda nodes: self.retry.call("read the quarantine book",
-                                                             lambda: released(self.store, nodes))
+        # the stage chooses its core, once: what it concludes, stores, publishes and snapshots
+        self.core = make_core(stage, pipeline=pipeline,
+                              policy=lambda: policy if policy is not None else PolicyStage(load_engine(store)))
+        self.stage = self.core.stage
+        if self.core.policy is not None and self.core.policy.book is None:  # quarantine's one home: the book
+            self.core.policy.book = lambda nodes: self.retry.call("read the quarantine book",
+                                                                  lambda: released(self.store, nodes))
         self.publish = publish
         self.max_records = max_records
         self.lateness_s = lateness_s
@@ -172,22 +167,18 @@ class Runner:
                               f"compacted topic fh.snapshots), got {snapshot_to!r}")
         self._snapshots: Any = SnapshotTopic(bus_dsn) if snapshot_to == "bus" else store
         self.snapshot_format = snapshots if snapshots is not None else Snapshots()
-        if self.stage is not Stage.POLICY and snapshot_every_s is not None \
-                and not self.snapshot_format.enabled:
-            log.log(logging.INFO if self.stage is Stage.ALL else logging.WARNING,  # the one-machine default
+        if self.core.keeps_state and snapshot_every_s is not None and not self.snapshot_format.enabled:
+            log.log(self.core.without_key,
                     "no snapshot key (detect.snapshot.key_file): the %s stage writes and restores no snapshots, "
                     "its state is rebuilt from the group's commit", self.stage)
         self._snapshot_at: dict[int, float] = {}
-        self._whole_restored = self.stage is not Stage.ALL
         self._snapshot_offsets: dict[int, dict[tuple[str, int], int]] = {}
         self._seeks: set[int] = set()
-        # the job stage's pipelines share the replica's node-state table: referenced by name in a
-        # snapshot, never written into it (it is rebuilt from fh.nodestate)
-        self._shared = {"node_states": self._make().diagnoser} if self.stage is Stage.JOB and self._make else {}
         self.snapshots_total = 0
         self.restored_total = 0
         self._step_offsets: dict[tuple[str, int], dict[Hashable, int]] = {}
         self.producer = Producer(bus_dsn, client_id=f"{group}-out")
+        self._group = frozenset(group_topics(self.stage))
         self.consumer = Consumer(bus_dsn, group_topics(self.stage), group, producer=self.producer,
                                  session_timeout_s=session_timeout_s, max_poll_interval_s=max_poll_interval_s,
                                  max_ahead_s=max_ahead_s, max_behind_s=max_behind_s)
@@ -216,9 +207,19 @@ class Runner:
     @property
     def pipeline(self) -> Pipeline:
         """The pipeline of a runner of the whole tier (``stage="all"``)."""
-        if self.stage is not Stage.ALL:
+        if None not in self.core.pipelines:
             raise ConfigError(f"the {self.stage} stage has one pipeline per partition: see .pipelines")
-        return self.pipelines[None]
+        return self.core.pipelines[None]
+
+    @property
+    def pipelines(self) -> dict[int | None, Pipeline]:
+        """The core's pipelines: one per partition (node, job), one under None (the whole tier), none (policy)."""
+        return self.core.pipelines
+
+    @property
+    def policy(self) -> PolicyStage | None:
+        """The core's policy (the whole tier and the policy stage), else None."""
+        return self.core.policy
 
     # ------------------------------------------------------------------ loop
     def process_once(self, timeout_s: float = 1.0) -> int:
@@ -229,7 +230,7 @@ class Runner:
         if self.pending_:
             self._publish_pending()
         records = self.consumer.poll(timeout_s, self.max_records)
-        restored = self._follow_assignment() if self._make is not None else self._restore_whole()
+        restored = self._follow_assignment()
         if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
             records = [r for r in records if (r.topic, r.partition) not in restored]
         lag = self.consumer.lag()
@@ -272,7 +273,7 @@ class Runner:
         the replica's node-state table at once, as every state read went before the filter: a partition
         this replica got reads its steps again from the commit, older than the newest state."""
         states = [self._held_states([rec]) for rec in kept]
-        table = self._shared.get("node_states")
+        table = self.core.shared.get("node_states")
         if table is not None:
             table.apply([r[0].msg for r in states if r])  # type: ignore[attr-defined]
 
@@ -311,101 +312,99 @@ class Runner:
                 return  # the rest on the next batch: poll again in time to stay in the group
 
     def _follow_assignment(self) -> set[tuple[str, int]]:
-        """Give each partition the group assigned here its pipeline — restored from its snapshot, the
-        consumer moved back to the offsets the snapshot reflects — and forget the pipelines (and held
-        records) of partitions the group moved to another replica, whose new owner restores them.
-        Returns the ``(topic, partition)`` pairs moved back to a snapshot's offsets."""
+        """Give the core each unit of state the group's assignment calls for (a partition's pipeline, or the
+        whole tier's once it first gets partitions) — restored from its snapshot, the consumer moved back to
+        the offsets the snapshot reflects — and drop the units (and held records) of partitions the group
+        moved to another replica, whose new owner restores them. Returns the ``(topic, partition)`` pairs
+        moved back to a snapshot's offsets."""
         assigned = {partition for _, partition in self.consumer.assignment()}
+        wanted, held = self.core.wanted(assigned), self.core.held()
         restored: set[tuple[str, int]] = set()
-        group = set(group_topics(self.stage))
-        moved = {p for t, p in self.consumer.take_moved() if t in group}  # revoked, even if given back: stale here
-        self._drop_partitions(sorted(moved & set(self.pipelines)), group)  # (restored below from its snapshot)
-        for p in sorted(assigned - set(self.pipelines)):
-            pipeline, offsets = self._restore(p)
-            self.pipelines[p] = pipeline
-            self._snapshot_at[p] = -math.inf  # due at the first commit: a partition never moves without one
+        moved = {p for t, p in self.consumer.take_moved() if t in self._group} & held  # revoked, even if given back
+        if moved:  # stale here: dropped, and restored below from its snapshot
+            self._drop(sorted(moved))
+            held = self.core.held()
+        for unit in sorted(wanted - held):
+            state, offsets = self._restore(unit)
+            self.core.adopt(unit, state)
+            self._snapshot_at[unit] = -math.inf  # due at the first commit: a partition never moves without one
             if offsets:
                 self.buffer.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
                 self.consumer.seek(offsets)
                 restored |= set(offsets)
-        self._drop_partitions([p for p in self.pipelines if p not in assigned], group)
+        self._drop(sorted(held - wanted))
         return restored
 
-    def _drop_partitions(self, gone: list[int], group: set[str]) -> None:
-        """Forget the pipelines and held records of partitions the group moved away from this replica."""
+    def _drop(self, gone: list[int]) -> None:
+        """Forget the state units and held records of partitions the group moved away from this replica."""
+        if not gone:
+            return
+        self.core.drop(gone)
         for p in gone:
-            del self.pipelines[p]
             self._snapshot_at.pop(p, None)
             self._snapshot_offsets.pop(p, None)
-        if gone:
-            self.buffer.discard(lambda rec: rec.topic in group and rec.partition in gone)
-            log.info("partitions %s moved away from this replica of group %r: state dropped", gone, self.consumer.group)
+        self.buffer.discard(lambda rec: rec.topic in self._group and rec.partition in gone)
+        log.info("partitions %s moved to another replica of group %r: their state is dropped here", gone,
+                 self.consumer.group)
 
-    def _restore_whole(self) -> set[tuple[str, int]]:
-        """The whole tier's pipeline from its snapshot, once, when the group first gave it partitions (before
-        anything was fed): the consumer moved back to the snapshot's offsets. Returns the pairs moved."""
-        if self._whole_restored or not self.consumer.assignment():
-            return set()
-        self._whole_restored = True
-        pipeline, offsets = self._restore(WHOLE)
-        if not offsets:
-            return set()
-        self.pipelines[None] = pipeline
-        self.buffer.discard(lambda rec: (rec.topic, rec.partition) in offsets)
-        self.consumer.seek(offsets)
-        return set(offsets)
-
-    def _restore(self, partition: int) -> tuple[Pipeline, dict[tuple[str, int], int]]:
-        """The partition's pipeline from its newest snapshot and the offsets to read from; a fresh one
-        (and no offsets: the group's commit) when there is none or it cannot be read (reported)."""
+    def _restore(self, unit: int) -> tuple[Pipeline, dict[tuple[str, int], int]]:
+        """A unit's state from its newest snapshot and the offsets to read from; a fresh one (and no
+        offsets: the group's commit) when there is none or it cannot be read (reported)."""
         if self.snapshot_every_s is None or not self.snapshot_format.enabled:
-            return self._new_pipeline(), {}
+            return self.core.fresh(unit), {}
         try:
             found = self.retry.call("load a snapshot",
-                                    lambda: self._snapshots.load_snapshot(self.consumer.group, partition))
+                                    lambda: self._snapshots.load_snapshot(self.consumer.group, unit))
             if found is None:
-                return self._new_pipeline(), {}
+                return self.core.fresh(unit), {}
             _, _, blob = found
             head = self.snapshot_format.info(blob)  # signed, sizes within the caps: nothing inflated yet
             ranges = self.retry.call("read partition ranges", lambda: self.consumer.offset_range(head["offsets"]))
-            check_offsets(head["offsets"], partition=None if partition == WHOLE else partition,
+            check_offsets(head["offsets"], partition=None if unit == WHOLE else unit,
                           topics=group_topics(self.stage), ranges=ranges)
-            state, offsets = self.snapshot_format.load(blob, like=self._new_pipeline(), shared=self._shared,
-                                                       expect=Pipeline)
+            explicit, offsets = self.snapshot_format.open(blob)
+            try:
+                state = self.core.from_state(unit, explicit)
+            except StateError as exc:
+                raise SnapshotError(f"snapshot state does not rebuild: {exc}") from None
         except SnapshotError as exc:
             self.metrics.snapshot_errors.inc()
             log.warning("the snapshot of group %r partition %d cannot be used (%s): rebuilding its state from "
-                        "the input at the group's committed offsets", self.consumer.group, partition, exc)
-            return self._new_pipeline(), {}
+                        "the input at the group's committed offsets", self.consumer.group, unit, exc)
+            return self.core.fresh(unit), {}
         self.restored_total += 1
         log.info("group %r partition %d: state restored from its snapshot, reading from %s", self.consumer.group,
-                 partition, ", ".join(f"{t}/{p}@{o}" for (t, p), o in sorted(offsets.items())))
-        return state, offsets  # type: ignore[return-value]
+                 unit, ", ".join(f"{t}/{p}@{o}" for (t, p), o in sorted(offsets.items())))
+        return state, offsets
 
     def _snapshot(self) -> None:
-        """Snapshot each pipeline whose interval is due, with the offsets this replica committed for its
-        partition (what a restore reads from: the records the state folded in past them are taken again
-        as duplicates)."""
+        """Snapshot each unit of the core's state whose interval is due, with the offsets this replica
+        committed for its partition (every partition for the whole tier's: what a restore reads from; the
+        records the state folded in past them are taken again as duplicates)."""
         if self.snapshot_every_s is None or not self.snapshot_format.enabled:
             return
         now = time.monotonic()
         committed = self.consumer.committed()
         assigned = self.consumer.assignment()
-        for part, pipeline in self.pipelines.items():
-            p = WHOLE if part is None else part  # the whole tier: one pipeline over every partition
+        for p in sorted(self.core.held()):
             if now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
                 continue
-            offsets = {tp: off for tp, off in committed.items() if (part is None or tp[1] == p) and tp in assigned}
+            offsets = {tp: off for tp, off in committed.items() if (p == WHOLE or tp[1] == p) and tp in assigned}
             if not offsets or offsets == self._snapshot_offsets.get(p):
                 continue  # nothing committed here since the last one
+            unit = self.core.unit(p)
             try:
-                blob = self.snapshot_format.dump(pipeline, offsets, shared=self._shared)
+                try:
+                    explicit = self.core.state_dict(p)
+                except StateError as exc:
+                    raise SnapshotError(f"state of {type(unit).__name__} cannot be snapshotted: {exc}") from exc
+                blob = self.snapshot_format.seal(explicit, offsets)
             except SnapshotError as exc:  # a state that is not plain data: a defect, reported, the stream goes on
                 log.error("group %r partition %d: no snapshot written: %s", self.consumer.group, p, exc)
                 self._snapshot_at[p] = now
                 continue
             seq = sum(offsets.values())  # commits only move forward: the newest snapshot has the greatest
-            ts = pipeline.now_ if math.isfinite(pipeline.now_) else 0.0
+            ts = unit.now_ if math.isfinite(unit.now_) else 0.0
             self.retry.call("save a snapshot", lambda p=p, o=offsets, b=blob, s=seq, t=ts:
                             self._snapshots.save_snapshot(self.consumer.group, p, s, t, o, b))
             self._snapshot_at[p] = now
@@ -487,75 +486,6 @@ class Runner:
                 self.buffer.push(rec.msg.ts, partition, rec)
             raise
 
-    def _conclude(self, ready: list[Record], final: bool) -> tuple[Conclusions, list[Record]]:
-        """:func:`conclude` on the batch — per partition's pipeline in a node or job stage, every
-        replica's table records (node states, the node stage's findings) going to each of them — and
-        return the conclusions and the records concluded. Records the stage does not take (another
-        stage's events) are left out: committed with the rest, processed and stored by their stage."""
-        ready = [r for r in self._held_states(ready) if self._takes(r.msg)]
-        if self.stage is Stage.POLICY:
-            out = self._conclude_part(None, ready, final)
-            if ready:
-                self.now_ = max(self.now_, max(r.msg.ts for r in ready))
-            return out
-        if self.stage is Stage.ALL:
-            return self._conclude_part(self.pipelines[None], ready, final)
-        group = set(group_topics(self.stage))
-        for rec in ready:
-            if rec.topic in group and rec.partition not in self.pipelines:
-                self.pipelines[rec.partition] = self._new_pipeline()
-        routed: dict[int | None, list[Record]] = {p: [] for p in self.pipelines}
-        for rec in ready:  # one pass, event-time order kept: a table record goes to every pipeline
-            if rec.topic in group:
-                routed[rec.partition].append(rec)
-            else:
-                for part in routed.values():
-                    part.append(rec)
-        out, kept = Conclusions(), []
-        for partition, mine in routed.items():
-            if not mine and not final:
-                continue
-            part, done = self._conclude_part(self.pipelines[partition], mine, final)
-            out.extend(part)
-            kept += [r for r in done if r.topic in group]
-        return out, kept
-
-    def _takes(self, msg: Message) -> bool:
-        if isinstance(msg, Event):
-            return takes_event(self.stage, msg)
-        if isinstance(msg, Finding):
-            return takes_finding(self.stage, msg)
-        return True
-
-    def _new_pipeline(self) -> Pipeline:
-        """A fresh pipeline of a node or job stage; the whole tier's own, not fed yet when it is restored."""
-        return self._make() if self._make is not None else self.pipelines[None]
-
-    def _conclude_part(self, pipeline: Pipeline | None, ready: list[Record],
-                       final: bool) -> tuple[Conclusions, list[Record]]:
-        """:func:`conclude` on one pipeline's records; if a detector raises, the records again one at a
-        time (the detectors take what they had folded in before as duplicates), dead-lettering each
-        record it raises on."""
-        policy = self.policy
-        try:
-            return conclude(pipeline, policy, [r.msg for r in ready], final=final, now=self.now_), ready
-        except Exception as exc:
-            log.warning("a detector raised on a batch of %d record(s), isolating: %s: %s", len(ready),
-                        type(exc).__name__, exc)
-        out, kept = Conclusions(), []
-        for rec in ready:
-            try:
-                out.extend(conclude(pipeline, policy, [rec.msg], now=self.now_))
-            except Exception as exc:
-                self.metrics.poisoned.labels("detect").inc()
-                self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(rec.msg),
-                             f"detector: {type(exc).__name__}: {exc}")
-                continue
-            kept.append(rec)
-        if final:
-            out.extend(conclude(pipeline, policy, [], final=True, now=self.now_))
-        return out, kept
-
     def _insert(self, what: str, rows: Sequence[Message], insert: Callable[..., object], token: str,
                 on_bad: Callable[[Message, BaseException], None]) -> list[Message]:
         """Write ``rows`` with ``insert(rows, dedup_token=…)`` under the retry policy, isolating the
@@ -574,30 +504,24 @@ class Runner:
         return list(rows)
 
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
-        ready = [rec for _, rec in released]
-        out, ready = self._conclude(ready, final)
-        token = _token(ready, out)
-        telemetry = [r.msg for r in ready if isinstance(r.msg, Telemetry)]
-        if out.rejected:
-            self._dead_letter(ready, out.rejected)
-            rejected = {id(m) for m, _ in out.rejected}
-            ready = [r for r in ready if id(r.msg) not in rejected]
-        refused = {id(b) for b in out.refused}
-        batches = [r.msg for r in ready if isinstance(r.msg, StepBatch | StepBlock) and id(r.msg) not in refused]
-        inputs = [r.msg for r in ready if isinstance(r.msg, Event)] if self.stage is not Stage.POLICY else []
-        events = [*inputs, *out.events]  # the policy stage's input events are stored by the stage that owns them
-        where = {id(r.msg): r for r in ready}
-        for block, accepted in out.kept:  # the steps of a partly refused block the assembler took
-            batches.append(accepted)
-            if id(block) in where:
-                where[id(accepted)] = where[id(block)]
+        """Step the core on the released records and carry out its effects, in the one order every stage
+        shares: dead letters, inputs, the outbox (pending), events, findings, recommendations and the
+        book, eviction outcomes, the policy state; then publish, commit, snapshot."""
+        eff = self.core.step(self._held_states([rec for _, rec in released]), self.now_, final=final)
+        self.now_ = max(self.now_, eff.now)
+        for rec, why in eff.poisoned:
+            self.metrics.poisoned.labels("detect").inc()
+            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(rec.msg), why)  # type: ignore[arg-type]
+        if eff.rejected:
+            self._dead_letter(eff)
+        token = eff.token
 
         def bad_output(msg: Message, exc: BaseException) -> None:
             self.metrics.poisoned.labels("store").inc()
             self._letter(msg.TOPIC.value, -1, -1, msg.key.encode(), encode(msg), f"store: {exc}")
 
         def bad_input(msg: Message, exc: BaseException) -> None:
-            rec = where.get(id(msg))
+            rec = eff.origin(msg)
             if rec is None:  # a derived event (an interruption): output, not input
                 bad_output(msg, exc)
                 return
@@ -605,32 +529,29 @@ class Runner:
             self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
 
         store = self.store
-        self._insert("t", telemetry, store.insert_telemetry, token, bad_input)
-        self._insert("s", batches, store.insert_steps, token, bad_input)
+        self._insert("t", eff.telemetry, store.insert_telemetry, token, bad_input)
+        self._insert("s", eff.steps, store.insert_steps, token, bad_input)
         # the outbox first: a decision stored anywhere is in it, and a restart stores it again and publishes it
-        outgoing = [_outbox_row(m) for m in (*out.findings, *out.recommendations) if self.publish and publishable(m)]
-        if self.publish and self.stage is Stage.JOB:  # the policy stage reads the stops the lifecycle derived,
-            outgoing += [_outbox_row(e) for e in (*out.events, *out.progress)]  # and the jobs' progress and ends
+        outgoing = [_outbox_row(m) for m in eff.outbox] if self.publish else []
         if outgoing:
             self.retry.call("write the outbox", lambda: store.write_outbox(
                 outgoing, published=False, dedup_token=derived("o", token)))
-        self._insert("e", events, store.insert_events, token, bad_input)
-        self._insert("f", out.findings, store.insert_findings, token, bad_output)
-        recs = self._insert("r", out.recommendations, store.insert_recommendations, token, bad_output)
-        if self.policy is not None and recs:  # the book, before the engine state that remembers these
+        self._insert("e", eff.events, store.insert_events, token, bad_input)
+        self._insert("f", eff.findings, store.insert_findings, token, bad_output)
+        recs = self._insert("r", eff.recommendations, store.insert_recommendations, token, bad_output)
+        if recs:  # the book, before the engine state that remembers these
             self.retry.call("write the quarantine book", lambda: book_decisions(store, recs))
-        if self.policy is not None:
-            self.policy.unbooked_.clear()
-        for outcome in out.outcomes:  # before the engine state that no longer watches them
+        self.core.written()
+        for outcome in eff.outcomes:  # before the engine state that no longer watches them
             self.retry.call("record an eviction outcome", lambda o=outcome: record_outcome(store, o))
-        if out.policy_changed:
-            self.retry.call("save the policy state",
-                            lambda: save_engine(store, self.policy.engine, self._now()))
+        if eff.policy is not None:
+            self.retry.call("save the policy state", lambda: save_engine(store, eff.policy, eff.now))
         self.pending_ += outgoing
         if self.pending_:
             self._publish_pending()
-        if out.states and self.publish and self.stage is Stage.NODE:
-            self._publish_states(out.states)
+        if eff.states and self.publish:
+            self._publish_states(eff.states)
+        ready = eff.taken
         offsets = self._safe_offsets(ready)
         refused = self.consumer.commit_failed_total
         self.retry.call("commit offsets", lambda: self.consumer.commit(offsets))
@@ -638,35 +559,34 @@ class Runner:
             self._snapshot()
         for topic, count in Tally(rec.topic for rec in ready).items():
             self.metrics.records.labels(topic).inc(count)
-        for f in out.findings:
+        for f in eff.findings:
             self.metrics.findings.labels(f.kind.value).inc()
-        for r in out.recommendations:
+        for r in eff.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
         if self.nodes is not None:
             self.metrics.advance("passed_over", self.nodes.passed_over_total_)
         self.metrics.held.set(len(self.buffer))
-        if self.policy is not None:
-            self.metrics.breaker_open.set(int(self.policy.engine.breaker_.open_))
-        pipelines = self.pipelines.values()
+        if self.core.policy is not None:
+            self.metrics.breaker_open.set(int(self.core.policy.engine.breaker_.open_))
+        pipelines = self.core.pipelines.values()
         self.metrics.dropped.labels("late").set(sum(p.assembler.late_total for p in pipelines))
         self.metrics.dropped.labels("duplicate").set(sum(p.assembler.duplicate_total for p in pipelines))
         self.metrics.advance("early", self.released_early_total)
-        for job, ranks in out.unscored:
+        for job, ranks in eff.unscored:
             log.warning("job %s is not scored for stragglers: %d comparable rank(s), fewer than "
                         "detect.straggler.min_group (hangs, SDC and node health are still watched)", job, ranks)
         self.metrics.unscored_jobs.set(sum(len(p.unscored_jobs_) for p in pipelines))
         for what in ("jobs", "nodes"):
             self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
-        self.findings_total += len(out.findings)
-        self.recommendations_total += len(out.recommendations)
+        self.findings_total += len(eff.findings)
+        self.recommendations_total += len(eff.recommendations)
 
-    def _dead_letter(self, ready: Sequence[Record], rejected: Sequence[tuple[Message, str]]) -> None:
+    def _dead_letter(self, eff: Effects) -> None:
         """Publish what the pipeline refused to take (beyond its cardinality limits) as dead letters; the
         records are committed with the rest, the dead letter is where they are kept."""
-        where = {id(r.msg): r for r in ready}
-        for msg, why in rejected:
-            rec = where.get(id(msg))
+        for msg, why in eff.rejected:
+            rec = eff.origin(msg)
             if rec is None:
                 continue
             self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), why, flush=False)
@@ -681,10 +601,6 @@ class Runner:
             Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), key))
         if flush:
             self.retry.call("flush dead letters", self.producer.flush)
-
-    def _now(self) -> float:
-        """Event time "now": the pipeline's (a runner of the whole tier), the newest input's (a stage)."""
-        return self.pipelines[None].now_ if self.stage is Stage.ALL else self.now_
 
     def _publish_states(self, states: Sequence[NodeState]) -> None:
         """Publish the node states this batch changed, before its offsets commit (a crash re-derives
@@ -735,9 +651,7 @@ class Runner:
     def _safe_offsets(self, ready: Sequence[Record]) -> dict[Hashable, int]:
         """Per partition, the first offset not to commit: records still held in the buffer, and the
         step batches of steps the pipeline has not concluded (a restart must see them again)."""
-        still_open: set[tuple[str, int]] = set()
-        for pipeline in self.pipelines.values():
-            still_open |= pipeline.open_steps()
+        still_open = self.core.open_steps()
         open_jobs = {job for job, _ in still_open}
         for rec in ready:
             if isinstance(rec.msg, StepBatch):
@@ -756,17 +670,6 @@ class Runner:
             for tp, offset in offsets.items():
                 held[tp] = min(held.get(tp, offset), offset)
         return held
-
-
-def _default_factory(stage: Stage) -> Callable[[], Pipeline]:
-    """Default pipelines of a stage: the job stage's share one node-state table (the replica's copy of
-    ``fh.nodestate``)."""
-    if stage is Stage.JOB:
-        from fleethealth.detectors.diagnosis import Diagnoser
-
-        shared = Diagnoser()
-        return lambda: Pipeline(diagnoser=shared)
-    return Pipeline
 
 
 def tune_gc() -> None:
@@ -793,10 +696,3 @@ def _rows_token(rows: Sequence[Message], token: str) -> str:
              for m in rows if isinstance(m, StepBatch | StepBlock)]
     return _digest_token([token, *steps]) if steps else token
 
-
-def _token(records: Sequence[Record], out: Conclusions) -> str:
-    """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
-    # a split block's steps share its offset and are released apart: a record is its offset and step
-    offsets = (f"{r.topic}/{r.partition}/{r.offset}/{r.msg.step if isinstance(r.msg, StepBatch) else ''};"
-               for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
-    return _digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])

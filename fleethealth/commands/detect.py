@@ -115,7 +115,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, *, live: Li
                           f"got {settings['detect.stage']!r}") from None
     group = stage_group(settings["detect.group"], stage)
     if stage is Stage.ALL:
-        pipelines: Pipeline | Callable[[], Pipeline] | None = pipeline()
+        pipelines: Callable[[], Pipeline] | None = pipeline  # a node side and a job side
     elif stage is Stage.JOB:  # one pipeline per partition, all reading this replica's copy of fh.nodestate
         pipelines = partial(pipeline, diagnoser())
     elif stage is Stage.NODE:

@@ -176,7 +176,7 @@ def test_a_record_a_detector_raises_on_is_dead_lettered_and_the_rest_is_scored(o
         for e in events:
             producer.publish(e)
         producer.flush()
-    with Runner(own_broker.dsn, store, group=f"raises-{tag}", pipeline=RaisingPipelineFaultInjector(marked),
+    with Runner(own_broker.dsn, store, group=f"raises-{tag}", pipeline=lambda: RaisingPipelineFaultInjector(marked),
                 retry=_no_wait(), registry=CollectorRegistry()) as runner:
         _run_until(runner, len(events))
     letters = _letters(own_broker.dsn, marked, 1)

@@ -190,10 +190,10 @@ def stage(broker, tmp_path_factory):
             runner.consumer.wait_assigned(timeout_s=60.0)
             # the session broker may already hold the topics with more partitions (earlier tests)
             assert {0, 1} <= {p for _, p in runner.consumer.assignment()}
-            pipe = runner._new_pipeline()
+            pipe = runner.core.fresh(PART)
             pipe.feed([_batch(s) for s in range(3)])
             blob = runner.snapshot_format.dump(pipe, {("fh.steps", PART): 0, ("fh.events", PART): 0},
-                                               shared=runner._shared)
+                                               shared=runner.core.shared)
             yield {"runner": runner, "store": store, "blob": blob, "seq": [10]}
 
 
