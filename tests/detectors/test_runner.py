@@ -680,8 +680,10 @@ def test_an_executed_eviction_reported_on_the_bus_is_judged_and_recorded(own_bro
                 for i in range(4):  # the fleet's clock moves on past settle_s
                     producer.publish(Telemetry.from_columns(f"n{i:04d}", f"r{i // 2:02d}", rec.ts + 2000.0,
                                                             [0, 1, 2, 3]))
+                # and the policy's, which moves with what it reads (findings and events), one process or staged
+                producer.publish(Event(node="n0003", ts=rec.ts + 2000.0, kind=EventKind.JOB_START, job="other"))
                 producer.flush()
-            run(runner, seen + 5)
+            run(runner, seen + 6)
         [outcome] = outcomes(store)
         assert outcome.resolved and outcome.node == rec.node and outcome.job == "judged"
         assert load_engine(store).posterior_.counts(outcome.diagnosis) == (1, 0)
