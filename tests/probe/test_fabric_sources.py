@@ -48,7 +48,7 @@ def test_nvml_fabric_rows_of_a_registered_node_and_of_one_failed_gpu() -> None:
     try:
         samples = [failed.sample(100.0 + 10 * k).telemetry for k in range(6)]
         assert samples[0].fabric.status.tolist() == [0] * 5 + [10] + [0] * 2
-        (f,) = HealthRules().update(samples)
+        (f,) = HealthRules().check(samples)
         assert (f.kind, f.node, f.gpu, f.evidence["reason"]) == (FindingKind.FABRIC, "gpu-b", 5, "registration_failed")
     finally:
         failed.close()
@@ -91,7 +91,7 @@ def test_dcgm_fabric_manager_fields_become_fabric_rows_and_one_finding() -> None
     assert fabric.health_mask.tolist() == [1 << 14] * 8
     assert fabric.cluster_uuid[5] == "6d1c8f0a-3b5e-4c27-a9f2-d8e1b4c7a350" and fabric.clique_id[5] == 32766
     assert samples[0].fabric.state[5] == 2  # still in progress at the first read: no finding yet
-    (f,) = HealthRules().update(samples)
+    (f,) = HealthRules().check(samples)
     assert (f.node, f.gpu, f.evidence["reason"]) == ("gpu-c", 5, "registration_failed")
     assert f.evidence["fabric"][0]["fm_status"] == "failure"
 
@@ -104,7 +104,7 @@ def test_dcgm_fabric_health_mask_with_the_fabric_manager_disconnected_is_a_findi
     replay = DcgmReplay(recorded)
     source = DcgmSource("gpu-c", "rack-1", reader=replay.reader, health=replay.health)
     source.open()
-    (f,) = HealthRules().update([source.sample(ts).telemetry for ts in (10.0, 20.0, 30.0)])
+    (f,) = HealthRules().check([source.sample(ts).telemetry for ts in (10.0, 20.0, 30.0)])
     assert f.gpu is None and f.evidence["reason"] == "fabric_manager_down" and f.evidence["gpus"] == list(range(8))
 
 
