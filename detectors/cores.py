@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -139,7 +140,7 @@ def conclude(pipeline: Pipeline | None, policy: PolicyStage | None, messages: Se
 
 
 # ---------------------------------------------------------------------------------------------- stage cores
-class Core:
+class Core(ABC):
     """A stage of the detector tier as a pure core: ``step(records, now) -> Effects``, ``forget(jobs, nodes)``
     and ``state_dict(unit)`` / ``from_state(unit, state)`` for the units it snapshots (a partition's pipeline,
     or :data:`~fleethealth.detectors.snapshot.WHOLE` for one pipeline over every partition). No I/O, no
@@ -214,9 +215,10 @@ class Core:
         """The event time the core reached after stepping ``ready`` (``now`` before it)."""
         return now
 
+    @abstractmethod
     def _conclude(self, ready: list[Record], now: float,
                   final: bool) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
-        raise NotImplementedError
+        """Conclude the records the core takes: the conclusions, the records kept, the poisoned ones."""
 
     def _part(self, pipeline: Pipeline | None, ready: list[Record], now: float, final: bool, *,
               decide: bool = True) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
@@ -285,7 +287,7 @@ class Core:
         """Hold ``state`` as the unit's (a fresh one, or one restored from a snapshot)."""
         raise ConfigError(f"the {self.stage} stage keeps no snapshot state")
 
-    def drop(self, units: Iterable[int]) -> None:
+    def drop(self, units: Iterable[int]) -> None:  # noqa: B027 — a core that holds no units drops none
         """Forget the units of partitions the group moved to another replica (its new owner restores them)."""
 
     def state_dict(self, unit: int) -> State:

@@ -62,7 +62,6 @@ from fleethealth.ids import derived
 from fleethealth.params import check_number
 from fleethealth.payloads.checkpoint import CheckpointRecord
 from fleethealth.payloads.validation import CheckpointValidation
-from fleethealth.policy import rules
 from fleethealth.policy.eviction import EvictionOutcome, EvictionWatch, HealthyPosterior
 from fleethealth.policy.guards import (
     DEFAULT_MAX_SKEW_S,
@@ -72,6 +71,7 @@ from fleethealth.policy.guards import (
     RackGuard,
     is_stale,
 )
+from fleethealth.policy.rules import decide as decide_finding
 from fleethealth.policy.rules.context import EngineState, RuleContext, rack_of
 from fleethealth.schema import Action, Diagnosis, Event, EventKind, Finding, FindingKind, Guard, Recommendation
 
@@ -225,7 +225,7 @@ class PolicyEngine(RuleContext):
             if not is_stale(f.ts, now, self.stale_after_s):
                 if f.kind is FindingKind.STRAGGLER:
                     self.state_.held.pop(f.node, None)  # held by the breaker, not by a judgement of the node
-                out.extend(rules.decide(self, f, now))
+                out.extend(decide_finding(self, f, now))
                 continue
             rec = self.rec(Action(action), f, now, f"{action} of {f.node} was held by the open circuit breaker; "
                            f"the finding is {now - f.ts:.0f} s old now, beyond the {self.stale_after_s:.0f} s "
@@ -258,7 +258,7 @@ class PolicyEngine(RuleContext):
                                     {"age_s": age, "stale_after_s": self.stale_after_s,
                                      "max_skew_s": DEFAULT_MAX_SKEW_S}, fired=[GuardName.STALE]))
                 continue
-            out.extend(rules.decide(self, f, now))
+            out.extend(decide_finding(self, f, now))
         self.state_.seen.prune(now - 2 * self.stale_after_s)
         return out
 
