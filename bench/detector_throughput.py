@@ -186,11 +186,13 @@ def _run_naive(dsn: str, store: Store, job: str, times: np.ndarray, batch: int) 
         while taken < messages:
             for records in consumer.poll(timeout_ms=1000, max_records=500).values():
                 for rec in records:
-                    taken += 1
                     try:
                         msg = schema.decode(StepBatch, rec.value)
                     except SchemaError:
                         continue
+                    if msg.job != job:  # an earlier pipeline's record on the shared topic: not this run's
+                        continue
+                    taken += 1
                     x = float(msg.compute_s[0])
                     history.setdefault(msg.step, []).append(x)
                     prev = history.get(msg.step - 1)
