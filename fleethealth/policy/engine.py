@@ -97,7 +97,8 @@ class PolicyEngine(RuleContext):
     (:func:`~fleethealth.policy.guards.uncorroborated`; True); ``power_fault_share`` /
     ``power_fault_min_slowdown``: a power-capped UNKNOWN straggler (a node power fault) is evicted only
     when its GPU was capped for at least that share of the diagnosis window (persistent; 0.9) and it is
-    at least that much slower (material; 0.1), and the payback holds.
+    at least that much slower (material; 0.1), and the payback holds; ``max_skew_s``: a finding stamped
+    more than this after the decision time is stale too (clock skew or a forged time; 60).
     """
 
     def __init__(self, *, restart_s: float = 600.0, payback_margin: float = 0.25,
@@ -108,7 +109,7 @@ class PolicyEngine(RuleContext):
                  failure_risk_threshold: float = 0.5, dry_run: bool = False, outcome_settle_s: float = 1800.0,
                  outcome_recur_share: float = 0.5, corroborate: bool = True,
                  require_validated: bool = False, power_fault_share: float = 0.9,
-                 power_fault_min_slowdown: float = 0.1) -> None:
+                 power_fault_min_slowdown: float = 0.1, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
         self.corroborate = bool(corroborate)
         self.require_validated = bool(require_validated)
         self.power_fault_share = check_number("power_fault_share", power_fault_share, above=0, at_most=1.0)
@@ -118,6 +119,7 @@ class PolicyEngine(RuleContext):
         self.payback_margin = check_number("payback_margin", payback_margin, above=0)
         self.default_remaining_s = check_number("default_remaining_s", default_remaining_s, at_least=0)
         self.stale_after_s = check_number("stale_after_s", stale_after_s, above=0)
+        self.max_skew_s = check_number("max_skew_s", max_skew_s, at_least=0)
         self.facilities_episode_s = check_number("facilities_episode_s", facilities_episode_s, above=0)
         self.failure_risk_threshold = check_number("failure_risk_threshold", failure_risk_threshold, at_least=0)
         if self.failure_risk_threshold > 1:
@@ -222,7 +224,7 @@ class PolicyEngine(RuleContext):
         out: list[Recommendation] = []
         for fid, (action, obj) in sorted(held.items(), key=lambda kv: (kv[1][1]["ts"], kv[0])):
             f = Finding.from_obj(obj)
-            if not is_stale(f.ts, now, self.stale_after_s):
+            if not is_stale(f.ts, now, self.stale_after_s, self.max_skew_s):
                 if f.kind is FindingKind.STRAGGLER:
                     self.state_.held.pop(f.node, None)  # held by the breaker, not by a judgement of the node
                 out.extend(decide_finding(self, f, now))
@@ -249,14 +251,14 @@ class PolicyEngine(RuleContext):
             if fid in self.state_.seen:
                 continue
             self.state_.seen.add(fid, f.ts)
-            if is_stale(f.ts, now, self.stale_after_s):
+            if is_stale(f.ts, now, self.stale_after_s, self.max_skew_s):
                 age = now - f.ts
                 why = (f"finding is {age:.0f} s old, beyond the {self.stale_after_s:.0f} s staleness bound"
                        if age >= 0 else f"finding is stamped {-age:.0f} s after the decision time, beyond "
-                       f"the {DEFAULT_MAX_SKEW_S:.0f} s clock-skew bound")
+                       f"the {self.max_skew_s:.0f} s clock-skew bound")
                 out.append(self.rec(Action.NONE, f, now, f"{why}: recorded, not acted on",
                                     {"age_s": age, "stale_after_s": self.stale_after_s,
-                                     "max_skew_s": DEFAULT_MAX_SKEW_S}, fired=[GuardName.STALE]))
+                                     "max_skew_s": self.max_skew_s}, fired=[GuardName.STALE]))
                 continue
             out.extend(decide_finding(self, f, now))
         self.state_.seen.prune(now - 2 * self.stale_after_s)

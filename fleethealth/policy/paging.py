@@ -39,7 +39,7 @@ from fleethealth.params import check_number
 from fleethealth.policy.goodput import Interruption
 from fleethealth.schema import Action, Guard, Recommendation
 
-__all__ = ["PageRule", "Page", "PageReport", "Pager"]
+__all__ = ["PageRule", "Page", "PageReport", "Pager", "GOODPUT_WINDOW_S", "GOODPUT_MIN_WINDOW_S"]
 
 
 class PageRule(StrEnum):
@@ -87,15 +87,25 @@ class PageReport:
 
 
 
+GOODPUT_WINDOW_S = 3600.0
+"""The default window of a job's goodput for the collapse rule: the last hour (seed 000 R5)."""
+GOODPUT_MIN_WINDOW_S = 600.0
+"""The default history a job needs for a goodput figure."""
+
+
 class Pager:
     """Parameters: ``recent_s`` window of rules 1 and 3 (86,400); ``rate_window_s`` (3,600);
     ``rate_factor`` (5); ``rate_min_count`` (3); ``baseline_per_h`` the measured interruption rate
     (None: estimated from the interruptions before the rate window, needing at least
-    ``baseline_min_count``); ``goodput_floor`` (0.3); ``repage_after_s`` (86,400)."""
+    ``baseline_min_count``); ``goodput_floor`` (0.3); ``repage_after_s`` (86,400); ``goodput_window_s``
+    the window a job's goodput is measured over for rule 4 (3,600) and ``goodput_min_window_s`` the
+    history a job needs before it has a figure (600; the figure of a younger window covers its life),
+    both read by :class:`~fleethealth.policy.stage.PolicyStage`."""
 
     def __init__(self, *, recent_s: float = 86_400.0, rate_window_s: float = 3600.0, rate_factor: float = 5.0,
                  rate_min_count: int = 3, baseline_per_h: float | None = None, baseline_min_count: int = 5,
-                 goodput_floor: float = 0.3, repage_after_s: float = 86_400.0) -> None:
+                 goodput_floor: float = 0.3, repage_after_s: float = 86_400.0,
+                 goodput_window_s: float = GOODPUT_WINDOW_S, goodput_min_window_s: float = GOODPUT_MIN_WINDOW_S) -> None:
         self.recent_s = check_number("recent_s", recent_s, above=0)
         self.rate_window_s = check_number("rate_window_s", rate_window_s, above=0)
         self.rate_factor = check_number("rate_factor", rate_factor, above=0)
@@ -105,6 +115,9 @@ class Pager:
         self.baseline_min_count = int(check_number("baseline_min_count", baseline_min_count, above=0))
         self.goodput_floor = check_number("goodput_floor", goodput_floor, above=0)
         self.repage_after_s = check_number("repage_after_s", repage_after_s, above=0)
+        self.goodput_window_s = check_number("goodput_window_s", goodput_window_s, above=0)
+        self.goodput_min_window_s = check_number("goodput_min_window_s", goodput_min_window_s, at_least=0,
+                                                 at_most=self.goodput_window_s)
         self.paged_: dict[str, float] = {}
 
     def _baseline(self, history: Sequence[Interruption], now: float) -> float | None:
@@ -162,10 +175,12 @@ class Pager:
                           recent[window[-1]].ts))
 
         if goodput_1h is not None and goodput_1h < self.goodput_floor:
-            found.append((Page(PageRule.GOODPUT_COLLAPSE, f"goodput over the last hour {goodput_1h:.2f} is below "
+            span = "hour" if self.goodput_window_s == 3600.0 else f"{self.goodput_window_s / 60:g} min"
+            found.append((Page(PageRule.GOODPUT_COLLAPSE, f"goodput over the last {span} {goodput_1h:.2f} is below "
                                f"{self.goodput_floor:g}: restarts consume more time than steps",
                                key=str(PageRule.GOODPUT_COLLAPSE),
-                               evidence={"goodput_1h": goodput_1h, "floor": self.goodput_floor}), set(window),
+                               evidence={"goodput_1h": goodput_1h, "floor": self.goodput_floor,
+                                         "window_s": self.goodput_window_s}), set(window),
                           recent[window[-1]].ts if window else now))
 
         self.paged_ = {k: t for k, t in self.paged_.items() if now - t < self.repage_after_s}

@@ -11,8 +11,8 @@ the findings:
   (they move P(healthy) before this update's decisions; the runner records them);
 * the findings → :meth:`PolicyEngine.decide`;
 * interruption records, and each job's step times over the last hour (the goodput the collapse
-  rule reads) → the :class:`~fleethealth.policy.paging.Pager` (seed 000 R5): a page when a pattern
-  is found, a counted report otherwise.
+  rule reads; ``policy.paging.goodput_window_s``) → the :class:`~fleethealth.policy.paging.Pager`
+  (seed 000 R5): a page when a pattern is found, a counted report otherwise.
 
 Step times and job ends come from detection as events (:mod:`fleethealth.payloads.progress`): a
 ``job_progress`` carries the event times of the steps of a job it assembled, a ``job_end`` says it
@@ -24,7 +24,7 @@ same goodput and forget the same jobs. A job's end — its ``job_end``, or its o
 
 Each interruption is evaluated by the pager once the stage's clock reaches the time its record was
 complete (the newest of its known, diagnosed, restart and passed times, so the downtime it cost is in
-the window), with its job's goodput over the hour before from the steps at or before that time: the
+the window), with its job's goodput over the hour (the goodput window) before from the steps at or before that time: the
 same figure and pages whether the steps after it arrived in the same batch (the whole tier) or later
 (a policy stage reading in event-time order). :meth:`PolicyStage.flush` evaluates what still waits at
 the end of input.
@@ -45,15 +45,11 @@ from fleethealth.payloads.progress import JobProgress
 from fleethealth.policy.engine import PolicyEngine
 from fleethealth.policy.eviction import EvictionOutcome
 from fleethealth.policy.goodput import Interruption, ideal_step_time, window_goodput
-from fleethealth.policy.paging import Pager, PageReport
+from fleethealth.policy.paging import GOODPUT_MIN_WINDOW_S, GOODPUT_WINDOW_S, Pager, PageReport
 from fleethealth.schema import Event, EventKind, Finding, Recommendation
 
 __all__ = ["PolicyStage", "Decisions", "GOODPUT_WINDOW_S", "GOODPUT_MIN_WINDOW_S"]
 
-GOODPUT_WINDOW_S = 3600.0
-"""Goodput for the pager's collapse rule is measured over the last hour (seed 000 R5)."""
-GOODPUT_MIN_WINDOW_S = 600.0
-"""A job younger than this has too little history for a goodput figure."""
 
 
 @dataclass
@@ -83,7 +79,7 @@ class PolicyStage:
     nodes it no longer holds (a runner passes one reading its store; none: the engine's memory stands).
     State: ``interruptions_`` (the stop's
     ``data.interruption_id`` when the detectors derived it, else the event id → record, within
-    the pager's windows), ``step_ends_`` (job → event times of its steps in the last two hours),
+    the pager's windows), ``step_ends_`` (job → event times of its steps in the last two goodput windows),
     ``job_first_`` (job → its first step's time) and ``goodput_`` (stop → the goodput figure of its
     job the pager read when it was evaluated; None without one).
     """
@@ -181,7 +177,7 @@ class PolicyStage:
         for job, ts in steps:
             ends = self.step_ends_.setdefault(job, deque())
             ends.append(ts)
-            while ends and ends[0] < ts - 2 * GOODPUT_WINDOW_S:  # (a stop's window ends before the newest step)
+            while ends and ends[0] < ts - 2 * self.pager.goodput_window_s:  # (a stop's window ends before now)
                 ends.popleft()
             self.job_first_[job] = min(self.job_first_.get(job, ts), ts)
         for job in ended:
@@ -190,17 +186,18 @@ class PolicyStage:
             self.engine.forget_job(job)
 
     def _goodput(self, job: str, now: float) -> float | None:
-        """``job``'s goodput over the last hour (or its life, from 10 minutes on) up to event time ``now``,
-        from its steps at or before ``now``; None without enough of them."""
+        """``job``'s goodput over the pager's ``goodput_window_s`` (or its life, from ``goodput_min_window_s``
+        on) up to event time ``now``, from its steps at or before ``now``; None without enough of them."""
         ends = self.step_ends_.get(job)
         if not ends:
             return None
         # each step's time once: a job_progress republished after a crash, or derived again by a replay
         # that batched the steps differently, repeats step times and must not count them twice
         ts = np.unique(np.fromiter(ends, dtype=np.float64, count=len(ends)))
-        ts = ts[(ts <= now) & (ts > now - GOODPUT_WINDOW_S)]  # the steps known by the stop's time
-        window = min(GOODPUT_WINDOW_S, now - self.job_first_[job])
-        if ts.size < 3 or window < GOODPUT_MIN_WINDOW_S:
+        span = self.pager.goodput_window_s
+        ts = ts[(ts <= now) & (ts > now - span)]  # the steps known by the stop's time
+        window = min(span, now - self.job_first_[job])
+        if ts.size < 3 or window < self.pager.goodput_min_window_s:
             return None
         gaps = np.diff(ts)
         gaps = gaps[gaps > 0]  # steps reported at one instant (a replay) carry no duration

@@ -250,6 +250,20 @@ def test_future_dated_finding_is_stale_and_cannot_reopen_the_rate_window():
     assert skewed.evidence["since_last_eviction_s"] == pytest.approx(120)
 
 
+def test_the_clock_skew_bound_is_a_configuration_key():
+    """``policy.max_skew_s``: how far after the decision time a finding may be stamped before it is stale."""
+    from fleethealth.commands._settings import schema
+
+    assert schema().keys["policy.max_skew_s"].default == 60.0
+    [strict] = PolicyEngine(max_skew_s=5.0).decide([_straggler("n0030", T0 + 30)], now=T0)
+    assert strict.action is Action.NONE and strict.evidence["guards_fired"] == ["stale"]
+    assert strict.evidence["max_skew_s"] == 5.0 and "5 s clock-skew bound" in strict.reason
+    [lenient] = PolicyEngine().decide([_straggler("n0030", T0 + 30)], now=T0)
+    assert lenient.action is Action.EVICT and lenient.guard is Guard.ALLOWED
+    with pytest.raises(ConfigError, match="max_skew_s"):
+        PolicyEngine(max_skew_s=-1.0)
+
+
 def test_limiter_counts_from_decision_time_not_the_finding_stamp():
     from fleethealth.policy.guards import JobRateLimiter, is_stale
 

@@ -5,10 +5,12 @@ steps after a stop came in the same batch (the whole tier) or after it (a policy
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fleethealth.detectors.pipeline import Pipeline
 from fleethealth.detectors.runner import conclude
 from fleethealth.detectors.stages import Stage, takes_event
+from fleethealth.errors import ConfigError
 from fleethealth.payloads.checkpoint import checkpoint_event
 from fleethealth.payloads.job import job_exit_event
 from fleethealth.payloads.progress import MAX_STEP_TIMES, JobProgress, job_end_event, job_progress_events
@@ -81,3 +83,27 @@ def test_progress_delivered_twice_counts_each_step_once() -> None:
     again = job_progress_events(before[:300]) + job_progress_events(before[300:])  # batched differently
     twice.update([], [*job_progress_events(before), *again, stop], stop.ts)
     assert once.goodput_ == twice.goodput_ and once.goodput_["stop-1"] is not None
+
+
+def test_the_goodput_window_and_the_history_it_needs_are_configuration_keys() -> None:
+    """The collapse rule's goodput window and the history a job needs are ``policy.paging`` keys: a shorter
+    window gives another figure for the same stop, a longer required history gives none."""
+    from fleethealth.commands._settings import schema
+    from fleethealth.policy.paging import Pager
+
+    keys = schema().keys
+    assert keys["policy.paging.goodput_window_s"].default == 3600.0
+    assert keys["policy.paging.goodput_min_window_s"].default == 600.0
+    before = [("j", T0 + 2.0 * k) for k in range(600)]
+    stop = _stop(T0 + 1230.0, T0 + 1230.0, 100)
+
+    def figure(**pager: float) -> float | None:
+        stage = PolicyStage(pager=Pager(**pager))
+        stage.update([], [*job_progress_events(before), stop], stop.ts)
+        return stage.goodput_["stop-1"]
+
+    default, short = figure(), figure(goodput_window_s=300.0, goodput_min_window_s=300.0)
+    assert default is not None and short is not None and short != default
+    assert figure(goodput_min_window_s=1800.0) is None  # the job is 1,230 s old: too little history
+    with pytest.raises(ConfigError, match="goodput_min_window_s"):
+        Pager(goodput_window_s=300.0, goodput_min_window_s=600.0)
