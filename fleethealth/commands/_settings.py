@@ -31,7 +31,7 @@ DETECTION_SECTIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("detect.features", "fleethealth.detectors.predict", "GpuFeatures", ()),
     ("detect.assembly", "fleethealth.detectors.assembly", "StepAssembler", ()),
     ("detect.pipeline", "fleethealth.detectors.pipeline", "Pipeline", ()),
-    ("detect.runner", "fleethealth.detectors.runner", "Runner", ("bus_dsn", "store", "group", "registry")),
+    ("detect.runner", "fleethealth.detectors.runner", "Runner", ("bus_dsn", "store", "group", "registry", "stage")),
     ("detect.snapshot", "fleethealth.detectors.snapshot", "Snapshots", ()),
     ("policy", "fleethealth.policy.engine", "PolicyEngine", ()),
     ("policy.paging", "fleethealth.policy.paging", "Pager", ()),

@@ -169,6 +169,15 @@ def test_every_detector_and_policy_parameter_is_a_key() -> None:
         assert any(k.section == table for k in keys.values()), table
 
 
+def test_the_stage_is_one_key() -> None:
+    """``detect.stage`` chooses the stage; the runner's ``stage`` argument is wiring, not a second key that
+    would reach ``Runner`` beside it (a TypeError at start) or disagree with it."""
+    keys = schema().keys
+    assert "detect.stage" in keys and "detect.runner.stage" not in keys
+    with pytest.raises(ConfigError, match="'detect.runner.stage'"):
+        _settings(["detect", "--set", "detect.runner.stage=job"])
+
+
 def test_text_values_parse_by_type() -> None:
     s = Schema([Key("a.flag", "bool", False), Key("a.list", "floats", (1.0,)), Key("a.opt", "float", None,
                                                                                   optional=True)])
