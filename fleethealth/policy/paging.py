@@ -105,7 +105,8 @@ class Pager:
     def __init__(self, *, recent_s: float = 86_400.0, rate_window_s: float = 3600.0, rate_factor: float = 5.0,
                  rate_min_count: int = 3, baseline_per_h: float | None = None, baseline_min_count: int = 5,
                  goodput_floor: float = 0.3, repage_after_s: float = 86_400.0,
-                 goodput_window_s: float = GOODPUT_WINDOW_S, goodput_min_window_s: float = GOODPUT_MIN_WINDOW_S) -> None:
+                 goodput_window_s: float = GOODPUT_WINDOW_S,
+                 goodput_min_window_s: float = GOODPUT_MIN_WINDOW_S) -> None:
         self.recent_s = check_number("recent_s", recent_s, above=0)
         self.rate_window_s = check_number("rate_window_s", rate_window_s, above=0)
         self.rate_factor = check_number("rate_factor", rate_factor, above=0)
