@@ -27,21 +27,26 @@ case "${1:-}" in
   *) echo "acls.sh: unknown argument ${1} (try --help)" >&2; exit 2 ;;
 esac
 
-# acl PRINCIPAL RESOURCE-TYPE NAME OPERATION...
+# acl PRINCIPAL RESOURCE-TYPE NAME OPERATION...        (the resource named exactly)
+# PATTERN=prefixed acl PRINCIPAL RESOURCE-TYPE PREFIX OPERATION...   (every resource whose name starts so)
 acl() {
   local principal=$1 type=$2 name=$3
   shift 3
   local cmd=("$KAFKA_ACLS" --bootstrap-server "$BOOTSTRAP")
   [[ -n "${COMMAND_CONFIG:-}" ]] && cmd+=(--command-config "$COMMAND_CONFIG")
-  cmd+=(--add --allow-principal "User:$principal" --resource-pattern-type literal "--$type" "$name")
+  cmd+=(--add --allow-principal "User:$principal" --resource-pattern-type "${PATTERN:-literal}" "--$type" "$name")
   for op in "$@"; do cmd+=(--operation "$op"); done
   if (( DRY_RUN )); then printf '%s\n' "${cmd[*]}"; else "${cmd[@]}"; fi
 }
 
-for probe in $PROBE_USERS; do   # a node only produces
+for probe in $PROBE_USERS; do   # a node produces its inputs, and reads one topic: recommendations
   acl "$probe" topic fh.telemetry Write Describe
   acl "$probe" topic fh.steps Write Describe
   acl "$probe" topic fh.events Write Describe
+  # the rollback relay (probe.rollback_relay, on by default) reads fh.recommendations in its node's
+  # group fh-rollback-NODE, to hand a rollback to the training processes on that node
+  acl "$probe" topic fh.recommendations Read Describe
+  PATTERN=prefixed acl "$probe" group fh-rollback- Read Describe
 done
 
 # the detectors: read the inputs in group fh-detect (or, run as stages, fh-detect-node, -job, -policy),

@@ -22,7 +22,11 @@ from fleethealth.errors import FleetHealthError
 from fleethealth.payloads.advice import Advice, write_advice
 from fleethealth.schema import Action, Recommendation, Topic
 
-__all__ = ["RollbackRelay", "advice_of"]
+__all__ = ["RollbackRelay", "advice_of", "GROUP_PREFIX"]
+
+GROUP_PREFIX = "fh-rollback-"
+"""Each node's relay joins consumer group ``GROUP_PREFIX + node``: the probe principal's Kafka ACL grants
+groups by this prefix (deploy/k8s/components/kafka-auth/users.yaml, deploy/kafka/acls.sh)."""
 
 _log = logging.getLogger("fleethealth.probe")
 
@@ -121,7 +125,7 @@ class RollbackRelay:
 
             if self._dsn is None:
                 raise FleetHealthError("rollback relay: no bus to read recommendations from")
-            self._consumer = Consumer(self._dsn, [Topic.RECOMMENDATIONS.value], f"fh-rollback-{self.node}",
+            self._consumer = Consumer(self._dsn, [Topic.RECOMMENDATIONS.value], f"{GROUP_PREFIX}{self.node}",
                                       from_beginning=False, client_id=f"fleethealth-rollback-{self.node}")
         self._thread = threading.Thread(target=self._run, name="fh-rollback-relay", daemon=True)
         self._thread.start()

@@ -22,6 +22,7 @@ import yaml
 
 from fleethealth.bus import parse_dsn
 from fleethealth.commands import build_parser
+from fleethealth.probe.rollback import GROUP_PREFIX
 from fleethealth.schema import Topic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,11 @@ INPUTS = {Topic.TELEMETRY.value, Topic.STEPS.value, Topic.EVENTS.value}
 OUTPUTS = {Topic.FINDINGS.value, Topic.RECOMMENDATIONS.value, Topic.DEADLETTER.value}
 EXPECTED = {
     # principal: {(resource type, name): operations}
-    "fh-probe-gpu": {("topic", t): {"Write", "Describe"} for t in INPUTS},
+    # a node produces its inputs; its rollback relay reads recommendations in group fh-rollback-NODE
+    # (a prefixed grant, written "fh-rollback-*" here)
+    "fh-probe-gpu": {**{("topic", t): {"Write", "Describe"} for t in INPUTS},
+                     ("topic", Topic.RECOMMENDATIONS.value): {"Read", "Describe"},
+                     ("group", GROUP_PREFIX + "*"): {"Read", "Describe"}},
     "fh-detect": {**{("topic", t): {"Read", "Describe", "Create"} for t in INPUTS},
                   **{("topic", t): {"Write", "Describe", "Create"} for t in OUTPUTS},
                   # the stages: fh.nodestate between them, fh.findings read by the job and policy stages,
@@ -91,7 +96,8 @@ def _grants(user: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     grants: dict[tuple[str, str], set[str]] = {}
     for rule in user["spec"]["authorization"]["acls"]:
         res = rule["resource"]
-        grants.setdefault((res["type"], res["name"]), set()).update(rule["operations"])
+        name = res["name"] + ("*" if res["patternType"] == "prefix" else "")
+        grants.setdefault((res["type"], name), set()).update(rule["operations"])
     return grants
 
 
@@ -132,7 +138,10 @@ def test_kafka_users_have_strimzis_structure(docs):
         for rule in user["spec"]["authorization"]["acls"]:
             assert set(rule) == {"resource", "operations"}, f"{name}: {rule}"
             assert set(rule["resource"]) == {"type", "name", "patternType"}
-            assert rule["resource"]["type"] in {"topic", "group"} and rule["resource"]["patternType"] == "literal"
+            assert rule["resource"]["type"] in {"topic", "group"}
+            # topics by exact name only; a group by prefix only where a principal serves many nodes
+            assert rule["resource"]["patternType"] == "literal" or (
+                rule["resource"]["type"] == "group" and rule["resource"]["patternType"] == "prefix"), f"{name}: {rule}"
             assert set(rule["operations"]) <= _OPERATIONS and len(rule["operations"]) == len(set(rule["operations"]))
 
 
@@ -141,8 +150,12 @@ def test_each_principal_may_do_exactly_what_it_needs(docs):
     for name, want in EXPECTED.items():
         assert _grants(users[name]) == want, name
     probe = _grants(users["fh-probe-gpu"])
-    assert not any("Read" in ops for ops in probe.values()), "a node may not read any topic"
-    assert not any(("topic", t) in probe for t in OUTPUTS), "a node may not write findings or recommendations"
+    assert {key for key, ops in probe.items() if "Read" in ops and key[0] == "topic"} == \
+        {("topic", Topic.RECOMMENDATIONS.value)}, "a node reads recommendations (its relay), no other topic"
+    assert {key for key in probe if key[0] == "group"} == {("group", GROUP_PREFIX + "*")}, \
+        "a node may join only the rollback relay's groups"
+    assert not any("Write" in probe.get(("topic", t), ()) for t in OUTPUTS), \
+        "a node may not write findings or recommendations"
     assert not any("Write" in ops for key, ops in _grants(users["fh-act"]).items()
                    if key == ("topic", Topic.RECOMMENDATIONS.value)), "the adapter may not write recommendations"
     every_topic = {t.value for t in Topic}
@@ -203,9 +216,10 @@ def _script_grants(env: dict[str, str] | None = None) -> dict[str, dict[tuple[st
         words = line.split()
         assert words[0] == "kafka-acls.sh" and "--add" in words
         principal = words[words.index("--allow-principal") + 1].removeprefix("User:")
-        assert words[words.index("--resource-pattern-type") + 1] == "literal"
+        pattern = words[words.index("--resource-pattern-type") + 1]
+        assert pattern in {"literal", "prefixed"}, line
         kind = next(k for k in ("topic", "group") if f"--{k}" in words)
-        name = words[words.index(f"--{kind}") + 1]
+        name = words[words.index(f"--{kind}") + 1] + ("*" if pattern == "prefixed" else "")
         ops = {words[i + 1] for i, w in enumerate(words) if w == "--operation"}
         grants.setdefault(principal, {}).setdefault((kind, name), set()).update(ops)
     return grants
