@@ -49,7 +49,8 @@ __all__ = ["Delivery", "DeliveryStats", "drop_report"]
 @dataclass(frozen=True, slots=True)
 class DeliveryStats:
     """Delivery counters and the spool's state; ``connected`` is true while the last attempt succeeded.
-    ``drop_reports_total`` counts ``spool_dropped`` events the broker acknowledged."""
+    ``drop_reports_total`` counts ``spool_dropped`` events the broker acknowledged; ``inflight_records``
+    is how many records are handed to the producer and not yet acknowledged."""
 
     delivered_total: int
     failures_total: int
@@ -57,6 +58,7 @@ class DeliveryStats:
     last_error: str | None
     spool: SpoolStats
     drop_reports_total: int = 0
+    inflight_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,4 +302,5 @@ class Delivery:
         with self._lock:
             spool = self.spool.stats
         return DeliveryStats(self._delivered, self._failures, self._healthy and self._producer is not None,
-                             self._last_error, spool, self._drop_reports)
+                             self._last_error, spool, self._drop_reports,
+                             0 if self._inflight is None else self._inflight.end - self._inflight.start)
