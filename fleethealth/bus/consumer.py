@@ -103,6 +103,7 @@ class Consumer:
         or skipped, and the offsets in them (see :meth:`_watch_holes`); each is logged and dead-lettered."""
         self._next_offset: dict[Any, int] = {}  # per partition, the offset after the last record fetched
         self._stuck: dict[Any, tuple[int, float, float]] = {}  # position, when last seen, seconds stood still
+        self._holes_checked_at = 0.0
         self.reached: dict[tuple[str, int], int] = {}
         """Per ``(topic, partition)``, the offset after the last record returned or dead-lettered here:
         records read again after a seek or a rebalance count once (``consumed_total`` counts each time)."""
@@ -260,8 +261,9 @@ class Consumer:
                             self._hole(tp, a.offset + 1, b.offset, "passed over (a later record was fetched)")
             self._next_offset[tp] = last + 1
             self._stuck.pop(tp, None)
-        if self.hole_skip_after_s <= 0 or self._buffer:  # entries not yet returned come first
-            return []
+        if self.hole_skip_after_s <= 0 or self._buffer or now - self._holes_checked_at < 0.5:
+            return []  # (entries not yet returned come first; twice a second is often enough)
+        self._holes_checked_at = now
         skipped: list[tuple[None, Any, int]] = []
         with translated("reading consumer positions", self.dsn):
             for tp in self._kc.assignment():
@@ -273,7 +275,7 @@ class Consumer:
                     self._stuck.pop(tp, None)
                     continue
                 at, seen, still_s = self._stuck.get(tp, (position, now, 0.0))
-                # time between two polls counts up to 2 s: a consumer that did not poll (a store outage)
+                # time between two checks counts up to 2 s: a consumer that did not poll (a store outage)
                 # has not seen the partition stand still
                 still_s = still_s + min(now - seen, 2.0) if at == position else 0.0
                 self._stuck[tp] = (position, now, still_s)
