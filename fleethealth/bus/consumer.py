@@ -22,6 +22,7 @@ from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
 from fleethealth.schema import Topic
 
 _log = logging.getLogger("fleethealth.bus")
+_COMPACTED = frozenset(t for t, c in TOPIC_CONFIGS.items() if c.get("cleanup.policy") == "compact")
 
 
 def group_read_to_end(members: Sequence[tuple[Collection[tuple[str, int]], bool]],
@@ -251,7 +252,7 @@ class Consumer:
             if not records:
                 continue
             first, last = records[0].offset, records[-1].offset
-            if tp.topic not in TOPIC_CONFIGS:
+            if tp.topic not in _COMPACTED:
                 expected = self._next_offset.get(tp)
                 if expected is not None and first > expected:
                     self._hole(tp, expected, first, "passed over (a later record was fetched)")
