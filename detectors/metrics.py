@@ -18,6 +18,11 @@ class RunnerMetrics:
                                        ["action"], registry=registry)
         self.dead_letters = Counter("fleethealth_detect_dead_letters_total", "Records dead-lettered by this runner",
                                     registry=registry)
+        self.holes = Counter("fleethealth_detect_log_holes_total", "Holes in a partition's log (offsets the high "
+                             "watermark counts and no record holds) passed over or skipped, each dead-lettered",
+                             registry=registry)
+        self.hole_offsets = Counter("fleethealth_detect_log_hole_offsets_total", "Offsets in those holes",
+                                    registry=registry)
         self.lag = Gauge("fleethealth_detect_lag_records", "Records not yet read, over assigned partitions",
                          registry=registry)
         self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order", registry=registry)

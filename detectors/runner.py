@@ -564,6 +564,8 @@ class Runner:
         for r in eff.recommendations:
             self.metrics.recommendations.labels(r.action.value).inc()
         self.metrics.advance("dead_letters", self.consumer.dead_lettered_total)
+        self.metrics.advance("holes", self.consumer.holes_total)
+        self.metrics.advance("hole_offsets", self.consumer.hole_offsets_total)
         if self.nodes is not None:
             self.metrics.advance("passed_over", self.nodes.passed_over_total_)
         self.metrics.held.set(len(self.buffer))

@@ -411,6 +411,11 @@ COMMAND_KEYS: tuple[Key, ...] = (
     Key("detect.metrics_port", "int", 9403, "Prometheus /metrics port of detect, 0 to disable"),
     Key("detect.fail_over_after_s", "float", 10.0, "with several brokers in the DSN, a detector's consumer whose "
         "client has reached no broker for this long reconnects from all of them (a rebalance); 0: never"),
+    Key("detect.hole_skip_after_s", "float", 600.0, "a detector's consumer whose position in a partition has "
+        "stood still this long (in time spent polling) with the high watermark beyond it reads on from the high "
+        "watermark: a hole a broker left at the log's end, counted and dead-lettered. Shorter frees a drain "
+        "sooner; it must stay longer than a broker can stall between its watermark and batch writes (a frozen "
+        "broker), else that batch is skipped when it lands; 0: never"),
     # serve
     Key("serve.host", "str", "127.0.0.1", "listen address"),
     Key("serve.port", "int", 8080, "listen port"),

@@ -17,10 +17,12 @@ from fleethealth.bus.dsn import _backend, parse_dsn
 from fleethealth.bus.kafka_client import reaches_a_broker, translated
 from fleethealth.bus.producer import Producer
 from fleethealth.bus.records import Record, decode_value, event_time_skew, split_block
+from fleethealth.bus.topics import TOPIC_CONFIGS
 from fleethealth.errors import BusUnavailable, ConfigError, SchemaError
 from fleethealth.schema import Topic
 
 _log = logging.getLogger("fleethealth.bus")
+_COMPACTED = frozenset(t for t, c in TOPIC_CONFIGS.items() if c.get("cleanup.policy") == "compact")
 
 
 def group_read_to_end(members: Sequence[tuple[Collection[tuple[str, int]], bool]],
@@ -96,6 +98,13 @@ class Consumer:
         self.consumed_total = 0
         self.dead_lettered_total = 0
         self.commit_failed_total = 0
+        self.holes_total = 0
+        self.hole_offsets_total = 0
+        """Holes in the log (offsets the partition's high watermark counts and no record holds) passed over
+        or skipped, and the offsets in them (see :meth:`_watch_holes`); each is logged and dead-lettered."""
+        self._next_offset: dict[Any, int] = {}  # per partition, the offset after the last record fetched
+        self._stuck: dict[Any, tuple[int, float, float]] = {}  # position, when last seen, seconds stood still
+        self._holes_checked_at = 0.0
         self.reached: dict[tuple[str, int], int] = {}
         """Per ``(topic, partition)``, the offset after the last record returned or dead-lettered here:
         records read again after a seek or a rebalance count once (``consumed_total`` counts each time)."""
@@ -118,6 +127,11 @@ class Consumer:
     fail_over_after_s: float = 10.0
     """With several brokers in the DSN: a client that has reached no broker for this long, across polls,
     is replaced by one bootstrapped from all of them (see :meth:`_fail_over`); 0 or less: never."""
+
+    hole_skip_after_s: float = 600.0
+    """A partition whose position has stood still this long (in time spent polling) while its high watermark
+    is beyond it is read past a hole: the consumer moves to the high watermark (see :meth:`_watch_holes`).
+    Longer than a broker can stand between its two writes of one batch; 0 or less: never."""
 
     def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Block until the group has assigned partitions and their start offsets are known.
@@ -173,7 +187,7 @@ class Consumer:
             self._watch_reach()
         else:
             self._unreachable_since = None
-        out: list[tuple[Record | None, Any, int]] = []
+        out: list[tuple[Record | None, Any, int]] = self._watch_holes(batches)
         for tp, records in batches.items():
             cls = self._types.get(tp.topic)
             admit = self.admit
@@ -220,6 +234,77 @@ class Consumer:
                     out.append((Record(rec.topic, rec.partition, rec.offset, rec.key, msg), tp, rec.offset + 1))
         return out
 
+    def _watch_holes(self, batches: Mapping[Any, Sequence[Any]]) -> list[tuple[None, Any, int]]:
+        """Report holes in the log, and read past one at a partition's end.
+
+        A Tansu broker on S3 SIGKILLed between its two writes of a batch (the watermark, then the batch)
+        leaves offsets no batch holds (``tests/fleethealth/test_bus_holes.py``). A fetch answers the
+        batches at or after its offset, so a hole followed by a record is passed over: reported here when
+        a partition's records start past where the last fetch ended or skip offsets inside (not on the
+        compacted topics, where gaps are normal). At the log's end a fetch answers nothing while the high
+        watermark counts the hole, so the lag never reaches 0 until something new is written, and a reader
+        draining to the end waits for ever. A partition whose position has stood still with the high
+        watermark beyond it for ``hole_skip_after_s`` of polling is moved to the high watermark: one
+        ``(None, partition, high watermark)`` entry, which :meth:`poll` takes as read past, as a dead
+        letter. Each hole is counted, logged and dead-lettered with its topic, partition and offsets."""
+        now = time.monotonic()
+        for tp, records in batches.items():
+            if not records:
+                continue
+            first, last = records[0].offset, records[-1].offset
+            if tp.topic not in _COMPACTED:
+                expected = self._next_offset.get(tp)
+                if expected is not None and first > expected:
+                    self._hole(tp, expected, first, "passed over (a later record was fetched)")
+                if last - first + 1 != len(records):
+                    for a, b in zip(records, records[1:], strict=False):
+                        if b.offset > a.offset + 1:
+                            self._hole(tp, a.offset + 1, b.offset, "passed over (a later record was fetched)")
+            self._next_offset[tp] = last + 1
+            self._stuck.pop(tp, None)
+        if self.hole_skip_after_s <= 0 or self._buffer or now - self._holes_checked_at < 0.5:
+            return []  # (entries not yet returned come first; twice a second is often enough)
+        self._holes_checked_at = now
+        skipped: list[tuple[None, Any, int]] = []
+        with translated("reading consumer positions", self.dsn):
+            for tp in self._kc.assignment():
+                end = None if tp in batches else self._kc.highwater(tp)
+                if end is None:
+                    continue
+                position = self._kc.position(tp, timeout_ms=1000)
+                if position is None or position >= end:
+                    self._stuck.pop(tp, None)
+                    continue
+                at, seen, still_s = self._stuck.get(tp, (position, now, 0.0))
+                # time between two checks counts up to 2 s: a consumer that did not poll (a store outage)
+                # has not seen the partition stand still
+                still_s = still_s + min(now - seen, 2.0) if at == position else 0.0
+                self._stuck[tp] = (position, now, still_s)
+                if still_s < self.hole_skip_after_s:
+                    continue
+                self._kc.seek(tp, end)
+                self._stuck.pop(tp, None)
+                self._next_offset[tp] = end
+                self._hole(tp, position, end, f"skipped: the high watermark stood beyond it and fetches "
+                                              f"answered nothing for {still_s:.1f} s")
+                skipped.append((None, tp, end))
+        return skipped
+
+    def _hole(self, tp: Any, start: int, end: int, how: str) -> None:
+        """Count, log and dead-letter the hole ``[start, end)`` of partition ``tp``."""
+        self.holes_total += 1
+        self.hole_offsets_total += end - start
+        reason = (f"hole: offsets {start}-{end - 1} ({end - start}) hold no record in the broker's log; "
+                  f"group {self.group!r} {how}")
+        _log.warning("%s[%d]: %s", tp.topic, tp.partition, reason)
+        if tp.topic == Topic.DEADLETTER.value:
+            return
+        if self._producer is None:
+            self._producer = Producer(self.dsn, client_id=f"{self._client_id}-deadletter")
+        letter = DeadLetter.of(tp.topic, tp.partition, start, None, None, reason, None)
+        self._producer.publish_raw(Topic.DEADLETTER.value, orjson.dumps(letter.to_obj()), None)
+        self._dead_unflushed = True
+
     def _several(self) -> bool:
         return self.fail_over_after_s > 0 and len(parse_dsn(self.dsn)[1]) >= 2
 
@@ -260,6 +345,8 @@ class Consumer:
         self._pending.clear()
         self._buffer = []
         self._committed.clear()
+        self._next_offset.clear()
+        self._stuck.clear()
         self._unreachable_since = None
         self.failovers_total += 1
         try:
@@ -284,6 +371,8 @@ class Consumer:
             for tp in (self._leaving - tps) | (tps - self._leaving):
                 self._pending.pop(tp, None)
                 self._committed.pop(tp, None)
+                self._next_offset.pop(tp, None)
+                self._stuck.pop(tp, None)
                 self._buffer = [entry for entry in self._buffer if entry[1] != tp]
                 if tp in self._leaving:
                     self._moved.add((tp.topic, tp.partition))
@@ -379,6 +468,8 @@ class Consumer:
             for (topic, partition), offset in offsets.items():
                 tp = TopicPartition(topic, partition)
                 self._pending.pop(tp, None)
+                self._next_offset[tp] = offset
+                self._stuck.pop(tp, None)
                 self._kc.seek(tp, offset)
 
     def offset_range(self, pairs: Collection[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:

@@ -130,6 +130,7 @@ def build_runner(bus_dsn: str, store: StoreLike, settings: Settings, *, live: Li
     for consumer in (runner.consumer, runner.table):  # fleethealth/bus/consumer.py Consumer._fail_over
         if consumer is not None:
             consumer.fail_over_after_s = settings["detect.fail_over_after_s"]
+            consumer.hole_skip_after_s = settings["detect.hole_skip_after_s"]
     return runner
 
 

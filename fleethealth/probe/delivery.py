@@ -24,7 +24,9 @@ unanswered) — is waited out by **one** producer:
   ``backoff_s`` to ``max_backoff_s``.
 
 Records the spool dropped beyond its bound are reported on the bus as a ``spool_dropped`` event
-(counts, bytes, per topic, time range) ahead of the first batch delivered after the outage.
+(counts, bytes, per topic, time range) ahead of the first batch delivered after the outage. Records
+the bound drops while they are in flight and that the broker then acknowledges arrived: they are taken
+out of the drop counts (:meth:`Spool.ack_delivered`), so the report counts exactly what never arrived.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 from fleethealth import schema
 from fleethealth.errors import BusError, BusUnavailable, ConfigError
-from fleethealth.probe.spool import Spool, SpoolDrops, SpoolStats
+from fleethealth.probe.spool import Spool, SpoolDrops, SpoolRecord, SpoolStats
 from fleethealth.schema import Event, EventKind, Message
 
 __all__ = ["Delivery", "DeliveryStats", "drop_report"]
@@ -47,7 +49,8 @@ __all__ = ["Delivery", "DeliveryStats", "drop_report"]
 @dataclass(frozen=True, slots=True)
 class DeliveryStats:
     """Delivery counters and the spool's state; ``connected`` is true while the last attempt succeeded.
-    ``drop_reports_total`` counts ``spool_dropped`` events the broker acknowledged."""
+    ``drop_reports_total`` counts ``spool_dropped`` events the broker acknowledged; ``inflight_records``
+    is how many records are handed to the producer and not yet acknowledged."""
 
     delivered_total: int
     failures_total: int
@@ -55,6 +58,7 @@ class DeliveryStats:
     last_error: str | None
     spool: SpoolStats
     drop_reports_total: int = 0
+    inflight_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class _InFlight:
     start: int                 # spool indices [start, end) handed to the producer
     end: int
     drops: SpoolDrops | None   # the drop report handed to it ahead of them, if any
+    records: tuple[SpoolRecord, ...] = ()  # the records [start, end): the bound may drop them meanwhile
 
 
 def drop_report(node: str, drops: SpoolDrops) -> Event:
@@ -184,8 +189,8 @@ class Delivery:
         self._delay = self.backoff_s
         if done is None:
             return 0
-        with self._lock:
-            self.spool.ack_until(done.end)
+        with self._lock:  # in flight since, some may have been dropped by the bound: they arrived all the same
+            self.spool.ack_delivered(done.start, done.records)
             if done.drops is not None:
                 self.spool.drops_reported()
                 self._drop_reports += 1
@@ -210,7 +215,7 @@ class Delivery:
                 sent += 1
         finally:
             if reported or sent:
-                self._inflight = _InFlight(start, start + sent, drops if reported else None)
+                self._inflight = _InFlight(start, start + sent, drops if reported else None, tuple(batch[:sent]))
 
     def _send(self, topic: str, value: bytes, key: bytes | None) -> None:
         if self.signer is None:
@@ -297,4 +302,5 @@ class Delivery:
         with self._lock:
             spool = self.spool.stats
         return DeliveryStats(self._delivered, self._failures, self._healthy and self._producer is not None,
-                             self._last_error, spool, self._drop_reports)
+                             self._last_error, spool, self._drop_reports,
+                             0 if self._inflight is None else self._inflight.end - self._inflight.start)

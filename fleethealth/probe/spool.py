@@ -29,6 +29,7 @@ import os
 import struct
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,28 @@ class Spool:
         if count:
             self.ack(count)
         return count
+
+    def ack_delivered(self, start_seq: int, records: Sequence[SpoolRecord]) -> int:
+        """The broker acknowledged ``records``, those :meth:`peek` returned from index ``start_seq``: remove
+        the ones still queued and return how many. The first of them the bound dropped while they were in
+        flight arrived after all: they leave the drop counters and the report not yet handed out, so a drop
+        report counts only records that never reached the bus (its time range stays a bound)."""
+        removed = self.ack_until(start_seq + len(records))
+        arrived = records[:len(records) - removed]
+        if arrived:
+            size = sum(_HEADER.size + len(r.topic.encode()) + len(r.key or b"") + len(r.value) for r in arrived)
+            self._dropped -= len(arrived)
+            self._dropped_bytes -= size
+            self._acked += len(arrived)
+            if self._unreported is not None:
+                left = self._unreported.records - len(arrived)
+                topics = Counter(self._unreported.topics)
+                topics.subtract(r.topic for r in arrived)
+                self._unreported = None if left <= 0 else SpoolDrops(
+                    left, max(self._unreported.bytes - size, 0), self._unreported.first_ts,
+                    self._unreported.last_ts, dict(sorted((+topics).items())))
+                self._write_drops()
+        return removed
 
     def ack(self, count: int) -> None:
         """Remove the oldest ``count`` records (the broker has acknowledged them)."""

@@ -77,6 +77,27 @@ def test_ack_until_ignores_records_dropped_meanwhile(tmp_path) -> None:
     assert _values(spool)[0] == first_kept
 
 
+def test_records_dropped_in_flight_and_then_delivered_leave_the_drop_counts(tmp_path) -> None:
+    """The bound drops records handed to the producer; the broker then acknowledges them: they arrived,
+    so the drop report and counters hold only what never reached the bus (published = arrived + dropped)."""
+    spool = Spool(tmp_path, max_bytes=4096, segment_bytes=512)
+    for i in range(5):
+        spool.append("fh.steps", bytes([i]) * 100, b"n1", ts=float(i))
+    start, batch = spool.head_seq, spool.peek(3)  # in flight
+    for i in range(5, 60):
+        spool.append("fh.telemetry", bytes([i]) * 100, b"n1", ts=float(i))
+    dropped = spool.stats.dropped_total
+    assert dropped > 3
+    assert spool.ack_delivered(start, batch) == 0  # all 3 were dropped meanwhile, and arrived
+    stats = spool.stats
+    assert stats.dropped_total == dropped - 3 and stats.acked_total == 3
+    assert stats.appended_total == stats.acked_total + stats.dropped_total + stats.records
+    report = spool.drops_to_report()
+    assert report is not None and report.records == dropped - 3
+    assert report.bytes == stats.dropped_bytes_total
+    assert report.topics == {"fh.steps": 2, "fh.telemetry": dropped - 5}
+
+
 def test_bad_bound_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="at least 1024"):
         Spool(tmp_path, max_bytes=10)
