@@ -72,7 +72,7 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.fabric import fabric_faults
-from fleethealth.detectors.nodestate import nvlink_errors
+from fleethealth.detectors.nodestate import nvlink_errors, zeroed
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
@@ -321,7 +321,7 @@ class HealthRules(Stateful):
                              corrected_volatile=_f(_col(s, "ecc_sbe_volatile")[i]), remapped_rows=_f(remapped[i]))
             out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
                               rule="ecc")
-        bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)
+        bits = zeroed(_col(s, "clock_reasons")).astype(np.int64)
         braked = np.flatnonzero(bits & int(ClockReason.HW_POWER_BRAKE))
         if braked.size:
             power, limit = _col(s, "power_w"), _col(s, "power_limit_w")
