@@ -1,13 +1,13 @@
-"""The node stage columnar gives exactly what it gives one message at a time.
+"""The node stage columnar gives exactly what it gives one sample at a time.
 
-The reference is the per-message path: each telemetry value decoded alone (``Telemetry.from_obj``) and
-fed to a node-stage pipeline one message at a time, where every sample is derived alone
-(:func:`~fleethealth.detectors.nodestate.node_state`, :func:`~fleethealth.detectors.nodestate.changed`,
-the health rules on one sample). The columnar path is the runner's: a poll's values decoded at once
-(``decode_many``) and fed whole, so the node states of a poll are derived wave by wave over stacked
-columns. Both must give the same findings, node states and detector state, on the default and multi-job
-scenarios (faults brought forward so they fire within a few simulated minutes) and on the
-independent-physics thermal fleet (:mod:`tests.detectors.thermal_fleet`).
+The reference is the per-sample path, kept here: each telemetry value decoded alone
+(``Telemetry.from_obj``), each sample's state derived alone (:func:`~fleethealth.detectors.nodestate.node_state`,
+:func:`~fleethealth.detectors.nodestate.changed`) and the health rules applied to one sample at a time
+(``HealthRules._telemetry``), fed the same polls. The columnar path is the runner's: a poll's values decoded at
+once (``decode_many``), node states derived wave by wave over stacked columns, the rules' thresholds checked in
+one pass. Both must give the same findings, node states and detector state, on the default and multi-job
+scenarios (faults brought forward so they fire within a few simulated minutes) and on the independent-physics
+thermal fleet (:mod:`tests.detectors.thermal_fleet`).
 """
 
 from __future__ import annotations
@@ -76,13 +76,15 @@ def _per_message(inputs: Iterable[bytes | Event], poll: int) -> tuple[Pipeline, 
     pipe, findings, states = Pipeline(), [], []
     table = pipe.diagnoser.states
     table.observe = lambda samples: [s for s in map(table._observe_one, samples) if s is not None]
+    health = pipe.health
+    health._telemetry_many = lambda samples: [f for s in samples for f in health._telemetry(s)]
     items = list(inputs)
     for lo in range(0, len(items), poll):
         msgs = [schema.decode(Telemetry, i) if isinstance(i, bytes) else i for i in items[lo:lo + poll]]
         out = pipe.feed(msgs)
         findings += [f.to_obj() for f in out.findings]
         states += [s.to_obj() for s in out.states]
-    del table.observe  # the instance's own method again, for state_dict
+    del table.observe, health._telemetry_many  # the instances' own methods again, for state_dict
     return pipe, findings, states
 
 
