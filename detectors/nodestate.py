@@ -34,7 +34,7 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
-from fleethealth.detectors.thermal import ThermalModel, ThermalParams
+from fleethealth.detectors.thermal import ThermalModel, ThermalParams, observe_many
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
@@ -51,7 +51,7 @@ STATE_BITS = THERMAL_BITS | int(ClockReason.HW_POWER_BRAKE) | POWER_CAP_BIT
 cap in its evidence)."""
 NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 _REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
-_STACKED = tuple(dict.fromkeys((*_REPORTED, *NVLINK_COUNTERS)))
+_STACKED = tuple(dict.fromkeys((*_REPORTED, *NVLINK_COUNTERS, "power_w", "util_pct", "power_limit_w")))
 """The columns a poll's states stack, one row a sample: what a GPU reports, its NVLink errors, its clock bits."""
 
 
@@ -336,9 +336,11 @@ class NodeStates(Stateful):
                 reports |= np.isfinite(cols[name])
             thermal = (zeroed(cols["clock_reasons"]).astype(np.int64) & THERMAL_BITS) != 0
             rates = _nvlink_rates(part, cols)
+            models = [self._model(s.node) for s in samples]
+            power, load, residual = observe_many(models, [s.ts for s in samples], cols["temp_c"], cols["power_w"],
+                                                 cols["util_pct"], cols["power_limit_w"], thermal)
             for j, (i, sample, last) in enumerate(part):
-                power, load, residual = self._thermal(sample, thermal[j])
-                state = node_state(sample, last, power_w=power, load_power_w=load, residual_c=residual,
+                state = node_state(sample, last, power_w=power[j], load_power_w=load[j], residual_c=residual[j],
                                    nic_bytes_per_tick=self.nic_bytes_per_tick, reports=reports[j],
                                    nvlink_rate=float(rates[j]))
                 published = self._publish(state)
@@ -376,11 +378,15 @@ class NodeStates(Stateful):
             if not peers:
                 del self.racks_[rack]
 
+    def _model(self, node: str) -> ThermalModel:
+        model = self.thermal_.get(node)
+        if model is None:
+            model = self.thermal_[node] = ThermalModel(self.thermal)
+        return model
+
     def _thermal(self, sample: Telemetry,
                  thermal: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        model = self.thermal_.get(sample.node)
-        if model is None:
-            model = self.thermal_[sample.node] = ThermalModel(self.thermal)
+        model = self._model(sample.node)
         cols = sample.columns
         if thermal is None:  # each GPU's thermal clock bits (a poll's are computed at once)
             thermal = (zeroed(cols["clock_reasons"]).astype(np.int64) & THERMAL_BITS) != 0
