@@ -100,6 +100,41 @@ def _nvlink_rates(part: list[tuple[int, Telemetry, Telemetry | None]], cols: dic
     return rates
 
 
+_NIC_READ = ("tx_bytes", "rx_bytes", "xmit_wait", "link_downed", "up")
+
+
+def _nics(part: list[tuple[int, Telemetry, Telemetry | None]],
+          bytes_per_tick: float) -> list[tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None]:
+    """:func:`_nic` of each ``(index, sample, previous)`` at once where both samples have the same NIC ports
+    (the usual case), grouped by port count; None for the rest (derived alone)."""
+    out: list[tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None] = [None] * len(part)
+    groups: dict[int, list[int]] = {}
+    for j, (_, s, p) in enumerate(part):
+        if s.nic is not None and p is not None and p.nic is not None and p.ts < s.ts and p.nic.port == s.nic.port:
+            groups.setdefault(len(s.nic.port), []).append(j)
+    for rows in groups.values():
+        now = {name: np.stack([part[j][1].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+               for name in (*_NIC_READ, "link_gbps")}
+        before = {name: np.stack([part[j][2].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+                  for name in _NIC_READ}
+        dt = np.array([part[j][1].ts - part[j][2].ts for j in rows])[:, None]  # type: ignore[union-attr]
+
+        def delta(name: str) -> np.ndarray:
+            d = now[name] - before[name]  # noqa: B023 — used within the iteration
+            return np.where(d >= 0, d, np.nan)
+
+        link = now["link_gbps"] * 1e9 / 8
+        with np.errstate(invalid="ignore", divide="ignore"):
+            util = np.fmax(delta("tx_bytes"), delta("rx_bytes")) / (link * dt)
+            wait = delta("xmit_wait") * bytes_per_tick / (link * dt)
+        util = np.where(link > 0, util, np.nan)
+        wait = np.where(link > 0, np.minimum(wait, 1.0), np.nan)
+        down = ((before["up"] == 1.0) & (now["up"] == 0.0)) | (delta("link_downed") > 0)
+        for k, j in enumerate(rows):
+            out[j] = (tuple(part[j][1].nic.port), util[k], wait[k], down[k])  # type: ignore[union-attr]
+    return out
+
+
 def _nic(sample: Telemetry, previous: Telemetry | None,
          bytes_per_tick: float) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
     """Per port: utilisation, credit-wait share and gone down between ``previous`` and ``sample``
@@ -135,12 +170,14 @@ def _nic(sample: Telemetry, previous: Telemetry | None,
 def node_state(sample: Telemetry, previous: Telemetry | None = None, *, power_w: np.ndarray | None = None,
                load_power_w: np.ndarray | None = None, residual_c: np.ndarray | None = None,
                nic_bytes_per_tick: float = 8.0, reports: np.ndarray | None = None,
-               nvlink_rate: float | None = None) -> NodeState:
+               nvlink_rate: float | None = None,
+               nic_ports: tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None = None) -> NodeState:
     """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates);
     ``power_w`` / ``load_power_w`` / ``residual_c`` its GPUs' power over the thermal model's fast
     average, load power and thermal residual (:class:`ThermalModel`; the sample's power and NaN when
-    not given). ``reports`` (what each GPU reports) and ``nvlink_rate`` (:func:`nvlink_errors`' rate
-    against ``previous``) are derived here unless given (a poll's are derived at once: :class:`NodeStates`)."""
+    not given). ``reports`` (what each GPU reports), ``nvlink_rate`` (:func:`nvlink_errors`' rate
+    against ``previous``) and ``nic_ports`` (each port's utilisation, credit-wait share and going down) are
+    derived here unless given (a poll's are derived at once: :class:`NodeStates`)."""
     cols = sample.columns
     if reports is None:
         reports = np.zeros(sample.gpu.shape, dtype=bool)
@@ -148,7 +185,7 @@ def node_state(sample: Telemetry, previous: Telemetry | None = None, *, power_w:
             reports |= np.isfinite(cols[name])
     nic: dict[str, object] = {}
     if sample.nic is not None:
-        port, util, wait, down = _nic(sample, previous, nic_bytes_per_tick)
+        port, util, wait, down = nic_ports if nic_ports is not None else _nic(sample, previous, nic_bytes_per_tick)
         nic = {"has_nic": True, "nic_port": port, "nic_port_util": util, "nic_port_wait": wait, "nic_port_down": down}
     return NodeState(node=sample.node, rack=sample.rack, ts=sample.ts, gpu=sample.gpu, temp_c=cols["temp_c"],
                      slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
@@ -339,10 +376,11 @@ class NodeStates(Stateful):
             models = [self._model(s.node) for s in samples]
             power, load, residual = observe_many(models, [s.ts for s in samples], cols["temp_c"], cols["power_w"],
                                                  cols["util_pct"], cols["power_limit_w"], thermal)
+            nics = _nics(part, self.nic_bytes_per_tick)
             for j, (i, sample, last) in enumerate(part):
                 state = node_state(sample, last, power_w=power[j], load_power_w=load[j], residual_c=residual[j],
                                    nic_bytes_per_tick=self.nic_bytes_per_tick, reports=reports[j],
-                                   nvlink_rate=float(rates[j]))
+                                   nvlink_rate=float(rates[j]), nic_ports=nics[j])
                 published = self._publish(state)
                 if published is not None:
                     out.append((i, published))
