@@ -31,8 +31,10 @@ TOPIC_TYPES: dict[Topic, type] = {
 
 
 def encode(msg: Message) -> bytes:
-    """Serialise a message to JSON bytes (with ``"v"``)."""
-    return orjson.dumps(msg.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
+    """Serialise a message to JSON bytes (with ``"v"``). A node state's float arrays go to orjson as
+    arrays (the same bytes as lists with null for NaN: the node stage publishes one per changed node)."""
+    obj = msg.to_obj(arrays=True) if isinstance(msg, NodeState) else msg.to_obj()
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def load_object(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:

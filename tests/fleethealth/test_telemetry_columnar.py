@@ -86,3 +86,20 @@ def test_bulk_decoded_samples_own_their_arrays() -> None:
     col = a.columns["temp_c"]
     assert not np.shares_memory(col, b.columns["temp_c"])
     assert col.base is None or col.base.size <= len(a.columns) * a.gpu.size
+
+
+def test_node_state_encodes_to_the_bytes_of_its_list_form() -> None:
+    """``encode`` hands a node state's float arrays to orjson as arrays: the bytes are those of the list
+    form (NaN as null), for views and strided arrays too, and decode back to the state."""
+    from fleethealth.schema import NodeState
+
+    wide = np.array([[61.0, np.nan, 0.1 + 0.2, 1e300, -0.0, np.inf], [0.0] * 6])
+    state = NodeState(node="n1", rack="r1", ts=1_767_225_600.25, gpu=np.arange(3, dtype=np.int16),
+                      temp_c=wide[0, ::2], slowdown_temp_c=np.full(3, 87.0), clock_reasons=np.array([0.0, 4.0, np.nan]),
+                      nvlink_links_up=wide[1, :3], nvlink_links_max=np.full(3, 18.0), reports=np.array([True, False, True]),
+                      nvlink_errors_per_min=np.nan, nic_util=0.5, power_w=wide[0, 1:4], has_nic=True,
+                      nic_port=("mlx5_0/1",), nic_port_util=np.array([np.nan]), nic_port_wait=np.array([0.25]),
+                      nic_port_down=np.array([False]))
+    assert schema.encode(state) == orjson.dumps(state.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
+    back = schema.decode(NodeState, schema.encode(state))
+    assert back.to_obj() == state.to_obj()
