@@ -72,7 +72,7 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.fabric import fabric_faults
-from fleethealth.detectors.nodestate import NVLINK_COUNTERS, nvlink_errors, zeroed
+from fleethealth.detectors.nodestate import NVLINK_COUNTERS, nvlink_errors, stacked, zeroed
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
@@ -318,7 +318,7 @@ class HealthRules(Stateful):
                 shapes.setdefault(s.gpu.shape, []).append(j)
         for rows in shapes.values():
             part = [samples[j] for j in rows]
-            cols = {name: np.stack([s.columns[name] for s in part]) for name in _CHECKED}
+            cols = {name: stacked([s.columns[name] for s in part]) for name in _CHECKED}
             trip = (cols["ecc_dbe_volatile"] > 0) | (cols["remap_failure"] > 0) | (cols["remap_pending"] > 0) \
                 | (cols["retired_pending"] > 0)
             trip |= (zeroed(cols["clock_reasons"]).astype(np.int64) & int(ClockReason.HW_POWER_BRAKE)) != 0
@@ -329,13 +329,13 @@ class HealthRules(Stateful):
             have = [k for k, j in enumerate(rows) if prevs[j] is not None and prevs[j].gpu.shape == samples[j].gpu.shape]
             if have:
                 before = [prevs[rows[k]] for k in have]
-                gpus = np.stack([s.gpu for s in part])[have]
-                same = (np.stack([p.gpu for p in before]) == gpus).all(axis=1)  # type: ignore[union-attr]
+                gpus = stacked([s.gpu for s in part])[have]
+                same = (stacked([p.gpu for p in before]) == gpus).all(axis=1)  # type: ignore[union-attr]
                 for now, names in ((cols["retired_sbe"] + cols["retired_dbe"], ("retired_sbe", "retired_dbe")),
                                    (cols["remap_correctable"] + cols["remap_uncorrectable"],
                                     ("remap_correctable", "remap_uncorrectable"))):
-                    then = np.stack([p.columns[names[0]] for p in before]) + \
-                        np.stack([p.columns[names[1]] for p in before])  # type: ignore[union-attr]
+                    then = stacked([p.columns[names[0]] for p in before]) + \
+                        stacked([p.columns[names[1]] for p in before])  # type: ignore[union-attr]
                     hit[have] |= same & ((now[have] - then) > 0).any(axis=1)
             errs = nvlink_errors(cols)
             for k, j in enumerate(rows):

@@ -40,7 +40,7 @@ from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
 __all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS",
-           "nvlink_errors", "zeroed"]
+           "nvlink_errors", "zeroed", "stacked"]
 
 THERMAL_BITS = int(ClockReason.thermal())
 """The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
@@ -61,6 +61,11 @@ def zeroed(x: np.ndarray, nan: float = 0.0) -> np.ndarray:
     no decoded sample holds) takes :func:`numpy.nan_to_num`'s own path."""
     out = np.where(np.isnan(x), nan, x)
     return np.nan_to_num(x, nan=nan) if np.isinf(out).any() else out
+
+
+def stacked(arrays: list[np.ndarray]) -> np.ndarray:
+    """Arrays of one shape as the rows of one array (``np.stack``'s result, by one concatenation)."""
+    return np.concatenate(arrays).reshape(len(arrays), *arrays[0].shape)
 
 
 def nvlink_errors(columns: dict[str, np.ndarray]) -> np.ndarray:
@@ -92,7 +97,7 @@ def _nvlink_rates(part: list[tuple[int, Telemetry, Telemetry | None]], cols: dic
     if not have:
         return rates
     now = nvlink_errors(cols)[have]
-    before = nvlink_errors({name: np.stack([part[j][2].columns[name] for j in have])  # type: ignore[union-attr]
+    before = nvlink_errors({name: stacked([part[j][2].columns[name] for j in have])  # type: ignore[union-attr]
                             for name in NVLINK_COUNTERS})
     grown = np.clip(now - before, 0.0, None)  # a counter reset is not a negative rate
     dt = np.array([part[j][1].ts - part[j][2].ts for j in have])  # type: ignore[union-attr]
@@ -113,9 +118,9 @@ def _nics(part: list[tuple[int, Telemetry, Telemetry | None]],
         if s.nic is not None and p is not None and p.nic is not None and p.ts < s.ts and p.nic.port == s.nic.port:
             groups.setdefault(len(s.nic.port), []).append(j)
     for rows in groups.values():
-        now = {name: np.stack([part[j][1].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+        now = {name: stacked([part[j][1].nic.columns[name] for j in rows])  # type: ignore[union-attr]
                for name in (*_NIC_READ, "link_gbps")}
-        before = {name: np.stack([part[j][2].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+        before = {name: stacked([part[j][2].nic.columns[name] for j in rows])  # type: ignore[union-attr]
                   for name in _NIC_READ}
         dt = np.array([part[j][1].ts - part[j][2].ts for j in rows])[:, None]  # type: ignore[union-attr]
 
@@ -367,7 +372,7 @@ class NodeStates(Stateful):
         for rows in shapes.values():
             part = [wave[j] for j in rows]
             samples = [sample for _, sample, _ in part]
-            cols = {name: np.stack([s.columns[name] for s in samples]) for name in _STACKED}
+            cols = {name: stacked([s.columns[name] for s in samples]) for name in _STACKED}
             reports = np.zeros(cols["temp_c"].shape, dtype=bool)
             for name in _REPORTED:
                 reports |= np.isfinite(cols[name])

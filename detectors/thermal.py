@@ -166,8 +166,9 @@ def observe_many(models: list[ThermalModel], ts: list[float], temp_c: np.ndarray
     at = [ts[j] for j in rows.tolist()]
     dt = [t - m.ts_ for t, m in zip(at, some, strict=True)]
     temp, watts_in, util, limit, hot = temp_c[rows], power_w[rows], util_pct[rows], power_limit_w[rows], thermal[rows]
-    fast, slow = np.stack([m.fast_ for m in some]), np.stack([m.slow_ for m in some])
-    sums = np.stack([m.sums_ for m in some])
+    fast = np.concatenate([m.fast_ for m in some]).reshape(len(some), g)  # np.stack's rows, by one concatenation
+    slow = np.concatenate([m.slow_ for m in some]).reshape(len(some), g)
+    sums = np.concatenate([m.sums_ for m in some]).reshape(len(some), 5, g)
     have = np.isfinite(watts_in)
     watts = np.where(have, watts_in, 0.0)
     for avg, tau in ((fast, p.fast_s), (slow, p.slow_s)):
