@@ -354,13 +354,13 @@ def _sample_shape(obj: Any) -> tuple[int, int] | None:
 def _stack(lists: list[Any], width: int) -> np.ndarray | None:
     """``lists`` (numbers or nulls, ``width`` each) as one float64 array ``(len(lists), width)``; None when
     any is not such a list."""
-    if not all(type(x) is list and len(x) == width for x in lists) or \
-            not set(map(type, itertools.chain.from_iterable(lists))) <= _NUMBER_OR_NULL:
+    try:  # a value that is not a list of numbers fails the type check (or cannot be iterated)
+        if not set(map(type, itertools.chain.from_iterable(lists))) <= _NUMBER_OR_NULL:
+            return None
+        matrix = np.array(lists, dtype=np.float64)  # lists of unequal length raise
+    except (OverflowError, TypeError, ValueError):
         return None
-    try:
-        return np.array(lists, dtype=np.float64).reshape(len(lists), width)
-    except (OverflowError, ValueError):
-        return None
+    return matrix if matrix.shape == (len(lists), width) else None
 
 
 def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]:

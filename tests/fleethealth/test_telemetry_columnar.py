@@ -60,6 +60,11 @@ HOSTILE: dict[str, Callable[[dict[str, Any]], object]] = {
     "version_true": lambda o: o.update(v=True),
     "empty_rack": lambda o: o.update(rack=""),
     "huge_number": lambda o: o["columns"]["energy_mj"].__setitem__(0, 1e300),
+    "column_a_string": lambda o: o["columns"].update(temp_c="0" * len(o["gpu"])),
+    "column_a_number": lambda o: o["columns"].update(temp_c=5),
+    "column_an_object": lambda o: o["columns"].update(temp_c={str(i): 1 for i in range(len(o["gpu"]))}),
+    "nested_value": lambda o: o["columns"]["temp_c"].__setitem__(1, [1.0]),
+    "nic_column_short": lambda o: o["nic"]["columns"]["rx_bytes"].append(1.0),
 }
 
 
