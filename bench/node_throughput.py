@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--samples", type=int, default=4, help="timed samples per node through the node stage")
     parser.add_argument("--baseline-samples", type=int, default=2, help="samples per GPU through the baseline")
     parser.add_argument("--baseline-batch", type=int, default=2000, help="rows per insert in the baseline")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of both pipelines per size; the best counts")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of both pipelines per size; the best counts")
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 GPUs, 2 samples, one run")
     parser.add_argument("--profile", type=Path, help="write a cProfile of the largest size's node stage here")
     args = parser.parse_args(argv)
