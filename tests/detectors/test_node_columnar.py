@@ -117,7 +117,7 @@ def _same_state(a: object, b: object) -> bool:
 
 CASES = {
     "default": lambda: _node_inputs(_early("default", 10, 55), 130.0),
-    "multi_job": lambda: _node_inputs(_early("multi_job", 6, 60), 50.0),
+    "multi_job": lambda: _node_inputs(_early("multi_job", 6, 60), 40.0),
     "thermal_fleet": _physics_inputs,
 }
 
