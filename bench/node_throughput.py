@@ -9,7 +9,8 @@ measured in the same run, each at ``--gpus`` (default 1,024 and 16,384):
   node-side pipeline (node states, the health rules, the failure predictor), the node states that
   changed published on ``fh.nodestate``, the samples written to ``gpu_samples`` in chDB with
   deduplication tokens, offsets committed after the write. ``--samples`` samples per node at 1 Hz
-  of event time are timed, after one untimed warm-up round (model loading, first states, the store client's first insert). The timed rounds
+  of event time are timed, after one untimed warm-up round (model loading, first states, the store
+  client's first insert). The timed rounds
   lie within the runner's lateness of each other, so they are released together: one batch of
   ``nodes x samples`` messages through the core.
 * **baseline** — one message per GPU, processed row by row by a plain kafka-python consumer: each
@@ -49,7 +50,7 @@ from prometheus_client import CollectorRegistry
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import Producer, ensure_topics, parse_dsn
 from fleethealth.detectors.runner import Runner, tune_gc
-from fleethealth.schema import GPU_FIELD_RANGES, GPU_FIELDS, NicPorts, Telemetry, Topic
+from fleethealth.schema import GPU_FIELD_RANGES, GPU_FIELDS, NicPorts, Telemetry
 from fleethealth.store import Store, open_store
 
 TARGET_PER_CORE = 200_000
@@ -101,16 +102,18 @@ class Fleet:
     def columns(self) -> dict[str, np.ndarray]:
         """The next second's GPU columns, each of shape ``(nodes, 8)``."""
         rng, shape = self.rng, (self.nodes, GPUS_PER_NODE)
-        for name, counter in self.counters.items():
+        for counter in self.counters.values():
             counter += rng.random(shape) < 0.01
         power = self.base_power + rng.normal(0.0, 5.0, shape)
         self.energy += power * 1000.0
         full = lambda v: np.full(shape, float(v))  # noqa: E731
         return {
-            "temp_c": np.round(self.base_temp + rng.normal(0.0, 0.5, shape)), "mem_temp_c": np.round(self.base_temp + 6),
+            "temp_c": np.round(self.base_temp + rng.normal(0.0, 0.5, shape)),
+            "mem_temp_c": np.round(self.base_temp + 6),
             "power_w": np.round(power, 3), "power_limit_w": full(700), "sm_clock_mhz": full(1980),
             "sm_clock_max_mhz": full(1980), "mem_clock_mhz": full(2619), "clock_reasons": full(0),
-            "util_pct": np.round(rng.uniform(90, 100, shape)), "ecc_dbe_volatile": full(0), "ecc_dbe_aggregate": full(0),
+            "util_pct": np.round(rng.uniform(90, 100, shape)), "ecc_dbe_volatile": full(0),
+            "ecc_dbe_aggregate": full(0),
             "retired_sbe": full(1), "retired_dbe": full(0), "retired_pending": full(0), "remap_correctable": full(0),
             "remap_uncorrectable": full(0), "remap_pending": full(0), "remap_failure": full(0),
             "nvlink_links_up": full(18), "nvlink_links_max": full(18), "nvlink_crc_flit": full(0),

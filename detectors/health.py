@@ -326,7 +326,8 @@ class HealthRules(Stateful):
             trip |= ((cols["pcie_gen"] < cols["pcie_gen_max"]) & busy) | (cols["pcie_width"] < cols["pcie_width_max"])
             hit = trip.any(axis=1)
             # retired pages or remapped rows grown since the node's previous sample (same GPUs)
-            have = [k for k, j in enumerate(rows) if prevs[j] is not None and prevs[j].gpu.shape == samples[j].gpu.shape]
+            have = [k for k, j in enumerate(rows)
+                    if prevs[j] is not None and prevs[j].gpu.shape == samples[j].gpu.shape]  # type: ignore[union-attr]
             if have:
                 before = [prevs[rows[k]] for k in have]
                 gpus = stacked([s.gpu for s in part])[have]

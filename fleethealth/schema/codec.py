@@ -75,7 +75,8 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
     hide the rest. Results and errors are exactly :func:`decode`'s: step batches and step blocks are
     validated columnar over the whole poll (one NumPy pass for ranks, GPUs and compute times, one for
     the blocks' steps, times and rows), telemetry samples likewise, stacked by shape
-    (:func:`~fleethealth.schema.telemetry.telemetry_columnar`), and any value that pass does not accept outright is decoded
+    (:func:`~fleethealth.schema.telemetry.telemetry_columnar`), and any value that pass does not accept outright is
+    decoded
     alone by :func:`decode`.
     """
     out: list[Any] = [None] * len(raws)

@@ -323,7 +323,8 @@ def _strings(value: Any, *, nonempty: bool = False) -> bool:
 
 def _sample_shape(obj: Any) -> tuple[int, int] | None:
     """``(GPUs, NIC ports or -1)`` of a telemetry value whose scalar fields are valid and whose columns are
-    every field of :data:`GPU_FIELDS` (and :data:`NIC_FIELDS`), as :meth:`Telemetry.to_obj` writes them; None for any other value (decoded alone by :meth:`Telemetry.from_obj`, which names a problem)."""
+    every field of :data:`GPU_FIELDS` (and :data:`NIC_FIELDS`), as :meth:`Telemetry.to_obj` writes them; None
+    for any other value (decoded alone by :meth:`Telemetry.from_obj`, which names a problem)."""
     if type(obj) is not dict or type(obj.get("v")) is not int or obj["v"] != SCHEMA_VERSION or "fabric" in obj:
         return None
     node, rack, ts, gpu, cols = obj.get("node"), obj.get("rack"), obj.get("ts"), obj.get("gpu"), obj.get("columns")

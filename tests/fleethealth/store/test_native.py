@@ -58,7 +58,8 @@ def test_gpu_samples_go_as_one_native_block_with_their_uuids(store) -> None:
 
     polls = {"native": [sample("a", 1_767_225_600.0, ("GPU-0001", "GPU-0002")),
                         sample("b", 1_767_225_600.5, ("GPU-0003", "GPU-0004")), sample("c", 1_767_225_601.0, ())],
-             "client": [sample("d", 1_767_225_602.0, ("GPU-0005", "GPU-06")), sample("e", 1_767_225_602.0, ("GPU-é", "x\x00")),
+             "client": [sample("d", 1_767_225_602.0, ("GPU-0005", "GPU-06")),
+                        sample("e", 1_767_225_602.0, ("GPU-é", "x\x00")),
                         sample("f", 1_767_225_602.0, ("GPU-0007", "GPU-000\x00"))]}
     types = store._table_types("gpu_samples")
     assert encode_native(telemetry_columns(polls["native"][:2]), types) is not None
