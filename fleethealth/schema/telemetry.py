@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntFlag
@@ -312,6 +313,8 @@ class Telemetry:
 _GPU_NAMES = tuple(GPU_FIELDS)
 _NIC_NAMES = tuple(NIC_FIELDS)
 _GPU_SET = frozenset(_GPU_NAMES)
+_GPU_GET = operator.itemgetter(*_GPU_NAMES)  # a value's columns in GPU_FIELDS order, in one call
+_NIC_GET = operator.itemgetter(*_NIC_NAMES)
 _NIC_SET = frozenset(_NIC_NAMES)
 _GPU_LOW = np.array([GPU_FIELD_RANGES[n][0] for n in _GPU_NAMES])[None, :, None]
 _GPU_HIGH = np.array([GPU_FIELD_RANGES[n][1] for n in _GPU_NAMES])[None, :, None]
@@ -375,7 +378,7 @@ def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]
     good = ((gpu >= 0) & (gpu <= _I16_MAX)).all(axis=1)
     ordered = np.sort(gpu, axis=1)
     good &= (np.diff(ordered, axis=1) != 0).all(axis=1)  # no duplicate GPU index in one sample
-    values = _stack([o["columns"][name] for o in objs for name in _GPU_NAMES], n)
+    values = _stack(list(itertools.chain.from_iterable(map(_GPU_GET, (o["columns"] for o in objs)))), n)
     if values is None:
         return out
     matrix = values.reshape(m, len(_GPU_NAMES), n)
@@ -383,7 +386,7 @@ def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]
     good &= ~((matrix < _GPU_LOW) | (matrix > _GPU_HIGH)).any(axis=(1, 2))  # NaN compares False
     nic = None
     if p >= 0:
-        nic_values = _stack([o["nic"]["columns"][name] for o in objs for name in _NIC_NAMES], p)
+        nic_values = _stack(list(itertools.chain.from_iterable(map(_NIC_GET, (o["nic"]["columns"] for o in objs)))), p)
         if nic_values is None:
             return out
         nic = nic_values.reshape(m, len(_NIC_NAMES), p)
