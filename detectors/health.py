@@ -72,7 +72,7 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.fabric import fabric_faults
-from fleethealth.detectors.nodestate import nvlink_errors
+from fleethealth.detectors.nodestate import NVLINK_COUNTERS, nvlink_errors, stacked, zeroed
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
@@ -100,6 +100,12 @@ class _Episode:
     last_ts: float
     severity: XidSeverity
     count: int = 1
+
+
+_CHECKED = ("ecc_dbe_volatile", "remap_failure", "remap_pending", "retired_pending", "retired_sbe", "retired_dbe",
+            "remap_correctable", "remap_uncorrectable", "clock_reasons", "util_pct", "pcie_gen", "pcie_gen_max",
+            "pcie_width", "pcie_width_max", *NVLINK_COUNTERS)
+"""The columns the rules read, stacked for a poll's samples (one row a sample)."""
 
 
 def _col(sample: Telemetry, name: str) -> np.ndarray:
@@ -292,6 +298,67 @@ class HealthRules(Stateful):
         return out
 
     # ------------------------------------------------------------ rules
+    def _telemetry_many(self, samples: list[Telemetry]) -> list[Finding]:
+        """:meth:`_telemetry` of each sample (in event-time order), the thresholds checked in one NumPy pass
+        over the samples of one GPU count: a sample that trips no ECC, power-brake or PCIe rule (and has no
+        fabric rows) only has its NVLink history kept, with its NVLink errors from the same pass; the rest
+        go through :meth:`_telemetry` whole."""
+        prevs: list[Telemetry | None] = []
+        last: dict[str, Telemetry] = {}
+        for s in samples:  # each sample's previous one, as _telemetry will find it
+            p = last.get(s.node) or self.previous_.get(s.node)
+            prevs.append(p)
+            if p is None or s.ts > p.ts:
+                last[s.node] = s
+        tripped = np.ones(len(samples), dtype=bool)
+        errors: list[np.ndarray | None] = [None] * len(samples)
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for j, s in enumerate(samples):
+            if s.fabric is None:
+                shapes.setdefault(s.gpu.shape, []).append(j)
+        for rows in shapes.values():
+            part = [samples[j] for j in rows]
+            cols = {name: stacked([s.columns[name] for s in part]) for name in _CHECKED}
+            trip = (cols["ecc_dbe_volatile"] > 0) | (cols["remap_failure"] > 0) | (cols["remap_pending"] > 0) \
+                | (cols["retired_pending"] > 0)
+            trip |= (zeroed(cols["clock_reasons"]).astype(np.int64) & int(ClockReason.HW_POWER_BRAKE)) != 0
+            busy = ~(cols["util_pct"] < self.pcie_busy_util_pct)
+            trip |= ((cols["pcie_gen"] < cols["pcie_gen_max"]) & busy) | (cols["pcie_width"] < cols["pcie_width_max"])
+            hit = trip.any(axis=1)
+            # retired pages or remapped rows grown since the node's previous sample (same GPUs)
+            have = [k for k, j in enumerate(rows)
+                    if prevs[j] is not None and prevs[j].gpu.shape == samples[j].gpu.shape]  # type: ignore[union-attr]
+            if have:
+                before = [prevs[rows[k]] for k in have]
+                gpus = stacked([s.gpu for s in part])[have]
+                same = (stacked([p.gpu for p in before]) == gpus).all(axis=1)  # type: ignore[union-attr]
+                for now, names in ((cols["retired_sbe"] + cols["retired_dbe"], ("retired_sbe", "retired_dbe")),
+                                   (cols["remap_correctable"] + cols["remap_uncorrectable"],
+                                    ("remap_correctable", "remap_uncorrectable"))):
+                    then = stacked([p.columns[names[0]] for p in before]) + \
+                        stacked([p.columns[names[1]] for p in before])  # type: ignore[union-attr]
+                    hit[have] |= same & ((now[have] - then) > 0).any(axis=1)
+            errs = nvlink_errors(cols)
+            for k, j in enumerate(rows):
+                tripped[j] = hit[k]
+                errors[j] = errs[k]
+        out: list[Finding] = []
+        for s, trip_, errs_ in zip(samples, tripped.tolist(), errors, strict=True):
+            if trip_:
+                out += self._telemetry(s)
+                continue
+            prev = self.previous_.get(s.node)
+            if prev is not None and s.ts <= prev.ts:
+                self.stale_total_ += 1
+                continue
+            self.previous_[s.node] = s
+            self.newest_ts_ = max(self.newest_ts_, s.ts)
+            self.sample_before_ = None if prev is None else prev.ts
+            if self.pending_:
+                out += self._resolve(s)
+            out += self._nvlink(s, errs_)
+        return out
+
     def _telemetry(self, s: Telemetry) -> list[Finding]:
         prev = self.previous_.get(s.node)
         if prev is not None and s.ts <= prev.ts:
@@ -321,7 +388,7 @@ class HealthRules(Stateful):
                              corrected_volatile=_f(_col(s, "ecc_sbe_volatile")[i]), remapped_rows=_f(remapped[i]))
             out += self._emit(FindingKind.ECC, s.node, int(s.gpu[i]), s.ts, _CRIT if critical[i] else _WARN, ev,
                               rule="ecc")
-        bits = np.nan_to_num(_col(s, "clock_reasons"), nan=0.0).astype(np.int64)
+        bits = zeroed(_col(s, "clock_reasons")).astype(np.int64)
         braked = np.flatnonzero(bits & int(ClockReason.HW_POWER_BRAKE))
         if braked.size:
             power, limit = _col(s, "power_w"), _col(s, "power_limit_w")
@@ -357,9 +424,11 @@ class HealthRules(Stateful):
                               rule=f"fabric_{reason}")
         return out
 
-    def _nvlink(self, s: Telemetry) -> list[Finding]:
-        """NVLink error counters climbing: the rate over the window, with hysteresis (see the module docstring)."""
-        errors = nvlink_errors(s.columns)
+    def _nvlink(self, s: Telemetry, errors: np.ndarray | None = None) -> list[Finding]:
+        """NVLink error counters climbing: the rate over the window, with hysteresis (see the module docstring).
+        ``errors``: the sample's :func:`nvlink_errors` (a poll's are computed at once)."""
+        if errors is None:
+            errors = nvlink_errors(s.columns)
         hist = self.nvlink_.get(s.node)
         if hist is None or hist[-1][1].shape != errors.shape or (errors < hist[-1][1]).any():
             hist = self.nvlink_[s.node] = deque()  # a new GPU set or a counter reset (driver reload)
@@ -371,6 +440,8 @@ class HealthRules(Stateful):
         if span < self.nvlink_window_s / 2:
             return []
         rate = (errors - first) / span * 60.0
+        if not self.nvlink_hot_ and not (rate >= min(self.nvlink_errors_per_min, self.nvlink_clear_per_min)).any():
+            return []  # no GPU over either threshold and none holding: nothing starts, holds or clears
         holding: list[int] = []
         for i, g in enumerate(s.gpu.tolist()):
             key = (s.node, int(g))
@@ -438,8 +509,12 @@ class HealthRules(Stateful):
         if not hasattr(self, "episodes_"):
             self._start()
         out: list[Finding] = []
-        for sample in sorted(telemetry, key=lambda s: s.ts):
-            out += self._telemetry(sample)
+        samples = sorted(telemetry, key=lambda s: s.ts)
+        if len(samples) > 1:
+            out += self._telemetry_many(samples)
+        else:
+            for sample in samples:
+                out += self._telemetry(sample)
         for event in sorted(events, key=lambda e: e.ts):
             if event.kind is EventKind.XID:
                 out += self._xid(event)

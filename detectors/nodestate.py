@@ -34,13 +34,13 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
-from fleethealth.detectors.thermal import ThermalModel, ThermalParams
+from fleethealth.detectors.thermal import ThermalModel, ThermalParams, observe_many
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
 __all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS",
-           "nvlink_errors"]
+           "nvlink_errors", "zeroed", "stacked"]
 
 THERMAL_BITS = int(ClockReason.thermal())
 """The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
@@ -51,6 +51,21 @@ STATE_BITS = THERMAL_BITS | int(ClockReason.HW_POWER_BRAKE) | POWER_CAP_BIT
 cap in its evidence)."""
 NVLINK_COUNTERS = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 _REPORTED = ("temp_c", "clock_reasons", "nvlink_links_up", "nvlink_replay")
+_STACKED = tuple(dict.fromkeys((*_REPORTED, *NVLINK_COUNTERS, "power_w", "util_pct", "power_limit_w")))
+"""The columns a poll's states stack, one row a sample: what a GPU reports, its NVLink errors, its clock bits."""
+
+
+def zeroed(x: np.ndarray, nan: float = 0.0) -> np.ndarray:
+    """``np.nan_to_num(x, nan=nan)`` of a float array, without that function's per-call look-ups of the
+    float limits (the node stage calls it several times a sample): NaN becomes ``nan``; an infinity (which
+    no decoded sample holds) takes :func:`numpy.nan_to_num`'s own path."""
+    out = np.where(np.isnan(x), nan, x)
+    return np.nan_to_num(x, nan=nan) if np.isinf(out).any() else out
+
+
+def stacked(arrays: list[np.ndarray]) -> np.ndarray:
+    """Arrays of one shape as the rows of one array (``np.stack``'s result, by one concatenation)."""
+    return np.concatenate(arrays).reshape(len(arrays), *arrays[0].shape)
 
 
 def nvlink_errors(columns: dict[str, np.ndarray]) -> np.ndarray:
@@ -60,7 +75,7 @@ def nvlink_errors(columns: dict[str, np.ndarray]) -> np.ndarray:
     and, per hour, the failure predictor read."""
     total = np.zeros(np.shape(columns[NVLINK_COUNTERS[0]]))
     for name in NVLINK_COUNTERS:
-        total += np.nan_to_num(columns[name], nan=0.0)
+        total += zeroed(columns[name])
     return total
 
 
@@ -72,6 +87,57 @@ def _nvlink_rate(sample: Telemetry, previous: Telemetry | None) -> float:
     delta = nvlink_errors(sample.columns) - nvlink_errors(previous.columns)
     grown = np.clip(delta, 0.0, None)  # a counter reset is not a negative rate
     return float(grown.max(initial=0.0)) * 60.0 / (sample.ts - previous.ts)
+
+
+def _nvlink_rates(part: list[tuple[int, Telemetry, Telemetry | None]], cols: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`_nvlink_rate` of each ``(index, sample, previous)`` of one GPU count at once (``cols``: the
+    samples' columns stacked, one row a sample)."""
+    rates = np.full(len(part), np.nan)
+    have = [j for j, (_, s, p) in enumerate(part) if p is not None and p.ts < s.ts and p.gpu.shape == s.gpu.shape]
+    if not have:
+        return rates
+    now = nvlink_errors(cols)[have]
+    before = nvlink_errors({name: stacked([part[j][2].columns[name] for j in have])  # type: ignore[union-attr]
+                            for name in NVLINK_COUNTERS})
+    grown = np.clip(now - before, 0.0, None)  # a counter reset is not a negative rate
+    dt = np.array([part[j][1].ts - part[j][2].ts for j in have])  # type: ignore[union-attr]
+    rates[have] = grown.max(axis=1, initial=0.0) * 60.0 / dt
+    return rates
+
+
+_NIC_READ = ("tx_bytes", "rx_bytes", "xmit_wait", "link_downed", "up")
+
+
+def _nics(part: list[tuple[int, Telemetry, Telemetry | None]],
+          bytes_per_tick: float) -> list[tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None]:
+    """:func:`_nic` of each ``(index, sample, previous)`` at once where both samples have the same NIC ports
+    (the usual case), grouped by port count; None for the rest (derived alone)."""
+    out: list[tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None] = [None] * len(part)
+    groups: dict[int, list[int]] = {}
+    for j, (_, s, p) in enumerate(part):
+        if s.nic is not None and p is not None and p.nic is not None and p.ts < s.ts and p.nic.port == s.nic.port:
+            groups.setdefault(len(s.nic.port), []).append(j)
+    for rows in groups.values():
+        now = {name: stacked([part[j][1].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+               for name in (*_NIC_READ, "link_gbps")}
+        before = {name: stacked([part[j][2].nic.columns[name] for j in rows])  # type: ignore[union-attr]
+                  for name in _NIC_READ}
+        dt = np.array([part[j][1].ts - part[j][2].ts for j in rows])[:, None]  # type: ignore[union-attr]
+
+        def delta(name: str) -> np.ndarray:
+            d = now[name] - before[name]  # noqa: B023 — used within the iteration
+            return np.where(d >= 0, d, np.nan)
+
+        link = now["link_gbps"] * 1e9 / 8
+        with np.errstate(invalid="ignore", divide="ignore"):
+            util = np.fmax(delta("tx_bytes"), delta("rx_bytes")) / (link * dt)
+            wait = delta("xmit_wait") * bytes_per_tick / (link * dt)
+        util = np.where(link > 0, util, np.nan)
+        wait = np.where(link > 0, np.minimum(wait, 1.0), np.nan)
+        down = ((before["up"] == 1.0) & (now["up"] == 0.0)) | (delta("link_downed") > 0)
+        for k, j in enumerate(rows):
+            out[j] = (tuple(part[j][1].nic.port), util[k], wait[k], down[k])  # type: ignore[union-attr]
+    return out
 
 
 def _nic(sample: Telemetry, previous: Telemetry | None,
@@ -108,23 +174,29 @@ def _nic(sample: Telemetry, previous: Telemetry | None,
 
 def node_state(sample: Telemetry, previous: Telemetry | None = None, *, power_w: np.ndarray | None = None,
                load_power_w: np.ndarray | None = None, residual_c: np.ndarray | None = None,
-               nic_bytes_per_tick: float = 8.0) -> NodeState:
+               nic_bytes_per_tick: float = 8.0, reports: np.ndarray | None = None,
+               nvlink_rate: float | None = None,
+               nic_ports: tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray] | None = None) -> NodeState:
     """The state of ``sample.node`` at ``sample.ts``; ``previous`` is its sample before (for rates);
     ``power_w`` / ``load_power_w`` / ``residual_c`` its GPUs' power over the thermal model's fast
     average, load power and thermal residual (:class:`ThermalModel`; the sample's power and NaN when
-    not given)."""
+    not given). ``reports`` (what each GPU reports), ``nvlink_rate`` (:func:`nvlink_errors`' rate
+    against ``previous``) and ``nic_ports`` (each port's utilisation, credit-wait share and going down) are
+    derived here unless given (a poll's are derived at once: :class:`NodeStates`)."""
     cols = sample.columns
-    reports = np.zeros(sample.gpu.shape, dtype=bool)
-    for name in _REPORTED:
-        reports |= np.isfinite(cols[name])
+    if reports is None:
+        reports = np.zeros(sample.gpu.shape, dtype=bool)
+        for name in _REPORTED:
+            reports |= np.isfinite(cols[name])
     nic: dict[str, object] = {}
     if sample.nic is not None:
-        port, util, wait, down = _nic(sample, previous, nic_bytes_per_tick)
+        port, util, wait, down = nic_ports if nic_ports is not None else _nic(sample, previous, nic_bytes_per_tick)
         nic = {"has_nic": True, "nic_port": port, "nic_port_util": util, "nic_port_wait": wait, "nic_port_down": down}
     return NodeState(node=sample.node, rack=sample.rack, ts=sample.ts, gpu=sample.gpu, temp_c=cols["temp_c"],
                      slowdown_temp_c=cols["slowdown_temp_c"], clock_reasons=cols["clock_reasons"],
                      nvlink_links_up=cols["nvlink_links_up"], nvlink_links_max=cols["nvlink_links_max"],
-                     reports=reports, nvlink_errors_per_min=_nvlink_rate(sample, previous), nic_util=sample.nic_util,
+                     reports=reports, nic_util=sample.nic_util,
+                     nvlink_errors_per_min=_nvlink_rate(sample, previous) if nvlink_rate is None else nvlink_rate,
                      power_w=cols["power_w"] if power_w is None else power_w,
                      load_power_w=cols["power_w"] if load_power_w is None else load_power_w,
                      residual_c=np.full(sample.gpu.shape, np.nan) if residual_c is None else residual_c,
@@ -164,11 +236,11 @@ def _moved(a: np.ndarray, b: np.ndarray, step: float) -> bool:
 
 
 def _crossed(a: np.ndarray, b: np.ndarray, band: float) -> bool:
-    return not np.array_equal(np.nan_to_num(a, nan=-1.0) > band, np.nan_to_num(b, nan=-1.0) > band)
+    return not np.array_equal(zeroed(a, -1.0) > band, zeroed(b, -1.0) > band)
 
 
 def _bits(reasons: np.ndarray) -> np.ndarray:
-    return np.nan_to_num(reasons, nan=0.0).astype(np.int64) & STATE_BITS
+    return zeroed(reasons).astype(np.int64) & STATE_BITS
 
 
 def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()) -> bool:
@@ -241,21 +313,82 @@ class NodeStates(Stateful):
         return out
 
     def observe(self, samples: Iterable[Telemetry]) -> list[NodeState]:
-        out = []
-        for sample in samples:
-            last = self.latest_.get(sample.node)
+        """Derive the states of ``samples`` (in event-time order) and return those published, in order.
+
+        One sample is derived alone (:func:`node_state`, :func:`changed`); a poll's are derived a wave at
+        a time — the first sample of each node in the poll, then the second, ... — with the per-GPU parts
+        (what the GPUs report, the NVLink error rate, the thermal clock bits) computed in one NumPy pass
+        over the wave's samples of one GPU count. Both give the same states."""
+        samples = samples if isinstance(samples, list | tuple) else list(samples)
+        if len(samples) < 2:
+            return [state for state in map(self._observe_one, samples) if state is not None]
+        waves: list[list[tuple[int, Telemetry, Telemetry | None]]] = []
+        depth: dict[str, int] = {}
+        latest = self.latest_
+        for i, sample in enumerate(samples):
+            last = latest.get(sample.node)
             if last is not None and sample.ts <= last.ts:
                 self.stale_total_ += 1
                 continue
             self.samples_total_ += 1
-            self.latest_[sample.node] = sample
-            power, load, residual = self._thermal(sample)
-            state = node_state(sample, last, power_w=power, load_power_w=load, residual_c=residual,
-                               nic_bytes_per_tick=self.nic_bytes_per_tick)
-            old = self.published_.get(sample.node)
-            if old is None or state.ts - old.ts >= self.rule.heartbeat_s or changed(old, state, self.rule):
-                self._put(state)
-                out.append(state)
+            latest[sample.node] = sample
+            k = depth[sample.node] = depth.get(sample.node, -1) + 1
+            if k == len(waves):
+                waves.append([])
+            waves[k].append((i, sample, last))
+        out: list[tuple[int, NodeState]] = []
+        for wave in waves:
+            out += self._wave(wave)
+        out.sort(key=lambda pair: pair[0])
+        return [state for _, state in out]
+
+    def _observe_one(self, sample: Telemetry) -> NodeState | None:
+        last = self.latest_.get(sample.node)
+        if last is not None and sample.ts <= last.ts:
+            self.stale_total_ += 1
+            return None
+        self.samples_total_ += 1
+        self.latest_[sample.node] = sample
+        power, load, residual = self._thermal(sample)
+        state = node_state(sample, last, power_w=power, load_power_w=load, residual_c=residual,
+                           nic_bytes_per_tick=self.nic_bytes_per_tick)
+        return self._publish(state)
+
+    def _publish(self, state: NodeState) -> NodeState | None:
+        """Publish ``state`` when it :func:`changed` or its node's heartbeat is due."""
+        old = self.published_.get(state.node)
+        if old is None or state.ts - old.ts >= self.rule.heartbeat_s or changed(old, state, self.rule):
+            self._put(state)
+            return state
+        return None
+
+    def _wave(self, wave: list[tuple[int, Telemetry, Telemetry | None]]) -> list[tuple[int, NodeState]]:
+        """Samples of distinct nodes (``(index, sample, the node's sample before)``), derived columnar per
+        GPU count: :func:`node_state`'s per-GPU parts in one pass over the stacked columns."""
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for j, (_, sample, _) in enumerate(wave):
+            shapes.setdefault(sample.gpu.shape, []).append(j)
+        out: list[tuple[int, NodeState]] = []
+        for rows in shapes.values():
+            part = [wave[j] for j in rows]
+            samples = [sample for _, sample, _ in part]
+            cols = {name: stacked([s.columns[name] for s in samples]) for name in _STACKED}
+            reports = np.zeros(cols["temp_c"].shape, dtype=bool)
+            for name in _REPORTED:
+                reports |= np.isfinite(cols[name])
+            thermal = (zeroed(cols["clock_reasons"]).astype(np.int64) & THERMAL_BITS) != 0
+            rates = _nvlink_rates(part, cols)
+            models = [self._model(s.node) for s in samples]
+            power, load, residual = observe_many(models, [s.ts for s in samples], cols["temp_c"], cols["power_w"],
+                                                 cols["util_pct"], cols["power_limit_w"], thermal)
+            nics = _nics(part, self.nic_bytes_per_tick)
+            for j, (i, sample, last) in enumerate(part):
+                state = node_state(sample, last, power_w=power[j], load_power_w=load[j], residual_c=residual[j],
+                                   nic_bytes_per_tick=self.nic_bytes_per_tick, reports=reports[j],
+                                   nvlink_rate=float(rates[j]), nic_ports=nics[j])
+                published = self._publish(state)
+                if published is not None:
+                    out.append((i, published))
         return out
 
     def apply(self, states: Iterable[NodeState]) -> None:
@@ -271,7 +404,7 @@ class NodeStates(Stateful):
         if old is not None and old.rack != state.rack:
             self._leave(state.node, old.rack)
         self.published_[state.node] = state
-        capped = (np.nan_to_num(state.clock_reasons, nan=0.0).astype(np.int64) & POWER_CAP_BIT) != 0
+        capped = (zeroed(state.clock_reasons).astype(np.int64) & POWER_CAP_BIT) != 0
         hist = self.power_cap_.setdefault(state.node, deque())
         hist.append((float(state.ts), state.gpu.copy(), capped))
         while len(hist) > 1 and hist[1][0] <= state.ts - self.power_cap_window_s:
@@ -288,12 +421,18 @@ class NodeStates(Stateful):
             if not peers:
                 del self.racks_[rack]
 
-    def _thermal(self, sample: Telemetry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        model = self.thermal_.get(sample.node)
+    def _model(self, node: str) -> ThermalModel:
+        model = self.thermal_.get(node)
         if model is None:
-            model = self.thermal_[sample.node] = ThermalModel(self.thermal)
+            model = self.thermal_[node] = ThermalModel(self.thermal)
+        return model
+
+    def _thermal(self, sample: Telemetry,
+                 thermal: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        model = self._model(sample.node)
         cols = sample.columns
-        thermal = (np.nan_to_num(cols["clock_reasons"], nan=0.0).astype(np.int64) & THERMAL_BITS) != 0
+        if thermal is None:  # each GPU's thermal clock bits (a poll's are computed at once)
+            thermal = (zeroed(cols["clock_reasons"]).astype(np.int64) & THERMAL_BITS) != 0
         load, residual = model.observe(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
                                       cols["power_limit_w"], thermal)
         return model.fast_.copy(), load, residual

@@ -168,17 +168,28 @@ class Pipeline(Stateful):
         markers: list[Event] = []
         states: list[NodeState] = []
         foreign: list[Finding] = []
+        run: list[Telemetry] = []  # samples not yet observed: a run of them is derived at once
+
+        def observe() -> None:
+            if run:
+                states.extend(self.diagnoser.update(Batch(telemetry=tuple(run)), self.now_))
+                run.clear()
+
         for m in messages:
             why = self._over_limit(m)
             if why is not None:
                 rejected.append((m, why))
                 continue
+            if not isinstance(m, Telemetry):
+                observe()
             if isinstance(m, Telemetry | NodeState):  # a sample, or (a job stage) the node stage's state of it
                 self.clock_[m.node] = max(self.clock_.get(m.node, m.ts), m.ts)
                 self.telemetry_ts_[m.node] = max(self.telemetry_ts_.get(m.node, m.ts), m.ts)
                 if isinstance(m, Telemetry):
                     telemetry.append(m)
-                    states += self.diagnoser.update(Batch(telemetry=(m,)), self.now_)
+                    run.append(m)
+                    if self.pending_:  # stragglers wait on this sample: its state before the next message
+                        observe()
                 else:  # a job stage's pipelines share one table: the first to see a state applies it, once
                     self.diagnoser.update(Batch(states=(m,)), self.now_)
                 if self.pending_ and (m.rack in self.waiting_racks_ or None in self.waiting_racks_):
@@ -200,6 +211,7 @@ class Pipeline(Stateful):
                 events.append(m)
                 if m.kind in _LIFECYCLE and self.lifecycle.update(Batch(events=(m,), conclude=False), self.now_):
                     self.assembler.restart(m.job or "")
+        observe()
         self._advance_clock(events)
         for step in self.assembler.overdue(self.now_, self.hang.timeout_s):  # steps that can no longer complete
             self._wait(self._stragglers(step))

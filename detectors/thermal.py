@@ -37,7 +37,7 @@ import numpy as np
 
 from fleethealth.params import check_number
 
-__all__ = ["ThermalParams", "ThermalModel"]
+__all__ = ["ThermalParams", "ThermalModel", "observe_many"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,66 @@ class ThermalModel:
         b = np.maximum((cpt + lam * p.slope_c_per_w) / (cpp + lam), 0.0)
         a = st / n - b * sp / n
         return a, b, known
+
+
+def observe_many(models: list[ThermalModel], ts: list[float], temp_c: np.ndarray, power_w: np.ndarray,
+                 util_pct: np.ndarray, power_limit_w: np.ndarray,
+                 thermal: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`ThermalModel.observe` of many nodes' models at once (one sample each; per GPU arrays of shape
+    ``(k, g)``, one row a model, all of one ``params``): ``(power_w, load_power_w, residual_c)``, the first the
+    fast power average after the sample. A model's first sample, a new GPU set or a clock step back is taken
+    by its own :meth:`~ThermalModel.observe`; the rest in one NumPy pass over the stacked state, written back
+    to each model. Each row equals what the model's own ``observe`` gives."""
+    k, g = temp_c.shape
+    power, load, residual = np.empty((k, g)), np.empty((k, g)), np.empty((k, g))
+    alone = [j for j, m in enumerate(models) if m.fast_.shape[0] != g or not ts[j] > m.ts_]
+    for j in alone:
+        m = models[j]
+        load[j], residual[j] = m.observe(ts[j], temp_c[j], power_w[j], util_pct[j], power_limit_w[j], thermal[j])
+        power[j] = m.fast_
+    rows = np.setdiff1d(np.arange(k), alone) if alone else np.arange(k)
+    if not rows.size:
+        return power, load, residual
+    some = [models[j] for j in rows.tolist()]
+    p = some[0].params
+    if any(m.params != p for m in some):
+        raise ValueError("observe_many: the models have different ThermalParams")
+    at = [ts[j] for j in rows.tolist()]
+    dt = [t - m.ts_ for t, m in zip(at, some, strict=True)]
+    temp, watts_in, util, limit, hot = temp_c[rows], power_w[rows], util_pct[rows], power_limit_w[rows], thermal[rows]
+    fast = np.concatenate([m.fast_ for m in some]).reshape(len(some), g)  # np.stack's rows, by one concatenation
+    slow = np.concatenate([m.slow_ for m in some]).reshape(len(some), g)
+    sums = np.concatenate([m.sums_ for m in some]).reshape(len(some), 5, g)
+    have = np.isfinite(watts_in)
+    watts = np.where(have, watts_in, 0.0)
+    for avg, tau in ((fast, p.fast_s), (slow, p.slow_s)):
+        alpha = np.array([1.0 - math.exp(-d / tau) for d in dt])[:, None]
+        np.copyto(avg, watts, where=have & np.isnan(avg))
+        avg += np.where(have, alpha * (watts - avg), 0.0)
+    both = np.fmax(fast, slow)
+    busy = np.where(np.isnan(util), watts_in >= p.busy_power_share * limit, util >= p.busy_util_pct)
+    settled = np.abs(fast - slow) <= p.settled_share * slow
+    sums *= np.array([math.exp(-d / p.memory_s) for d in dt])[:, None, None]  # dt > 0 on every row here
+    w, sp, st, spp, spt = (sums[:, i] for i in range(5))
+    known = w >= p.min_samples
+    n = np.where(known, w, 1.0)
+    lam = p.prior_samples * p.prior_spread_w ** 2
+    cpp = np.maximum(spp - sp * sp / n, 0.0)
+    cpt = spt - sp * st / n
+    b = np.maximum((cpt + lam * p.slope_c_per_w) / (cpp + lam), 0.0)
+    a = st / n - b * sp / n
+    res = np.where(busy & known, temp - (a + b * both), np.nan)
+    old = np.array([t - m.since_ >= p.slow_s for t, m in zip(at, some, strict=True)])[:, None]
+    learn = old & busy & settled & ~hot & (~known | (np.abs(res) <= p.learn_band_c))
+    learn &= ~(np.isnan(temp) | np.isnan(both))
+    if learn.any():
+        x, y = both[learn], temp[learn]
+        sums[:, 0][learn] += 1.0
+        sums[:, 1][learn] += x
+        sums[:, 2][learn] += y
+        sums[:, 3][learn] += x * x
+        sums[:, 4][learn] += x * y
+    for i, m in enumerate(some):
+        m.ts_, m.fast_, m.slow_, m.sums_ = at[i], fast[i].copy(), slow[i].copy(), sums[i].copy()
+    power[rows], load[rows], residual[rows] = fast, both, res
+    return power, load, residual

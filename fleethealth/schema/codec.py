@@ -14,7 +14,7 @@ from fleethealth.schema.fields import MAX_MESSAGE_BYTES, SCHEMA_VERSION, Topic
 from fleethealth.schema.findings import Finding, Recommendation
 from fleethealth.schema.nodestate import NodeState
 from fleethealth.schema.steps import StepBatch, StepBlock
-from fleethealth.schema.telemetry import Telemetry
+from fleethealth.schema.telemetry import Telemetry, telemetry_columnar
 
 _T = TypeVar("_T")
 
@@ -31,8 +31,10 @@ TOPIC_TYPES: dict[Topic, type] = {
 
 
 def encode(msg: Message) -> bytes:
-    """Serialise a message to JSON bytes (with ``"v"``)."""
-    return orjson.dumps(msg.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
+    """Serialise a message to JSON bytes (with ``"v"``). A node state's float arrays go to orjson as
+    arrays (the same bytes as lists with null for NaN: the node stage publishes one per changed node)."""
+    obj = msg.to_obj(arrays=True) if isinstance(msg, NodeState) else msg.to_obj()
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def load_object(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
@@ -72,12 +74,15 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
     :class:`SchemaError` naming the field) — returned, not raised, so one bad value does not
     hide the rest. Results and errors are exactly :func:`decode`'s: step batches and step blocks are
     validated columnar over the whole poll (one NumPy pass for ranks, GPUs and compute times, one for
-    the blocks' steps, times and rows), and any value that pass does not accept outright is decoded
+    the blocks' steps, times and rows), telemetry samples likewise, stacked by shape
+    (:func:`~fleethealth.schema.telemetry.telemetry_columnar`), and any value that pass does not accept outright is
+    decoded
     alone by :func:`decode`.
     """
     out: list[Any] = [None] * len(raws)
     fast: list[tuple[int, dict[str, Any]]] = []
     blocks: list[tuple[int, dict[str, Any]]] = []
+    samples: list[tuple[int, dict[str, Any]]] = []
     for i, raw in enumerate(raws):
         try:
             obj = orjson.loads(raw) if len(raw) <= MAX_MESSAGE_BYTES else None
@@ -90,6 +95,8 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
                 out[i] = _decode_one(cls, obj)
         elif cls is StepBatch and type(obj) is dict and _step_shape_ok(obj):
             fast.append((i, obj))
+        elif cls is Telemetry and type(obj) is dict:
+            samples.append((i, obj))
         else:
             out[i] = _decode_one(cls, obj if type(obj) is dict else raw)
     if fast:
@@ -97,6 +104,9 @@ def decode_many(cls: type[_T], raws: Sequence[bytes | str]) -> list[_T | Excepti
             out[i] = msg if msg is not None else _decode_one(cls, obj)
     if blocks:
         for (i, obj), msg in zip(blocks, _blocks_columnar([obj for _, obj in blocks]), strict=True):
+            out[i] = msg if msg is not None else _decode_one(cls, obj)
+    if samples:
+        for (i, obj), msg in zip(samples, telemetry_columnar([obj for _, obj in samples]), strict=True):
             out[i] = msg if msg is not None else _decode_one(cls, obj)
     return out
 

@@ -74,17 +74,21 @@ class NodeState:
         own = self.slowdown_temp_c
         return np.where(np.isfinite(own), own, float(default))
 
-    def to_obj(self) -> dict[str, Any]:
+    def to_obj(self, *, arrays: bool = False) -> dict[str, Any]:
+        """The wire object; with ``arrays``, the float arrays stay NumPy arrays (contiguous float64), which
+        :func:`~fleethealth.schema.codec.encode` serialises to the same bytes (NaN as null) without a
+        Python list per array."""
         obj: dict[str, Any] = {"v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
                                "gpu": self.gpu.tolist(), "reports": self.reports.astype(bool).tolist()}
+        floats = _contiguous if arrays else _jsonable
         for name in (*self.GPU_ARRAYS, *self.THERMAL_ARRAYS):
-            obj[name] = _jsonable(getattr(self, name))
+            obj[name] = floats(getattr(self, name))
         for name in ("nvlink_errors_per_min", "nic_util"):
             value = getattr(self, name)
             obj[name] = None if math.isnan(value) else value
         if self.has_nic:
-            obj["nic"] = {"port": list(self.nic_port), "util": _jsonable(self.nic_port_util),
-                          "wait": _jsonable(self.nic_port_wait), "down": self.nic_port_down.astype(bool).tolist()}
+            obj["nic"] = {"port": list(self.nic_port), "util": floats(self.nic_port_util),
+                          "wait": floats(self.nic_port_wait), "down": self.nic_port_down.astype(bool).tolist()}
         return obj
 
     @classmethod
@@ -115,3 +119,7 @@ class NodeState:
                 raise SchemaError(f"nic.{exc.field}", exc.problem) from None
         return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu, reports=reports,
                    **arrays, **scalars, **ports)
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(arr, dtype=np.float64)

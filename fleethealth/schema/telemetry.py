@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntFlag
@@ -13,7 +14,18 @@ import numpy as np
 
 from fleethealth.errors import SchemaError
 from fleethealth.schema.fabric import Fabric
-from fleethealth.schema.fields import SCHEMA_VERSION, Topic, _array, _float, _jsonable, _obj, _str, _ts
+from fleethealth.schema.fields import (
+    _I16_MAX,
+    MAX_TS,
+    SCHEMA_VERSION,
+    Topic,
+    _array,
+    _float,
+    _jsonable,
+    _obj,
+    _str,
+    _ts,
+)
 
 
 class ClockReason(IntFlag):
@@ -295,3 +307,118 @@ class Telemetry:
                    columns=columns, nic_util=math.nan if nic is None else _float(obj, "nic_util"),
                    model=model, uuid=tuple(uuid), nic=None if ports is None else NicPorts.from_obj(ports),
                    pci_bus_id=tuple(bus), fabric=None if fabric is None else Fabric.from_obj(fabric, len(gpu), ts))
+
+
+# ---------------------------------------------------------------------------------------------- a poll at once
+_GPU_NAMES = tuple(GPU_FIELDS)
+_NIC_NAMES = tuple(NIC_FIELDS)
+_GPU_SET = frozenset(_GPU_NAMES)
+_GPU_GET = operator.itemgetter(*_GPU_NAMES)  # a value's columns in GPU_FIELDS order, in one call
+_NIC_GET = operator.itemgetter(*_NIC_NAMES)
+_NIC_SET = frozenset(_NIC_NAMES)
+_GPU_LOW = np.array([GPU_FIELD_RANGES[n][0] for n in _GPU_NAMES])[None, :, None]
+_GPU_HIGH = np.array([GPU_FIELD_RANGES[n][1] for n in _GPU_NAMES])[None, :, None]
+
+
+def _strings(value: Any, *, nonempty: bool = False) -> bool:
+    return type(value) is list and all(type(x) is str and (x or not nonempty) for x in value)
+
+
+def _sample_shape(obj: Any) -> tuple[int, int] | None:
+    """``(GPUs, NIC ports or -1)`` of a telemetry value whose scalar fields are valid and whose columns are
+    every field of :data:`GPU_FIELDS` (and :data:`NIC_FIELDS`), as :meth:`Telemetry.to_obj` writes them; None
+    for any other value (decoded alone by :meth:`Telemetry.from_obj`, which names a problem)."""
+    if type(obj) is not dict or type(obj.get("v")) is not int or obj["v"] != SCHEMA_VERSION or "fabric" in obj:
+        return None
+    node, rack, ts, gpu, cols = obj.get("node"), obj.get("rack"), obj.get("ts"), obj.get("gpu"), obj.get("columns")
+    if type(node) is not str or not node or type(rack) is not str or not rack:
+        return None
+    if type(ts) not in (float, int) or not 0.0 <= ts <= MAX_TS:
+        return None
+    util = obj.get("nic_util")
+    if util is not None and (type(util) not in (float, int) or not 0.0 <= util < math.inf):
+        return None
+    if type(gpu) is not list or type(cols) is not dict or cols.keys() != _GPU_SET:
+        return None
+    if type(obj.get("model", "")) is not str or not _strings(obj.get("uuid", [])) \
+            or not _strings(obj.get("pci_bus_id", [])):
+        return None
+    nic = obj.get("nic")
+    if nic is None:
+        return len(gpu), -1
+    if type(nic) is not dict or type(nic.get("columns")) is not dict or nic["columns"].keys() != _NIC_SET:
+        return None
+    port, kind = nic.get("port"), nic.get("kind")
+    if not _strings(port, nonempty=True) or not _strings(kind, nonempty=True) or len(kind) != len(port) \
+            or not set(kind) <= set(NicPorts.KINDS):
+        return None
+    return len(gpu), len(port)
+
+
+def _stack(lists: list[Any], width: int) -> np.ndarray | None:
+    """``lists`` (numbers or nulls, ``width`` each) as one float64 array ``(len(lists), width)``; None when
+    any is not such a list."""
+    try:  # a value that is not a list of numbers fails the type check (or cannot be iterated)
+        if not set(map(type, itertools.chain.from_iterable(lists))) <= _NUMBER_OR_NULL:
+            return None
+        matrix = np.array(lists, dtype=np.float64)  # lists of unequal length raise
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return matrix if matrix.shape == (len(lists), width) else None
+
+
+def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]:
+    """Samples of one shape (``n`` GPUs, ``p`` NIC ports, -1: none) validated in one NumPy pass per array."""
+    m = len(objs)
+    out: list[Telemetry | None] = [None] * m
+    gpus = [o["gpu"] for o in objs]
+    if n == 0 or not all(len(g) == n for g in gpus) or not set(map(type, itertools.chain.from_iterable(gpus))) <= {int}:
+        return out
+    gpu = np.array(gpus, dtype=np.float64).reshape(m, n)  # exact for int16's range, checked next
+    good = ((gpu >= 0) & (gpu <= _I16_MAX)).all(axis=1)
+    ordered = np.sort(gpu, axis=1)
+    good &= (np.diff(ordered, axis=1) != 0).all(axis=1)  # no duplicate GPU index in one sample
+    values = _stack(list(itertools.chain.from_iterable(map(_GPU_GET, (o["columns"] for o in objs)))), n)
+    if values is None:
+        return out
+    matrix = values.reshape(m, len(_GPU_NAMES), n)
+    good &= ~np.isinf(matrix).any(axis=(1, 2))
+    good &= ~((matrix < _GPU_LOW) | (matrix > _GPU_HIGH)).any(axis=(1, 2))  # NaN compares False
+    nic = None
+    if p >= 0:
+        nic_values = _stack(list(itertools.chain.from_iterable(map(_NIC_GET, (o["nic"]["columns"] for o in objs)))), p)
+        if nic_values is None:
+            return out
+        nic = nic_values.reshape(m, len(_NIC_NAMES), p)
+        good &= ~np.isinf(nic).any(axis=(1, 2)) & ~(nic < 0.0).any(axis=(1, 2))
+    gpu16 = gpu.astype(np.int16)
+    for i in np.flatnonzero(good).tolist():
+        obj = objs[i]
+        ports = None
+        if nic is not None:
+            own = nic[i].copy()
+            ports = NicPorts(port=tuple(obj["nic"]["port"]), kind=tuple(obj["nic"]["kind"]),
+                             columns=dict(zip(_NIC_NAMES, own, strict=True)))
+        util = obj.get("nic_util")
+        out[i] = Telemetry(node=obj["node"], rack=obj["rack"], ts=float(obj["ts"]), gpu=gpu16[i].copy(),
+                           columns=dict(zip(_GPU_NAMES, matrix[i].copy(), strict=True)),
+                           nic_util=math.nan if util is None else float(util), model=obj.get("model", ""),
+                           uuid=tuple(obj.get("uuid", [])), nic=ports, pci_bus_id=tuple(obj.get("pci_bus_id", [])))
+    return out
+
+
+def telemetry_columnar(objs: Sequence[Any]) -> list[Telemetry | None]:
+    """A poll's telemetry values decoded at once: the values of one shape (GPUs, NIC ports) stacked into one
+    array per part, type-checked, range-checked and split into samples in a few NumPy passes. Each result
+    is the sample :meth:`Telemetry.from_obj` gives for that value, or None for a value this pass does not
+    accept outright (an unusual shape, an error): decoded alone, which names the problem."""
+    out: list[Telemetry | None] = [None] * len(objs)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, obj in enumerate(objs):
+        shape = _sample_shape(obj)
+        if shape is not None:
+            groups.setdefault(shape, []).append(i)
+    for (n, p), rows in groups.items():
+        for i, msg in zip(rows, _group([objs[i] for i in rows], n, p), strict=True):
+            out[i] = msg
+    return out

@@ -52,14 +52,14 @@ value back as the shortest decimal that rounds to it (:func:`decimal_floats`), s
 
 # ---------------------------------------------------------------- insert builders
 def telemetry_columns(samples: Sequence[Telemetry]) -> dict[str, Any]:
-    """``gpu_samples`` columns: one row per GPU of each sample."""
+    """``gpu_samples`` columns: one row per GPU of each sample (``node``, ``rack`` and ``model`` as
+    :class:`Codes`)."""
     counts = np.fromiter((s.gpu.size for s in samples), dtype=np.int64, count=len(samples))
-    cols: dict[str, Any] = {
-        "node": np.repeat(np.array([s.node for s in samples], dtype=object), counts),
-        "rack": np.repeat(np.array([s.rack for s in samples], dtype=object), counts),
+    text = {name: _codes([getattr(s, name) for s in samples]) for name in ("node", "rack", "model")}
+    cols: dict[str, Any] = {  # node, rack and model as Codes: the insert goes as one Native block
+        **{name: Codes(values, np.repeat(codes, counts)) for name, (values, codes) in text.items()},
         "gpu": np.concatenate([s.gpu for s in samples]).astype(np.uint16),
         "ts": np.repeat(np.fromiter((s.ts for s in samples), dtype=np.float64, count=len(samples)), counts),
-        "model": np.repeat(np.array([s.model for s in samples], dtype=object), counts),
         "uuid": np.concatenate([np.asarray(s.uuid if len(s.uuid) == s.gpu.size else ("",) * s.gpu.size,
                                            dtype=object) for s in samples]),
         "nic_util": np.repeat(np.fromiter((s.nic_util for s in samples), dtype=np.float64,

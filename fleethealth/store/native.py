@@ -48,6 +48,30 @@ def _text(value: str) -> bytes:
     return _leb128(len(raw)) + raw
 
 
+def _strings(column: np.ndarray) -> bytes | None:
+    """A ``String`` column of ASCII text values all of one length under 128 bytes (a GPU's UUID, the
+    empty string) as one length byte and the bytes per row, built in NumPy; None for any other."""
+    if column.dtype.kind != "O":
+        return None
+    values = column.tolist()
+    if not set(map(type, values)) <= {str}:
+        return None
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    size = int(lengths[0]) if values else 0
+    if size >= 128 or (lengths != size).any():
+        return None
+    try:
+        raw = np.array(values, dtype=f"S{max(size, 1)}")
+    except UnicodeEncodeError:
+        return None
+    if (np.char.str_len(raw) != size).any():  # a NUL at a value's end, which a bytes array drops
+        return None
+    rows = np.empty((len(values), size + 1), dtype=np.uint8)
+    rows[:, 0] = size
+    rows[:, 1:] = raw.view(np.uint8).reshape(len(values), max(size, 1))[:, :size]
+    return rows.tobytes()
+
+
 def _column(ch_type: str, column: Any) -> bytes | None:
     """The Native data of one column, or None when this writer does not take it."""
     if isinstance(column, Codes):
@@ -63,6 +87,8 @@ def _column(ch_type: str, column: Any) -> bytes | None:
         return b"".join([head, *map(_text, column.values), np.array([codes.size], dtype="<u8").tobytes(), keys])
     if not isinstance(column, np.ndarray) or column.ndim != 1:
         return None
+    if ch_type == "String":
+        return _strings(column)
     kind = column.dtype.kind
     if ch_type in _INTS:
         if kind not in "iu":

@@ -43,3 +43,33 @@ def test_a_column_the_writer_does_not_take_goes_through_the_client(store) -> Non
     assert encode_native(cols, types) is None
     assert store.insert("rank_steps", cols) == 12
     assert {b.step for b in store.steps("job-b")} == {0, 1, 2}
+
+
+def test_gpu_samples_go_as_one_native_block_with_their_uuids(store) -> None:
+    """A poll of telemetry is one Native block (node, rack, model as codes; the GPUs' UUIDs as String),
+    and reads back as given; a UUID the writer does not take (another length, not ASCII, a NUL at its
+    end) sends the insert through the client, which stores it as given."""
+    from fleethealth.schema import Telemetry
+    from fleethealth.store.columns import telemetry_columns
+
+    def sample(node: str, ts: float, uuid: tuple[str, ...]) -> Telemetry:
+        return Telemetry.from_columns(node, "rack-1", ts, [0, 1], model="H100", uuid=uuid, temp_c=[60.0, 61.5],
+                                      power_w=[500.25, np.nan])
+
+    polls = {"native": [sample("a", 1_767_225_600.0, ("GPU-0001", "GPU-0002")),
+                        sample("b", 1_767_225_600.5, ("GPU-0003", "GPU-0004")), sample("c", 1_767_225_601.0, ())],
+             "client": [sample("d", 1_767_225_602.0, ("GPU-0005", "GPU-06")),
+                        sample("e", 1_767_225_602.0, ("GPU-é", "x\x00")),
+                        sample("f", 1_767_225_602.0, ("GPU-0007", "GPU-000\x00"))]}
+    types = store._table_types("gpu_samples")
+    assert encode_native(telemetry_columns(polls["native"][:2]), types) is not None
+    assert encode_native(telemetry_columns(polls["native"]), types) is None  # "" beside UUIDs: not one length
+    assert encode_native(telemetry_columns(polls["native"][2:]), types) is not None
+    for name, poll in polls.items():
+        assert encode_native(telemetry_columns(poll), types) is None or name == "native"
+        assert store.insert_telemetry(poll, dedup_token=name) == 6
+    rows = store.query("SELECT node, gpu, uuid, model, rack, temp_c, power_w FROM gpu_samples ORDER BY node, gpu").rows
+    want = [(s.node, g, (s.uuid or ("", ""))[g], "H100", "rack-1", float(s.columns["temp_c"][g]))
+            for poll in polls.values() for s in poll for g in (0, 1)]
+    assert [(r[0], r[1], r[2], r[3], r[4], float(r[5])) for r in rows] == want
+    assert np.isnan(float(rows[1][6])) and float(rows[0][6]) == 500.25
