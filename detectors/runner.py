@@ -428,7 +428,12 @@ class Runner:
         once every partition is read to its end, ``lateness_s`` short of the newest record (nodes sharing
         a partition are not in step with each other); after an empty poll with every partition read to
         its end, everything. An empty poll while a partition is still behind (a fetch in flight) releases no
-        further: a table read ahead of the stream (the job stage's node states) must not run ahead of it."""
+        further: a table read ahead of the stream (the job stage's node states) must not run ahead of it.
+        Nor does a poll with nothing of the group assigned while the core keeps state (a rebalance)."""
+        if self.core.held() and not any(topic in self._group for topic, _ in lag):
+            # the group took every partition away (a rebalance) from a core that keeps its state (the whole
+            # tier): what it gives back is read again from the commit; nothing held may run ahead of it
+            return float("-inf")
         live = [tp for tp, behind in lag.items() if behind != 0]
         if not records and not live:
             return float("inf")

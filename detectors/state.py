@@ -2,7 +2,10 @@
 
 ``state_dict(obj)`` walks an object's attributes and returns a :class:`State`: ``tree``, a value
 JSON can hold, and ``arrays``, the NumPy arrays it refers to by index. ``from_state(state)`` builds
-the object again. It is strict both ways:
+the object again. ``state_dict`` copies no array: until it is sealed (:mod:`~fleethealth.detectors.snapshot`),
+a state's arrays are the object's own and change as it is fed. ``from_state`` copies every array it reads,
+so a rebuilt object never shares memory with the one its state was taken from (fed side by side in one
+process, the two stay apart). It is strict both ways:
 
 * what may be written is plain data — ``None``, ``bool``, ``int``, ``float`` (infinities and NaN
   too), ``str``, ``bytes``, ``list``, ``tuple``, ``set``, ``frozenset``, ``deque``, ``dict`` (any of these as
@@ -359,14 +362,14 @@ class _Reader:
         if tag == "a":
             if len(rest) != 1 or type(rest[0]) is not int or not 0 <= rest[0] < len(self.arrays):
                 raise StateError(f"state refers to array {rest!r}, not one of the {len(self.arrays)} it holds")
-            a = self.arrays[rest[0]]
+            a = self.arrays[rest[0]].copy()  # never the arrays of the object the state was taken from
             self.made.append(a)
             return a
         if tag == "c":
             if (not rest or type(rest[0]) is not int or not 0 <= rest[0] < len(self.arrays)
                     or not all(type(k) is str for k in rest[1:])):
                 raise StateError("state: packed columns that are not [array index, names...]")
-            matrix = self.arrays[rest[0]]
+            matrix = self.arrays[rest[0]].copy()
             if matrix.ndim != 2 or matrix.shape[0] != len(rest) - 1:
                 raise StateError(f"state: packed columns of {len(rest) - 1} names in an array of shape {matrix.shape}")
             columns: dict = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from fleethealth.bus.dsn import _backend, parse_dsn
 from fleethealth.bus.kafka_client import _is_kafka_error, translated
 from fleethealth.errors import BusError, ConfigError
 from fleethealth.schema import Message
+
+log = logging.getLogger(__name__)
 
 _COMPRESSION_PREFERENCE = (("zstd", "zstandard"), ("lz4", "lz4"), ("gzip", "gzip"))
 
@@ -32,6 +35,10 @@ _READ_BACK_S = 10.0
 """The longest a flush reads back records acknowledged without an offset (see :meth:`Producer._verify`)."""
 _READ_BACK_MAX = 100_000
 """How many of a partition's last records are read back when nothing of it was placed before."""
+
+_RESEND_MAX_BYTES = 64 * 1024 * 1024
+"""The most bytes of records a producer keeps between two flushes to publish again itself after a fail-over
+(see :meth:`Producer.flush`); past it, a failed flush is the caller's to publish again."""
 
 _NEVER_MS = 2**31 - 1
 """A delivery timeout of ``math.inf``: about 24.8 days, the largest a Kafka client takes."""
@@ -68,6 +75,10 @@ class Producer:
     answer, the batch then retried on a new one; ``delivery_timeout_s`` (30 s) fails a batch not
     acknowledged in that time (``math.inf``: never — retried until the broker answers);
     ``reconnect_backoff_max_s`` (kafka-python's 30 s) caps the wait between reconnect attempts.
+
+    With several brokers in the DSN, a publish or flush that fails (a broker lost for good: the client
+    knows only its address) fails over once, logged: a new client bootstrapped from every broker, the
+    records not yet flushed published again on it, then flushed (see :meth:`flush`).
     """
 
     def __init__(self, dsn: str, *, client_id: str = "fleethealth", compression: str | None = None,
@@ -103,6 +114,12 @@ class Producer:
         self._unplaced: list[tuple[tuple[str, int], bytes | None, bytes]] = []
         self._acked: dict[tuple[str, int], int] = {}
         self._flushed: dict[tuple[str, int], int] = {}
+        self._several = len(parse_dsn(dsn)[1]) >= 2
+        self._generation = 0  # the client's: callbacks of a client failed over from are not this one's
+        self._sent: list[tuple[str, bytes, bytes | None, int | None, list[tuple[str, bytes]] | None]] = []
+        self._sent_bytes = 0
+        self._sent_whole = True  # whether _sent holds every record since the last flush
+        self.resent_total = 0
 
     def publish(self, msg: Message) -> None:
         """Queue one schema message for delivery."""
@@ -116,14 +133,38 @@ class Producer:
         else the producer's ``signer`` (if any) signs the record."""
         if headers is None and self.signer is not None:
             headers = self.signer.headers(str(topic), key, value)
-        with translated(f"publishing to {topic}", self.dsn):
-            future = self._kp.send(str(topic), value=value, key=key, timestamp_ms=timestamp_ms,
-                                   **({"headers": list(headers)} if headers else {}))
-        future.add_callback(self._placed, str(topic), key, value)
-        future.add_errback(self._failed, str(topic))
+        record = (str(topic), value, key, timestamp_ms, list(headers) if headers else None)
+        if self._several and self._sent_whole:
+            if self._sent_bytes + len(value) <= _RESEND_MAX_BYTES:
+                self._sent.append(record)
+                self._sent_bytes += len(value)
+            else:
+                self._sent_whole, self._sent, self._sent_bytes = False, [], 0
+        try:
+            self._send(record)
+        except BusError as exc:  # no metadata nor buffer space within max_block_s: a broker lost for good?
+            if not self._sent_whole or not self._fail_over():
+                raise
+            log.warning("publishing to %s failed (%s): failed over to a client bootstrapped from every broker of "
+                        "%s; publishing again the %d record(s) not flushed", topic, exc, self.dsn, len(self._sent))
+            self._resend()
         self.published_total += 1
 
-    def _placed(self, topic: str, key: bytes | None, value: bytes, metadata: Any) -> None:
+    def _send(self, record: tuple[str, bytes, bytes | None, int | None, list[tuple[str, bytes]] | None]) -> None:
+        topic, value, key, timestamp_ms, headers = record
+        with translated(f"publishing to {topic}", self.dsn):
+            future = self._kp.send(topic, value=value, key=key, timestamp_ms=timestamp_ms,
+                                   **({"headers": headers} if headers else {}))
+        future.add_callback(self._placed, self._generation, topic, key, value)
+        future.add_errback(self._failed_on, self._generation, topic)
+
+    def _resend(self) -> None:
+        """Publish again, on the client failed over to, every record since the last flush."""
+        for record in self._sent:
+            self._send(record)
+        self.resent_total += len(self._sent)
+
+    def _placed(self, generation: int, topic: str, key: bytes | None, value: bytes, metadata: Any) -> None:
         """An acknowledgement without an offset is not yet a delivery. kafka-python completes a batch the
         broker answered ``DUPLICATE_SEQUENCE_NUMBER`` as a success at offset -1. A broker that took the
         first copy (a frozen one, answering late) did store it; a Tansu broker on S3 SIGKILLed between
@@ -132,6 +173,8 @@ class Producer:
         offset = getattr(metadata, "offset", None)
         tp = (topic, int(getattr(metadata, "partition", -1)))
         with self._lock:
+            if generation != self._generation:
+                return
             if isinstance(offset, int) and offset >= 0:
                 if offset > self._acked.get(tp, -1):
                     self._acked[tp] = offset
@@ -200,6 +243,10 @@ class Producer:
                 reader.close()
         return out
 
+    def _failed_on(self, generation: int, topic: str, exc: Exception) -> None:
+        if generation == self._generation:  # (the dropped client's batches fail as it closes: published again)
+            self._failed(topic, exc)
+
     def _failed(self, topic: str, exc: Exception) -> None:
         with self._lock:
             self.failed_total += 1
@@ -207,38 +254,60 @@ class Producer:
                 self._failures.append(f"{topic}: {type(exc).__name__}: {exc}")
 
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued message is delivered; raise if any delivery failed."""
+        """Wait until every queued message is delivered; raise if any delivery failed. With several brokers
+        in the DSN, a flush that fails (timed out, or a record not delivered) fails over once, logged: the
+        records since the last flush are published again on a client bootstrapped from every broker and
+        flushed within another ``timeout_s``; only if that fails too does it raise (a record that had
+        reached the broker may then be on its topic twice, with the same id)."""
         try:
-            with translated(f"flushing within {timeout_s} s", self.dsn):
-                self._kp.flush(timeout=timeout_s)
-        except BusError:
-            self._fail_over()
-            raise
+            self._flush(timeout_s)
+        except BusError as exc:
+            if not self._sent_whole or not self._fail_over():
+                self._forget_sent()
+                raise
+            log.warning("flushing to %s failed (%s): failed over to a client bootstrapped from every broker; "
+                        "publishing again the %d record(s) not flushed", self.dsn, exc, len(self._sent))
+            try:
+                self._resend()
+                self._flush(timeout_s)
+            except BusError:
+                self._forget_sent()
+                raise
+        self._forget_sent()
+
+    def _forget_sent(self) -> None:
+        self._sent, self._sent_bytes, self._sent_whole = [], 0, True
+
+    def _flush(self, timeout_s: float) -> None:
+        with translated(f"flushing within {timeout_s} s", self.dsn):
+            self._kp.flush(timeout=timeout_s)
         self._verify(timeout_s)
         with self._lock:
             self._flushed.update(self._acked)
             failures, self._failures = self._failures, []
         if failures:
-            self._fail_over()
             raise BusError(f"{len(failures)} message(s) not delivered to {self.dsn}: {failures[0]}")
 
-    def _fail_over(self) -> None:
+    def _fail_over(self) -> bool:
         """After a failed flush, with several brokers in the DSN: replace the client by a new one
         bootstrapped from all of them. kafka-python forgets its bootstrap list once it has metadata, and
         brokers that share one node id (Tansu's, on one storage) leave it one address, so a client whose
         broker died for good would retry that address forever. What the old client still held is
-        dropped (the flush reports it failed; the runner keeps it in its outbox and publishes it again,
-        a record that had reached the broker then arrives twice, with the same id). With one broker in
-        the DSN, or none answering, the client is kept."""
-        if len(parse_dsn(self.dsn)[1]) < 2:
-            return
+        dropped, its failures and placements with it; :meth:`flush` publishes it again on the new client (a
+        record that had reached the broker then arrives twice, with the same id). With one broker in the
+        DSN, or none answering, the client is kept. Returns whether it was replaced."""
+        if not self._several:
+            return False
         try:
             fresh = self._connect()
         except Exception as exc:
             if _is_kafka_error(exc):
-                return
+                return False
             raise
         old, self._kp = self._kp, fresh
+        with self._lock:  # what the old client failed or placed without an offset is published again
+            self._generation += 1
+            self._failures, self._unplaced = [], []
         self.failovers_total += 1
         sender = getattr(old, "_sender", None)
         if sender is not None:
@@ -246,6 +315,7 @@ class Producer:
             sender.join(1.0)
         with contextlib.suppress(Exception):
             old.close(timeout=0)
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver what is queued within ``timeout_s``, then close; undelivered messages are dropped

@@ -109,9 +109,8 @@ def test_each_stage_stores_and_publishes_what_it_owns(records) -> None:
 
 
 def _findings(effects: list[Effects]) -> set[tuple]:
-    """What was found (not the ids: a restored hang detector dates its episode differently, which the
-    detectors' own round-trip tests hold)."""
-    return {(f.kind, f.detector, f.job, f.node, f.gpu, f.rank, f.step, f.ts, f.diagnosis)
+    """What was found, with each finding's id (a hang's dates its episode: the job's last progress)."""
+    return {(f.id, f.kind, f.detector, f.job, f.node, f.gpu, f.rank, f.step, f.ts, f.episode_ts, f.diagnosis)
             for e in effects for f in e.findings}
 
 
@@ -127,6 +126,7 @@ def test_the_whole_tier_state_round_trips_and_finds_the_same_afterwards(records)
     _, kept = _whole(records, first, half)
     _, after = _whole(records, restored, half)
     assert _findings(after) == _findings(kept) and _findings(after)
+    assert _ids(after) == _ids(kept) and "hang" in {f.kind.value for e in after for f in e.findings}
 
 
 def test_a_core_forgets_jobs_and_nodes(records) -> None:

@@ -335,3 +335,15 @@ def test_identity_and_every_registered_class_survive() -> None:
                    for n in names)
     with pytest.raises(StateError, match="deeper"):
         from_state(State(functools.reduce(lambda acc, _: ["l", acc], range(300), None), []))
+
+
+def test_an_object_rebuilt_in_memory_shares_no_array_with_the_one_its_state_was_taken_from() -> None:
+    """``from_state(state_dict(x))`` with no blob between (the whole tier's restore test, a tool comparing
+    states): feeding the original afterwards must not move the rebuilt one. Before, the rebuilt object held
+    the original's arrays, and a restored hang detector dated its episode by the original's newer steps."""
+    steps = {"last": np.arange(4), "cols": {"a": np.zeros(3), "b": np.ones(3)}}
+    back = from_state(state_dict(steps))
+    steps["last"][:] = 99
+    steps["cols"]["a"][:] = 7.0
+    assert back["last"].tolist() == [0, 1, 2, 3] and back["cols"]["a"].tolist() == [0.0, 0.0, 0.0]
+    assert not np.shares_memory(back["last"], steps["last"])

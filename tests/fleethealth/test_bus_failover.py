@@ -12,6 +12,8 @@ import time
 from collections import Counter
 
 from fleethealth.bus import Consumer, Producer, ensure_topics
+from fleethealth.bus.snapshots import SnapshotTopic
+from fleethealth.detectors.retry import Retry
 from fleethealth.errors import BusUnavailable
 from fleethealth.schema import Event, EventKind, Topic
 
@@ -118,3 +120,63 @@ def test_a_consumer_whose_commits_time_out_on_a_dead_coordinator_fails_over(clus
     finally:
         consumer.close()
     assert set(again) == set(first) and max(again.values()) == 1
+
+
+def _known_port(client) -> int:
+    """The one broker a kafka-python client knows after its first metadata (the brokers share a node id)."""
+    cluster = client._metadata if hasattr(client, "_metadata") else client._client.cluster  # producer, consumer
+    ports = {b.port for b in cluster.brokers()}
+    if len(ports) != 1:
+        raise AssertionError(f"the client knows brokers on ports {sorted(ports)}, expected one")
+    return ports.pop()
+
+
+def test_a_flush_after_the_broker_died_fails_over_and_delivers_without_the_caller_publishing_again(cluster) -> None:
+    """The runner's outbox and node-state producer: records published before the loss and flushed after it
+    are published again by the producer itself on a client bootstrapped from every broker, once, logged."""
+    ensure_topics(cluster.dsn, partitions=2)
+    producer = Producer(cluster.dsn, request_timeout_s=2.0, reconnect_backoff_max_s=0.5)
+    consumer = Consumer(cluster.dsn, [Topic.EVENTS.value], "fh-failover-producer", session_timeout_s=3.0,
+                        max_poll_interval_s=6.0)
+    consumer.fail_over_after_s = FAIL_OVER_AFTER_S
+    try:
+        for k in range(50):
+            producer.publish(_event(k))
+        producer.flush()
+        port = _known_port(producer._kp)
+        next(b for b in cluster.brokers if b.port == port).kill()
+        for k in range(50, 100):
+            producer.publish(_event(k))
+        producer.flush(timeout_s=3.0)  # before: BusError, and the caller had to publish the 50 again
+        assert producer.failovers_total == 1 and producer.resent_total >= 50
+        seen: Counter[str] = Counter()
+        deadline = time.monotonic() + WITHIN_S
+        while len(seen) < 100:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(seen)} of 100 records on the topic {WITHIN_S} s after the kill")
+            seen.update(r.msg.message for r in consumer.poll(0.5))
+        assert set(seen) == {f"record {k}" for k in range(100)}
+    finally:
+        consumer.close()
+        producer.close(timeout_s=1.0)
+
+
+def test_a_replica_stopping_after_the_loss_still_publishes_its_snapshot(cluster) -> None:
+    """A job replica asked to stop (SIGTERM) while its snapshot publish waits on the dead broker: the
+    runner's retry gives up on a stop, so before, the publish timing out against the dead broker stopped
+    the replica with an error and no snapshot. The publish fails over once, at once, and the snapshot
+    is on fh.snapshots."""
+    ensure_topics(cluster.dsn, partitions=2)
+    snapshots = SnapshotTopic(cluster.dsn)
+    snapshots.timeout_s = 3.0
+    stopping = Retry(backoff_s=0.1, stopping=lambda: True)  # as the runner's once stop is set
+    try:
+        snapshots.save_snapshot("fh-detect-job", 0, 1, 0.0, {}, b"before the loss")
+        port = _known_port(snapshots._producer)
+        next(b for b in cluster.brokers if b.port == port).kill()
+        stopping.call("save a snapshot",
+                      lambda: snapshots.save_snapshot("fh-detect-job", 0, 2, 0.0, {}, b"after the loss"))
+        assert snapshots.failovers_total == 1
+        assert snapshots.load_snapshot("fh-detect-job", 0) == (2, {}, b"after the loss")
+    finally:
+        snapshots.close()
