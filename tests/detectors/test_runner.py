@@ -248,7 +248,7 @@ def test_a_failed_publish_keeps_the_decisions_in_the_outbox_until_the_broker_tak
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=_uid("refused"), registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=30.0) as runner:
             real_flush = runner.producer.flush
             broken = {"on": True, "failed": 0}
 
@@ -297,7 +297,7 @@ def test_refused_step_batches_are_not_stored(own_broker: EmbeddedBroker, tmp_pat
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=_uid("forged"), publish=False, registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=30.0) as runner:
             deadline = time.monotonic() + 60
             while runner.consumer.consumed_total < 20 * 2 + 15 + 1 and time.monotonic() < deadline:
                 runner.process_once(0.5)
@@ -630,7 +630,7 @@ def test_the_reorder_buffer_stays_bounded_and_nothing_is_lost(own_broker, tmp_pa
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=_uid("paced"), max_records=7, max_held=10, publish=False,
-                    registry=CollectorRegistry(), session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    registry=CollectorRegistry(), session_timeout_s=2.0, max_poll_interval_s=30.0) as runner:
             deadline = time.monotonic() + 60
             while runner.consumer.consumed_total < 2 * n and time.monotonic() < deadline:
                 runner.process_once(0.5)
@@ -664,7 +664,7 @@ def test_an_executed_eviction_reported_on_the_bus_is_judged_and_recorded(own_bro
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=_uid("judged"), publish=False, registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=30.0) as runner:
             deadline = time.monotonic() + 60
             evictions: list = []
             while not evictions and time.monotonic() < deadline:

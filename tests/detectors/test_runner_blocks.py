@@ -49,7 +49,7 @@ def test_blocks_are_stored_once_per_rank_step_and_the_straggler_in_them_is_found
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=f"g-{job}", publish=False, registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0, max_records=37) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=30.0, max_records=37) as runner:
             deadline = time.monotonic() + 60
             while runner.consumer.consumed_total < len(blocks) and time.monotonic() < deadline:
                 runner.process_once(0.5)
@@ -110,7 +110,7 @@ def test_the_steps_of_a_block_the_assembler_refuses_are_not_stored_and_the_rest_
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         with Runner(own_broker.dsn, store, group=f"g-{job}", publish=False, registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=30.0) as runner:
             deadline = time.monotonic() + 60
             while runner.consumer.consumed_total < len(blocks) and time.monotonic() < deadline:
                 runner.process_once(0.5)

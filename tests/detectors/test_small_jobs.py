@@ -64,7 +64,7 @@ def test_the_runner_logs_and_counts_it_and_the_report_notes_it(broker, store, ca
     registry = CollectorRegistry()
     with caplog.at_level(logging.WARNING, logger="fleethealth.detectors.runner"), \
             Runner(broker.dsn, store, group=f"small-{uuid.uuid4().hex[:8]}", publish=False, registry=registry,
-                   session_timeout_s=2.0, max_poll_interval_s=2.0, max_ahead_s=None, max_behind_s=None) as runner:
+                   session_timeout_s=2.0, max_poll_interval_s=30.0, max_ahead_s=None, max_behind_s=None) as runner:
         deadline = time.monotonic() + 60
         while runner.consumer.consumed_total < len(msgs):
             if time.monotonic() > deadline:

@@ -68,7 +68,7 @@ def test_a_released_node_hit_by_a_new_sdc_is_quarantined_again(broker, store) ->
     ensure_topics(broker.dsn, partitions=1)
     with Producer(broker.dsn, event_time_stamps=True) as producer, \
             Runner(broker.dsn, store, group=f"q-{uuid.uuid4().hex[:8]}", publish=False, registry=CollectorRegistry(),
-                   session_timeout_s=2.0, max_poll_interval_s=2.0, max_ahead_s=None, max_behind_s=None) as runner:
+                   session_timeout_s=2.0, max_poll_interval_s=30.0, max_ahead_s=None, max_behind_s=None) as runner:
         _run(runner, producer, [_steps(T0, 99), _sdc(T0, 100)])
         booked = record(store, NODE)
         assert booked is not None and booked.reason.startswith("quarantine: silent data corruption")
