@@ -63,6 +63,8 @@ NODES_PER_RACK = 16
 BLOCK_ROWS = 1_000_000
 TARGET_BYTES_PER_SAMPLE = 8.0
 TARGET_QUERY_S = 1.0
+TARGET_ONE_GPU_S = 0.1
+ROLLUPS = ("gpu_samples_1m", "gpu_samples_1h", "gpu_samples_rack_1m")
 _COUNTERS = {"ecc_sbe_volatile": 0.001, "nvlink_crc_flit": 0.01, "nvlink_crc_data": 0.001, "nvlink_replay": 0.002,
              "nvlink_recovery": 0.0001, "pcie_replay": 0.0005}
 
@@ -155,14 +157,15 @@ class Fleet:
         return cols
 
 
-def _insert(store: Store, blocks: Iterator[dict[str, Any]]) -> tuple[int, float, float]:
-    """Insert every block; ``(rows, insert seconds, generation seconds)``."""
+def _insert(store: Store, blocks: Iterator[dict[str, Any]], raw: bool = False) -> tuple[int, float, float]:
+    """Insert every block through ``insert_gpu_samples`` (quantised on the way), or as it is (``raw``:
+    the 006 schema); ``(rows, insert seconds, generation seconds)``."""
     rows, spent, made = 0, 0.0, 0.0
     t = time.perf_counter()
     for block in blocks:
         t1 = time.perf_counter()
         made += t1 - t
-        rows += store.insert("gpu_samples", block)
+        rows += store.insert("gpu_samples", block) if raw else store.insert_gpu_samples(block)
         t = time.perf_counter()
         spent += t - t1
     return rows, spent, made
@@ -186,7 +189,9 @@ def _queries(store: Store, since: float, until: float, source: str, repeat: int)
     rack_s, racks = _timed(lambda: store.rack_temperature(since=since, until=until, source=source), repeat)
     hot_s, hot = _timed(lambda: store.hot_gpus(since=since, until=until, limit=20, source=source), repeat)
     one_s, one = _timed(lambda: store.gpu_minutes(node, gpu, since=since, until=until, source=source), repeat)
-    return {"source": source, "span_s": until - since,
+    tables = {q: store.range_table(q, since=since, until=until, source=source)
+              for q in ("rack_temperature", "hot_gpus", "gpu_minutes")}
+    return {"source": source, "span_s": until - since, "tables": tables,
             "rack_temperature_per_minute_s": round(rack_s, 4), "rack_minutes": len(racks),
             "top_hot_gpus_by_p99_s": round(hot_s, 4), "hottest": {k: hot[0][k] for k in ("node", "gpu", "p99_temp_c")},
             "one_gpu_per_minute_s": round(one_s, 4), "one_gpu_minutes": len(one)}
@@ -249,7 +254,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             (old / migration.name).write_text(migration.sql)
     with open_store(f"chdb://{workdir}/baseline") as store:
         store.migrate(old)
-        rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0))
+        rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0), raw=True)
         store.optimize_final("gpu_samples")
         base = _bytes(store, "gpu_samples")
         steps_001 = _rank_step_bytes(store, rank_steps(gpus, 3600.0, step_interval))
@@ -265,12 +270,15 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
         day = Fleet(gpus, seed=2, coarse=coarse).blocks(T0, hours * 3600.0, interval)
         rows_day, spent_day, made_day = _insert(store, day)
         t = time.perf_counter()
-        store.optimize_final("gpu_samples")
-        store.optimize_final("gpu_samples_1m")
+        for table in ("gpu_samples", *ROLLUPS):
+            store.optimize_final(table)
         optimize_s = time.perf_counter() - t
         day_bytes = sum(_bytes(store, "gpu_samples").values()) - sum(hour_bytes.values())
         rollup_bytes = sum(_bytes(store, "gpu_samples_1m").values())
         rollup_rows = store.table_rows("gpu_samples_1m")
+        rollups = {table: {"rows": store.table_rows(table),
+                           "bytes_per_row": round(sum(_bytes(store, table).values())
+                                                  / max(store.table_rows(table), 1), 1)} for table in ROLLUPS}
         per_sample = sum(hour_bytes.values()) / rows_hour
         scaled = {
             "rows_1hz_hour": rows_hour, "bytes_per_sample": round(per_sample, 3),
@@ -282,9 +290,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "bytes_per_sample_day_interval": round(day_bytes / rows_day, 3),
             "rollup_rows": rollup_rows, "rollup_bytes_per_gpu_minute": round(rollup_bytes / rollup_rows, 1),
             "rollup_rows_per_gpu_minute_before_merge_hour": round(rollup_hour_rows / (gpus * 60), 2),
+            "rollups": rollups,
         }
         queries = {
-            "rollup_day": _queries(store, T0, T0 + hours * 3600.0, "rollup", repeat),
+            "auto_day": _queries(store, T0, T0 + hours * 3600.0, "auto", repeat),
+            "auto_1hz_hour": _queries(store, hour[0], hour[1], "auto", repeat),
             "raw_1hz_hour": _queries(store, hour[0], hour[1], "raw", repeat),
             "raw_day": _queries(store, T0, T0 + hours * 3600.0, "raw", 1),
         }
@@ -299,7 +309,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "bytes_per_rank_step": round(f32_bytes, 3),
             "max_abs_error_us": round(float(f32_err.max()) * 1e6, 3),
             "note": "Float32 keeps 24 bits: half an ulp is 0.12 us at 1-2 s, 0.48 us at 8-16 s, 0.95 us at 16-32 s"}
-    slowest = max(v for q in ("rollup_day", "raw_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
+    slowest = max(v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
                   and k != "span_s")
     return {
         "bench": "store_scale",
@@ -308,10 +318,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
                        "block_rows": BLOCK_ROWS, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
                        "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)",
                        "fields_populated": len(GPU_FIELDS) + 1,
-                       "resolution": "coarse (power 0.1 W, energy J, ratios 1 %)" if coarse else
-                       "sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4)"},
+                       "resolution": "sent: coarse (power 0.1 W, energy J, ratios 1 %)" if coarse else
+                       "sent: sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4); "
+                       "stored: sensors' (power 0.1 W, energy J, ratios 1e-3, utilisation whole %, 0.1 °C)"},
         "baseline_006": {k: round(v, 3) if isinstance(v, float) else v for k, v in baseline.items()},
-        "scaled_007": scaled,
+        "scaled_013": scaled,
         "queries": queries,
         "latest_readers": latest_readers,
         "rank_steps": {"conditions": {"ranks": gpus, "seconds": 3600.0, "step_interval_s": step_interval,
@@ -320,7 +331,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
                        "bytes_ratio": round(steps_010["bytes_per_rank_step"] / steps_001["bytes_per_rank_step"], 3)},
         "ratios": {"bytes_per_sample_vs_baseline": round(per_sample / baseline["bytes_per_sample"], 3),
                    "insert_rate_vs_baseline": round(scaled["insert_rows_per_s_1hz"] / baseline["insert_rows_per_s"], 3),
-                   "rollup_day_vs_raw_day_rack_query": round(queries["rollup_day"]["rack_temperature_per_minute_s"]
+                   "auto_day_vs_raw_day_rack_query": round(queries["auto_day"]["rack_temperature_per_minute_s"]
                                                              / max(queries["raw_day"]["rack_temperature_per_minute_s"],
                                                                    1e-9), 4)},
         "targets": {"bytes_per_sample_max": TARGET_BYTES_PER_SAMPLE,
@@ -329,19 +340,118 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
     }
 
 
+# ---------------------------------------------------------------- --fleet16k: the query table at 16,384 GPUs
+def _sql_rows(gpus: int, start: float, interval: float, first: int, count: int) -> str:
+    """``INSERT ... SELECT FROM numbers()`` of ``count`` time steps of ``gpus`` GPUs from step ``first``,
+    in the stored columns (013), every field populated: rows in poll order (a time step of every GPU,
+    then the next), per-node timestamps with 0-19 ms of jitter, temperatures on a per-GPU level and a
+    slow sine with noise, power around a per-GPU level with noise, 1 % of samples clocked down with the
+    power-cap reason, counters rising, energy accumulating the GPU's power."""
+    g, k, nd = f"(number % {gpus})", f"intDiv(number, {gpus})", f"intDiv(number % {gpus}, {GPUS_PER_NODE})"
+    hg = f"cityHash64({g})"
+    t = f"({start} + {k} * {interval})"
+    noise = lambda salt, m: f"(cityHash64({g}, {k}, {salt}) % {m})"  # noqa: E731
+    capped = f"({noise(4, 100)} = 0)"
+    cols = {
+        "node": f"concat('n', leftPad(toString({nd}), 5, '0'))",
+        "rack": f"concat('r', leftPad(toString(intDiv({nd}, {NODES_PER_RACK})), 3, '0'))",
+        "gpu": f"toUInt16({g} % {GPUS_PER_NODE})",
+        "ts": f"toDateTime64({t} + (cityHash64({nd}, {k}) % 20) / 1000, 3, 'UTC')",
+        "model": "'NVIDIA H100 80GB HBM3'", "uuid": f"concat('GPU-', lower(hex({hg})))",
+        "nic_util_pm": f"toUInt16(600 + cityHash64({nd}, {k}, 1) % 200)",
+        "temp_dc": f"toInt16(550 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(2, 6)})",
+        "mem_temp_dc": f"toInt16(630 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(7, 6)})",
+        "power_dw": f"toUInt32(5500 + {hg} % 1300 + {noise(3, 500)})", "power_limit_w": "700",
+        "sm_clock_mhz": f"if({capped}, 1755, 1980)", "sm_clock_max_mhz": "1980", "mem_clock_mhz": "2619",
+        "clock_reasons": f"if({capped}, 4, 0)", "util_pct_i": f"toUInt8(90 + {noise(5, 11)})",
+        "ecc_sbe_volatile": f"toFloat64({hg} % 100 + intDiv({k}, 997))", "ecc_dbe_volatile": "0",
+        "ecc_sbe_aggregate": f"toFloat64({hg} % 1000 + intDiv({k}, 997))", "ecc_dbe_aggregate": "0",
+        "retired_sbe": "0", "retired_dbe": "0", "retired_pending": "0", "remap_correctable": f"{hg} % 5",
+        "remap_uncorrectable": "0", "remap_pending": "0", "remap_failure": "0", "nvlink_links_up": "18",
+        "nvlink_links_max": "18", "nvlink_crc_flit": f"toFloat64(intDiv({k}, 101))",
+        "nvlink_crc_data": f"toFloat64(intDiv({k}, 1009))", "nvlink_replay": f"toFloat64(intDiv({k}, 503))",
+        "nvlink_recovery": "0", "pcie_replay": f"toFloat64(intDiv({k}, 2003))", "pcie_gen": "5",
+        "pcie_gen_max": "5", "pcie_width": "16", "pcie_width_max": "16", "fb_used_mib": "70000",
+        "fb_free_mib": "11559", "energy_j": f"toUInt64({hg} % 100000000 + {k} * {interval} * (550 + {hg} % 130))",
+        "tensor_active_pm": f"toUInt16(550 + {noise(6, 100)})", "slowdown_temp_c": "87",
+    }
+    return (f"INSERT INTO gpu_samples ({', '.join(cols)}) SELECT {', '.join(cols.values())} "
+            f"FROM numbers({first * gpus}, {count * gpus})")
+
+
+def _sql_insert(store: Store, gpus: int, start: float, seconds: float, interval: float,
+                chunk_rows: int) -> tuple[int, float]:
+    steps = int(round(seconds / interval))
+    per = max(1, chunk_rows // gpus)
+    t = time.perf_counter()
+    for first in range(0, steps, per):
+        store.command(_sql_rows(gpus, start, interval, first, min(per, steps - first)))
+    return steps * gpus, time.perf_counter() - t
+
+
+def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
+             chunk_rows: int = 4_000_000) -> dict[str, Any]:
+    """``gpus`` GPUs: ``hours`` at ``interval`` s, then an hour at 1 Hz, generated in SQL into the
+    schema of every migration; each named fleet-wide query over the day and the hour (the table each
+    one chose), forced raw over the hour for comparison, one GPU's minutes over the day."""
+    day = (T0, T0 + hours * 3600.0)
+    hour = (day[1], day[1] + 3600.0)
+    with open_store(f"chdb://{workdir}/fleet16k") as store:
+        store.migrate()
+        rows_day, day_s = _sql_insert(store, gpus, day[0], hours * 3600.0, interval, chunk_rows)
+        rows_hour, hour_s = _sql_insert(store, gpus, hour[0], 3600.0, 1.0, chunk_rows)
+        tables = {t: {"rows": store.table_rows(t),
+                      "parts": int(store.query("SELECT count() FROM system.parts WHERE database = currentDatabase() "
+                                               "AND table = {t:String} AND active", {"t": t}).rows[0][0])}
+                  for t in ("gpu_samples", *ROLLUPS)}
+        queries = {
+            "auto_day": _queries(store, *day, "auto", repeat),
+            "auto_1hz_hour": _queries(store, *hour, "auto", repeat),
+            "auto_1hz_half_hour_mid_minute": _queries(store, hour[0] + 30.0, hour[0] + 1830.0, "auto", 1),
+            "raw_1hz_hour": _queries(store, *hour, "raw", 1),
+        }
+    fleet = [v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items()
+             if k in ("rack_temperature_per_minute_s", "top_hot_gpus_by_p99_s")]
+    one = [queries[q]["one_gpu_per_minute_s"] for q in ("auto_day", "auto_1hz_hour")]
+    return {
+        "bench": "store_scale --fleet16k",
+        "conditions": {"gpus": gpus, "hours": hours, "interval_s": interval, "raw_hour_interval_s": 1.0,
+                       "repeat": repeat, "gpus_per_node": GPUS_PER_NODE, "nodes_per_rack": NODES_PER_RACK,
+                       "generated": "in SQL (INSERT ... SELECT FROM numbers()), stored columns of 013, "
+                                    f"{chunk_rows:,} rows an insert; no OPTIMIZE (parts as the inserts and "
+                                    "background merges left them)",
+                       "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                       "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)"},
+        "insert": {"rows_day": rows_day, "rows_hour": rows_hour, "insert_s_day": round(day_s, 1),
+                   "insert_s_hour": round(hour_s, 1),
+                   "rows_per_s": round((rows_day + rows_hour) / max(day_s + hour_s, 1e-9))},
+        "tables": tables,
+        "queries": queries,
+        "targets": {"fleet_query_s_max": TARGET_QUERY_S, "slowest_fleet_query_s": max(fleet),
+                    "fleet_queries_met": max(fleet) < TARGET_QUERY_S, "one_gpu_s_max": TARGET_ONE_GPU_S,
+                    "slowest_one_gpu_s": max(one), "one_gpu_met": max(one) < TARGET_ONE_GPU_S},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", type=int, default=1024)
+    parser.add_argument("--gpus", type=int, default=None, help="default 1,024 (16,384 with --fleet16k)")
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples over the day")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--step-interval", type=float, default=2.0, help="seconds between the rank-steps' steps")
     parser.add_argument("--coarse", action="store_true",
                         help="what-if: power to 0.1 W, energy to J, tensor activity and NIC utilisation to 1 %%")
+    parser.add_argument("--fleet16k", action="store_true",
+                        help="the query table only, at 16,384 GPUs, rows generated in SQL (tens of minutes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
-        print(json.dumps(run(args.gpus, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
-                                    args.step_interval), indent=2))
+        if args.fleet16k:
+            out = fleet16k(args.gpus or 16_384, args.hours, args.interval, args.repeat, Path(tmp))
+        else:
+            out = run(args.gpus or 1024, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
+                      args.step_interval)
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

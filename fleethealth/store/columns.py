@@ -122,7 +122,7 @@ def _quantise(name: str, column: Any, spec: tuple[str, float, str, int]) -> np.n
     lo, hi = info.min + (sentinel == info.min), info.max - (sentinel == info.max)
     ok = finite & (scaled >= lo) & (scaled <= hi)
     if not np.array_equal(ok, finite):
-        bad = values[finite & ~ok][0]
+        bad = float(values[finite & ~ok][0])
         raise StoreError(f"gpu_samples: {name} = {bad!r} does not fit its stored column ({dtype}, step {step})")
     out = np.full(values.shape, sentinel, dtype=dtype)
     out[finite] = scaled[finite].astype(dtype)
