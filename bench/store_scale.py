@@ -1,5 +1,6 @@
-"""gpu_samples at fleet scale on chDB: bytes per sample, insert rate, and analyst queries through the
-1-minute rollup and on raw samples (deploy/clickhouse/007_samples_at_scale.sql).
+"""gpu_samples at fleet scale on chDB: bytes per sample, insert rate, and the named fleet-wide range
+queries through the rollups and on raw samples (deploy/clickhouse/007_samples_at_scale.sql and
+013_samples_quantised.sql).
 
 Every field is populated, at the resolution real sources report (NVML / DCGM): whole °C
 temperatures on a slow random walk, power to the mW around a per-GPU level with 25 W noise per
@@ -7,18 +8,21 @@ sample, whole-% utilisation, SM clocks that drop on 1 % of samples (with the pow
 ECC / NVLink / PCIe counters with rare increments, energy in mJ accumulated from the power,
 tensor activity and NIC utilisation to 1e-3 / 1e-4 with noise, a 36-character UUID per GPU, and
 per-node timestamps with 0-20 ms of jitter. Nodes hold 8 GPUs, racks 16 nodes. The data is made
-columnar with NumPy and inserted through ``Store.insert`` in blocks (the production path).
+columnar with NumPy and inserted in blocks through ``Store.insert_gpu_samples`` (the production
+path: it quantises to the sensors' resolution, store/columns.py ``sample_columns``).
 
 Three stores, one after the other in this process (chDB opens one data path at a time):
 
 1. **baseline** — the schema of migrations 001-006 (every field Float64, no codec): one hour of
-   the fleet at 1 Hz, ``OPTIMIZE ... FINAL``, bytes per sample from ``system.columns``;
+   the fleet at 1 Hz inserted as sent (``Store.insert``), ``OPTIMIZE ... FINAL``, bytes per
+   sample from ``system.columns``;
 2. **scaled** — all migrations: the same hour at 1 Hz (bytes per sample, same rows as the
-   baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollup's day);
-   after ``OPTIMIZE ... FINAL`` the bytes of both tables and the rollup's bytes per GPU-minute;
-3. the three analyst queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes``: named queries
-   of ``fleethealth/store/queries/report.py``) over the day through the rollup, over the 1 Hz hour on raw
-   samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each;
+   baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollups' day);
+   after ``OPTIMIZE ... FINAL`` the bytes of every table and the rollups' bytes per row;
+3. the named range queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes`` of
+   ``fleethealth/store/queries/report.py``) over the day and over the 1 Hz hour as ``auto`` picks
+   their table (printed), over the 1 Hz hour and the day on raw samples for comparison; best of
+   ``--repeat`` runs each;
 4. the API's latest readers (``node_summaries``, ``node_gpu_latest``) through the latest-sample
    table ``gpu_latest`` (009) and, as the baseline, scanning every raw sample (``source="raw"``),
    with the answers compared;
@@ -28,16 +32,21 @@ Three stores, one after the other in this process (chDB opens one data path at a
    and what compute_s would take as Float32 (a what-if column, not the schema).
 
 The default samples the day every 10 s (1,024 GPUs: 8.8 M rows; the 1 Hz day is 88 M rows, too
-heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollup's per-minute
-rows are the same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
+heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollups' rows are the
+same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
 
-``--coarse`` stores power to 0.1 W, energy to the J and the two ratios to 1 %: what a coarser
-resolution would save (not what the probes send).
+``--fleet16k`` runs only the query table at 16,384 GPUs (a day at 10 s and an hour at 1 Hz:
+200 M rows), the rows generated in SQL (``INSERT ... SELECT FROM numbers()``, straight into the
+stored columns; the views fill the rollups as for any insert), parts left as the inserts and the
+background merges leave them; it takes tens of minutes on two shared cores.
+
+``--coarse`` sends the two ratios rounded to 1 % (a what-if below the sensors' resolution).
 
 Prints one JSON object; targets: <= 8 bytes per sample with every field populated, < 1 s per
-analyst query.
+fleet-wide query, < 0.1 s for one GPU.
 
     nice -n 10 python bench/store_scale.py [--gpus 1024] [--hours 24] [--interval 10] [--repeat 3]
+    nice -n 10 python bench/store_scale.py --fleet16k > bench/results/store_scale_16k.json
 """
 
 from __future__ import annotations
@@ -147,9 +156,7 @@ class Fleet:
         energy = self.energy[:, None] + np.cumsum(np.round(power * 1000.0 * dt), axis=1)
         self.energy = energy[:, -1]
         fields["energy_mj"] = energy
-        if self.coarse:  # what storing coarser values would save: power to 0.1 W, energy to J, ratios to 1 %
-            fields["power_w"] = np.round(fields["power_w"], 1)
-            fields["energy_mj"] = np.round(fields["energy_mj"], -3)
+        if self.coarse:  # what coarser ratios would save: 1 % (the store keeps 1e-3)
             fields["tensor_active"] = np.round(fields["tensor_active"], 2)
             cols["nic_util"] = np.round(cols["nic_util"], 2)
         assert set(fields) == set(GPU_FIELDS)
@@ -318,7 +325,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
                        "block_rows": BLOCK_ROWS, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
                        "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)",
                        "fields_populated": len(GPU_FIELDS) + 1,
-                       "resolution": "sent: coarse (power 0.1 W, energy J, ratios 1 %)" if coarse else
+                       "resolution": "sent: ratios to 1 %" if coarse else
                        "sent: sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4); "
                        "stored: sensors' (power 0.1 W, energy J, ratios 1e-3, utilisation whole %, 0.1 °C)"},
         "baseline_006": {k: round(v, 3) if isinstance(v, float) else v for k, v in baseline.items()},
@@ -441,7 +448,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--step-interval", type=float, default=2.0, help="seconds between the rank-steps' steps")
     parser.add_argument("--coarse", action="store_true",
-                        help="what-if: power to 0.1 W, energy to J, tensor activity and NIC utilisation to 1 %%")
+                        help="what-if: tensor activity and NIC utilisation sent to 1 %%")
     parser.add_argument("--fleet16k", action="store_true",
                         help="the query table only, at 16,384 GPUs, rows generated in SQL (tens of minutes)")
     args = parser.parse_args()

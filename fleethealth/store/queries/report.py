@@ -137,16 +137,12 @@ class ReportQueries(QueriesBase):
             sql = (f"SELECT node, gpu, quantilesBFloat16(0.5, 0.9, 0.99)({_nn('temp_c')}) AS q, "
                    f"{dec('max(' + _nn('temp_c') + ')')} AS max_temp_c, count() AS samples FROM gpu_samples "
                    f"WHERE {_SPAN} GROUP BY node, gpu")
-        else:
-            if table == "gpu_samples_1h":  # whole hours from the hourly rollup, the minutes at the ends from the minute one
-                lo, hi = _hours(since, until)
-                if source == "rollup" and hi <= lo:
-                    lo = hi = float(since)
-            else:
-                lo = hi = float(since)
+        else:  # whole hours from the hourly rollup, the minutes at either end from the minute one
+            lo, hi = _hours(since, until) if table == "gpu_samples_1h" else (float(since), float(since))
             params.update(h0=int(lo), h1=int(hi))
+            hours = "toDateTime({h0:Int64}) AND minute < toDateTime({h1:Int64})"
             parts = ["SELECT node, gpu, temp_c_q AS q, temp_c_max AS x, samples AS n FROM gpu_samples_1m "
-                     f"WHERE {_MINUTES} AND NOT (minute >= toDateTime({{h0:Int64}}) AND minute < toDateTime({{h1:Int64}}))"]
+                     f"WHERE {_MINUTES} AND NOT (minute >= {hours})"]
             if hi > lo:
                 parts.append("SELECT node, gpu, temp_c_q, temp_c_max, samples FROM gpu_samples_1h "
                              "WHERE hour >= toDateTime({h0:Int64}) AND hour < toDateTime({h1:Int64})")

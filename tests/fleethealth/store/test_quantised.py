@@ -1,7 +1,7 @@
 """gpu_samples at the sensors' resolution and the rollups cascaded from the minute one
 (013_samples_quantised.sql) on real chDB: what a value reads back as, the hourly per-GPU and per-rack
 per-minute rollups against an aggregate of the raw rows (late rows and a replayed insert included),
-and which table each named range query reads."""
+which table each named range query reads, and the per-step rollup goodput reads (014_job_steps.sql)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_the_cascaded_rollups_agree_with_the_raw_rows_with_late_rows_and_a_repla
     assert store.insert_telemetry(second, dedup_token="p-2") == len(second) * 2  # replayed: stored once
     raw_rows = store.query("SELECT count() FROM gpu_samples").rows[0][0]
     assert raw_rows == (len(first) + len(second) + len(late)) * 2  # no merge needed: the replay was dropped
-    for merged in (False, True):
+    for _merged in (False, True):
         hourly = _raw(store, "SELECT node, gpu, hour, sum(samples), min(temp_c_min), max(temp_c_max), "
                              "round(avgMerge(power_w_avg), 3), quantilesBFloat16Merge(0.5, 0.9, 0.99)(temp_c_q), "
                              "groupBitOr(clock_reasons_or), max(energy_mj_max) FROM gpu_samples_1h GROUP BY ALL")
@@ -142,3 +142,20 @@ def test_each_named_range_query_reads_the_coarsest_table_that_answers_with_the_r
     assert sum(h["samples"] for h in part) == 8 * 30  # 600 s: 20 samples every 30 s and 10 of the late ones
     with pytest.raises(ConfigError, match="no named range query"):
         store.range_table("goodput", since=day[0], until=day[1])
+
+
+# ---------------------------------------------------------------- goodput's step times (014)
+def test_step_times_read_from_the_per_step_rollup_agree_with_the_rank_steps(store: Store, make_batches) -> None:
+    batches = make_batches(steps=6, nodes=3)
+    store.insert_steps([b for b in batches if b.node != "n0002"], dedup_token="s-1")
+    store.insert_steps(make_batches(job="other", steps=2, nodes=1))
+    store.insert_steps([b for b in batches if b.node == "n0002"], dedup_token="s-2")  # a node's rows, late
+    store.insert_steps([b for b in batches if b.node == "n0002"], dedup_token="s-2")  # replayed: dropped
+    rollup = store.job_step_times("train-1", limit=4)
+    assert rollup == store.job_step_times("train-1", limit=4, source="raw")
+    assert [int(r[0]) for r in rollup] == [2, 3, 4, 5]
+    assert rollup[-1][1] == max(float(b.compute_s.max()) for b in batches if b.step == 5)
+    assert store.query("SELECT sum(ranks) FROM job_steps WHERE job = 'train-1'").rows == [(6 * 3 * 8,)]
+    assert store.query("SELECT count() FROM job_steps").rows[0][0] <= 2 * 6 + 2  # per step, not per rank
+    with pytest.raises(ConfigError, match="source"):
+        store.job_step_times("train-1", limit=1, source="auto")

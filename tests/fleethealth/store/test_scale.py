@@ -84,7 +84,8 @@ def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_pat
         store.insert("gpu_samples", telemetry_columns(samples))  # as written before 013: not quantised
         assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql", "009_gpu_latest.sql",
                                   "010_rank_steps_at_scale.sql", "011_detector_snapshots.sql",
-                                  "012_job_node_hours.sql", "013_samples_quantised.sql"]
+                                  "012_job_node_hours.sql", "013_samples_quantised.sql",
+                                  "014_job_steps.sql"]
         assert _codecs(store, "gpu_samples")["temp_dc"] == "CODEC(T64, ZSTD(3))"
         assert "gpu_samples_006" not in _tables(store)
         back = store.telemetry()
@@ -265,7 +266,7 @@ def test_an_old_store_backfills_gpu_latest_and_rank_steps_keep_their_rows(tmp_pa
         assert "gpu_latest" not in _tables(store)
         assert store.migrate() == ["009_gpu_latest.sql", "010_rank_steps_at_scale.sql",
                                    "011_detector_snapshots.sql", "012_job_node_hours.sql",
-                                   "013_samples_quantised.sql"]
+                                   "013_samples_quantised.sql", "014_job_steps.sql"]
         assert store.node_summaries() == raw and store.table_rows("gpu_latest") == 4
         back = store.steps("train-1")
         assert [(b.step, b.node) for b in back] == [(b.step, b.node) for b in batches]
