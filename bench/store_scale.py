@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -348,6 +349,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
 
 
 # ---------------------------------------------------------------- --fleet16k: the query table at 16,384 GPUs
+_LEAN = ("max_threads = 2, max_insert_threads = 1, min_insert_block_size_rows = 262144, "
+         "max_memory_usage = 3000000000")
+"""An insert of generated rows in blocks of a quarter million, under 3 GB (the machine is shared)."""
+
+
 def _sql_rows(gpus: int, start: float, interval: float, first: int, count: int) -> str:
     """``INSERT ... SELECT FROM numbers()`` of ``count`` time steps of ``gpus`` GPUs from step ``first``,
     in the stored columns (013), every field populated: rows in poll order (a time step of every GPU,
@@ -383,21 +389,48 @@ def _sql_rows(gpus: int, start: float, interval: float, first: int, count: int) 
         "tensor_active_pm": f"toUInt16(550 + {noise(6, 100)})", "slowdown_temp_c": "87",
     }
     return (f"INSERT INTO gpu_samples ({', '.join(cols)}) SELECT {', '.join(cols.values())} "
-            f"FROM numbers({first * gpus}, {count * gpus})")
+            f"FROM numbers({first * gpus}, {count * gpus}) SETTINGS {_LEAN}")
 
 
 def _sql_insert(store: Store, gpus: int, start: float, seconds: float, interval: float,
                 chunk_rows: int) -> tuple[int, float]:
     steps = int(round(seconds / interval))
-    per = max(1, chunk_rows // gpus)
+    # at most 8 minutes an insert: the minute view holds a group per GPU-minute of the insert
+    per = max(1, min(chunk_rows // gpus, int(8 * 60 / interval)))
     t = time.perf_counter()
     for first in range(0, steps, per):
         store.command(_sql_rows(gpus, start, interval, first, min(per, steps - first)))
     return steps * gpus, time.perf_counter() - t
 
 
+def _goodput(store: Store, ranks: int, start: float, seconds: float, interval: float, chunk_rows: int,
+             repeat: int) -> dict[str, Any]:
+    """One job over ``ranks`` ranks, a step every ``interval`` s for ``seconds``, generated in SQL into
+    ``rank_steps`` (the view fills ``job_steps``); goodput's step times (``job_step_times``, the API's
+    10,000 latest steps) from the per-step rollup and scanning the rank-steps, answers compared."""
+    steps = int(round(seconds / interval))
+    per = max(1, chunk_rows // ranks)
+    t = time.perf_counter()
+    for first in range(0, steps, per):
+        n = min(per, steps - first)
+        store.command(
+            "INSERT INTO rank_steps (job, step, rank, node, gpu, ts, compute_s, rank_group) "
+            f"SELECT 'train-16k', {first} + intDiv(number, {ranks}) AS s, number % {ranks} AS r, "
+            f"concat('n', leftPad(toString(intDiv(r, {GPUS_PER_NODE})), 5, '0')), r % {GPUS_PER_NODE}, "
+            f"toDateTime64({start} + s * {interval} + (cityHash64(intDiv(r, {GPUS_PER_NODE}), s) % 20) / 1000, "
+            "3, 'UTC'), "
+            "round(1.9 + (cityHash64(r) % 200) / 1000 + (cityHash64(r, s) % 40) / 1000, 6), -1 "
+            f"FROM numbers({n * ranks}) SETTINGS {_LEAN}")
+    insert_s = time.perf_counter() - t
+    rollup_s, rollup = _timed(lambda: store.job_step_times("train-16k", limit=10_000), repeat)
+    raw_s, raw = _timed(lambda: store.job_step_times("train-16k", limit=10_000, source="raw"), 1)
+    return {"ranks": ranks, "steps": steps, "rank_steps": steps * ranks, "insert_s": round(insert_s, 1),
+            "job_steps_rows": store.table_rows("job_steps"), "job_step_times_rollup_s": round(rollup_s, 4),
+            "job_step_times_raw_s": round(raw_s, 4), "same_answer": rollup == raw, "steps_read": len(rollup)}
+
+
 def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
-             chunk_rows: int = 4_000_000) -> dict[str, Any]:
+             chunk_rows: int = 1_000_000, step_interval: float = 2.0) -> dict[str, Any]:
     """``gpus`` GPUs: ``hours`` at ``interval`` s, then an hour at 1 Hz, generated in SQL into the
     schema of every migration; each named fleet-wide query over the day and the hour (the table each
     one chose), forced raw over the hour for comparison, one GPU's minutes over the day."""
@@ -417,8 +450,9 @@ def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Pat
             "auto_1hz_half_hour_mid_minute": _queries(store, hour[0] + 30.0, hour[0] + 1830.0, "auto", 1),
             "raw_1hz_hour": _queries(store, *hour, "raw", 1),
         }
+        goodput = _goodput(store, gpus, hour[0], 3600.0, step_interval, chunk_rows, repeat)
     fleet = [v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items()
-             if k in ("rack_temperature_per_minute_s", "top_hot_gpus_by_p99_s")]
+             if k in ("rack_temperature_per_minute_s", "top_hot_gpus_by_p99_s")] + [goodput["job_step_times_rollup_s"]]
     one = [queries[q]["one_gpu_per_minute_s"] for q in ("auto_day", "auto_1hz_hour")]
     return {
         "bench": "store_scale --fleet16k",
@@ -434,6 +468,8 @@ def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Pat
                    "rows_per_s": round((rows_day + rows_hour) / max(day_s + hour_s, 1e-9))},
         "tables": tables,
         "queries": queries,
+        "goodput_step_times": goodput,
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "targets": {"fleet_query_s_max": TARGET_QUERY_S, "slowest_fleet_query_s": max(fleet),
                     "fleet_queries_met": max(fleet) < TARGET_QUERY_S, "one_gpu_s_max": TARGET_ONE_GPU_S,
                     "slowest_one_gpu_s": max(one), "one_gpu_met": max(one) < TARGET_ONE_GPU_S},
@@ -454,7 +490,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
         if args.fleet16k:
-            out = fleet16k(args.gpus or 16_384, args.hours, args.interval, args.repeat, Path(tmp))
+            out = fleet16k(args.gpus or 16_384, args.hours, args.interval, args.repeat, Path(tmp),
+                           step_interval=args.step_interval)
         else:
             out = run(args.gpus or 1024, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
                       args.step_interval)
