@@ -430,16 +430,16 @@ def _goodput(store: Store, ranks: int, start: float, seconds: float, interval: f
 
 
 def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
-             chunk_rows: int = 1_000_000, step_interval: float = 2.0) -> dict[str, Any]:
+             chunk_rows: int = 1_000_000, step_interval: float = 2.0, hz_minutes: float = 60.0) -> dict[str, Any]:
     """``gpus`` GPUs: ``hours`` at ``interval`` s, then an hour at 1 Hz, generated in SQL into the
     schema of every migration; each named fleet-wide query over the day and the hour (the table each
     one chose), forced raw over the hour for comparison, one GPU's minutes over the day."""
     day = (T0, T0 + hours * 3600.0)
-    hour = (day[1], day[1] + 3600.0)
+    hour = (day[1], day[1] + hz_minutes * 60.0)
     with open_store(f"chdb://{workdir}/fleet16k") as store:
         store.migrate()
         rows_day, day_s = _sql_insert(store, gpus, day[0], hours * 3600.0, interval, chunk_rows)
-        rows_hour, hour_s = _sql_insert(store, gpus, hour[0], 3600.0, 1.0, chunk_rows)
+        rows_hour, hour_s = _sql_insert(store, gpus, hour[0], hz_minutes * 60.0, 1.0, chunk_rows)
         tables = {t: {"rows": store.table_rows(t),
                       "parts": int(store.query("SELECT count() FROM system.parts WHERE database = currentDatabase() "
                                                "AND table = {t:String} AND active", {"t": t}).rows[0][0])}
@@ -447,16 +447,16 @@ def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Pat
         queries = {
             "auto_day": _queries(store, *day, "auto", repeat),
             "auto_1hz_hour": _queries(store, *hour, "auto", repeat),
-            "auto_1hz_half_hour_mid_minute": _queries(store, hour[0] + 30.0, hour[0] + 1830.0, "auto", 1),
+            "auto_1hz_mid_minute": _queries(store, hour[0] + 30.0, hour[1] - 30.0, "auto", 1),
             "raw_1hz_hour": _queries(store, *hour, "raw", 1),
         }
-        goodput = _goodput(store, gpus, hour[0], 3600.0, step_interval, chunk_rows, repeat)
+        goodput = _goodput(store, gpus, hour[0], hz_minutes * 60.0, step_interval, chunk_rows, repeat)
     fleet = [v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items()
              if k in ("rack_temperature_per_minute_s", "top_hot_gpus_by_p99_s")] + [goodput["job_step_times_rollup_s"]]
     one = [queries[q]["one_gpu_per_minute_s"] for q in ("auto_day", "auto_1hz_hour")]
     return {
         "bench": "store_scale --fleet16k",
-        "conditions": {"gpus": gpus, "hours": hours, "interval_s": interval, "raw_hour_interval_s": 1.0,
+        "conditions": {"gpus": gpus, "hours": hours, "interval_s": interval, "raw_1hz_minutes": hz_minutes,
                        "repeat": repeat, "gpus_per_node": GPUS_PER_NODE, "nodes_per_rack": NODES_PER_RACK,
                        "generated": "in SQL (INSERT ... SELECT FROM numbers()), stored columns of 013, "
                                     f"{chunk_rows:,} rows an insert; no OPTIMIZE (parts as the inserts and "
@@ -485,13 +485,14 @@ def main() -> None:
     parser.add_argument("--step-interval", type=float, default=2.0, help="seconds between the rank-steps' steps")
     parser.add_argument("--coarse", action="store_true",
                         help="what-if: tensor activity and NIC utilisation sent to 1 %%")
+    parser.add_argument("--hz-minutes", type=float, default=60.0, help="--fleet16k: minutes at 1 Hz after the day")
     parser.add_argument("--fleet16k", action="store_true",
                         help="the query table only, at 16,384 GPUs, rows generated in SQL (tens of minutes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
         if args.fleet16k:
             out = fleet16k(args.gpus or 16_384, args.hours, args.interval, args.repeat, Path(tmp),
-                           step_interval=args.step_interval)
+                           step_interval=args.step_interval, hz_minutes=args.hz_minutes)
         else:
             out = run(args.gpus or 1024, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
                       args.step_interval)
