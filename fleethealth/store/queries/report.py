@@ -141,10 +141,12 @@ class ReportQueries(QueriesBase):
             lo, hi = _hours(since, until) if table == "gpu_samples_1h" else (float(since), float(since))
             params.update(h0=int(lo), h1=int(hi))
             hours = "toDateTime({h0:Int64}) AND minute < toDateTime({h1:Int64})"
-            parts = ["SELECT node, gpu, temp_c_q AS q, temp_c_max AS x, samples AS n FROM gpu_samples_1m "
-                     f"WHERE {_MINUTES} AND NOT (minute >= {hours})"]
+            parts = []
+            if not (hi > lo and lo == float(since) and hi == float(until)):  # minutes outside the whole hours
+                parts.append("SELECT node, gpu, temp_c_q AS q, temp_c_max AS x, samples AS n FROM gpu_samples_1m "
+                             f"WHERE {_MINUTES} AND NOT (minute >= {hours})")
             if hi > lo:
-                parts.append("SELECT node, gpu, temp_c_q, temp_c_max, samples FROM gpu_samples_1h "
+                parts.append("SELECT node, gpu, temp_c_q AS q, temp_c_max AS x, samples AS n FROM gpu_samples_1h "
                              "WHERE hour >= toDateTime({h0:Int64}) AND hour < toDateTime({h1:Int64})")
             sql = ("SELECT node, gpu, quantilesBFloat16Merge(0.5, 0.9, 0.99)(q) AS q, "
                    f"{dec('max(x)')} AS max_temp_c, sum(n) AS samples FROM ({' UNION ALL '.join(parts)}) "
