@@ -35,10 +35,12 @@ The default samples the day every 10 s (1,024 GPUs: 8.8 M rows; the 1 Hz day is 
 heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollups' rows are the
 same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
 
-``--fleet16k`` runs only the query table at 16,384 GPUs (a day at 10 s and an hour at 1 Hz:
-200 M rows), the rows generated in SQL (``INSERT ... SELECT FROM numbers()``, straight into the
-stored columns; the views fill the rollups as for any insert), parts left as the inserts and the
-background merges leave them; it takes tens of minutes on two shared cores.
+``--fleet16k`` runs only the query table at 16,384 GPUs (by default a day at 10 s and an hour at
+1 Hz: 200 M rows, hours to insert on two shared cores; ``--hours 4 --interval 60 --hz-minutes 2``
+gives the rollups the same rows per GPU-minute in minutes), the rows generated in SQL (``INSERT ...
+SELECT FROM numbers()``, straight into the stored columns; the views fill the rollups as for any
+insert, at most 8 minutes of the fleet an insert and 3 GB a query), parts left as the inserts and
+the background merges leave them, and goodput's step times over a job of every GPU.
 
 ``--coarse`` sends the two ratios rounded to 1 % (a what-if below the sensors' resolution).
 
@@ -46,7 +48,7 @@ Prints one JSON object; targets: <= 8 bytes per sample with every field populate
 fleet-wide query, < 0.1 s for one GPU.
 
     nice -n 10 python bench/store_scale.py [--gpus 1024] [--hours 24] [--interval 10] [--repeat 3]
-    nice -n 10 python bench/store_scale.py --fleet16k > bench/results/store_scale_16k.json
+    nice -n 5 python bench/store_scale.py --fleet16k --hours 4 --interval 60 --hz-minutes 2 --step-interval 20
 """
 
 from __future__ import annotations
