@@ -1,5 +1,6 @@
-"""gpu_samples at fleet scale on chDB: bytes per sample, insert rate, and analyst queries through the
-1-minute rollup and on raw samples (deploy/clickhouse/007_samples_at_scale.sql).
+"""gpu_samples at fleet scale on chDB: bytes per sample, insert rate, and the named fleet-wide range
+queries through the rollups and on raw samples (deploy/clickhouse/007_samples_at_scale.sql and
+013_samples_quantised.sql).
 
 Every field is populated, at the resolution real sources report (NVML / DCGM): whole °C
 temperatures on a slow random walk, power to the mW around a per-GPU level with 25 W noise per
@@ -7,18 +8,21 @@ sample, whole-% utilisation, SM clocks that drop on 1 % of samples (with the pow
 ECC / NVLink / PCIe counters with rare increments, energy in mJ accumulated from the power,
 tensor activity and NIC utilisation to 1e-3 / 1e-4 with noise, a 36-character UUID per GPU, and
 per-node timestamps with 0-20 ms of jitter. Nodes hold 8 GPUs, racks 16 nodes. The data is made
-columnar with NumPy and inserted through ``Store.insert`` in blocks (the production path).
+columnar with NumPy and inserted in blocks through ``Store.insert_gpu_samples`` (the production
+path: it quantises to the sensors' resolution, store/columns.py ``sample_columns``).
 
 Three stores, one after the other in this process (chDB opens one data path at a time):
 
 1. **baseline** — the schema of migrations 001-006 (every field Float64, no codec): one hour of
-   the fleet at 1 Hz, ``OPTIMIZE ... FINAL``, bytes per sample from ``system.columns``;
+   the fleet at 1 Hz inserted as sent (``Store.insert``), ``OPTIMIZE ... FINAL``, bytes per
+   sample from ``system.columns``;
 2. **scaled** — all migrations: the same hour at 1 Hz (bytes per sample, same rows as the
-   baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollup's day);
-   after ``OPTIMIZE ... FINAL`` the bytes of both tables and the rollup's bytes per GPU-minute;
-3. the three analyst queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes``: named queries
-   of ``fleethealth/store/queries/report.py``) over the day through the rollup, over the 1 Hz hour on raw
-   samples, and over the day on raw samples for comparison; best of ``--repeat`` runs each;
+   baseline), then ``--hours`` of the fleet every ``--interval`` s before it (the rollups' day);
+   after ``OPTIMIZE ... FINAL`` the bytes of every table and the rollups' bytes per row;
+3. the named range queries (``rack_temperature``, ``hot_gpus``, ``gpu_minutes`` of
+   ``fleethealth/store/queries/report.py``) over the day and over the 1 Hz hour as ``auto`` picks
+   their table (printed), over the 1 Hz hour and the day on raw samples for comparison; best of
+   ``--repeat`` runs each;
 4. the API's latest readers (``node_summaries``, ``node_gpu_latest``) through the latest-sample
    table ``gpu_latest`` (009) and, as the baseline, scanning every raw sample (``source="raw"``),
    with the answers compared;
@@ -28,16 +32,23 @@ Three stores, one after the other in this process (chDB opens one data path at a
    and what compute_s would take as Float32 (a what-if column, not the schema).
 
 The default samples the day every 10 s (1,024 GPUs: 8.8 M rows; the 1 Hz day is 88 M rows, too
-heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollup's per-minute
-rows are the same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
+heavy for a shared 2-core machine); ``--interval 1`` runs the full rate. The rollups' rows are the
+same at any interval of 60 s or less; raw bytes per sample are quoted at 1 Hz.
 
-``--coarse`` stores power to 0.1 W, energy to the J and the two ratios to 1 %: what a coarser
-resolution would save (not what the probes send).
+``--fleet16k`` runs only the query table at 16,384 GPUs (by default a day at 10 s and an hour at
+1 Hz: 200 M rows, hours to insert on two shared cores; ``--hours 4 --interval 60 --hz-minutes 2``
+gives the rollups the same rows per GPU-minute in minutes), the rows generated in SQL (``INSERT ...
+SELECT FROM numbers()``, straight into the stored columns; the views fill the rollups as for any
+insert, at most 8 minutes of the fleet an insert and 3 GB a query), parts left as the inserts and
+the background merges leave them, and goodput's step times over a job of every GPU.
+
+``--coarse`` sends the two ratios rounded to 1 % (a what-if below the sensors' resolution).
 
 Prints one JSON object; targets: <= 8 bytes per sample with every field populated, < 1 s per
-analyst query.
+fleet-wide query, < 0.1 s for one GPU.
 
     nice -n 10 python bench/store_scale.py [--gpus 1024] [--hours 24] [--interval 10] [--repeat 3]
+    nice -n 5 python bench/store_scale.py --fleet16k --hours 4 --interval 60 --hz-minutes 2 --step-interval 20
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -63,6 +75,8 @@ NODES_PER_RACK = 16
 BLOCK_ROWS = 1_000_000
 TARGET_BYTES_PER_SAMPLE = 8.0
 TARGET_QUERY_S = 1.0
+TARGET_ONE_GPU_S = 0.1
+ROLLUPS = ("gpu_samples_1m", "gpu_samples_1h", "gpu_samples_rack_1m")
 _COUNTERS = {"ecc_sbe_volatile": 0.001, "nvlink_crc_flit": 0.01, "nvlink_crc_data": 0.001, "nvlink_replay": 0.002,
              "nvlink_recovery": 0.0001, "pcie_replay": 0.0005}
 
@@ -145,9 +159,7 @@ class Fleet:
         energy = self.energy[:, None] + np.cumsum(np.round(power * 1000.0 * dt), axis=1)
         self.energy = energy[:, -1]
         fields["energy_mj"] = energy
-        if self.coarse:  # what storing coarser values would save: power to 0.1 W, energy to J, ratios to 1 %
-            fields["power_w"] = np.round(fields["power_w"], 1)
-            fields["energy_mj"] = np.round(fields["energy_mj"], -3)
+        if self.coarse:  # what coarser ratios would save: 1 % (the store keeps 1e-3)
             fields["tensor_active"] = np.round(fields["tensor_active"], 2)
             cols["nic_util"] = np.round(cols["nic_util"], 2)
         assert set(fields) == set(GPU_FIELDS)
@@ -155,14 +167,15 @@ class Fleet:
         return cols
 
 
-def _insert(store: Store, blocks: Iterator[dict[str, Any]]) -> tuple[int, float, float]:
-    """Insert every block; ``(rows, insert seconds, generation seconds)``."""
+def _insert(store: Store, blocks: Iterator[dict[str, Any]], raw: bool = False) -> tuple[int, float, float]:
+    """Insert every block through ``insert_gpu_samples`` (quantised on the way), or as it is (``raw``:
+    the 006 schema); ``(rows, insert seconds, generation seconds)``."""
     rows, spent, made = 0, 0.0, 0.0
     t = time.perf_counter()
     for block in blocks:
         t1 = time.perf_counter()
         made += t1 - t
-        rows += store.insert("gpu_samples", block)
+        rows += store.insert("gpu_samples", block) if raw else store.insert_gpu_samples(block)
         t = time.perf_counter()
         spent += t - t1
     return rows, spent, made
@@ -186,7 +199,9 @@ def _queries(store: Store, since: float, until: float, source: str, repeat: int)
     rack_s, racks = _timed(lambda: store.rack_temperature(since=since, until=until, source=source), repeat)
     hot_s, hot = _timed(lambda: store.hot_gpus(since=since, until=until, limit=20, source=source), repeat)
     one_s, one = _timed(lambda: store.gpu_minutes(node, gpu, since=since, until=until, source=source), repeat)
-    return {"source": source, "span_s": until - since,
+    tables = {q: store.range_table(q, since=since, until=until, source=source)
+              for q in ("rack_temperature", "hot_gpus", "gpu_minutes")}
+    return {"source": source, "span_s": until - since, "tables": tables,
             "rack_temperature_per_minute_s": round(rack_s, 4), "rack_minutes": len(racks),
             "top_hot_gpus_by_p99_s": round(hot_s, 4), "hottest": {k: hot[0][k] for k in ("node", "gpu", "p99_temp_c")},
             "one_gpu_per_minute_s": round(one_s, 4), "one_gpu_minutes": len(one)}
@@ -249,7 +264,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             (old / migration.name).write_text(migration.sql)
     with open_store(f"chdb://{workdir}/baseline") as store:
         store.migrate(old)
-        rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0))
+        rows, spent, _ = _insert(store, Fleet(gpus, coarse=coarse).blocks(hour[0], 3600.0, 1.0), raw=True)
         store.optimize_final("gpu_samples")
         base = _bytes(store, "gpu_samples")
         steps_001 = _rank_step_bytes(store, rank_steps(gpus, 3600.0, step_interval))
@@ -265,12 +280,15 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
         day = Fleet(gpus, seed=2, coarse=coarse).blocks(T0, hours * 3600.0, interval)
         rows_day, spent_day, made_day = _insert(store, day)
         t = time.perf_counter()
-        store.optimize_final("gpu_samples")
-        store.optimize_final("gpu_samples_1m")
+        for table in ("gpu_samples", *ROLLUPS):
+            store.optimize_final(table)
         optimize_s = time.perf_counter() - t
         day_bytes = sum(_bytes(store, "gpu_samples").values()) - sum(hour_bytes.values())
         rollup_bytes = sum(_bytes(store, "gpu_samples_1m").values())
         rollup_rows = store.table_rows("gpu_samples_1m")
+        rollups = {table: {"rows": store.table_rows(table),
+                           "bytes_per_row": round(sum(_bytes(store, table).values())
+                                                  / max(store.table_rows(table), 1), 1)} for table in ROLLUPS}
         per_sample = sum(hour_bytes.values()) / rows_hour
         scaled = {
             "rows_1hz_hour": rows_hour, "bytes_per_sample": round(per_sample, 3),
@@ -282,9 +300,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "bytes_per_sample_day_interval": round(day_bytes / rows_day, 3),
             "rollup_rows": rollup_rows, "rollup_bytes_per_gpu_minute": round(rollup_bytes / rollup_rows, 1),
             "rollup_rows_per_gpu_minute_before_merge_hour": round(rollup_hour_rows / (gpus * 60), 2),
+            "rollups": rollups,
         }
         queries = {
-            "rollup_day": _queries(store, T0, T0 + hours * 3600.0, "rollup", repeat),
+            "auto_day": _queries(store, T0, T0 + hours * 3600.0, "auto", repeat),
+            "auto_1hz_hour": _queries(store, hour[0], hour[1], "auto", repeat),
             "raw_1hz_hour": _queries(store, hour[0], hour[1], "raw", repeat),
             "raw_day": _queries(store, T0, T0 + hours * 3600.0, "raw", 1),
         }
@@ -299,7 +319,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
             "bytes_per_rank_step": round(f32_bytes, 3),
             "max_abs_error_us": round(float(f32_err.max()) * 1e6, 3),
             "note": "Float32 keeps 24 bits: half an ulp is 0.12 us at 1-2 s, 0.48 us at 8-16 s, 0.95 us at 16-32 s"}
-    slowest = max(v for q in ("rollup_day", "raw_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
+    slowest = max(v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items() if k.endswith("_s")
                   and k != "span_s")
     return {
         "bench": "store_scale",
@@ -308,10 +328,11 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
                        "block_rows": BLOCK_ROWS, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
                        "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)",
                        "fields_populated": len(GPU_FIELDS) + 1,
-                       "resolution": "coarse (power 0.1 W, energy J, ratios 1 %)" if coarse else
-                       "sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4)"},
+                       "resolution": "sent: ratios to 1 %" if coarse else
+                       "sent: sources' (power mW, energy mJ, tensor activity 1e-3, NIC utilisation 1e-4); "
+                       "stored: sensors' (power 0.1 W, energy J, ratios 1e-3, utilisation whole %, 0.1 °C)"},
         "baseline_006": {k: round(v, 3) if isinstance(v, float) else v for k, v in baseline.items()},
-        "scaled_007": scaled,
+        "scaled_013": scaled,
         "queries": queries,
         "latest_readers": latest_readers,
         "rank_steps": {"conditions": {"ranks": gpus, "seconds": 3600.0, "step_interval_s": step_interval,
@@ -320,7 +341,7 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
                        "bytes_ratio": round(steps_010["bytes_per_rank_step"] / steps_001["bytes_per_rank_step"], 3)},
         "ratios": {"bytes_per_sample_vs_baseline": round(per_sample / baseline["bytes_per_sample"], 3),
                    "insert_rate_vs_baseline": round(scaled["insert_rows_per_s_1hz"] / baseline["insert_rows_per_s"], 3),
-                   "rollup_day_vs_raw_day_rack_query": round(queries["rollup_day"]["rack_temperature_per_minute_s"]
+                   "auto_day_vs_raw_day_rack_query": round(queries["auto_day"]["rack_temperature_per_minute_s"]
                                                              / max(queries["raw_day"]["rack_temperature_per_minute_s"],
                                                                    1e-9), 4)},
         "targets": {"bytes_per_sample_max": TARGET_BYTES_PER_SAMPLE,
@@ -329,19 +350,155 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
     }
 
 
+# ---------------------------------------------------------------- --fleet16k: the query table at 16,384 GPUs
+_LEAN = ("max_threads = 2, max_insert_threads = 1, min_insert_block_size_rows = 262144, "
+         "max_memory_usage = 3000000000")
+"""An insert of generated rows in blocks of a quarter million, under 3 GB (the machine is shared)."""
+
+
+def _sql_rows(gpus: int, start: float, interval: float, first: int, count: int) -> str:
+    """``INSERT ... SELECT FROM numbers()`` of ``count`` time steps of ``gpus`` GPUs from step ``first``,
+    in the stored columns (013), every field populated: rows in poll order (a time step of every GPU,
+    then the next), per-node timestamps with 0-19 ms of jitter, temperatures on a per-GPU level and a
+    slow sine with noise, power around a per-GPU level with noise, 1 % of samples clocked down with the
+    power-cap reason, counters rising, energy accumulating the GPU's power."""
+    g, k, nd = f"(number % {gpus})", f"intDiv(number, {gpus})", f"intDiv(number % {gpus}, {GPUS_PER_NODE})"
+    hg = f"cityHash64({g})"
+    t = f"({start} + {k} * {interval})"
+    noise = lambda salt, m: f"(cityHash64({g}, {k}, {salt}) % {m})"  # noqa: E731
+    capped = f"({noise(4, 100)} = 0)"
+    cols = {
+        "node": f"concat('n', leftPad(toString({nd}), 5, '0'))",
+        "rack": f"concat('r', leftPad(toString(intDiv({nd}, {NODES_PER_RACK})), 3, '0'))",
+        "gpu": f"toUInt16({g} % {GPUS_PER_NODE})",
+        "ts": f"toDateTime64({t} + (cityHash64({nd}, {k}) % 20) / 1000, 3, 'UTC')",
+        "model": "'NVIDIA H100 80GB HBM3'", "uuid": f"concat('GPU-', lower(hex({hg})))",
+        "nic_util_pm": f"toUInt16(600 + cityHash64({nd}, {k}, 1) % 200)",
+        "temp_dc": f"toInt16(550 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(2, 6)})",
+        "mem_temp_dc": f"toInt16(630 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(7, 6)})",
+        "power_dw": f"toUInt32(5500 + {hg} % 1300 + {noise(3, 500)})", "power_limit_w": "700",
+        "sm_clock_mhz": f"if({capped}, 1755, 1980)", "sm_clock_max_mhz": "1980", "mem_clock_mhz": "2619",
+        "clock_reasons": f"if({capped}, 4, 0)", "util_pct_i": f"toUInt8(90 + {noise(5, 11)})",
+        "ecc_sbe_volatile": f"toFloat64({hg} % 100 + intDiv({k}, 997))", "ecc_dbe_volatile": "0",
+        "ecc_sbe_aggregate": f"toFloat64({hg} % 1000 + intDiv({k}, 997))", "ecc_dbe_aggregate": "0",
+        "retired_sbe": "0", "retired_dbe": "0", "retired_pending": "0", "remap_correctable": f"{hg} % 5",
+        "remap_uncorrectable": "0", "remap_pending": "0", "remap_failure": "0", "nvlink_links_up": "18",
+        "nvlink_links_max": "18", "nvlink_crc_flit": f"toFloat64(intDiv({k}, 101))",
+        "nvlink_crc_data": f"toFloat64(intDiv({k}, 1009))", "nvlink_replay": f"toFloat64(intDiv({k}, 503))",
+        "nvlink_recovery": "0", "pcie_replay": f"toFloat64(intDiv({k}, 2003))", "pcie_gen": "5",
+        "pcie_gen_max": "5", "pcie_width": "16", "pcie_width_max": "16", "fb_used_mib": "70000",
+        "fb_free_mib": "11559", "energy_j": f"toUInt64({hg} % 100000000 + {k} * {interval} * (550 + {hg} % 130))",
+        "tensor_active_pm": f"toUInt16(550 + {noise(6, 100)})", "slowdown_temp_c": "87",
+    }
+    return (f"INSERT INTO gpu_samples ({', '.join(cols)}) SELECT {', '.join(cols.values())} "
+            f"FROM numbers({first * gpus}, {count * gpus}) SETTINGS {_LEAN}")
+
+
+def _sql_insert(store: Store, gpus: int, start: float, seconds: float, interval: float,
+                chunk_rows: int) -> tuple[int, float]:
+    steps = int(round(seconds / interval))
+    # at most 8 minutes an insert: the minute view holds a group per GPU-minute of the insert
+    per = max(1, min(chunk_rows // gpus, int(8 * 60 / interval)))
+    t = time.perf_counter()
+    for first in range(0, steps, per):
+        store.command(_sql_rows(gpus, start, interval, first, min(per, steps - first)))
+    return steps * gpus, time.perf_counter() - t
+
+
+def _goodput(store: Store, ranks: int, start: float, seconds: float, interval: float, chunk_rows: int,
+             repeat: int) -> dict[str, Any]:
+    """One job over ``ranks`` ranks, a step every ``interval`` s for ``seconds``, generated in SQL into
+    ``rank_steps`` (the view fills ``job_steps``); goodput's step times (``job_step_times``, the API's
+    10,000 latest steps) from the per-step rollup and scanning the rank-steps, answers compared."""
+    steps = int(round(seconds / interval))
+    per = max(1, chunk_rows // ranks)
+    t = time.perf_counter()
+    for first in range(0, steps, per):
+        n = min(per, steps - first)
+        store.command(
+            "INSERT INTO rank_steps (job, step, rank, node, gpu, ts, compute_s, rank_group) "
+            f"SELECT 'train-16k', {first} + intDiv(number, {ranks}) AS s, number % {ranks} AS r, "
+            f"concat('n', leftPad(toString(intDiv(r, {GPUS_PER_NODE})), 5, '0')), r % {GPUS_PER_NODE}, "
+            f"toDateTime64({start} + s * {interval} + (cityHash64(intDiv(r, {GPUS_PER_NODE}), s) % 20) / 1000, "
+            "3, 'UTC'), "
+            "round(1.9 + (cityHash64(r) % 200) / 1000 + (cityHash64(r, s) % 40) / 1000, 6), -1 "
+            f"FROM numbers({n * ranks}) SETTINGS {_LEAN}")
+    insert_s = time.perf_counter() - t
+    rollup_s, rollup = _timed(lambda: store.job_step_times("train-16k", limit=10_000), repeat)
+    raw_s, raw = _timed(lambda: store.job_step_times("train-16k", limit=10_000, source="raw"), 1)
+    return {"ranks": ranks, "steps": steps, "rank_steps": steps * ranks, "insert_s": round(insert_s, 1),
+            "job_steps_rows": store.table_rows("job_steps"), "job_step_times_rollup_s": round(rollup_s, 4),
+            "job_step_times_raw_s": round(raw_s, 4), "same_answer": rollup == raw, "steps_read": len(rollup)}
+
+
+def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
+             chunk_rows: int = 1_000_000, step_interval: float = 2.0, hz_minutes: float = 60.0) -> dict[str, Any]:
+    """``gpus`` GPUs: ``hours`` at ``interval`` s, then an hour at 1 Hz, generated in SQL into the
+    schema of every migration; each named fleet-wide query over the day and the hour (the table each
+    one chose), forced raw over the hour for comparison, one GPU's minutes over the day."""
+    day = (T0, T0 + hours * 3600.0)
+    hour = (day[1], day[1] + hz_minutes * 60.0)
+    with open_store(f"chdb://{workdir}/fleet16k") as store:
+        store.migrate()
+        rows_day, day_s = _sql_insert(store, gpus, day[0], hours * 3600.0, interval, chunk_rows)
+        rows_hour, hour_s = _sql_insert(store, gpus, hour[0], hz_minutes * 60.0, 1.0, chunk_rows)
+        tables = {t: {"rows": store.table_rows(t),
+                      "parts": int(store.query("SELECT count() FROM system.parts WHERE database = currentDatabase() "
+                                               "AND table = {t:String} AND active", {"t": t}).rows[0][0])}
+                  for t in ("gpu_samples", *ROLLUPS)}
+        queries = {
+            "auto_day": _queries(store, *day, "auto", repeat),
+            "auto_1hz_hour": _queries(store, *hour, "auto", repeat),
+            "auto_1hz_mid_minute": _queries(store, hour[0] + 30.0, hour[1] - 30.0, "auto", 1),
+            "raw_1hz_hour": _queries(store, *hour, "raw", 1),
+        }
+        goodput = _goodput(store, gpus, hour[0], hz_minutes * 60.0, step_interval, chunk_rows, repeat)
+    fleet = [v for q in ("auto_day", "auto_1hz_hour") for k, v in queries[q].items()
+             if k in ("rack_temperature_per_minute_s", "top_hot_gpus_by_p99_s")] + [goodput["job_step_times_rollup_s"]]
+    one = [queries[q]["one_gpu_per_minute_s"] for q in ("auto_day", "auto_1hz_hour")]
+    return {
+        "bench": "store_scale --fleet16k",
+        "conditions": {"gpus": gpus, "hours": hours, "interval_s": interval, "raw_1hz_minutes": hz_minutes,
+                       "repeat": repeat, "gpus_per_node": GPUS_PER_NODE, "nodes_per_rack": NODES_PER_RACK,
+                       "generated": "in SQL (INSERT ... SELECT FROM numbers()), stored columns of 013, "
+                                    f"{chunk_rows:,} rows an insert; no OPTIMIZE (parts as the inserts and "
+                                    "background merges left them)",
+                       "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                       "python": platform.python_version(), "engine": "chDB (embedded ClickHouse)"},
+        "insert": {"rows_day": rows_day, "rows_hour": rows_hour, "insert_s_day": round(day_s, 1),
+                   "insert_s_hour": round(hour_s, 1),
+                   "rows_per_s": round((rows_day + rows_hour) / max(day_s + hour_s, 1e-9))},
+        "tables": tables,
+        "queries": queries,
+        "goodput_step_times": goodput,
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "targets": {"fleet_query_s_max": TARGET_QUERY_S, "slowest_fleet_query_s": max(fleet),
+                    "fleet_queries_met": max(fleet) < TARGET_QUERY_S, "one_gpu_s_max": TARGET_ONE_GPU_S,
+                    "slowest_one_gpu_s": max(one), "one_gpu_met": max(one) < TARGET_ONE_GPU_S},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", type=int, default=1024)
+    parser.add_argument("--gpus", type=int, default=None, help="default 1,024 (16,384 with --fleet16k)")
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples over the day")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--step-interval", type=float, default=2.0, help="seconds between the rank-steps' steps")
     parser.add_argument("--coarse", action="store_true",
-                        help="what-if: power to 0.1 W, energy to J, tensor activity and NIC utilisation to 1 %%")
+                        help="what-if: tensor activity and NIC utilisation sent to 1 %%")
+    parser.add_argument("--hz-minutes", type=float, default=60.0, help="--fleet16k: minutes at 1 Hz after the day")
+    parser.add_argument("--fleet16k", action="store_true",
+                        help="the query table only, at 16,384 GPUs, rows generated in SQL (tens of minutes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-store-scale-") as tmp:
-        print(json.dumps(run(args.gpus, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
-                                    args.step_interval), indent=2))
+        if args.fleet16k:
+            out = fleet16k(args.gpus or 16_384, args.hours, args.interval, args.repeat, Path(tmp),
+                           step_interval=args.step_interval, hz_minutes=args.hz_minutes)
+        else:
+            out = run(args.gpus or 1024, args.hours, args.interval, args.repeat, Path(tmp), args.coarse,
+                      args.step_interval)
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from fleethealth.schema import GPU_FIELDS, Event, Finding, Recommendation, StepB
 
 __all__ = [
     "telemetry_columns",
+    "sample_columns",
+    "QUANTISED",
+    "ROUNDED",
     "step_columns",
     "Codes",
     "event_columns",
@@ -37,17 +40,37 @@ __all__ = [
 ]
 
 FLOAT32_FIELDS: frozenset[str] = frozenset({
-    "nic_util", "temp_c", "mem_temp_c", "power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
-    "mem_clock_mhz", "util_pct", "retired_sbe", "retired_dbe", "retired_pending", "remap_correctable",
-    "remap_uncorrectable", "remap_pending", "remap_failure", "nvlink_links_up", "nvlink_links_max", "pcie_gen",
-    "pcie_gen_max", "pcie_width", "pcie_width_max", "fb_used_mib", "fb_free_mib", "tensor_active",
+    "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "retired_sbe", "retired_dbe",
+    "retired_pending", "remap_correctable", "remap_uncorrectable", "remap_pending", "remap_failure", "nvlink_links_up",
+    "nvlink_links_max", "pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max", "fb_used_mib", "fb_free_mib",
     "slowdown_temp_c",
 })
 """``gpu_samples`` columns stored as Float32 (``deploy/clickhouse/007_samples_at_scale.sql``): each
-field's range (``schema.GPU_FIELD_RANGES``) and its sources' resolution (whole °C, MHz and %, W to
-the mW below 16,384 W, link widths, MiB below 2^24) fit in 24 bits of mantissa. The others are
-counters that can pass 2^24, or the clock-reason bitmask, and stay Float64. Readers give a Float32
-value back as the shortest decimal that rounds to it (:func:`decimal_floats`), so 71.3 reads 71.3."""
+field's range (``schema.GPU_FIELD_RANGES``) and its sources' resolution (whole MHz, W to 0.1 W below
+16,384 W, link widths, MiB below 2^24) fit in 24 bits of mantissa. Counters that can pass 2^24 and the
+clock-reason bitmask stay Float64; the gauges of :data:`QUANTISED` are scaled integers. Readers give a
+Float32 value back as the shortest decimal that rounds to it (:func:`decimal_floats`), so 71.3 reads 71.3."""
+
+QUANTISED: dict[str, tuple[str, float, str, int]] = {
+    # field: (stored column, units of the field per stored step, stored dtype, "not reported")
+    "temp_c": ("temp_dc", 0.1, "<i2", -32768),
+    "mem_temp_c": ("mem_temp_dc", 0.1, "<i2", -32768),
+    "power_w": ("power_dw", 0.1, "<u4", 2**32 - 1),
+    "util_pct": ("util_pct_i", 1.0, "<u1", 2**8 - 1),
+    "energy_mj": ("energy_j", 1000.0, "<u8", 2**64 - 1),
+    "tensor_active": ("tensor_active_pm", 0.001, "<u2", 2**16 - 1),
+    "nic_util": ("nic_util_pm", 0.001, "<u2", 2**16 - 1),
+}
+"""Gauges stored as scaled integers at their sensor's resolution (``deploy/clickhouse/013_samples_quantised.sql``;
+the sources are cited in ``docs/scaling.md``): the field's value is ``stored * step``, the sentinel is a
+NaN (not reported), and the table reads the field back through an ALIAS column of the field's name."""
+
+ROUNDED: dict[str, float] = {
+    "power_limit_w": 0.1, "sm_clock_mhz": 1.0, "sm_clock_max_mhz": 1.0, "mem_clock_mhz": 1.0,
+    "fb_used_mib": 1.0, "fb_free_mib": 1.0, "slowdown_temp_c": 0.1,
+}
+"""Float32 gauges rounded to their sensor's resolution before they are stored (whole MHz and MiB,
+0.1 W, 0.1 °C); counters, flags, link widths and the clock-reason bitmask are stored as sent."""
 
 
 # ---------------------------------------------------------------- insert builders
@@ -68,6 +91,42 @@ def telemetry_columns(samples: Sequence[Telemetry]) -> dict[str, Any]:
     for name in GPU_FIELDS:
         cols[name] = np.concatenate([s.columns[name] for s in samples]).astype(np.float64)
     return cols
+
+
+def sample_columns(columns: dict[str, Any]) -> dict[str, Any]:
+    """``gpu_samples`` columns as stored, from columns named as the fields (``telemetry_columns``'s form):
+    each gauge of :data:`QUANTISED` becomes its scaled integer column (NaN and infinities: the
+    sentinel), each of :data:`ROUNDED` is rounded to its step, the rest pass as they are. One NumPy pass
+    a column. A finite value outside the stored type's range raises :class:`StoreError` naming the field
+    (the schema's ranges keep decoded telemetry inside)."""
+    out: dict[str, Any] = {}
+    for name, column in columns.items():
+        spec = QUANTISED.get(name)
+        if spec is not None:
+            out[spec[0]] = _quantise(name, column, spec)
+        elif name in ROUNDED:
+            step = ROUNDED[name]
+            values = np.asarray(column, dtype=np.float64)
+            out[name] = np.round(values / step) * step if step != 1.0 else np.round(values)
+        else:
+            out[name] = column
+    return out
+
+
+def _quantise(name: str, column: Any, spec: tuple[str, float, str, int]) -> np.ndarray:
+    _, step, dtype, sentinel = spec
+    values = np.asarray(column, dtype=np.float64)
+    finite = np.isfinite(values)
+    scaled = np.round(values / step) if step >= 1.0 else np.round(values * round(1.0 / step))
+    info = np.iinfo(dtype)
+    lo, hi = info.min + (sentinel == info.min), info.max - (sentinel == info.max)
+    ok = finite & (scaled >= lo) & (scaled <= hi)
+    if not np.array_equal(ok, finite):
+        bad = float(values[finite & ~ok][0])
+        raise StoreError(f"gpu_samples: {name} = {bad!r} does not fit its stored column ({dtype}, step {step})")
+    out = np.full(values.shape, sentinel, dtype=dtype)
+    out[finite] = scaled[finite].astype(dtype)
+    return out
 
 
 class Codes:

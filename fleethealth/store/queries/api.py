@@ -237,13 +237,21 @@ class ApiQueries(QueriesBase):
             "FROM findings FINAL WHERE node = {node:String} ORDER BY ts_s DESC, id LIMIT {limit:UInt32}",
             {"node": node, "limit": limit}).dicts()
 
-    def job_step_times(self, job: str, *, limit: int) -> list[tuple[Any, ...]]:
+    def job_step_times(self, job: str, *, limit: int, source: str = "rollup") -> list[tuple[Any, ...]]:
         """``(step, step_s, end_ts)`` of the ``limit`` most recent steps of ``job``, oldest first: the
-        step time is the slowest rank's compute time, ``end_ts`` the latest rank's event time (s)."""
-        res = self.query(
-            f"SELECT step, max(compute_s) AS step_s, max({TS}) AS end_ts FROM rank_steps WHERE job = {{job:String}} "
-            "GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}", {"job": job, "limit": limit})
-        return res.rows[::-1]
+        step time is the slowest rank's compute time, ``end_ts`` the latest rank's event time (s). Read
+        from the per-step rollup ``job_steps`` (``deploy/clickhouse/014_job_steps.sql``: one row per
+        step, the same maxima), or with ``source="raw"`` from every rank-step."""
+        if source not in ("rollup", "raw"):
+            raise ConfigError(f"source must be 'rollup' or 'raw', got {source!r}")
+        if source == "rollup":
+            sql = ("SELECT step, max(step_s) AS step_s, toFloat64(toUnixTimestamp64Milli(max(end_ts))) / 1000 "
+                   "AS end_ts FROM job_steps WHERE job = {job:String} GROUP BY step ORDER BY step DESC "
+                   "LIMIT {limit:UInt32}")
+        else:
+            sql = (f"SELECT step, max(compute_s) AS step_s, max({TS}) AS end_ts FROM rank_steps "
+                   "WHERE job = {job:String} GROUP BY step ORDER BY step DESC LIMIT {limit:UInt32}")
+        return self.query(sql, {"job": job, "limit": limit}).rows[::-1]
 
     def job_spans(self, *, since: float, until: float) -> list[tuple[str, int, float, float]]:
         """``(job, nodes, first ts, last ts)`` of every job with steps in the hours that ``[since, until]``

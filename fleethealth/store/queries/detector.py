@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import orjson
 
@@ -14,6 +15,7 @@ from fleethealth.store.columns import (
     event_columns,
     finding_columns,
     recommendation_columns,
+    sample_columns,
     step_columns,
     telemetry_columns,
 )
@@ -30,7 +32,13 @@ class DetectorQueries(QueriesBase):
     def insert_telemetry(self, samples: Sequence[Telemetry], *, dedup_token: str | None = None) -> int:
         if not samples:
             return 0
-        return self.insert("gpu_samples", telemetry_columns(samples), dedup_token=dedup_token)
+        return self.insert_gpu_samples(telemetry_columns(samples), dedup_token=dedup_token)
+
+    def insert_gpu_samples(self, columns: dict[str, Any], *, dedup_token: str | None = None) -> int:
+        """Insert ``gpu_samples`` given as columns named as the fields (``node``, ``rack``, ``gpu``, ``ts``,
+        ``model``, ``uuid``, ``nic_util`` and :data:`~fleethealth.schema.GPU_FIELDS`, in their units):
+        quantised to the sensors' resolution on the way (:func:`~fleethealth.store.columns.sample_columns`)."""
+        return self.insert("gpu_samples", sample_columns(columns), dedup_token=dedup_token)
 
     def insert_steps(self, batches: Sequence[StepBatch], *, dedup_token: str | None = None) -> int:
         if not batches:

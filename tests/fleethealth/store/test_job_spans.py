@@ -45,7 +45,7 @@ def test_an_older_store_is_backfilled(tmp_path: Path) -> None:
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate(old)
         store.insert_steps(_steps("llm-a", ["gpu-a1", "gpu-a2"], T0, T0 + 2 * H, 60.0))
-        assert store.migrate() == ["012_job_node_hours.sql"]
+        assert store.migrate() == ["012_job_node_hours.sql", "013_samples_quantised.sql", "014_job_steps.sql"]
         assert store.job_spans(since=T0, until=T0 + 2 * H) == [("llm-a", 2, T0, T0 + 2 * H)]
         store.insert_steps(_steps("llm-a", ["gpu-a3"], T0 + 3 * H, T0 + 4 * H, 60.0))   # the view: new rows
         assert store.job_spans(since=T0, until=T0 + 4 * H) == [("llm-a", 3, T0, T0 + 4 * H)]

@@ -99,8 +99,9 @@ def test_a_migrator_stopped_between_every_two_steps_ends_as_an_uninterrupted_run
         interrupted = _fingerprint(store)
         assert status(store).current and status(store).dirty == {}
     recorded = [s for _, todo in _pending_statements(7) for s in plan_steps(todo) if not s.idempotent]
-    # renames, CREATEs without IF NOT EXISTS, copies, DROPs without IF EXISTS, and 012's backfill
-    assert len(recorded) == 14
+    # renames, CREATEs without IF NOT EXISTS, copies, DROPs without IF EXISTS, 012's backfill, and 013's
+    # rename, create, copy, drop, the minute rollup's new setting and the two rollups' backfills, 014's backfill
+    assert len(recorded) == 22
     # begun, ran, done around each recorded step (a kill between two idempotent ones is the same as one
     # before the next recorded step), applied after each migration
     applied = sum(1 for f in migration_files() if int(f.name[:3]) >= 7)
@@ -242,10 +243,10 @@ def test_detect_serve_and_act_refuse_a_store_with_pending_migrations(tmp_path: P
         capsys.readouterr()
         assert main([*argv, "--store", dsn]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert err.startswith(f"fleethealth {argv[0]}: error: the store chdb://") and "10 pending migration(s): " \
+        assert err.startswith(f"fleethealth {argv[0]}: error: the store chdb://") and "12 pending migration(s): " \
             "003_policy.sql, 004_gpu_memory.sql" in err and "run `fleethealth migrate up`" in err, err
     with open_store(dsn) as store:
-        assert len(status(store).pending) == 10  # nothing migrated, --no-detect --migrate included
+        assert len(status(store).pending) == 12  # nothing migrated, --no-detect --migrate included
     # --migrate applies them (then act joins its group on the broker and, idle, exits)
     assert main(["act", "--scheduler", "slurm", "--kafka", broker.dsn, "--store", dsn, "--migrate",
                  "--dry-run", "--idle-exit", "0"]) in (0, 2)

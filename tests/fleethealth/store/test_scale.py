@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleethealth.errors import ConfigError, StoreError
@@ -14,7 +15,7 @@ from fleethealth.schema import GPU_FIELDS, ClockReason, Telemetry
 from fleethealth.store import Store, migration_files, open_store, split_statements
 from fleethealth.store.backends import split_options
 from fleethealth.store.cluster import ClusterDDL, migrations_ddl
-from fleethealth.store.columns import FLOAT32_FIELDS
+from fleethealth.store.columns import FLOAT32_FIELDS, QUANTISED, telemetry_columns
 from fleethealth.store.migrations import raw_retention_days, statements
 
 T0 = 1_767_225_600.0  # a whole minute
@@ -52,9 +53,11 @@ def _samples(minutes: int = 3, start: float = T0) -> list[Telemetry]:
 def test_fresh_store_has_typed_compressed_columns_and_a_retention(store: Store) -> None:
     codecs = _codecs(store, "gpu_samples")
     assert codecs["ts"] == "CODEC(Delta(8), ZSTD(1))"
-    assert codecs["temp_c"] == "CODEC(Gorilla(4), ZSTD(1))" and codecs["power_w"] == "CODEC(ZSTD(6))"
-    assert codecs["energy_mj"] == "CODEC(Delta(8), ZSTD(1))" and codecs["uuid"] == "CODEC(ZSTD(3))"
-    assert all(codecs[f] for f in GPU_FIELDS)  # every field has a codec
+    assert codecs["temp_dc"] == "CODEC(T64, ZSTD(3))" and codecs["power_dw"] == "CODEC(T64, ZSTD(3))"
+    assert codecs["energy_j"] == "CODEC(Delta(8), ZSTD(3))" and codecs["uuid"] == "CODEC(ZSTD(3))"
+    stored = {QUANTISED[f][0] if f in QUANTISED else f for f in GPU_FIELDS}
+    assert all(codecs[f] for f in stored)  # every stored field has a codec
+    assert all(codecs[f] == "" for f in QUANTISED)  # the fields' own names are aliases of them
     ddl = _create(store, "gpu_samples")
     assert "TTL received + toIntervalDay(14)" in ddl and "ttl_only_drop_parts = 1" in ddl
     assert "PARTITION BY toDate(ts)" in ddl and raw_retention_days(store) == 14
@@ -62,7 +65,9 @@ def test_fresh_store_has_typed_compressed_columns_and_a_retention(store: Store) 
     engines = dict(store.query("SELECT name, engine FROM system.tables WHERE database = currentDatabase() "
                                "AND name LIKE 'gpu_samples%'").rows)
     assert engines == {"gpu_samples": "ReplacingMergeTree", "gpu_samples_1m": "AggregatingMergeTree",
-                       "gpu_samples_1m_mv": "MaterializedView"}
+                       "gpu_samples_1m_mv": "MaterializedView", "gpu_samples_1h": "AggregatingMergeTree",
+                       "gpu_samples_1h_mv": "MaterializedView", "gpu_samples_rack_1m": "AggregatingMergeTree",
+                       "gpu_samples_rack_1m_mv": "MaterializedView"}
 
 
 def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_path: Path) -> None:
@@ -76,20 +81,23 @@ def test_an_old_store_upgrades_keeping_its_rows_and_backfills_the_rollup(tmp_pat
         store.migrate(old)
         assert "gpu_samples_1m" not in _tables(store)
         assert _codecs(store, "gpu_samples")["temp_c"] == ""  # 001: plain Float64, no codec
-        store.insert_telemetry(samples)
+        store.insert("gpu_samples", telemetry_columns(samples))  # as written before 013: not quantised
         assert store.migrate() == ["007_samples_at_scale.sql", "008_finding_episodes.sql", "009_gpu_latest.sql",
                                   "010_rank_steps_at_scale.sql", "011_detector_snapshots.sql",
-                                  "012_job_node_hours.sql"]
-        assert _codecs(store, "gpu_samples")["temp_c"] == "CODEC(Gorilla(4), ZSTD(1))"
+                                  "012_job_node_hours.sql", "013_samples_quantised.sql",
+                                  "014_job_steps.sql"]
+        assert _codecs(store, "gpu_samples")["temp_dc"] == "CODEC(T64, ZSTD(3))"
         assert "gpu_samples_006" not in _tables(store)
         back = store.telemetry()
         assert len(back) == len(samples)
         by_key = {(t.node, t.ts): t for t in back}
         for sent in samples:
             got = by_key[(sent.node, sent.ts)]
-            for field in ("temp_c", "power_w", "energy_mj", "clock_reasons"):
+            for field in ("temp_c", "power_w", "clock_reasons"):
                 assert got.columns[field].tolist() == pytest.approx(sent.columns[field].tolist(), nan_ok=True,
                                                                     rel=0, abs=0)
+            # copied by 013 at the sensor's resolution: the energy counter to the J
+            assert got.columns["energy_mj"].tolist() == (np.round(sent.columns["energy_mj"] / 1000) * 1000).tolist()
         rollup = store.gpu_minutes("n0001", 1, since=T0, until=T0 + 180.0, source="rollup")
         assert [r["samples"] for r in rollup] == [3, 3, 3]
         assert store.migrate() == []
@@ -252,12 +260,13 @@ def test_an_old_store_backfills_gpu_latest_and_rank_steps_keep_their_rows(tmp_pa
     batches = make_batches(steps=4, nodes=2)
     with open_store(f"chdb://{tmp_path}/store?raw_retention_days=21") as store:
         store.migrate(old)
-        store.insert_telemetry(_samples() + [_one("n0001", T0 + 990.0, 40.0, rack="r01")])
+        store.insert("gpu_samples", telemetry_columns(_samples() + [_one("n0001", T0 + 990.0, 40.0, rack="r01")]))
         store.insert_steps(batches)
         raw = store.node_summaries(source="raw")
         assert "gpu_latest" not in _tables(store)
         assert store.migrate() == ["009_gpu_latest.sql", "010_rank_steps_at_scale.sql",
-                                   "011_detector_snapshots.sql", "012_job_node_hours.sql"]
+                                   "011_detector_snapshots.sql", "012_job_node_hours.sql",
+                                   "013_samples_quantised.sql", "014_job_steps.sql"]
         assert store.node_summaries() == raw and store.table_rows("gpu_latest") == 4
         back = store.steps("train-1")
         assert [(b.step, b.node) for b in back] == [(b.step, b.node) for b in batches]
