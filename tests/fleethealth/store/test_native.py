@@ -50,7 +50,7 @@ def test_gpu_samples_go_as_one_native_block_with_their_uuids(store) -> None:
     and reads back as given; a UUID the writer does not take (another length, not ASCII, a NUL at its
     end) sends the insert through the client, which stores it as given."""
     from fleethealth.schema import Telemetry
-    from fleethealth.store.columns import telemetry_columns
+    from fleethealth.store.columns import sample_columns, telemetry_columns
 
     def sample(node: str, ts: float, uuid: tuple[str, ...]) -> Telemetry:
         return Telemetry.from_columns(node, "rack-1", ts, [0, 1], model="H100", uuid=uuid, temp_c=[60.0, 61.5],
@@ -62,14 +62,14 @@ def test_gpu_samples_go_as_one_native_block_with_their_uuids(store) -> None:
                         sample("e", 1_767_225_602.0, ("GPU-é", "x\x00")),
                         sample("f", 1_767_225_602.0, ("GPU-0007", "GPU-000\x00"))]}
     types = store._table_types("gpu_samples")
-    assert encode_native(telemetry_columns(polls["native"][:2]), types) is not None
-    assert encode_native(telemetry_columns(polls["native"]), types) is None  # "" beside UUIDs: not one length
-    assert encode_native(telemetry_columns(polls["native"][2:]), types) is not None
+    assert encode_native(sample_columns(telemetry_columns(polls["native"][:2])), types) is not None
+    assert encode_native(sample_columns(telemetry_columns(polls["native"])), types) is None  # "" beside UUIDs
+    assert encode_native(sample_columns(telemetry_columns(polls["native"][2:])), types) is not None
     for name, poll in polls.items():
-        assert encode_native(telemetry_columns(poll), types) is None or name == "native"
+        assert encode_native(sample_columns(telemetry_columns(poll)), types) is None or name == "native"
         assert store.insert_telemetry(poll, dedup_token=name) == 6
     rows = store.query("SELECT node, gpu, uuid, model, rack, temp_c, power_w FROM gpu_samples ORDER BY node, gpu").rows
     want = [(s.node, g, (s.uuid or ("", ""))[g], "H100", "rack-1", float(s.columns["temp_c"][g]))
             for poll in polls.values() for s in poll for g in (0, 1)]
     assert [(r[0], r[1], r[2], r[3], r[4], float(r[5])) for r in rows] == want
-    assert np.isnan(float(rows[1][6])) and float(rows[0][6]) == 500.25
+    assert np.isnan(float(rows[1][6])) and float(rows[0][6]) == 500.2  # power to the sensor's 0.1 W
