@@ -51,7 +51,7 @@ from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import Producer, ensure_topics, parse_dsn
 from fleethealth.detectors.runner import Runner, tune_gc
 from fleethealth.schema import GPU_FIELD_RANGES, GPU_FIELDS, NicPorts, Telemetry
-from fleethealth.store import Store, open_store
+from fleethealth.store import Store, open_store, synthetic
 
 TARGET_PER_CORE = 200_000
 TARGET_RATIO = 20.0
@@ -153,8 +153,7 @@ def _publish(dsn: str, rounds: list[list[Telemetry]]) -> int:
 
 
 def _stored(store: Store, first_ts: float) -> int:
-    res = store.query("SELECT count() FROM gpu_samples WHERE ts >= {t:Float64}", {"t": first_ts})
-    return int(res.rows[0][0])
+    return synthetic.gpu_samples_since(store, first_ts)
 
 
 def _run_stage(dsn: str, store: Store, fleet: Fleet, samples: int, group: str,
@@ -226,7 +225,7 @@ def _insert_rows(store: Store, rows: list[dict]) -> None:
                                                                          "uuid", "nic_util")}
     for name in GPU_FIELDS:
         cols[name] = [math.nan if r.get(name) is None else float(r[name]) for r in rows]
-    store.insert("gpu_samples", cols)
+    store.insert_gpu_samples(cols)  # quantised to the sensors' resolution, as the stage writes them
 
 
 def _run_baseline(dsn: str, store: Store, fleet: Fleet, samples: int, group: str, batch: int) -> Rate:

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from fleethealth.schema import GPU_FIELDS
-from fleethealth.store import Store, migration_files, open_store
+from fleethealth.store import Store, migration_files, open_store, synthetic
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 GPUS_PER_NODE = 8
@@ -351,60 +351,6 @@ def run(gpus: int, hours: float, interval: float, repeat: int, workdir: Path,
 
 
 # ---------------------------------------------------------------- --fleet16k: the query table at 16,384 GPUs
-_LEAN = ("max_threads = 2, max_insert_threads = 1, min_insert_block_size_rows = 262144, "
-         "max_memory_usage = 3000000000")
-"""An insert of generated rows in blocks of a quarter million, under 3 GB (the machine is shared)."""
-
-
-def _sql_rows(gpus: int, start: float, interval: float, first: int, count: int) -> str:
-    """``INSERT ... SELECT FROM numbers()`` of ``count`` time steps of ``gpus`` GPUs from step ``first``,
-    in the stored columns (013), every field populated: rows in poll order (a time step of every GPU,
-    then the next), per-node timestamps with 0-19 ms of jitter, temperatures on a per-GPU level and a
-    slow sine with noise, power around a per-GPU level with noise, 1 % of samples clocked down with the
-    power-cap reason, counters rising, energy accumulating the GPU's power."""
-    g, k, nd = f"(number % {gpus})", f"intDiv(number, {gpus})", f"intDiv(number % {gpus}, {GPUS_PER_NODE})"
-    hg = f"cityHash64({g})"
-    t = f"({start} + {k} * {interval})"
-    noise = lambda salt, m: f"(cityHash64({g}, {k}, {salt}) % {m})"  # noqa: E731
-    capped = f"({noise(4, 100)} = 0)"
-    cols = {
-        "node": f"concat('n', leftPad(toString({nd}), 5, '0'))",
-        "rack": f"concat('r', leftPad(toString(intDiv({nd}, {NODES_PER_RACK})), 3, '0'))",
-        "gpu": f"toUInt16({g} % {GPUS_PER_NODE})",
-        "ts": f"toDateTime64({t} + (cityHash64({nd}, {k}) % 20) / 1000, 3, 'UTC')",
-        "model": "'NVIDIA H100 80GB HBM3'", "uuid": f"concat('GPU-', lower(hex({hg})))",
-        "nic_util_pm": f"toUInt16(600 + cityHash64({nd}, {k}, 1) % 200)",
-        "temp_dc": f"toInt16(550 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(2, 6)})",
-        "mem_temp_dc": f"toInt16(630 + {hg} % 200 + round(50 * sin({t} / 900 + {hg} % 7)) + {noise(7, 6)})",
-        "power_dw": f"toUInt32(5500 + {hg} % 1300 + {noise(3, 500)})", "power_limit_w": "700",
-        "sm_clock_mhz": f"if({capped}, 1755, 1980)", "sm_clock_max_mhz": "1980", "mem_clock_mhz": "2619",
-        "clock_reasons": f"if({capped}, 4, 0)", "util_pct_i": f"toUInt8(90 + {noise(5, 11)})",
-        "ecc_sbe_volatile": f"toFloat64({hg} % 100 + intDiv({k}, 997))", "ecc_dbe_volatile": "0",
-        "ecc_sbe_aggregate": f"toFloat64({hg} % 1000 + intDiv({k}, 997))", "ecc_dbe_aggregate": "0",
-        "retired_sbe": "0", "retired_dbe": "0", "retired_pending": "0", "remap_correctable": f"{hg} % 5",
-        "remap_uncorrectable": "0", "remap_pending": "0", "remap_failure": "0", "nvlink_links_up": "18",
-        "nvlink_links_max": "18", "nvlink_crc_flit": f"toFloat64(intDiv({k}, 101))",
-        "nvlink_crc_data": f"toFloat64(intDiv({k}, 1009))", "nvlink_replay": f"toFloat64(intDiv({k}, 503))",
-        "nvlink_recovery": "0", "pcie_replay": f"toFloat64(intDiv({k}, 2003))", "pcie_gen": "5",
-        "pcie_gen_max": "5", "pcie_width": "16", "pcie_width_max": "16", "fb_used_mib": "70000",
-        "fb_free_mib": "11559", "energy_j": f"toUInt64({hg} % 100000000 + {k} * {interval} * (550 + {hg} % 130))",
-        "tensor_active_pm": f"toUInt16(550 + {noise(6, 100)})", "slowdown_temp_c": "87",
-    }
-    return (f"INSERT INTO gpu_samples ({', '.join(cols)}) SELECT {', '.join(cols.values())} "
-            f"FROM numbers({first * gpus}, {count * gpus}) SETTINGS {_LEAN}")
-
-
-def _sql_insert(store: Store, gpus: int, start: float, seconds: float, interval: float,
-                chunk_rows: int) -> tuple[int, float]:
-    steps = int(round(seconds / interval))
-    # at most 8 minutes an insert: the minute view holds a group per GPU-minute of the insert
-    per = max(1, min(chunk_rows // gpus, int(8 * 60 / interval)))
-    t = time.perf_counter()
-    for first in range(0, steps, per):
-        store.command(_sql_rows(gpus, start, interval, first, min(per, steps - first)))
-    return steps * gpus, time.perf_counter() - t
-
-
 def _goodput(store: Store, ranks: int, start: float, seconds: float, interval: float, chunk_rows: int,
              repeat: int) -> dict[str, Any]:
     """One job over ``ranks`` ranks, a step every ``interval`` s for ``seconds``, generated in SQL into
@@ -415,14 +361,7 @@ def _goodput(store: Store, ranks: int, start: float, seconds: float, interval: f
     t = time.perf_counter()
     for first in range(0, steps, per):
         n = min(per, steps - first)
-        store.command(
-            "INSERT INTO rank_steps (job, step, rank, node, gpu, ts, compute_s, rank_group) "
-            f"SELECT 'train-16k', {first} + intDiv(number, {ranks}) AS s, number % {ranks} AS r, "
-            f"concat('n', leftPad(toString(intDiv(r, {GPUS_PER_NODE})), 5, '0')), r % {GPUS_PER_NODE}, "
-            f"toDateTime64({start} + s * {interval} + (cityHash64(intDiv(r, {GPUS_PER_NODE}), s) % 20) / 1000, "
-            "3, 'UTC'), "
-            "round(1.9 + (cityHash64(r) % 200) / 1000 + (cityHash64(r, s) % 40) / 1000, 6), -1 "
-            f"FROM numbers({n * ranks}) SETTINGS {_LEAN}")
+        synthetic.rank_steps(store, "train-16k", ranks, first, n, start, interval, GPUS_PER_NODE)
     insert_s = time.perf_counter() - t
     rollup_s, rollup = _timed(lambda: store.job_step_times("train-16k", limit=10_000), repeat)
     raw_s, raw = _timed(lambda: store.job_step_times("train-16k", limit=10_000, source="raw"), 1)
@@ -440,11 +379,12 @@ def fleet16k(gpus: int, hours: float, interval: float, repeat: int, workdir: Pat
     hour = (day[1], day[1] + hz_minutes * 60.0)
     with open_store(f"chdb://{workdir}/fleet16k") as store:
         store.migrate()
-        rows_day, day_s = _sql_insert(store, gpus, day[0], hours * 3600.0, interval, chunk_rows)
-        rows_hour, hour_s = _sql_insert(store, gpus, hour[0], hz_minutes * 60.0, 1.0, chunk_rows)
+        rows_day, day_s = synthetic.gpu_samples(store, gpus, day[0], hours * 3600.0, interval, chunk_rows,
+                                                GPUS_PER_NODE, NODES_PER_RACK)
+        rows_hour, hour_s = synthetic.gpu_samples(store, gpus, hour[0], hz_minutes * 60.0, 1.0, chunk_rows,
+                                                  GPUS_PER_NODE, NODES_PER_RACK)
         tables = {t: {"rows": store.table_rows(t),
-                      "parts": int(store.query("SELECT count() FROM system.parts WHERE database = currentDatabase() "
-                                               "AND table = {t:String} AND active", {"t": t}).rows[0][0])}
+                      "parts": synthetic.active_parts(store, t)}
                   for t in ("gpu_samples", *ROLLUPS)}
         queries = {
             "auto_day": _queries(store, *day, "auto", repeat),
