@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -188,23 +189,38 @@ class Core(ABC):
         ready = [r for r in records if self.takes(r.msg)]
         out, kept, poisoned = self._conclude(ready, now, final)
         token = _token(kept, out)
-        telemetry = tuple(r.msg for r in kept if isinstance(r.msg, Telemetry))
-        origin: dict[int, Record] = {id(r.msg): r for r in kept}
         rejected = {id(m) for m, _ in out.rejected}
-        taken = [r for r in kept if id(r.msg) not in rejected]
         refused = {id(b) for b in out.refused}
-        steps = [r.msg for r in taken if isinstance(r.msg, StepBatch | StepBlock) and id(r.msg) not in refused]
+        origin: dict[int, Record] = {}
+        telemetry: list[Telemetry] = []
+        taken: list[Record] = []
+        steps: list[StepBatch | StepBlock] = []
+        inputs: list[Event] = []
+        for r in kept:  # one pass over the records (a poll of one-step batches is thousands)
+            m = r.msg
+            origin[id(m)] = r
+            if isinstance(m, Telemetry):
+                telemetry.append(m)
+            if id(m) in rejected:
+                continue
+            taken.append(r)
+            if isinstance(m, StepBatch | StepBlock):
+                if id(m) not in refused:
+                    steps.append(m)
+            elif isinstance(m, Event):
+                inputs.append(m)
         for block, accepted in out.kept:  # the steps of a partly refused block the assembler took
             steps.append(accepted)
             if id(block) in origin:
                 origin[id(accepted)] = origin[id(block)]
-        inputs = [r.msg for r in taken if isinstance(r.msg, Event)] if self.stores_inputs else []
+        if not self.stores_inputs:
+            inputs = []
         outbox: list[Finding | Recommendation | Event] = [
             m for m in (*out.findings, *out.recommendations) if publishable(m)]
         if self.publishes_events:  # the policy stage reads the stops the lifecycle derived, the progress and ends
             outbox += [*out.events, *out.progress]
         return Effects(taken=tuple(taken), token=token, rejected=tuple(out.rejected), poisoned=tuple(poisoned),
-                       telemetry=telemetry, steps=tuple(steps), events=(*inputs, *out.events),  # type: ignore[arg-type]
+                       telemetry=tuple(telemetry), steps=tuple(steps), events=(*inputs, *out.events),  # type: ignore[arg-type]
                        findings=tuple(out.findings), recommendations=tuple(out.recommendations),
                        outcomes=tuple(out.outcomes), outbox=tuple(outbox),
                        states=tuple(out.states) if self.publishes_states else (),
@@ -394,15 +410,25 @@ class WholeCore(Core):
 
     def _conclude(self, ready: list[Record], now: float,
                   final: bool) -> tuple[Conclusions, list[Record], list[tuple[Record, str]]]:
-        node_in = [r for r in ready if isinstance(r.msg, Telemetry) or (
-            isinstance(r.msg, Event) and takes_event(Stage.NODE, r.msg))]
-        job_in = [r for r in ready if isinstance(r.msg, StepBatch | StepBlock) or (
-            isinstance(r.msg, Event) and takes_event(Stage.JOB, r.msg))]
+        node_in: list[Record] = []
+        job_in: list[Record] = []
+        events: list[Record] = []
+        for r in ready:  # one pass, each side's records in the order given
+            m = r.msg
+            if isinstance(m, StepBatch | StepBlock):
+                job_in.append(r)
+            elif isinstance(m, Telemetry):
+                node_in.append(r)
+            elif isinstance(m, Event):
+                events.append(r)
+                if takes_event(Stage.NODE, m):
+                    node_in.append(r)
+                if takes_event(Stage.JOB, m):
+                    job_in.append(r)
         node, node_kept, bad = self._part(self.node, node_in, now, final, decide=False)
         handed = [*(_handed(Topic.NODESTATE, s) for s in node.states),
                   *(_handed(Topic.FINDINGS, f) for f in node.findings if f.kind in NODE_FINDING_KINDS)]
         job, job_kept, job_bad = self._part(self.job, _by_time([*job_in, *handed]), now, final, decide=False)
-        events = [r for r in ready if isinstance(r.msg, Event)]
         told = [*(_handed(Topic.FINDINGS, f) for f in (*node.findings, *job.findings)),
                 *(_handed(Topic.EVENTS, e) for e in (*node.events, *job.events, *job.progress))]
         policy_in = _by_time([*events, *told])
@@ -448,7 +474,10 @@ def _handed(topic: Topic, msg: Message) -> Record:
 
 def _by_time(records: list[Record]) -> list[Record]:
     """``records`` in event-time order (stable: those of one instant keep their order)."""
-    return sorted(records, key=lambda r: r.msg.ts)
+    return sorted(records, key=_EVENT_TIME)
+
+
+_EVENT_TIME = operator.attrgetter("msg.ts")
 
 
 class PolicyCore(Core):
@@ -506,5 +535,5 @@ def _token(records: Sequence[Record], out: Conclusions) -> str:
     """A deduplication token naming exactly what a write covers: the input offsets and the output ids."""
     # a split block's steps share its offset and are released apart: a record is its offset and step
     offsets = (f"{r.topic}/{r.partition}/{r.offset}/{r.msg.step if isinstance(r.msg, StepBatch) else ''};"
-               for r in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)))
+               for r in sorted(records, key=operator.attrgetter("topic", "partition", "offset")))
     return digest_token([*offsets, *(msg.id for msg in (*out.findings, *out.recommendations, *out.events))])

@@ -501,9 +501,12 @@ def _unseen_behind(job: _Job, item: StepBatch | Event) -> bool:
     if isinstance(item, Event):
         return (item.kind is EventKind.JOB_START and item.step is not None and item.step <= job.max_step
                 and item.node not in job.node_index)
-    ranks = np.asarray(item.ranks, dtype=np.int64)
-    if ranks.size == 0 or item.step > job.max_step:
+    if item.step > job.max_step or not len(item.ranks):
         return False
+    first = int(item.ranks[0])
+    if first < job.node_of.size and job.node_of[first] >= 0:
+        return False  # a rank it has seen (a step stream's every batch but a new part's first): no array pass
+    ranks = np.asarray(item.ranks, dtype=np.int64)
     known = ranks[ranks < job.node_of.size]
     return bool(known.size == 0 or (job.node_of[known] < 0).all())
 

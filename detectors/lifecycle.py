@@ -272,8 +272,9 @@ class LifecycleTracker(Stateful):
         if not hasattr(self, "jobs_"):
             self._start()
         markers = self._fold(batch.steps, batch.events)
-        for f in sorted(batch.findings, key=lambda f: f.ts):
-            self._finding(f)
+        if batch.findings:
+            for f in sorted(batch.findings, key=lambda f: f.ts):
+                self._finding(f)
         if not batch.conclude:
             return markers
         out = markers + self._conclude(now)
@@ -282,12 +283,17 @@ class LifecycleTracker(Stateful):
         return out
 
     def _fold(self, batches: Sequence[StepBatch | StepBlock], events: Sequence[Event]) -> list[Event]:
-        items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
-            (b.ts, 0, i, b) for i, b in enumerate(batches)]
-        items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
+        ordered: Sequence[StepBatch | StepBlock | Event]
+        if len(batches) + len(events) == 1:  # one record (a pipeline feeds them one by one): no order to find
+            ordered = batches or events
+        else:
+            items: list[tuple[float, int, int, StepBatch | StepBlock | Event]] = [
+                (b.ts, 0, i, b) for i, b in enumerate(batches)]
+            items += [(e.ts, 1, i, e) for i, e in enumerate(events)]
+            ordered = [item for _, _, _, item in sorted(items, key=lambda x: x[:3])]
         markers: list[Event] = []
         planned, self._planned = self._planned, None
-        for k, (_, _, _, item) in enumerate(sorted(items, key=lambda x: x[:3])):
+        for k, item in enumerate(ordered):
             if type(item) is StepBlock:  # the plan asked for just before holds for the first record alone
                 known = planned is not None and k == 0 and planned[0] is item
                 if self._whole(item, planned[1] if known else self._plan(item)):  # type: ignore[index]
