@@ -4,7 +4,9 @@ Seed 000 §9.6: ECC error rates, thermal trends and NVLink retries often precede
 draining a node before it dies turns a 600 s interruption into a checkpoint-boundary restart.
 
 :class:`GpuFeatures` turns a node's telemetry stream and its Xid events into one feature row per
-GPU every ``resolution_s`` of event time, columnar over the node's GPUs (names in
+GPU for each ``resolution_s`` interval of event time (the interval's first sample, on a grid from
+ts 0, so the rows do not depend on where a history began: a restored snapshot, a stage rebuilt from
+its group's commit, how the input was batched), columnar over the node's GPUs (names in
 :data:`FEATURES`): corrected-ECC rate over three windows, its trend and acceleration, the count
 in the short window and the volatile count, retired-page and row-remap growth, pending remaps and
 retirements, uncorrected errors, Xid counts by class (ECC, NVLink, other hardware, application), temperature slope and
@@ -136,9 +138,10 @@ class GpuFeatures(Stateful):
 
     ``recent_s`` / ``short_s`` / ``long_s`` are the window lengths (the corrected-error rate over
     each; ``sbe_trend`` is short minus long, ``sbe_accel`` recent minus short: a failing GPU's
-    error rate accelerates, a merely noisy one's stays flat); a row is produced per node at most every
-    ``resolution_s`` of event time; the margin is to each GPU's own slowdown temperature
-    (``slowdown_temp_c``), ``thermal_limit_c`` only for a GPU that does not report one.
+    error rate accelerates, a merely noisy one's stays flat); a row is produced per node from the first
+    sample of each ``resolution_s`` interval of event time (intervals from ts 0); the margin is to each
+    GPU's own slowdown temperature (``slowdown_temp_c``), ``thermal_limit_c`` only for a GPU that does
+    not report one.
     """
 
     def __init__(self, *, recent_s: float = 900.0, short_s: float = 3600.0, long_s: float = 6 * 3600.0,
@@ -248,7 +251,9 @@ class GpuFeatures(Stateful):
             if hist.ts and ts <= hist.ts[-1]:
                 self.stale_total_ += 1
                 continue
-            if hist.ts and ts - hist.ts[-1] < self.resolution_s:
+            # the first sample of each resolution_s interval of the event-time grid: where sampling starts
+            # (a restored snapshot, a history begun mid-stream) cannot shift the rows that follow
+            if hist.ts and math.floor(ts / self.resolution_s) <= math.floor(hist.ts[-1] / self.resolution_s):
                 continue
             hist.ts.append(ts)
             hist.values.append(_counters(s))

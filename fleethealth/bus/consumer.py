@@ -79,8 +79,9 @@ class Consumer:
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
         backend = _backend(dsn)
-        self._revoked: list[tuple[str, set[Any]]] = []  # the client's rebalance listener's, settled by _settle
+        self._revoked: list[tuple[str, set[Any], int | None]] = []  # the client's rebalance listener's, for _settle
         self._leaving: set[Any] = set()  # revoked, the new assignment not known yet
+        self._left_in: int | None = None  # the generation the partitions in _leaving were held in
         self._moved: set[tuple[str, int]] = set()
         self._connect = lambda: backend.consumer(self.topics, group, client_id, from_beginning,
                                                  int(max_poll_interval_s * 1000), int(session_timeout_s * 1000),
@@ -362,13 +363,23 @@ class Consumer:
         records it had fetched and not returned — and :meth:`take_moved` names it. A partition assigned
         anew starts with nothing known here (read from the group's commit). One given back in the same
         rebalance is kept as it was (kafka-python tells of an eager revocation before the new
-        assignment is known, so the two are matched here)."""
+        assignment is known, so the two are matched here) — only when the member went straight from the
+        generation it held it in to the next: a member dropped from the group (a poll slower than
+        ``max_poll_interval_s``, its session expired) loses its partitions, and the group may give one to
+        another member, which reads it further and commits, before this member joins again and gets it
+        back; what it knew of it is behind then, as it is after any generation it missed."""
         while self._revoked:
-            kind, tps = self._revoked.pop(0)
-            if kind == "revoked":
+            kind, tps, generation = self._revoked.pop(0)
+            _log.debug("group %r: %s %d partition(s) in generation %s", self.group, kind, len(tps), generation)
+            if kind != "assigned":
                 self._leaving |= tps
+                # a lost membership keeps nothing, nor does a revocation the client cannot date
+                self._left_in = generation if kind == "revoked" and generation is not None and generation >= 0 \
+                    else None
                 continue
-            for tp in (self._leaving - tps) | (tps - self._leaving):
+            straight = self._left_in is not None and generation == self._left_in + 1
+            kept = self._leaving & tps if straight else set()
+            for tp in (self._leaving | tps) - kept:
                 self._pending.pop(tp, None)
                 self._committed.pop(tp, None)
                 self._next_offset.pop(tp, None)
@@ -377,6 +388,7 @@ class Consumer:
                 if tp in self._leaving:
                     self._moved.add((tp.topic, tp.partition))
             self._leaving = set()
+            self._left_in = None
 
     def take_moved(self) -> set[tuple[str, int]]:
         """The ``(topic, partition)`` pairs the group took from this member since the last call (even one it

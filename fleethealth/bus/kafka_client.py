@@ -46,12 +46,13 @@ class _KafkaBackend:
 
     def consumer(self, topics: Sequence[str], group: str | None, client_id: str, from_beginning: bool,
                  max_poll_interval_ms: int, session_timeout_ms: int, connect_timeout_ms: int,
-                 on_revoked: Callable[[tuple[str, set[Any]]], object] | None = None) -> Any:
+                 on_revoked: Callable[[tuple[str, set[Any], int | None]], object] | None = None) -> Any:
         """A group member subscribed to ``topics``; with ``group`` None, a reader assigned every
-        partition of them (a table: no group, no commits). ``on_revoked`` gets ``("revoked", set)`` for
-        each set of partitions the group revokes from the member (or that it loses with its membership)
-        and ``("assigned", set)`` for each it assigns, in order; the client calls it inside a poll, on
-        its own network thread, so it should only record them."""
+        partition of them (a table: no group, no commits). ``on_revoked`` gets ``("revoked", set,
+        generation)`` for each set of partitions the group revokes from the member, ``("lost", set,
+        generation)`` for each it loses with its membership and ``("assigned", set, generation)`` for each
+        it assigns, in order (:func:`_revocations`); the client calls it inside a poll, on its own network
+        thread, so it should only record them."""
         kafka = self._kafka()
         if group is None:
             kc = kafka.KafkaConsumer(
@@ -76,7 +77,10 @@ class _KafkaBackend:
             heartbeat_interval_ms=max(100, session_timeout_ms // 3), request_timeout_ms=max(
                 30_000, session_timeout_ms + 5_000), bootstrap_timeout_ms=connect_timeout_ms, fetch_max_wait_ms=100,
             **self.options)
-        kc.subscribe(list(topics), listener=None if on_revoked is None else _revocations(kafka, on_revoked))
+        listener = None if on_revoked is None else _revocations(kafka, on_revoked)
+        kc.subscribe(list(topics), listener=listener)
+        if listener is not None:
+            listener.kc = kc  # whose generation each call names
         _never_leave(kc)
         return kc
 
@@ -111,20 +115,35 @@ def reaches_a_broker(kc: Any) -> bool | None:
         return None
 
 
-def _revocations(kafka: Any, call: Callable[[tuple[str, set[Any]]], object]) -> Any:
-    """A kafka-python rebalance listener passing ``("revoked", partitions)`` for each set revoked (or lost
-    with the membership) and ``("assigned", partitions)`` for each set assigned to ``call``, in order."""
+def _revocations(kafka: Any, call: Callable[[tuple[str, set[Any], int | None]], object]) -> Any:
+    """A kafka-python rebalance listener passing ``("revoked", partitions, generation)`` for each set revoked,
+    ``("lost", partitions, generation)`` for each set lost with the membership (the member was dropped
+    from the group, which went on without it) and ``("assigned", partitions, generation)`` for each set
+    assigned to ``call``, in order; ``generation`` is the group generation the member is in at the call
+    (the one it held the partitions in, for a revocation; None where this kafka-python does not say)."""
     class _Revoked(kafka.ConsumerRebalanceListener):  # type: ignore[misc, name-defined]
+        kc: Any = None
+
         def on_partitions_revoked(self, revoked: Any) -> None:
-            call(("revoked", set(revoked)))
+            call(("revoked", set(revoked), generation(self.kc)))
 
         def on_partitions_assigned(self, assigned: Any) -> None:
-            call(("assigned", set(assigned)))
+            call(("assigned", set(assigned), generation(self.kc)))
 
         def on_partitions_lost(self, lost: Any) -> None:
-            call(("revoked", set(lost)))
+            call(("lost", set(lost), generation(self.kc)))
 
     return _Revoked()
+
+
+def generation(kc: Any) -> int | None:
+    """The group generation a kafka-python group member is in (-1 when it has none), or None where this
+    kafka-python does not say."""
+    try:
+        value = kc._coordinator._generation.generation_id
+    except AttributeError:
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _never_leave(kc: Any) -> None:

@@ -236,3 +236,52 @@ def test_temperature_margin_is_to_each_gpus_own_slowdown_limit():
     rows = GpuFeatures(thermal_limit_c=90.0).check([_sample(0.0, temp_c=[80.0, 80.0],
                                                               slowdown_temp_c=[87.0, np.nan])])
     assert rows[-1].X[:, F["temp_margin_c"]].tolist() == pytest.approx([7.0, 10.0])
+
+
+def _precursor_stream(start: float = 1000.5, n: int = 600, tick: float = 1.0) -> list[Telemetry]:
+    """One node's samples every ``tick`` s from ``start`` (off the minute): GPU 0 remaps a row at the
+    200th sample, another at the 420th, a remap pending from the 300th; GPU 1 healthy."""
+    out = []
+    for i in range(n):
+        rows = float(i >= 200) + float(i >= 420)
+        out.append(_sample(start + tick * i, ecc_sbe_volatile=[3.0 * i, 0.0], remap_correctable=[rows, 0.0],
+                           remap_pending=[float(i >= 300), 0.0]))
+    return out
+
+
+def _findings(samples: list[Telemetry], cuts: list[int], *, trip_at: int | None = None, begin: int = 0) -> list:
+    """``failure_risk`` findings of ``samples[begin:]`` fed in the batches ``cuts`` gives, the detector
+    rebuilt from its explicit state after batch ``trip_at``."""
+    from fleethealth.detectors.state import from_state, state_dict
+
+    det, out, at = FailurePredictor(), [], begin
+    for n, cut in enumerate([*cuts, len(samples)]):
+        out += det.check(samples[at:cut])
+        at = cut
+        if n == trip_at:
+            det = from_state(state_dict(det), like=FailurePredictor())
+    return [(f.id, f.node, f.gpu, f.ts) for f in out]
+
+
+def test_findings_do_not_depend_on_batching_restores_or_where_the_history_begins():
+    """The same samples give the same findings (ids and event times) in one batch, in batches of any
+    size, with a snapshot round trip between two, and from a history begun later (a partition rebuilt
+    from the group's commit, a detector started mid-stream): rows fall on the event-time grid, the first
+    sample of each ``resolution_s`` interval, not ``resolution_s`` after wherever sampling began."""
+    samples = _precursor_stream()
+    whole = _findings(samples, [])
+    assert [(node, gpu) for _, node, gpu, _ in whole] == [("n0001", 0)]
+    assert whole[0][3] - 0.5 == 1200.0  # the first sample of its minute (the stream starts at 1000.5)
+    rng = np.random.default_rng(7)
+    for _ in range(6):
+        cuts = sorted(rng.choice(np.arange(1, len(samples)), size=int(rng.integers(2, 40)), replace=False).tolist())
+        assert _findings(samples, cuts, trip_at=int(rng.integers(0, len(cuts)))) == whole, cuts
+    for begin in (1, 17, 59, 100, 150):  # begun before the first remap: the same rows from the grid on
+        assert _findings(samples, [begin + 5, begin + 200], trip_at=0, begin=begin) == whole, begin
+    # a round trip that also re-reads what the state had taken (a restore from the commit before it)
+    det = FailurePredictor()
+    first = det.check(samples[:250])
+    from fleethealth.detectors.state import from_state, state_dict
+
+    again = from_state(state_dict(det), like=FailurePredictor())
+    assert [(f.id, f.node, f.gpu, f.ts) for f in [*first, *again.check(samples[180:])]] == whole

@@ -113,3 +113,46 @@ def test_a_partition_revoked_is_named_and_its_commit_forgotten_unless_given_back
         # none of its own old commits of them is left to name in a snapshot
         assert first.take_moved() == set()
         assert set(first.committed()) == kept
+
+
+@pytest.mark.slow
+def test_a_member_dropped_from_the_group_names_every_partition_it_gets_back(broker) -> None:  # noqa: ANN001
+    """A member slower than ``max_poll_interval_s`` is dropped from the group, which gives its partitions
+    to another member; that one reads what was published since, commits past the first's commits and
+    leaves. The first polls again, joins again and gets them back — to kafka-python a lost membership and
+    an assignment within one poll, which looked like partitions given back in the same rebalance. It names
+    every one (``take_moved``: its runner restores their snapshots) and keeps none of its old commits.
+    Before, it kept them and its state of them: its detectors folded the records from the other member's
+    commit on, past a gap (in ``demo --replicas 3``, a failure_risk finding from a history begun anew)."""
+    import uuid
+
+    ensure_topics(broker.dsn)
+    group = f"lost-{uuid.uuid4().hex[:8]}"
+    _publish(broker.dsn, group)
+    fast = {"session_timeout_s": 2.0, "max_poll_interval_s": 1.0}
+    with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as first:
+        first.wait_assigned(timeout_s=30)
+        _read_to_end(first, "first")
+        first.commit()
+        held = first.assignment()
+        before = first.committed()
+        assert set(before) == held and first.take_moved() == set()
+        with Consumer(broker.dsn, [Topic.EVENTS.value], group, **fast) as second:  # the first polls no more
+            second.wait_assigned(timeout_s=60)
+            deadline = time.monotonic() + 60
+            while second.assignment() != held:
+                assert time.monotonic() < deadline, f"the second member did not get every partition: " \
+                                                    f"{second.assignment()}"
+                second.poll(0.1)
+            _publish(broker.dsn, group + "-more")
+            _read_to_end(second, "second")
+            second.commit()
+            assert all(off > before[tp] for tp, off in second.committed().items()), (second.committed(), before)
+        _publish(broker.dsn, group + "-last")
+        deadline, got = time.monotonic() + 60, 0
+        while got < 64:  # back in the group (a member between generations fetches nothing): the last 64
+            assert time.monotonic() < deadline, f"the first member read {got} of the last 64 records"
+            got += len(first.poll(0.1))
+        assert first.assignment() == held
+        assert first.take_moved() == held
+        assert first.committed() == {}
