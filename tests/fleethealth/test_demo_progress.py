@@ -5,6 +5,9 @@ Real broker, real chDB store; the demo's own loop (:func:`fleethealth.demo._dete
 
 from __future__ import annotations
 
+import pytest
+
+from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import Producer, ensure_topics
 from fleethealth.demo import _detect_all
 from fleethealth.schema import Event, EventKind
@@ -16,6 +19,14 @@ AGAIN = 120
 
 def _event(k: int) -> Event:
     return Event(node=f"n{k % 8:04d}", ts=T0 + k, kind=EventKind.PROBE_ERROR, message=f"record {k}")
+
+
+@pytest.fixture
+def broker():
+    """A broker of this test's own: the demo's loop reads its topics whole, and the session's broker holds
+    other tests' records (some made to be dead-lettered)."""
+    with EmbeddedBroker() as running:
+        yield running
 
 
 def test_the_detect_phase_reads_to_the_end_and_its_progress_stays_within_100_percent(broker, store) -> None:
