@@ -308,7 +308,7 @@ def _floor(gpus: int) -> dict[str, object]:
     """What the stage costs per GPU sample in parts this code does not own: chDB's insert of a poll's
     ``gpu_samples`` block with and without the table's materialized views, kafka-python's fetch and parse of
     the poll's telemetry records, its send of one node state a message, orjson's parse of a telemetry value."""
-    from kafka import KafkaConsumer, KafkaProducer
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
     from fleethealth.schema import decode_many, encode
     from fleethealth.schema.nodestate import encode_states
@@ -353,8 +353,9 @@ def _floor(gpus: int) -> dict[str, object]:
         producer.close()
         consumer = KafkaConsumer(bootstrap_servers=hosts, group_id=None, enable_auto_commit=False,
                                  auto_offset_reset="earliest", fetch_max_wait_ms=100, max_partition_fetch_bytes=8 << 20)
-        parts = [p for p in consumer.partitions_for_topic(topic) or ()]
-        from kafka import TopicPartition
+        parts = sorted(consumer.partitions_for_topic(topic) or ())
+        if not parts:
+            raise RuntimeError(f"no partitions of {topic} in the broker's metadata")
         consumer.assign([TopicPartition(topic, p) for p in parts])
         total = len(values) * 4 + len(raws)  # the warm-up, 3 timed sends, then the telemetry
         cpu0, taken = time.process_time(), 0
@@ -363,6 +364,8 @@ def _floor(gpus: int) -> dict[str, object]:
             taken += sum(len(r) for r in consumer.poll(timeout_ms=500, max_records=5000).values())
         fetch = time.process_time() - cpu0
         consumer.close()
+        if taken < total:
+            raise RuntimeError(f"the floor's consumer fetched {taken} of {total} records in 300 s")
         out["kafka_fetch_us_per_record"] = round(1e6 * fetch / max(taken, 1), 2)
     loads = _cpu(lambda: [orjson.loads(r) for r in raws])
     out["orjson_loads_us_per_message"] = round(1e6 * loads / len(raws), 2)
