@@ -301,21 +301,23 @@ def _crossed_rows(a: np.ndarray, b: np.ndarray, band: float) -> np.ndarray:
 
 
 def changed_many(olds: list[NodeState], news: list[NodeState], rule: StateRule = StateRule()) -> np.ndarray:
-    """:func:`changed` of each ``(old, new)`` pair, in NumPy passes over the pairs' stacked arrays: for pairs
-    whose states all have one GPU count and one port count (a wave's usual case; any other pair is judged
-    by :func:`changed` itself). One bool a pair, each what :func:`changed` gives."""
+    """:func:`changed` of each ``(old, new)`` pair, in NumPy passes over the stacked arrays of the pairs of one
+    GPU count and one port count (a pair whose two states differ in either, has no ``old``, or has an array of
+    another length is judged by :func:`changed` itself). One bool a pair, each what :func:`changed` gives."""
     out = np.ones(len(news), dtype=bool)
-    if not news:
-        return out
-    n, p = news[0].gpu.size, len(news[0].nic_port)
-    sure = [j for j, (o, s) in enumerate(zip(olds, news, strict=True))
-            if o is not None and o.gpu.size == n and s.gpu.size == n and len(o.nic_port) == p and len(s.nic_port) == p]
-    if sure:
+    shapes: dict[tuple[int, int], list[int]] = {}
+    alone: list[int] = []
+    for j, (o, s) in enumerate(zip(olds, news, strict=True)):
+        if o is None or o.gpu.size != s.gpu.size or len(o.nic_port) != len(s.nic_port):
+            alone.append(j)
+        else:
+            shapes.setdefault((s.gpu.size, len(s.nic_port)), []).append(j)
+    for (n, p), rows in shapes.items():
         try:
-            out[sure] = _changed_rows([olds[j] for j in sure], [news[j] for j in sure], n, p, rule)
+            out[rows] = _changed_rows([olds[j] for j in rows], [news[j] for j in rows], n, p, rule)
         except _Ragged:
-            sure = []
-    for j in sorted(set(range(len(news))) - set(sure)):
+            alone += rows
+    for j in alone:
         out[j] = changed(olds[j], news[j], rule)
     return out
 

@@ -57,8 +57,8 @@ def test_a_job_stage_applying_published_states_diagnoses_like_the_runner_that_sa
 
 def test_changes_judged_for_a_wave_at_once_are_those_judged_one_by_one() -> None:
     """``changed_many`` (a wave's states judged in NumPy passes) says what ``changed`` says of each pair:
-    moves just under and at each step, bands crossed, bits, links, ports, NaN appearing, other GPU or
-    port counts, a rack change and arrays of another length (judged alone)."""
+    moves just under and at each step, bands crossed, bits, links, ports, NaN appearing, a rack change, pairs
+    of other GPU or port counts (alone, or as a group of their own) and arrays of another length (alone)."""
     from fleethealth.detectors.nodestate import changed, changed_many
     from fleethealth.schema import NodeState
 
@@ -124,6 +124,9 @@ def test_changes_judged_for_a_wave_at_once_are_those_judged_one_by_one() -> None
             new = state(k, temp_c=np.full(3, 60.0))  # an array of another length
         elif kind == 18:
             old = None  # type: ignore[assignment]
+        elif kind == 19:  # a pair of another GPU and port count, judged in NumPy passes of its own
+            old = state(k, n=4, p=2)
+            new = state(k, n=4, p=2, temp_c=np.full(4, 60.0 + float(rng.choice([0.5, 1.0]))))
         olds.append(old)
         news.append(new)
     want = [changed(o, s, rule) for o, s in zip(olds, news, strict=True)]
@@ -131,6 +134,7 @@ def test_changes_judged_for_a_wave_at_once_are_those_judged_one_by_one() -> None
     wrong = [k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
     assert not wrong, f"changed_many differs from changed on pairs {wrong[:5]}"
     assert 0 < sum(want) < len(want)
+    assert any(want[k] for k in range(19, 400, 20)) and not all(want[k] for k in range(19, 400, 20))
     # a wave with no odd pair goes through the NumPy passes alone, and still agrees
     even = [k for k in range(len(news)) if k % 20 not in (15, 16, 17, 18)]
     assert changed_many([olds[k] for k in even], [news[k] for k in even], rule).tolist() == [want[k] for k in even]
