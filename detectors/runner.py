@@ -110,6 +110,7 @@ from fleethealth.schema import (
     decode,
     encode,
 )
+from fleethealth.schema.nodestate import encode_states
 from fleethealth.store import StoreLike
 
 __all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc", "Stage"]
@@ -621,9 +622,11 @@ class Runner:
     def _publish_states(self, states: Sequence[NodeState]) -> None:
         """Publish the node states this batch changed, before its offsets commit (a crash re-derives
         and republishes them; the job stage keeps a node's newest)."""
+        values = encode_states(states)  # a poll's states encoded at once, each to schema.encode's bytes
+
         def send() -> None:
-            for state in states:
-                self.producer.publish(state)
+            for state, value in zip(states, values, strict=True):
+                self.producer.publish_encoded(state, value)
             self.producer.flush()
 
         self.retry.call("publish node states", send)
