@@ -25,6 +25,11 @@ counted). Publishing happens before the timed part and is not counted. Each size
 times on a fresh broker and store; the best run of each pipeline counts (other load on the machine
 only ever slows a run down). ``conditions`` gives the load average before and after and the CPUs.
 
+``floor`` prices, at the largest size, the parts of a GPU sample's cost outside the stage's own code:
+chDB's insert of a poll's ``gpu_samples`` block (with the table's materialized views and without them),
+kafka-python's fetch of a telemetry record and send of a node state, orjson's parse of a telemetry value;
+their sum per GPU sample bounds the rate the stage can reach with this store schema and client.
+
 Targets (issue 28 §2): >= 200,000 GPU samples per CPU second per replica (<= 5 us each) and >= 20x
 the baseline. ``--quick`` is a smoke test (128 GPUs, 2 samples, one repeat); ``--profile FILE``
 writes a cProfile of the largest size's first timed node-stage run.
@@ -41,16 +46,18 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 from prometheus_client import CollectorRegistry
 
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import Producer, ensure_topics, parse_dsn
 from fleethealth.detectors.runner import Runner, tune_gc
-from fleethealth.schema import GPU_FIELD_RANGES, GPU_FIELDS, NicPorts, Telemetry
+from fleethealth.schema import GPU_FIELD_RANGES, GPU_FIELDS, NicPorts, NodeState, Telemetry
 from fleethealth.store import Store, open_store, synthetic
 
 TARGET_PER_CORE = 200_000
@@ -283,6 +290,110 @@ def _run_baseline(dsn: str, store: Store, fleet: Fleet, samples: int, group: str
     return Rate(samples=sent, messages=sent, cpu_s=cpu, wall_s=wall)
 
 
+_MVS = ("gpu_samples_1m_mv", "gpu_latest_mv")
+"""The materialized views on ``gpu_samples`` (007/009/013; the hourly and per-rack ones cascade from the minute one)."""
+
+
+def _cpu(fn: Callable[[], object], repeat: int = 3) -> float:
+    """The least CPU seconds of ``repeat`` calls of ``fn``."""
+    best = math.inf
+    for _ in range(repeat):
+        cpu0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - cpu0)
+    return best
+
+
+def _floor(gpus: int) -> dict[str, object]:
+    """What the stage costs per GPU sample in parts this code does not own: chDB's insert of a poll's
+    ``gpu_samples`` block with and without the table's materialized views, kafka-python's fetch and parse of
+    the poll's telemetry records, its send of one node state a message, orjson's parse of a telemetry value."""
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+    from fleethealth.schema import decode_many, encode
+    from fleethealth.schema.nodestate import encode_states
+    from fleethealth.store.columns import sample_columns, telemetry_columns
+
+    fleet = Fleet(gpus // GPUS_PER_NODE, seed=7)
+    polls = [fleet.tick(T0 + k) for k in range(8)]
+    raws = [encode(s) for s in polls[1]]
+    rows = gpus
+    out: dict[str, object] = {"gpus": gpus, "messages": len(raws)}
+    with tempfile.TemporaryDirectory(prefix="fh-bench-floor-") as tmp, EmbeddedBroker() as broker, \
+            open_store(f"chdb://{tmp}/store") as store:
+        store.migrate()
+        blocks = iter([sample_columns(telemetry_columns(p)) for p in polls])
+        store.insert("gpu_samples", next(blocks), dedup_token="warm")
+        token = iter(range(100))
+        with_mv = _cpu(lambda: store.insert("gpu_samples", next(blocks), dedup_token=f"f{next(token)}"))
+        for mv in _MVS:
+            store.command(f"DROP VIEW IF EXISTS {mv}")
+        without = _cpu(lambda: store.insert("gpu_samples", next(blocks), dedup_token=f"f{next(token)}"))
+        out["chdb_insert_us_per_row"] = round(1e6 * with_mv / rows, 2)
+        out["chdb_insert_us_per_row_without_materialized_views"] = round(1e6 * without / rows, 2)
+        hosts = list(parse_dsn(broker.dsn)[1])
+        topic = "bench.floor"
+        ensure_topics(broker.dsn, partitions=4, topics=[topic])
+        states = _states(raws)
+        values = encode_states(states)
+        producer = KafkaProducer(bootstrap_servers=hosts, linger_ms=20)
+        for value, state in zip(values, states, strict=True):  # warm-up: metadata, connections
+            producer.send(topic, value, key=state.node.encode())
+        producer.flush(120.0)
+
+        def send() -> None:
+            for value, state in zip(values, states, strict=True):
+                producer.send(topic, value, key=state.node.encode())
+            producer.flush(120.0)
+
+        out["kafka_send_us_per_node_state"] = round(1e6 * _cpu(send) / len(values), 2)
+        for raw, sample in zip(raws, polls[1], strict=True):
+            producer.send(topic, raw, key=sample.node.encode())
+        producer.flush(120.0)
+        producer.close()
+        consumer = KafkaConsumer(bootstrap_servers=hosts, group_id=None, enable_auto_commit=False,
+                                 auto_offset_reset="earliest", fetch_max_wait_ms=100, max_partition_fetch_bytes=8 << 20)
+        parts = sorted(consumer.partitions_for_topic(topic) or ())
+        if not parts:
+            raise RuntimeError(f"no partitions of {topic} in the broker's metadata")
+        consumer.assign([TopicPartition(topic, p) for p in parts])
+        total = len(values) * 4 + len(raws)  # the warm-up, 3 timed sends, then the telemetry
+        cpu0, taken = time.process_time(), 0
+        deadline = time.monotonic() + 300.0
+        while taken < total and time.monotonic() < deadline:
+            taken += sum(len(r) for r in consumer.poll(timeout_ms=500, max_records=5000).values())
+        fetch = time.process_time() - cpu0
+        consumer.close()
+        if taken < total:
+            raise RuntimeError(f"the floor's consumer fetched {taken} of {total} records in 300 s")
+        out["kafka_fetch_us_per_record"] = round(1e6 * fetch / max(taken, 1), 2)
+    loads = _cpu(lambda: [orjson.loads(r) for r in raws])
+    out["orjson_loads_us_per_message"] = round(1e6 * loads / len(raws), 2)
+    out["decode_many_us_per_message"] = round(1e6 * _cpu(lambda: decode_many(Telemetry, raws)) / len(raws), 2)
+    per_sample = (out["chdb_insert_us_per_row"]
+                  + (out["kafka_fetch_us_per_record"] + out["orjson_loads_us_per_message"]
+                     + out["kafka_send_us_per_node_state"]) / GPUS_PER_NODE)
+    out["floor_us_per_gpu_sample"] = round(per_sample, 2)
+    out["floor_gpu_samples_per_cpu_s"] = round(1e6 / per_sample)
+    out["how"] = (
+        "least CPU seconds of 3 calls each: the insert of one poll's gpu_samples block (one row a GPU) into a fresh "
+        f"store, then with the materialized views {', '.join(_MVS)} dropped; kafka-python's KafkaProducer.send of one "
+        "pre-encoded node state a message (one a node: this fleet publishes a state for every sample) and flush; "
+        "KafkaConsumer.poll of the records; orjson.loads of each telemetry value. floor: the insert per row plus the "
+        "rest per message over 8 GPUs")
+    return out
+
+
+def _states(raws: list[bytes]) -> list[NodeState]:
+    """One node state per telemetry value (what the stage publishes for each sample of this fleet)."""
+    from fleethealth.detectors.nodestate import NodeStates
+    from fleethealth.schema import decode_many
+
+    table = NodeStates()
+    samples = [s for s in decode_many(Telemetry, raws) if isinstance(s, Telemetry)]
+    return table.observe(samples)
+
+
 def _size(gpus: int, samples: int, baseline_samples: int, repeat: int, batch: int,
           profile: cProfile.Profile | None) -> dict[str, object]:
     stages, baselines = [], []
@@ -332,6 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         profile.dump_stats(str(args.profile))
     result = {
         "sizes": sizes,
+        "floor": _floor(max(args.gpus)),
         "gpus_per_message": GPUS_PER_NODE,
         "targets": {"gpu_samples_per_cpu_s": TARGET_PER_CORE, "ratio": TARGET_RATIO},
         "conditions": {"cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before],

@@ -39,8 +39,8 @@ from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
 
-__all__ = ["node_state", "changed", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS", "NVLINK_COUNTERS",
-           "nvlink_errors", "zeroed", "stacked"]
+__all__ = ["node_state", "changed", "changed_many", "StateRule", "NodeStates", "THERMAL_BITS", "STATE_BITS",
+           "NVLINK_COUNTERS", "nvlink_errors", "zeroed", "stacked"]
 
 THERMAL_BITS = int(ClockReason.thermal())
 """The clock-event bits that mean heat: a thermal diagnosis reads these and no others. The hardware
@@ -269,6 +269,86 @@ def changed(old: NodeState | None, new: NodeState, rule: StateRule = StateRule()
             or not _same(old.nic_port_down, new.nic_port_down))
 
 
+class _Ragged(Exception):
+    """Arrays of one field that do not all have the shape the pairs share (judged one pair at a time)."""
+
+
+def _rows(states: list[NodeState], name: str, width: int) -> np.ndarray:
+    arrays = [getattr(s, name) for s in states]
+    if {a.shape for a in arrays} != {(width,)}:
+        raise _Ragged(name)
+    return stacked(arrays)
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`_same` of each row pair (rows of one shape)."""
+    eq = a == b
+    if a.dtype.kind == "f":
+        eq |= np.isnan(a) & np.isnan(b)
+    return eq.all(axis=1)
+
+
+def _moved_rows(a: np.ndarray, b: np.ndarray, step: float) -> np.ndarray:
+    """:func:`_moved` of each row pair."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    with np.errstate(invalid="ignore"):
+        far = np.abs(a - b) >= step
+    return (fa != fb).any(axis=1) | (far & fa & fb).any(axis=1)
+
+
+def _crossed_rows(a: np.ndarray, b: np.ndarray, band: float) -> np.ndarray:
+    return ((zeroed(a, -1.0) > band) != (zeroed(b, -1.0) > band)).any(axis=1)
+
+
+def changed_many(olds: list[NodeState], news: list[NodeState], rule: StateRule = StateRule()) -> np.ndarray:
+    """:func:`changed` of each ``(old, new)`` pair, in NumPy passes over the stacked arrays of the pairs of one
+    GPU count and one port count (a pair whose two states differ in either, has no ``old``, or has an array of
+    another length is judged by :func:`changed` itself). One bool a pair, each what :func:`changed` gives."""
+    out = np.ones(len(news), dtype=bool)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    alone: list[int] = []
+    for j, (o, s) in enumerate(zip(olds, news, strict=True)):
+        if o is None or o.gpu.size != s.gpu.size or len(o.nic_port) != len(s.nic_port):
+            alone.append(j)
+        else:
+            shapes.setdefault((s.gpu.size, len(s.nic_port)), []).append(j)
+    for (n, p), rows in shapes.items():
+        try:
+            out[rows] = _changed_rows([olds[j] for j in rows], [news[j] for j in rows], n, p, rule)
+        except _Ragged:
+            alone += rows
+    for j in alone:
+        out[j] = changed(olds[j], news[j], rule)
+    return out
+
+
+def _changed_rows(old: list[NodeState], new: list[NodeState], n: int, p: int, rule: StateRule) -> np.ndarray:
+    """:func:`changed` of pairs whose states have ``n`` GPUs and ``p`` ports (raises :class:`_Ragged` on an
+    array of another length)."""
+    def rows(name: str) -> tuple[np.ndarray, np.ndarray]:
+        width = p if name.startswith("nic_port") else n
+        return _rows(old, name, width), _rows(new, name, width)
+
+    same = np.fromiter((o.rack == s.rack and o.nic_port == s.nic_port and o.has_nic == s.has_nic
+                        for o, s in zip(old, new, strict=True)), dtype=bool, count=len(new))
+    for name in ("gpu", "reports", "slowdown_temp_c", "nvlink_links_up", "nvlink_links_max", "nic_port_down"):
+        same &= _same_rows(*rows(name))
+    same &= _same_rows(*map(_bits, rows("clock_reasons")))
+    moved = _moved_rows(*rows("temp_c"), rule.temp_step_c)
+    rates = (np.array([o.nvlink_errors_per_min for o in old], dtype=np.float64)[:, None],
+             np.array([s.nvlink_errors_per_min for s in new], dtype=np.float64)[:, None])
+    moved |= _crossed_rows(*rates, rule.nvlink_errors_per_min) | _moved_rows(*rates, 0.1 * rule.nvlink_errors_per_min)
+    moved |= _moved_rows(*rows("residual_c"), rule.temp_step_c)
+    moved |= _moved_rows(*rows("load_power_w"), rule.power_step_w) | _moved_rows(*rows("power_w"), rule.power_step_w)
+    port_utils = rows("nic_port_util")
+    utils = tuple(np.concatenate([np.array([x.nic_util for x in side], dtype=np.float64)[:, None], ports], axis=1)
+                  for side, ports in zip((old, new), port_utils, strict=True))
+    waits = rows("nic_port_wait")
+    moved |= _moved_rows(*utils, rule.share_step) | _crossed_rows(*utils, rule.nic_util_band)
+    moved |= _moved_rows(*waits, rule.share_step) | _crossed_rows(*waits, rule.nic_xmit_wait_band)
+    return ~same | moved
+
+
 class NodeStates(Stateful):
     """The table of published node states, and the per-node telemetry bookkeeping that derives them.
 
@@ -382,13 +462,24 @@ class NodeStates(Stateful):
             power, load, residual = observe_many(models, [s.ts for s in samples], cols["temp_c"], cols["power_w"],
                                                  cols["util_pct"], cols["power_limit_w"], thermal)
             nics = _nics(part, self.nic_bytes_per_tick)
-            for j, (i, sample, last) in enumerate(part):
-                state = node_state(sample, last, power_w=power[j], load_power_w=load[j], residual_c=residual[j],
-                                   nic_bytes_per_tick=self.nic_bytes_per_tick, reports=reports[j],
-                                   nvlink_rate=float(rates[j]), nic_ports=nics[j])
-                published = self._publish(state)
-                if published is not None:
-                    out.append((i, published))
+            states = [node_state(sample, last, power_w=power[j], load_power_w=load[j], residual_c=residual[j],
+                                 nic_bytes_per_tick=self.nic_bytes_per_tick, reports=reports[j],
+                                 nvlink_rate=float(rates[j]), nic_ports=nics[j])
+                      for j, (_, sample, last) in enumerate(part)]
+            # published when new, due (heartbeat) or changed: the changes judged for the wave at once
+            olds = [self.published_.get(state.node) for state in states]
+            beat = self.rule.heartbeat_s
+            publish = [old is None or state.ts - old.ts >= beat for old, state in zip(olds, states, strict=True)]
+            judge = [j for j, due in enumerate(publish) if not due]
+            if judge:
+                for j, moved in zip(judge, changed_many([olds[j] for j in judge], [states[j] for j in judge],
+                                                        self.rule).tolist(), strict=True):
+                    publish[j] = moved
+            capped = (zeroed(cols["clock_reasons"]).astype(np.int64) & POWER_CAP_BIT) != 0
+            for j, ((i, _, _), state) in enumerate(zip(part, states, strict=True)):
+                if publish[j]:
+                    self._put(state, capped[j].copy())
+                    out.append((i, state))
         return out
 
     def apply(self, states: Iterable[NodeState]) -> None:
@@ -399,12 +490,15 @@ class NodeStates(Stateful):
                 continue
             self._put(state)
 
-    def _put(self, state: NodeState) -> None:
+    def _put(self, state: NodeState, capped: np.ndarray | None = None) -> None:
+        """Keep ``state`` as its node's published one; ``capped``: its GPUs' power-cap bits (a wave's are
+        computed at once)."""
         old = self.published_.get(state.node)
         if old is not None and old.rack != state.rack:
             self._leave(state.node, old.rack)
         self.published_[state.node] = state
-        capped = (zeroed(state.clock_reasons).astype(np.int64) & POWER_CAP_BIT) != 0
+        if capped is None:
+            capped = (zeroed(state.clock_reasons).astype(np.int64) & POWER_CAP_BIT) != 0
         hist = self.power_cap_.setdefault(state.node, deque())
         hist.append((float(state.ts), state.gpu.copy(), capped))
         while len(hist) > 1 and hist[1][0] <= state.ts - self.power_cap_window_s:

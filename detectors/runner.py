@@ -110,6 +110,7 @@ from fleethealth.schema import (
     decode,
     encode,
 )
+from fleethealth.schema.nodestate import encode_states
 from fleethealth.store import StoreLike
 
 __all__ = ["Runner", "Conclusions", "conclude", "publishable", "INPUT_TOPICS", "tune_gc", "Stage"]
@@ -380,7 +381,8 @@ class Runner:
     def _snapshot(self) -> None:
         """Snapshot each unit of the core's state whose interval is due, with the offsets this replica
         committed for its partition (every partition for the whole tier's: what a restore reads from; the
-        records the state folded in past them are taken again as duplicates)."""
+        records the state folded in past them are taken again as duplicates), and, for a partition of the
+        unit it has not committed, where it began reading it (:meth:`Consumer.began_at`)."""
         if self.snapshot_every_s is None or not self.snapshot_format.enabled:
             return
         now = time.monotonic()
@@ -389,8 +391,16 @@ class Runner:
         for p in sorted(self.core.held()):
             if now - self._snapshot_at.get(p, 0.0) < self.snapshot_every_s:
                 continue
-            offsets = {tp: off for tp, off in committed.items() if (p == WHOLE or tp[1] == p) and tp in assigned}
-            if not offsets or offsets == self._snapshot_offsets.get(p):
+            mine = {tp for tp in assigned if p == WHOLE or tp[1] == p}
+            offsets = {tp: off for tp, off in committed.items() if tp in mine}
+            if not offsets:
+                continue  # nothing committed here yet
+            # a partition of the unit not committed here: where this replica began it (its state has seen
+            # nothing before), or a restore would start it at a commit made after this snapshot
+            uncommitted = mine - offsets.keys()
+            if uncommitted:
+                offsets |= self.retry.call("read the group's commits", lambda u=uncommitted: self.consumer.began_at(u))
+            if offsets == self._snapshot_offsets.get(p):
                 continue  # nothing committed here since the last one
             unit = self.core.unit(p)
             try:
@@ -612,9 +622,11 @@ class Runner:
     def _publish_states(self, states: Sequence[NodeState]) -> None:
         """Publish the node states this batch changed, before its offsets commit (a crash re-derives
         and republishes them; the job stage keeps a node's newest)."""
+        values = encode_states(states)  # a poll's states encoded at once, each to schema.encode's bytes
+
         def send() -> None:
-            for state in states:
-                self.producer.publish(state)
+            for state, value in zip(states, values, strict=True):
+                self.producer.publish_encoded(state, value)
             self.producer.flush()
 
         self.retry.call("publish node states", send)

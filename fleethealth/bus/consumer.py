@@ -75,6 +75,7 @@ class Consumer:
         self.dsn = dsn
         self.topics = tuple(str(t) for t in topics)
         self.group = group
+        self.from_beginning = from_beginning
         self._types: dict[str, Any] = {t.value: cls for t, cls in schema.TOPIC_TYPES.items()}
         self._types[Topic.DEADLETTER.value] = DeadLetter
         self._client_id = client_id
@@ -509,6 +510,30 @@ class Consumer:
         since it committed them (one taken away and assigned again has none until it commits it again)."""
         self._settle()
         return {(tp.topic, tp.partition): off for tp, off in self._committed.items()}
+
+    def began_at(self, pairs: Collection[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Where this member began reading each of ``pairs`` that it holds and has not committed itself: the
+        group's commit from before it held the partition (only the holder commits), else, for a group read
+        from the beginning, the log's first offset. What a snapshot names for a partition of its unit that
+        this replica has read nothing of, or not committed yet: its state has seen nothing before there."""
+        from kafka.structs import TopicPartition
+
+        self._settle()
+        with translated("reading the group's commits", self.dsn):
+            mine = set(self._kc.assignment())
+            tps = [tp for tp in (TopicPartition(t, p) for t, p in pairs) if tp in mine and tp not in self._committed]
+            out: dict[tuple[str, int], int] = {}
+            unset = []
+            for tp in tps:
+                off = self._kc.committed(tp)  # the group's, cached when this member was given the partition
+                if off is None:
+                    unset.append(tp)
+                else:
+                    out[(tp.topic, tp.partition)] = int(off)
+            if unset and self.from_beginning:
+                first = self._kc.beginning_offsets(unset)
+                out.update({(tp.topic, tp.partition): int(first[tp]) for tp in unset})
+        return out
 
     def partitions(self) -> set[tuple[str, int]]:
         """Every ``(topic, partition)`` of this consumer's topics the broker knows (those a group splits)."""

@@ -123,8 +123,13 @@ class Producer:
 
     def publish(self, msg: Message) -> None:
         """Queue one schema message for delivery."""
+        self.publish_encoded(msg, schema.encode(msg))
+
+    def publish_encoded(self, msg: Message, value: bytes) -> None:
+        """Queue one schema message whose wire bytes ``value`` (``schema.encode(msg)``'s) were encoded
+        already, e.g. a poll's node states at once (``schema.nodestate.encode_states``)."""
         stamp = _timestamp_ms(msg.ts) if self.event_time_stamps else None
-        self.publish_raw(msg.TOPIC.value, schema.encode(msg), msg.key.encode(), timestamp_ms=stamp)
+        self.publish_raw(msg.TOPIC.value, value, msg.key.encode(), timestamp_ms=stamp)
 
     def publish_raw(self, topic: str, value: bytes, key: bytes | None = None, *,
                     timestamp_ms: int | None = None, headers: Sequence[tuple[str, bytes]] | None = None) -> None:

@@ -358,13 +358,16 @@ def _sample_shape(obj: Any) -> tuple[int, int] | None:
 def _stack(lists: list[Any], width: int) -> np.ndarray | None:
     """``lists`` (numbers or nulls, ``width`` each) as one float64 array ``(len(lists), width)``; None when
     any is not such a list."""
-    try:  # a value that is not a list of numbers fails the type check (or cannot be iterated)
-        if not set(map(type, itertools.chain.from_iterable(lists))) <= _NUMBER_OR_NULL:
-            return None
-        matrix = np.array(lists, dtype=np.float64)  # lists of unequal length raise
+    if not set(map(type, lists)) <= {list} or set(map(len, lists)) - {width}:
+        return None
+    flat = list(itertools.chain.from_iterable(lists))  # one flat list: NumPy converts it without shape discovery
+    if not set(map(type, flat)) <= _NUMBER_OR_NULL:
+        return None
+    try:
+        matrix = np.array(flat, dtype=np.float64)  # None becomes NaN
     except (OverflowError, TypeError, ValueError):
         return None
-    return matrix if matrix.shape == (len(lists), width) else None
+    return matrix.reshape(len(lists), width)
 
 
 def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]:
@@ -396,9 +399,8 @@ def _group(objs: list[dict[str, Any]], n: int, p: int) -> list[Telemetry | None]
         obj = objs[i]
         ports = None
         if nic is not None:
-            own = nic[i].copy()
             ports = NicPorts(port=tuple(obj["nic"]["port"]), kind=tuple(obj["nic"]["kind"]),
-                             columns=dict(zip(_NIC_NAMES, own, strict=True)))
+                             columns=dict(zip(_NIC_NAMES, nic[i].copy(), strict=True)))
         util = obj.get("nic_util")
         out[i] = Telemetry(node=obj["node"], rack=obj["rack"], ts=float(obj["ts"]), gpu=gpu16[i].copy(),
                            columns=dict(zip(_GPU_NAMES, matrix[i].copy(), strict=True)),

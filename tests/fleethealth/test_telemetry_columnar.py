@@ -110,3 +110,38 @@ def test_node_state_encodes_to_the_bytes_of_its_list_form() -> None:
     assert schema.encode(state) == orjson.dumps(state.to_obj(), option=orjson.OPT_SERIALIZE_NUMPY)
     back = schema.decode(NodeState, schema.encode(state))
     assert back.to_obj() == state.to_obj()
+
+
+def test_node_states_encoded_at_once_give_the_bytes_of_each_alone() -> None:
+    """``encode_states`` (the node stage's publish: a poll's states stacked per field) gives each state
+    exactly ``encode``'s bytes: mixed GPU and port counts, NaN, infinities, -0.0, views and strided arrays,
+    states without NIC ports, and a state whose arrays do not match its GPUs (encoded alone)."""
+    from fleethealth.schema import NodeState
+    from fleethealth.schema.nodestate import encode_states
+
+    rng = np.random.default_rng(28)
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.1 + 0.2, 1e300, 5e-324, 61.0])
+    states = []
+    for k in range(300):
+        n, p = (8, 4, 2)[k % 3], k % 3
+
+        def floats(n: int = n, strided: bool = k % 2 == 1) -> np.ndarray:
+            wide = np.where(rng.random(2 * n) < 0.2, rng.choice(special, 2 * n), rng.normal(60.0, 20.0, 2 * n))
+            return wide[::2] if strided else wide[:n]  # strided or a view
+
+        ports = {} if p == 0 else {"has_nic": True, "nic_port": tuple(f"mlx5_{i}/1" for i in range(p)),
+                                   "nic_port_util": floats(p), "nic_port_wait": floats(p),
+                                   "nic_port_down": rng.random(p) < 0.5}
+        states.append(NodeState(node=f"node-{k:03d}", rack=f"rack-{k % 7}", ts=1_767_225_600.0 + k / 3,
+                                gpu=rng.permutation(16)[:n].astype(np.int16), temp_c=floats(), slowdown_temp_c=floats(),
+                                clock_reasons=floats(), nvlink_links_up=floats(), nvlink_links_max=floats(),
+                                reports=rng.random(n) < 0.5, nvlink_errors_per_min=float(rng.choice(special)),
+                                nic_util=float(rng.choice(special[[0, 3, 4, 7]])), power_w=floats(),
+                                load_power_w=floats(), residual_c=floats(), **ports))
+    odd = NodeState(node="odd", rack="r", ts=1_767_225_600.0, gpu=np.arange(8, dtype=np.int16), temp_c=np.zeros(3),
+                    slowdown_temp_c=np.zeros(8), clock_reasons=np.zeros(8), nvlink_links_up=np.zeros(8),
+                    nvlink_links_max=np.zeros(8), reports=np.ones(8, dtype=bool))
+    states.insert(5, odd)
+    got = encode_states(states)
+    wrong = [s.node for s, value in zip(states, got, strict=True) if value != schema.encode(s)]
+    assert not wrong, f"{len(wrong)} states encode to other bytes at once than alone, first {wrong[:3]}"
