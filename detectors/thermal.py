@@ -129,16 +129,21 @@ class ThermalModel:
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(a, b, known)`` per GPU: intercept (°C), slope (°C/W), whether enough was learned."""
-        p = self.params
-        w, sp, st, spp, spt = self.sums_
-        known = w >= p.min_samples
-        n = np.where(known, w, 1.0)
-        lam = p.prior_samples * p.prior_spread_w ** 2
-        cpp = np.maximum(spp - sp * sp / n, 0.0)
-        cpt = spt - sp * st / n
-        b = np.maximum((cpt + lam * p.slope_c_per_w) / (cpp + lam), 0.0)
-        a = st / n - b * sp / n
-        return a, b, known
+        return _fit(self.params, *self.sums_)
+
+
+def _fit(p: ThermalParams, w: np.ndarray, sp: np.ndarray, st: np.ndarray, spp: np.ndarray,
+         spt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(a, b, known)`` from the decayed sums (weight, Σpower, Σtemp, Σpower², Σpower·temp), elementwise
+    (one model's GPUs, or many models' stacked): the slope shrunk towards ``slope_c_per_w`` by the prior."""
+    known = w >= p.min_samples
+    n = np.where(known, w, 1.0)
+    lam = p.prior_samples * p.prior_spread_w ** 2
+    cpp = np.maximum(spp - sp * sp / n, 0.0)
+    cpt = spt - sp * st / n
+    b = np.maximum((cpt + lam * p.slope_c_per_w) / (cpp + lam), 0.0)
+    a = st / n - b * sp / n
+    return a, b, known
 
 
 def observe_many(models: list[ThermalModel], ts: list[float], temp_c: np.ndarray, power_w: np.ndarray,
@@ -179,14 +184,7 @@ def observe_many(models: list[ThermalModel], ts: list[float], temp_c: np.ndarray
     busy = np.where(np.isnan(util), watts_in >= p.busy_power_share * limit, util >= p.busy_util_pct)
     settled = np.abs(fast - slow) <= p.settled_share * slow
     sums *= np.array([math.exp(-d / p.memory_s) for d in dt])[:, None, None]  # dt > 0 on every row here
-    w, sp, st, spp, spt = (sums[:, i] for i in range(5))
-    known = w >= p.min_samples
-    n = np.where(known, w, 1.0)
-    lam = p.prior_samples * p.prior_spread_w ** 2
-    cpp = np.maximum(spp - sp * sp / n, 0.0)
-    cpt = spt - sp * st / n
-    b = np.maximum((cpt + lam * p.slope_c_per_w) / (cpp + lam), 0.0)
-    a = st / n - b * sp / n
+    a, b, known = _fit(p, *(sums[:, i] for i in range(5)))
     res = np.where(busy & known, temp - (a + b * both), np.nan)
     old = np.array([t - m.since_ >= p.slow_s for t, m in zip(at, some, strict=True)])[:, None]
     learn = old & busy & settled & ~hot & (~known | (np.abs(res) <= p.learn_band_c))
