@@ -28,13 +28,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Self
 
 from fleethealth.broker import EmbeddedBroker, _die_with_parent, find_broker_binary, free_port
 from fleethealth.errors import BusUnavailable
 
-__all__ = ["ClusterUnavailable", "DurableCluster", "S3Gate", "S3Server"]
+__all__ = ["ClusterUnavailable", "DurableCluster", "S3Gate", "S3Server", "running_cluster", "until"]
 
 _HOST = "127.0.0.1"
 _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "fleethealth", "AWS_SECRET_ACCESS_KEY": "fleethealth",
@@ -267,3 +268,29 @@ class DurableCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path, **options: object) -> Iterator[DurableCluster]:
+    """A started :class:`DurableCluster` (``options`` as its own: ``brokers``, ``gated``...), stopped on exit;
+    the test is skipped, with the reason printed, where none can run here (a test helper: imports pytest)."""
+    import pytest
+
+    try:
+        cluster = DurableCluster(root=root, **options).start()  # type: ignore[arg-type]
+    except ClusterUnavailable as exc:
+        print(f"durable cluster unavailable: {exc}")
+        pytest.skip(f"durable cluster unavailable: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def until(cond: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` every 50 ms until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout_s} s")
+        time.sleep(0.05)

@@ -66,14 +66,7 @@ def store(tmp_path, _migrated_store_dir) -> Iterator[object]:
 def cluster(tmp_path) -> Iterator[object]:
     """A durable cluster of its own for one test: moto's S3 server and two Tansu brokers on one bucket
     (``tests/cluster.py``); skipped, with the reason printed, where moto or the Tansu binary is missing."""
-    from tests.cluster import ClusterUnavailable, DurableCluster
+    from tests.cluster import running_cluster
 
-    try:
-        running = DurableCluster(brokers=2, root=tmp_path / "cluster").start()
-    except ClusterUnavailable as exc:
-        print(f"durable cluster unavailable: {exc}")
-        pytest.skip(f"durable cluster unavailable: {exc}")
-    try:
+    with running_cluster(tmp_path / "cluster", brokers=2) as running:
         yield running
-    finally:
-        running.stop()

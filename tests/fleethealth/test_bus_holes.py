@@ -22,6 +22,7 @@ import pytest
 from fleethealth.bus import Consumer, DeadLetter, Producer, ensure_topics
 from fleethealth.errors import BusError
 from fleethealth.schema import Event, EventKind, Topic
+from tests.cluster import running_cluster, until
 
 SKIP_AFTER_S = 1.0
 TOPIC = Topic.EVENTS.value
@@ -29,29 +30,13 @@ TOPIC = Topic.EVENTS.value
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory):
-    from tests.cluster import ClusterUnavailable, DurableCluster
-
-    try:
-        running = DurableCluster(brokers=1, root=tmp_path_factory.mktemp("holes"), gated=True).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"durable cluster unavailable: {exc}")
-    try:
+    with running_cluster(tmp_path_factory.mktemp("holes"), brokers=1, gated=True) as running:
         ensure_topics(running.dsn, partitions=1)
         yield running
-    finally:
-        running.stop()
 
 
 def _event(label: str) -> Event:
     return Event(node="n-hole", ts=1_700_000_000.0, kind=EventKind.XID, message=label)
-
-
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def _hole(cluster, producer: Producer, labels: list[str]) -> None:
@@ -61,7 +46,7 @@ def _hole(cluster, producer: Producer, labels: list[str]) -> None:
     cluster.gate.hold_batches()
     for label in labels:
         producer.publish(_event(label))
-    _until(lambda: cluster.gate.held > held, 20.0, "the broker's batch write")
+    until(lambda: cluster.gate.held > held, 20.0, "the broker's batch write")
     cluster.brokers[0].kill()
     cluster.gate.release()
     cluster.brokers[0].start()
@@ -181,7 +166,7 @@ def test_a_batch_being_written_is_not_skipped(gated) -> None:
             held = gated.gate.held
             gated.gate.hold_batches()
             p.publish(_event("slow-0"))
-            _until(lambda: gated.gate.held > held, 20.0, "the broker's batch write")
+            until(lambda: gated.gate.held > held, 20.0, "the broker's batch write")
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:  # the watermark counts the batch, its object is not there
                 seen.update(r.msg.message for r in consumer.poll(0.2))

@@ -20,30 +20,15 @@ from fleethealth.bus import Producer
 from fleethealth.errors import BusError
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
+from tests.cluster import running_cluster, until
 
 TOPIC = "fh.events"
 
 
 @pytest.fixture
 def gated(tmp_path):
-    from tests.cluster import ClusterUnavailable, DurableCluster
-
-    try:
-        running = DurableCluster(brokers=1, root=tmp_path / "cluster", gated=True).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"durable cluster unavailable: {exc}")
-    try:
+    with running_cluster(tmp_path / "cluster", brokers=1, gated=True) as running:
         yield running
-    finally:
-        running.stop()
-
-
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def _served(dsn: str, last: bytes) -> list[bytes]:
@@ -75,7 +60,7 @@ def _kill_in_the_window(cluster, send) -> None:
     again with writes let through."""
     cluster.gate.hold_batches()
     send()
-    _until(lambda: cluster.gate.held > 0, 20.0, "the broker's batch write")
+    until(lambda: cluster.gate.held > 0, 20.0, "the broker's batch write")
     cluster.brokers[0].kill()
     cluster.gate.release()
     cluster.brokers[0].start()
@@ -108,11 +93,11 @@ def test_the_probe_delivers_a_batch_the_killed_broker_dropped(gated, tmp_path) -
         values = [f"record-{k}".encode() for k in range(30)]
         for v in values[:10]:
             delivery.submit_raw(TOPIC, v, b"k")
-        _until(lambda: delivery.stats.delivered_total == 10, 30.0, "the first 10 records delivered")
+        until(lambda: delivery.stats.delivered_total == 10, 30.0, "the first 10 records delivered")
         _kill_in_the_window(gated, lambda: [delivery.submit_raw(TOPIC, v, b"k") for v in values[10:20]])
         for v in values[20:]:
             delivery.submit_raw(TOPIC, v, b"k")
-        _until(lambda: len(delivery.spool) == 0, 60.0, "the spool emptied")
+        until(lambda: len(delivery.spool) == 0, 60.0, "the spool emptied")
     finally:
         delivery.close(drain_timeout_s=5.0)
     served = _served(gated.dsn, values[-1])

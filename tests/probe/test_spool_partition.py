@@ -19,6 +19,7 @@ from fleethealth.probe.simsource import SimSource
 from fleethealth.probe.spool import Spool
 from fleethealth.schema import Event, EventKind, Telemetry, Topic
 from fleethealth.sim import FleetSim, Scenario
+from tests.cluster import running_cluster, until
 
 NODE = "n0000"
 _SCENARIO = {"seed": 5, "fleet": {"racks": 1, "nodes_per_rack": 1, "gpus_per_node": 8},
@@ -27,24 +28,8 @@ _SCENARIO = {"seed": 5, "fleet": {"racks": 1, "nodes_per_rack": 1, "gpus_per_nod
 
 @pytest.fixture(scope="module")
 def durable(tmp_path_factory):
-    from tests.cluster import ClusterUnavailable, DurableCluster
-
-    try:
-        running = DurableCluster(brokers=2, root=tmp_path_factory.mktemp("cut")).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"durable cluster unavailable: {exc}")
-    try:
+    with running_cluster(tmp_path_factory.mktemp("cut"), brokers=2) as running:
         yield running
-    finally:
-        running.stop()
-
-
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def _samples(n: int) -> list[Telemetry]:
@@ -81,11 +66,11 @@ def test_the_drop_beyond_the_spool_is_reported_and_the_rest_arrives_once_in_orde
     try:
         for tel in samples[:10]:
             delivery.submit(tel)
-        _until(lambda: delivery.stats.delivered_total == 10, 30.0, "the first 10 records delivered")
+        until(lambda: delivery.stats.delivered_total == 10, 30.0, "the first 10 records delivered")
         for broker in durable.brokers:  # the probe reaches no broker
             broker.kill()
         delivery.submit(samples[10])  # handed to the producer, which waits for a broker
-        _until(lambda: delivery.stats.inflight_records == 1, 30.0, "the first record of the outage in flight")
+        until(lambda: delivery.stats.inflight_records == 1, 30.0, "the first record of the outage in flight")
         for tel in samples[11:70]:  # 60 records into a spool that holds 16: the one in flight is dropped too
             delivery.submit(tel)
         assert delivery.stats.spool.dropped_total >= 40 and delivery.stats.delivered_total == 10
@@ -93,7 +78,7 @@ def test_the_drop_beyond_the_spool_is_reported_and_the_rest_arrives_once_in_orde
             broker.start()
         for tel in samples[70:]:
             delivery.submit(tel)
-        _until(lambda: len(delivery.spool) == 0 and delivery.stats.drop_reports_total == 1, 60.0,
+        until(lambda: len(delivery.spool) == 0 and delivery.stats.drop_reports_total == 1, 60.0,
                "the spool emptied and the drop reported")
         stats = delivery.stats
     finally:
