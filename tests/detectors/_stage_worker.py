@@ -18,10 +18,12 @@ a restore's seek.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +83,23 @@ class _Offsets:
         return True
 
 
+def _status(runner: Any, offsets: _Offsets, ends: dict[str, int] | None) -> str:
+    """One line of where this replica stands: what it holds, how far behind it is, what the group has
+    committed against the ends (printed while it waits, so a replica that never finishes says why)."""
+    from kafka import TopicPartition
+
+    group = {}
+    for name in sorted(ends or {}):
+        topic, partition = name.rsplit("/", 1)
+        group[name] = offsets.kc.committed(TopicPartition(topic, int(partition)))
+    return (f"waiting: assigned={sorted(runner.consumer.assignment())} lag={runner.consumer.lag()} "
+            f"held={sorted(runner.core.held())} buffered={len(runner.buffer)} ends={ends} group={group}")
+
+
 def main(argv: list[str]) -> int:
     dsn, store_dir, group, stage, every, finish = argv[0], argv[1], argv[2], argv[3], float(argv[4]), Path(argv[5])
     kill = argv[6].split(":") if len(argv) > 6 else None
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a replica that hangs where it is
     from prometheus_client import CollectorRegistry
 
     from fleethealth.detectors.runner import Runner
@@ -101,6 +117,7 @@ def main(argv: list[str]) -> int:
             print("started", flush=True)
             idle, restored = 0, 0
             offsets = _Offsets(dsn, group)
+            told = time.monotonic()
             while idle < 3:
                 polled = runner.process_once(0.3)
                 if polled:
@@ -113,6 +130,9 @@ def main(argv: list[str]) -> int:
                 ends = json.loads(finish.read_text()) if finish.exists() else None
                 mine = runner.caught_up(polled) or not runner.consumer.assignment()
                 idle = idle + 1 if ends is not None and mine and offsets.done(ends) else 0
+                if ends is not None and time.monotonic() - told > 10.0:
+                    print(_status(runner, offsets, ends), flush=True)
+                    told = time.monotonic()
             runner.drain()
             print(f"done restored={runner.restored_total} snapshots={runner.snapshots_total}", flush=True)
     return 0

@@ -137,8 +137,11 @@ class _Worker:
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks (faulthandler), then the kill
+            time.sleep(2.0)
             self.proc.kill()
-            raise AssertionError("a replica did not finish: " + "".join(self.lines)[-3000:]) from None
+            self._reader.join(5)
+            raise AssertionError("a replica did not finish: " + "".join(self.lines)[-6000:]) from None
         self._reader.join(5)
         out = "".join(self.lines)
         assert self.proc.returncode == 0, out
@@ -205,7 +208,11 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
     written = finish.with_suffix(".tmp")
     written.write_text(json.dumps(ends))
     written.rename(finish)  # the replicas see the whole file or none
-    outputs = [w.finish() for w in workers]
+    try:
+        outputs = [w.finish() for w in workers]
+    except AssertionError as exc:  # a replica that hangs: its status lines and stacks, and the others' last lines
+        others = "\n".join(f"replica {i}: " + "".join(w.lines)[-1500:] for i, w in enumerate(workers))
+        raise AssertionError(f"{exc}\n{others}") from None
     # partitions were taken over from their snapshots, by replicas killed later or by the last ones
     assert any(line.startswith("restored") for w in everyone for line in w.lines), outputs
 
