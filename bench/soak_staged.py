@@ -1,28 +1,30 @@
 """Soak of the staged tier on the durable cluster: replicas' memory and the groups' lag, minute by minute.
 
-Starts moto's S3 server and two Tansu brokers on one bucket (``tests/cluster.py``), and
-``fleethealth detect`` staged as processes: ``--replicas`` node-stage and job-stage replicas and one
-policy replica, each with a chDB store of its own. A publisher sends, every wall second, one telemetry
-sample from each of ``--nodes`` nodes (``--gpus`` GPUs each) and ``--steps-per-s`` steps of one job
-over them (a step batch per node), stamped with the wall clock, so no dead letter is expected (a
-flush that fails is counted, ``publish_errors``, and the stream goes on). Each
+Starts moto's S3 server and two Tansu brokers on one bucket (``tests/cluster.py``), and ``fleethealth
+detect`` staged as processes: ``--replicas`` node-stage and job-stage replicas and one policy replica,
+each with a chDB store of its own. A publisher sends, every wall second, one telemetry sample from each
+of ``--nodes`` nodes (``--gpus`` GPUs each) and ``--steps-per-s`` steps of one job of ``--job-ranks``
+ranks (a step block per node and second, as the probe sends them), stamped with the wall clock, so no
+dead letter is expected (a flush that fails is counted, ``publish_errors``, and the stream goes on; how
+far the publisher itself is behind its clock, ``behind_s``, and the most it was, ``max_behind_s``). Each
 minute it prints one JSON line: the minute, each replica's resident set size (``VmRSS``, MiB), each
 group's lag (records in the log past its committed offset, over the input partitions) and records
-published. At the end one JSON object: per replica the RSS series, its change from the first
-sample after ``--warmup-min`` to the last as a share (target: within 5 %), the largest lag seen
-after the warm-up, dead letters, and whether every replica was still running.
+published. At the end one JSON object: per replica the RSS series, its change from the first sample
+after ``--warmup-min`` to the last as a share (target: within 5 %), the largest lag seen after the warm-
+up, dead letters, and whether every replica was still running.
 
 Issue 29 §6 asks for an hour at 1,024 GPUs at 1 Hz and a 4,096-rank job at 2 steps/s with 3 replicas
 per stage; the defaults are a reduced scale for a shared 2-core machine:
 
     python bench/soak_staged.py --minutes 5                       # 128 GPUs, a 128-rank job, 2 replicas
-    python bench/soak_staged.py --minutes 60 --nodes 128 --gpus 8 --steps-per-s 2 --replicas 3
+    python bench/soak_staged.py --minutes 60 --nodes 128 --gpus 8 --job-ranks 4096 --steps-per-s 2 --replicas 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleethealth.bus import Producer, ensure_topics  # noqa: E402
 from fleethealth.errors import BusError  # noqa: E402
-from fleethealth.schema import StepBatch, Telemetry, Topic  # noqa: E402
+from fleethealth.schema import StepBatch, StepBlock, Telemetry, Topic  # noqa: E402
 from tests.broker_faults import GROUP, PARTITIONS, Detector, _Offsets  # noqa: E402
 from tests.cluster import DurableCluster  # noqa: E402
 
@@ -53,36 +55,52 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _publisher(dsn: str, nodes: int, gpus: int, steps_per_s: float, stop: threading.Event,
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) the process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
+
+
+def _publisher(dsn: str, nodes: int, gpus: int, job_ranks: int, steps_per_s: float, stop: threading.Event,
                counts: dict[str, int]) -> None:
+    """Each wall second: one telemetry sample of every node, and the second's steps of the job as the probe
+    sends them, one step block per job node (``fleethealth/probe/aggregator.py``)."""
     rng = np.random.default_rng(5)
-    names = [f"soak-node-{i:04d}" for i in range(nodes)]
+    names = [f"soak-node-{i:04d}" for i in range(max(nodes, -(-job_ranks // gpus)))]
+    job_nodes = -(-job_ranks // gpus)
     step = 0
     with Producer(dsn, client_id="soak") as producer:
         next_tick = time.time()
         while not stop.is_set():
             now = time.time()
-            for i, node in enumerate(names):
+            for i, node in enumerate(names[:nodes]):
                 producer.publish(Telemetry.from_columns(
                     node, f"rack-{i // 8}", now, list(range(gpus)), temp_c=(55 + rng.normal(0, 0.5, gpus)).tolist(),
                     util_pct=[97.0] * gpus, power_w=(650 + rng.normal(0, 5, gpus)).tolist(),
                     power_limit_w=[700.0] * gpus))
                 counts["published"] += 1
-            for k in range(int(steps_per_s)):
-                ts = now + k / steps_per_s
-                for i, node in enumerate(names):
-                    producer.publish(StepBatch(job="soak-job", step=step, node=node, ts=ts,
-                                               ranks=np.arange(i * gpus, (i + 1) * gpus, dtype=np.int32),
-                                               gpus=np.arange(gpus, dtype=np.int16),
-                                               compute_s=0.45 * np.exp(0.02 * rng.standard_normal(gpus))))
-                    counts["published"] += 1
-                step += 1
+            steps = range(step, step + int(steps_per_s))
+            times = 0.45 * np.exp(0.02 * rng.standard_normal((len(steps), job_nodes * gpus)))
+            for i, node in enumerate(names[:job_nodes]):
+                lo, hi = i * gpus, min((i + 1) * gpus, job_ranks)
+                producer.publish(StepBlock.of([
+                    StepBatch(job="soak-job", step=k, node=node, ts=now + j / steps_per_s,
+                              ranks=np.arange(lo, hi, dtype=np.int32), gpus=np.arange(hi - lo, dtype=np.int16),
+                              compute_s=times[j, lo:hi]) for j, k in enumerate(steps)]))
+                counts["published"] += 1
+            step += len(steps)
             try:
                 producer.flush(30.0)
             except BusError as exc:  # counted and reported; the soak measures memory and lag, not delivery
                 counts["publish_errors"] += 1
                 counts["last_publish_error"] = str(exc)[:300]  # type: ignore[assignment]
             next_tick += 1.0
+            behind = round(max(0.0, time.time() - next_tick), 1)  # the publisher itself behind its clock
+            counts["behind_s"] = behind  # type: ignore[assignment]
+            counts["max_behind_s"] = max(counts.get("max_behind_s", 0.0), behind)  # type: ignore[assignment]
             stop.wait(max(0.0, next_tick - time.time()))
 
 
@@ -105,9 +123,13 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--steps-per-s", type=float, default=2.0)
+    ap.add_argument("--job-ranks", type=int, default=None,
+                    help="ranks of the one job (default: every GPU of --nodes); more than the fleet's GPUs spreads "
+                         "it over nodes that send no telemetry")
     ap.add_argument("--replicas", type=int, default=2, help="node-stage and job-stage replicas each")
     ap.add_argument("--keep", type=Path, default=None, help="keep the logs and stores in this folder")
     args = ap.parse_args()
+    args.job_ranks = args.job_ranks or args.nodes * args.gpus
     root = args.keep or Path(tempfile.mkdtemp(prefix="fleethealth-soak-staged-"))
     root.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
@@ -124,21 +146,23 @@ def main() -> int:
             while not all(d.joined() for d in replicas.values()) and time.monotonic() < deadline:
                 time.sleep(0.5)
             offsets = _Offsets(cluster.dsn)
-            publisher = threading.Thread(target=_publisher, args=(cluster.dsn, args.nodes, args.gpus,
+            publisher = threading.Thread(target=_publisher, args=(cluster.dsn, args.nodes, args.gpus, args.job_ranks,
                                                                   args.steps_per_s, stop, counts), daemon=True)
             publisher.start()
             started = time.monotonic()
-            minute = 0
+            minute, cpu = 0, {}
             while time.monotonic() - started < args.minutes * 60:
                 minute += 1
                 time.sleep(max(0.0, started + 60 * minute - time.monotonic()))
                 rss = {name: _rss_mib(d.proc.pid) for name, d in replicas.items()}
+                cpu = {name: _cpu_s(d.proc.pid) for name, d in replicas.items()}
                 for name, value in rss.items():
                     series.setdefault(name, []).append(value)
                 lag = {stage: _lag(offsets, stage) for stage in lags}
                 for stage, value in lag.items():
                     lags[stage].append(value)
-                print(json.dumps({"minute": minute, "rss_mib": rss, "lag_records": lag, **counts}), flush=True)
+                print(json.dumps({"minute": minute, "rss_mib": rss, "cpu_s": cpu, "lag_records": lag, **counts}),
+                      flush=True)
         finally:
             stop.set()
             alive = {name: d.proc.poll() is None for name, d in replicas.items()}
@@ -147,8 +171,10 @@ def main() -> int:
         dead = len(_dead_letters(cluster.dsn))
     warm = max(0, int(args.warmup_min))
     out = {"minutes": args.minutes, "nodes": args.nodes, "gpus": args.nodes * args.gpus,
-           "steps_per_s": args.steps_per_s, "ranks": args.nodes * args.gpus, "replicas_per_stage": args.replicas,
-           "published": counts["published"], "dead_letters": dead, "alive_at_end": alive, "replicas": {}}
+           "steps_per_s": args.steps_per_s, "ranks": args.job_ranks, "replicas_per_stage": args.replicas,
+           "published": counts["published"], "publish_errors": counts["publish_errors"],
+           "publisher_max_behind_s": counts.get("max_behind_s", 0.0), "cpu_s_at_end": cpu, "dead_letters": dead,
+           "alive_at_end": alive, "replicas": {}}
     for name, values in series.items():
         after = [v for v in values[warm:] if v is not None]
         out["replicas"][name] = {"rss_mib": values,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -64,6 +65,11 @@ def _arm(runner: Any, point: str, after: int) -> None:
     wrap(*targets[point])
 
 
+SESSION_TIMEOUT_S = 5.0
+"""Longer than the 3 s Tansu 0.6 holds a follower's JoinGroup (with the client's heartbeats off then), so a
+replica that rejoins is not expired during its own join (``docs/architecture.md``, the group coordinator)."""
+
+
 class _Offsets:
     """The group's committed offsets: a consumer of the group that never subscribes (so never joins it)."""
 
@@ -71,6 +77,7 @@ class _Offsets:
         from kafka import KafkaConsumer
 
         self.kc = KafkaConsumer(bootstrap_servers=dsn.split("://", 1)[1], group_id=group, enable_auto_commit=False)
+        self.admin: Any = None
 
     def done(self, ends: dict[str, int]) -> bool:
         """Whether the group has committed every partition to its end."""
@@ -83,6 +90,24 @@ class _Offsets:
         return True
 
 
+def _members(runner: Any, offsets: _Offsets) -> str:
+    """This member's id and generation beside the coordinator's list of members (Tansu's DescribeGroups
+    names them, not their assignments): a member the coordinator no longer lists, or a member it lists
+    that is gone, shows here."""
+    from kafka.admin import KafkaAdminClient
+
+    me = runner.consumer._kc._coordinator._generation
+    try:
+        if offsets.admin is None:
+            offsets.admin = KafkaAdminClient(bootstrap_servers=offsets.kc.config["bootstrap_servers"])
+            offsets.admin._process_acl_operations = lambda obj: obj  # Tansu's authorized_operations do not parse
+        group = offsets.admin.describe_groups([runner.consumer.group])[runner.consumer.group]
+        coordinator = f"{group['group_state']} {sorted(m['member_id'][-6:] for m in group['members'])}"
+    except Exception as exc:  # noqa: BLE001 — a diagnostic line only
+        coordinator = f"describe failed: {exc!r}"
+    return f"me={me.member_id[-6:]}@{me.generation_id} coordinator={coordinator}"
+
+
 def _status(runner: Any, offsets: _Offsets, ends: dict[str, int] | None) -> str:
     """One line of where this replica stands: what it holds, how far behind it is, what the group has
     committed against the ends (printed while it waits, so a replica that never finishes says why)."""
@@ -92,14 +117,22 @@ def _status(runner: Any, offsets: _Offsets, ends: dict[str, int] | None) -> str:
     for name in sorted(ends or {}):
         topic, partition = name.rsplit("/", 1)
         group[name] = offsets.kc.committed(TopicPartition(topic, int(partition)))
-    return (f"waiting: assigned={sorted(runner.consumer.assignment())} lag={runner.consumer.lag()} "
-            f"held={sorted(runner.core.held())} buffered={len(runner.buffer)} ends={ends} group={group}")
+    still = sorted(runner.core.open_steps())
+    return (f"waiting: {_members(runner, offsets)} assigned={sorted(runner.consumer.assignment())} "
+            f"positions={runner.consumer.positions()} "
+            f"lag={runner.consumer.lag()} table_lag={None if runner.table is None else runner.table.lag()} "
+            f"held={sorted(runner.core.held())} buffered={len(runner.buffer)} "
+            f"open_steps={len(still)} {still[:2]}..{still[-1:]} ends={ends} group={group}")
 
 
 def main(argv: list[str]) -> int:
     dsn, store_dir, group, stage, every, finish = argv[0], argv[1], argv[2], argv[3], float(argv[4]), Path(argv[5])
     kill = argv[6].split(":") if len(argv) > 6 else None
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a replica that hangs where it is
+    handler = logging.StreamHandler(sys.stdout)  # warnings, and where each restore began reading ("log: ...")
+    handler.setFormatter(logging.Formatter("log: %(asctime)s %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("fleethealth.detectors.runner").setLevel(logging.INFO)
     from prometheus_client import CollectorRegistry
 
     from fleethealth.detectors.runner import Runner
@@ -109,7 +142,7 @@ def main(argv: list[str]) -> int:
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
         with Runner(dsn, store, group=group, stage=stage, registry=CollectorRegistry(), snapshot_every_s=every,
-                    snapshot_to="bus", session_timeout_s=3.0, max_poll_interval_s=6.0, max_ahead_s=None,
+                    snapshot_to="bus", session_timeout_s=SESSION_TIMEOUT_S, max_poll_interval_s=10.0, max_ahead_s=None,
                     max_behind_s=None, publish=False,
                     snapshots=Snapshots(key=b"stage-crash-test-snapshot-key-0123")) as runner:
             if kill is not None:
@@ -118,8 +151,12 @@ def main(argv: list[str]) -> int:
             idle, restored = 0, 0
             offsets = _Offsets(dsn, group)
             told = time.monotonic()
+            member = None
             while idle < 3:
                 polled = runner.process_once(0.3)
+                if runner.consumer._kc._coordinator._generation.member_id != member:  # the test waits for its expiry
+                    member = runner.consumer._kc._coordinator._generation.member_id
+                    print(f"member {member}", flush=True)
                 if polled:
                     print(f"polled {polled}", flush=True)
                 if runner.restored_total != restored:
