@@ -65,11 +65,6 @@ def _arm(runner: Any, point: str, after: int) -> None:
     wrap(*targets[point])
 
 
-SESSION_TIMEOUT_S = 5.0
-"""Longer than the 3 s Tansu 0.6 holds a follower's JoinGroup (with the client's heartbeats off then), so a
-replica that rejoins is not expired during its own join (``docs/architecture.md``, the group coordinator)."""
-
-
 class _Offsets:
     """The group's committed offsets: a consumer of the group that never subscribes (so never joins it)."""
 
@@ -142,7 +137,7 @@ def main(argv: list[str]) -> int:
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
         with Runner(dsn, store, group=group, stage=stage, registry=CollectorRegistry(), snapshot_every_s=every,
-                    snapshot_to="bus", session_timeout_s=SESSION_TIMEOUT_S, max_poll_interval_s=10.0, max_ahead_s=None,
+                    snapshot_to="bus", session_timeout_s=3.0, max_poll_interval_s=6.0, max_ahead_s=None,
                     max_behind_s=None, publish=False,
                     snapshots=Snapshots(key=b"stage-crash-test-snapshot-key-0123")) as runner:
             if kill is not None:
