@@ -36,10 +36,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fleethealth.broker import EmbeddedBroker  # noqa: E402
 from fleethealth.bus import Producer, ensure_topics  # noqa: E402
 from fleethealth.errors import BusError  # noqa: E402
 from fleethealth.schema import StepBatch, StepBlock, Telemetry, Topic  # noqa: E402
-from tests.broker_faults import GROUP, PARTITIONS, Detector, _Offsets  # noqa: E402
+from tests.broker_faults import GROUP, Detector, _Offsets  # noqa: E402
 from tests.cluster import DurableCluster  # noqa: E402
 
 _INPUTS = {"node": (Topic.TELEMETRY.value,), "job": (Topic.STEPS.value,), "policy": (Topic.FINDINGS.value,)}
@@ -127,6 +128,11 @@ def main() -> int:
                     help="ranks of the one job (default: every GPU of --nodes); more than the fleet's GPUs spreads "
                          "it over nodes that send no telemetry")
     ap.add_argument("--replicas", type=int, default=2, help="node-stage and job-stage replicas each")
+    ap.add_argument("--partitions", type=int, default=None,
+                    help="partitions of each topic (default: twice --replicas, so every replica holds some)")
+    ap.add_argument("--storage", choices=("s3", "memory"), default="s3",
+                    help="s3: two Tansu brokers on moto's S3 (the durable cluster); memory: one Tansu broker in "
+                         "memory (moto, one Python process, is the durable cluster's limit on a small machine)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the logs and stores in this folder")
     args = ap.parse_args()
     args.job_ranks = args.job_ranks or args.nodes * args.gpus
@@ -136,8 +142,10 @@ def main() -> int:
     counts: dict[str, int] = {"published": 0, "publish_errors": 0}
     series: dict[str, list[float | None]] = {}
     lags: dict[str, list[int | None]] = {"node": [], "job": [], "policy": []}
-    with DurableCluster(brokers=2, root=root / "cluster") as cluster:
-        ensure_topics(cluster.dsn, partitions=PARTITIONS)
+    cluster_cm = (DurableCluster(brokers=2, root=root / "cluster") if args.storage == "s3"
+                  else EmbeddedBroker())
+    with cluster_cm as cluster:
+        ensure_topics(cluster.dsn, partitions=args.partitions or 2 * args.replicas)
         replicas = {f"{stage}-{k}": Detector(cluster.dsn, stage, root / f"{stage}-{k}", root / f"{stage}-{k}.log")
                     for stage, n in (("node", args.replicas), ("job", args.replicas), ("policy", 1))
                     for k in range(n)}
@@ -170,7 +178,8 @@ def main() -> int:
                 d.stop()
         dead = len(_dead_letters(cluster.dsn))
     warm = max(0, int(args.warmup_min))
-    out = {"minutes": args.minutes, "nodes": args.nodes, "gpus": args.nodes * args.gpus,
+    out = {"minutes": args.minutes, "storage": args.storage, "partitions": args.partitions or 2 * args.replicas,
+           "nodes": args.nodes, "gpus": args.nodes * args.gpus,
            "steps_per_s": args.steps_per_s, "ranks": args.job_ranks, "replicas_per_stage": args.replicas,
            "published": counts["published"], "publish_errors": counts["publish_errors"],
            "publisher_max_behind_s": counts.get("max_behind_s", 0.0), "cpu_s_at_end": cpu, "dead_letters": dead,

@@ -7,7 +7,11 @@ write of step rows (not yet committed), after an offset commit (not yet snapshot
 snapshot save, and right after a replica moved back to a restored snapshot's offsets (nothing of the
 partition read or committed yet) (``_stage_worker.KILL_POINTS``). For runs in a row, beside CPU load:
 ``python bench/repeat.py tests/detectors/test_stage_crash.py::… --runs 20 --load 2``. A replica that does
-not finish prints why: its status every 10 s, the coordinator's members, its threads' stacks.
+not finish prints why: its status every 10 s, the coordinator's members, its threads' stacks. If the
+replicas have not finished ``RESCUE_AFTER_S`` after the last record (Tansu 0.6 can leave partitions
+assigned to a dead member, ``docs/architecture.md``), a fresh replica joins, as an operator would add
+one, with a warning naming what the replicas held: a new member's join drops the expired one, and the
+group's partitions are assigned again.
 
 The real parts: the Tansu broker over TCP, replicas in processes of their own (``_stage_worker.py``)
 in one consumer group, snapshots of each partition's pipeline in chDB. Each replica writes to a
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,8 @@ WORKER = Path(__file__).with_name("_stage_worker.py")
 KILL_POINTS = runpy.run_path(str(WORKER))["KILL_POINTS"]
 GROUP = "crash-job"
 KILLS = 10
+RESCUE_AFTER_S = 45.0
+"""How long after the last record the replicas get to finish on their own before a fresh one joins."""
 PLAN = [None, "steps:2", "commit:2", None, "snapshot:2", "seek:1", None, "steps:2", "commit:2", "snapshot:2"]
 """How each kill falls: None, 0.2–0.4 s after the victim first read records; ``POINT:N``, the victim
 kills itself right after the N-th call at POINT (every point of ``KILL_POINTS`` at least once)."""
@@ -97,7 +104,7 @@ class _Worker:
     """A replica process and the lines it printed (read by a thread, so the test never blocks on it)."""
 
     def __init__(self, dsn: str, slot: int, tmp: Path, finish: Path, kill_at: str | None = None) -> None:
-        self.kill_at = kill_at
+        self.kill_at, self.slot = kill_at, slot
         self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(tmp / f"store-{slot}"), GROUP, "job",
                                       "0.3", str(finish), *([kill_at] if kill_at else [])],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -214,6 +221,17 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
     written = finish.with_suffix(".tmp")
     written.write_text(json.dumps(ends))
     written.rename(finish)  # the replicas see the whole file or none
+    deadline = time.monotonic() + RESCUE_AFTER_S
+    while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if any(w.proc.poll() is None for w in workers):
+        # Tansu 0.6 left partitions unowned (a dead member in the last assignment; docs/architecture.md): a
+        # fresh replica joins, as an operator would add one, and its join drops the expired member
+        unowned = "; ".join(w.last("waiting") or "" for w in workers if w.proc.poll() is None)[-2000:]
+        warnings.warn(f"the group did not finish in {RESCUE_AFTER_S:.0f} s after the last record; a fresh replica "
+                      f"joins to take unowned partitions: {unowned}", stacklevel=1)
+        workers.append(_Worker(dsn, len(workers), tmp_path, finish))
+        everyone.append(workers[-1])
     try:
         outputs = [w.finish() for w in workers]
     except AssertionError as exc:  # a replica that hangs: its status lines and stacks, and the others' last lines
@@ -227,7 +245,7 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
 
     rank_steps: dict[tuple[str, int, int], float] = {}
     findings: dict[str, int] = {}
-    for slot in range(3):
+    for slot in sorted({w.slot for w in everyone}):
         with open_store(f"chdb://{tmp_path / f'store-{slot}'}") as store:
             rows = store.query("SELECT job, step, rank, compute_s FROM rank_steps FINAL").rows
             keys = {(j, int(s), int(r)) for j, s, r, _ in rows}
