@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
             member = None
             while idle < 3:
                 polled = runner.process_once(0.3)
-                if runner.consumer._kc._coordinator._generation.member_id != member:  # the test waits for its expiry
+                if runner.consumer._kc._coordinator._generation.member_id != member:  # a hang prints every id held
                     member = runner.consumer._kc._coordinator._generation.member_id
                     print(f"member {member}", flush=True)
                 if polled:

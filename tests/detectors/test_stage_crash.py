@@ -238,7 +238,7 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
         others = "\n".join(f"replica {i}: " + (w.last("waiting") or "".join(w.lines)[-1500:])
                            for i, w in enumerate(workers))
         history = "".join(f"process {i}: {line}" for i, w in enumerate(everyone) for line in w.lines
-                          if line.startswith(("log:", "restored", "killed")))
+                          if line.startswith(("log:", "restored", "killed", "member")))
         raise AssertionError(f"{exc}\n{others}\n{history[-8000:]}") from None
     # partitions were taken over from their snapshots, by replicas killed later or by the last ones
     assert any(line.startswith("restored") for w in everyone for line in w.lines), outputs
