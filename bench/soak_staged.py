@@ -1,6 +1,7 @@
-"""Soak of the staged tier on the durable cluster: replicas' memory and the groups' lag, minute by minute.
+"""Soak of the staged tier: replicas' memory, CPU and the groups' lag, minute by minute.
 
-Starts moto's S3 server and two Tansu brokers on one bucket (``tests/cluster.py``), and ``fleethealth
+Starts the durable cluster, moto's S3 server and two Tansu brokers on one bucket (``tests/cluster.py``;
+with ``--storage memory`` one Tansu broker in memory instead), and ``fleethealth
 detect`` staged as processes: ``--replicas`` node-stage and job-stage replicas and one policy replica,
 each with a chDB store of its own. A publisher sends, every wall second, one telemetry sample from each
 of ``--nodes`` nodes (``--gpus`` GPUs each) and ``--steps-per-s`` steps of one job of ``--job-ranks``
@@ -70,8 +71,8 @@ def _publisher(dsn: str, nodes: int, gpus: int, job_ranks: int, steps_per_s: flo
     """Each wall second: one telemetry sample of every node, and the second's steps of the job as the probe
     sends them, one step block per job node (``fleethealth/probe/aggregator.py``)."""
     rng = np.random.default_rng(5)
-    names = [f"soak-node-{i:04d}" for i in range(max(nodes, -(-job_ranks // gpus)))]
-    job_nodes = -(-job_ranks // gpus)
+    job_nodes = -(-job_ranks // gpus)  # the job's nodes: its ranks, gpus to a node (rounded up)
+    names = [f"soak-node-{i:04d}" for i in range(max(nodes, job_nodes))]
     step = 0
     with Producer(dsn, client_id="soak") as producer:
         next_tick = time.time()
