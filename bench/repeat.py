@@ -9,9 +9,10 @@ each, since the machine may be loaded by others as well.
 Prints one JSON object: ``test``, ``runs``, ``passed``, ``failed``, ``failures`` (per failed run its
 number and the first lines that say why: the assertion's ``E`` lines or pytest's summary line),
 ``seconds`` (each run's wall time) and ``load`` (the busy processes started and the 1-minute load
-average before and after the runs, and its highest sample).
+average before and after the runs, and its highest sample). With ``--show TEXT``, ``shown`` holds per run
+the output lines that contain TEXT (a test's own ``print``: run it with ``-- -s``).
 
-    python bench/repeat.py NODEID --runs 20 [--load 2] [--keep DIR] [--stop-on-fail]
+    python bench/repeat.py NODEID --runs 20 [--load 2] [--keep DIR] [--stop-on-fail] [--show TEXT] [-- PYTEST_ARGS]
 
     NODEID e.g. tests/detectors/test_runner.py::test_killed_between_every_write_and_publish_no_recommendation_is_lost
 """
@@ -75,19 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it counts failed")
     ap.add_argument("--stop-on-fail", action="store_true", help="stop after the first failed run")
     ap.add_argument("--keep", type=Path, default=None, help="a folder to write each failed run's whole output to")
-    ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--show", default=None, metavar="TEXT", help="keep each run's output lines that contain TEXT")
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]  # after --, for pytest (argparse would take "-s" for an option of its own)
     if args.runs < 1 or args.load < 0:
         ap.error("--runs must be at least 1 and --load at least 0")
 
     busy = [subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for _ in range(args.load)]
     loads = [os.getloadavg()[0]]
-    passed, failures, seconds = 0, [], []
+    passed, failures, seconds, shown = 0, [], [], []
     try:
         for n in range(1, args.runs + 1):
             ok, took, output = run_once(args.node, args.timeout, args.pytest_args)
             seconds.append(round(took, 1))
+            if args.show is not None:
+                shown.append([line.strip()[:400] for line in output.splitlines() if args.show in line])
             loads.append(os.getloadavg()[0])
             if ok:
                 passed += 1
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait()
     runs = len(seconds)
     print(json.dumps({"test": args.node, "runs": runs, "passed": passed, "failed": runs - passed,
-                      "failures": failures, "seconds": seconds,
+                      "failures": failures, "seconds": seconds, **({"shown": shown} if args.show else {}),
                       "load": {"busy_processes": args.load, "cores": os.cpu_count(), "loadavg_1m_before": loads[0],
                                "loadavg_1m_after": loads[-1], "loadavg_1m_max": max(loads)}}, indent=1))
     return 0 if passed == runs else 1
