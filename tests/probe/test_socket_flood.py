@@ -157,7 +157,8 @@ def _collect(broker, node: str, group: str, *, want: int, settle_s: float) -> tu
 def test_source_none_relays_steps_and_events_and_invents_no_telemetry(broker, tmp_path) -> None:
     ensure_topics(broker.dsn)
     sock = tmp_path / "run" / "probe.sock"
-    probe = _start_probe(broker, sock, tmp_path, "cpu-0001")
+    port = _free_port()
+    probe = _start_probe(broker, sock, tmp_path, "cpu-0001", "--metrics-port", str(port))
     try:
         out = subprocess.run([sys.executable, "-c", _TRAINER, str(sock), "20", "0.02"], env=_env(),
                              capture_output=True, text=True, timeout=60, check=True)
@@ -165,13 +166,15 @@ def test_source_none_relays_steps_and_events_and_invents_no_telemetry(broker, tm
         assert events_sent == 1 and sent + dropped == 160
         ranks, events, telemetry = _collect(broker, "cpu-0001", "none-relay", want=sent, settle_s=1.5)
         assert probe.poll() is None
+        late = _probe_counter(port, "datagrams_late_total")
     finally:
         probe.terminate()
         _, err = probe.communicate(timeout=30)
     assert probe.returncode == 0, err
     # a loaded machine may deschedule the probe long enough for the kernel queue (10 here) to fill:
-    # the trainer then drops and counts; every datagram it did send arrives
-    assert sum(len(r) for r in ranks.values()) == sent and sent >= 80, (sent, dropped)
+    # the trainer then keeps what waits and sends it later, or drops and counts; every datagram it did
+    # send arrives, or came after its step went out at the timeout and is counted late
+    assert sum(len(r) for r in ranks.values()) + late == sent and sent >= 80, (sent, dropped, late)
     assert [e.data.get("check") for e in events if e.kind is EventKind.SDC_CHECK] == ["canary"]
     assert events[0].job == "cpu-job"
     assert telemetry == []  # nothing invented: no fh.telemetry from a CPU box
