@@ -74,6 +74,7 @@ from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.fabric import fabric_faults
 from fleethealth.detectors.nodestate import NVLINK_COUNTERS, nvlink_errors, stacked, zeroed
 from fleethealth.detectors.state import Stateful, names
+from fleethealth.detectors.window import TimeRows
 from fleethealth.errors import ConfigError
 from fleethealth.evidence import Corroboration, EccEvidence, XidEvidence
 from fleethealth.params import check_number
@@ -173,7 +174,7 @@ class HealthRules(Stateful):
                               f"got {self.min_xid_severity!r}") from None
         self.episodes_: dict[tuple[str, int | None, str], _Episode] = {}
         self.previous_: dict[str, Telemetry] = {}
-        self.nvlink_: dict[str, deque[tuple[float, np.ndarray]]] = {}  # node -> (ts, errors per GPU) in window
+        self.nvlink_: dict[str, TimeRows] = {}  # node -> errors per GPU in the window
         self.nvlink_hot_: set[tuple[str, int]] = set()
         self.stale_total_ = 0
         self.suppressed_total_ = 0
@@ -430,12 +431,11 @@ class HealthRules(Stateful):
         if errors is None:
             errors = nvlink_errors(s.columns)
         hist = self.nvlink_.get(s.node)
-        if hist is None or hist[-1][1].shape != errors.shape or (errors < hist[-1][1]).any():
-            hist = self.nvlink_[s.node] = deque()  # a new GPU set or a counter reset (driver reload)
-        hist.append((s.ts, errors))
-        while len(hist) > 2 and hist[1][0] <= s.ts - self.nvlink_window_s:
-            hist.popleft()
-        t0, first = hist[0]
+        if hist is None or not len(hist) or hist.shape != errors.shape or (errors < hist.rows[-1]).any():
+            hist = self.nvlink_[s.node] = TimeRows(errors.shape)  # a new GPU set or a counter reset (driver reload)
+        hist.append(s.ts, errors)
+        hist.keep_covering(s.ts - self.nvlink_window_s, least=2)
+        t0, first = float(hist.ts[0]), hist.rows[0]
         span = s.ts - t0
         if span < self.nvlink_window_s / 2:
             return []

@@ -51,9 +51,9 @@ class RunnerMetrics:
         self.snapshot_bytes = Gauge("fleethealth_detect_snapshot_bytes", "Size of the newest snapshot written",
                                     registry=registry)
         self.snapshot_errors = Counter("fleethealth_detect_snapshot_errors_total",
-                                       "Snapshots refused (unsigned or wrongly signed, corrupt, over a cap, "
-                                       "offsets outside the partition, another version): rebuilt from the input "
-                                       "instead", registry=registry)
+                                       "Snapshots refused when read (unsigned or wrongly signed, corrupt, over a "
+                                       "cap, offsets outside the partition, another version: rebuilt from the "
+                                       "input instead) or not written (a state over a cap)", registry=registry)
         self.poisoned = Counter("fleethealth_detect_poisoned_records_total",
                                 "Records and conclusions dead-lettered because a detector or a store write "
                                 "failed on them deterministically", ["stage"], registry=registry)

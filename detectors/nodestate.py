@@ -20,13 +20,13 @@ same states.
   single runner: it derives, publishes what changed and a heartbeat every ``heartbeat_s`` of event
   time per node) or with the published states themselves (a job stage reading ``fh.nodestate``).
   It keeps each node's power-cap history over ``power_cap_window_s`` (from the states it
-  publishes or is given, which a power-cap change republishes): :meth:`NodeStates.power_cap_share`.
+  publishes or is given, which a power-cap change republishes; a new GPU set starts it again):
+  :meth:`NodeStates.power_cap_share`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,6 +35,7 @@ import numpy as np
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.state import Stateful, names
 from fleethealth.detectors.thermal import ThermalModel, ThermalParams, observe_many
+from fleethealth.detectors.window import TimeRows
 from fleethealth.nodename import known_rack
 from fleethealth.params import check_number
 from fleethealth.schema import ClockReason, NodeState, Telemetry
@@ -371,8 +372,10 @@ class NodeStates(Stateful):
         self.thermal = thermal if thermal is not None else ThermalParams()
         self.nic_bytes_per_tick = nic_bytes_per_tick
         self.power_cap_window_s = check_number("power_cap_window_s", power_cap_window_s, above=0)
-        # node -> (ts, GPU ids, power-capped per GPU) of its states, from the last before the window on
-        self.power_cap_: dict[str, deque[tuple[float, np.ndarray, np.ndarray]]] = {}
+        # node -> power-capped per GPU of its states, from the last before the window on, and its GPU ids (a
+        # new GPU set starts the window again)
+        self.power_cap_: dict[str, TimeRows] = {}
+        self.power_cap_gpu_: dict[str, np.ndarray] = {}
         self.published_: dict[str, NodeState] = {}
         self.racks_: dict[str, set[str]] = {}
         self.latest_: dict[str, Telemetry] = {}
@@ -499,10 +502,12 @@ class NodeStates(Stateful):
         self.published_[state.node] = state
         if capped is None:
             capped = (zeroed(state.clock_reasons).astype(np.int64) & POWER_CAP_BIT) != 0
-        hist = self.power_cap_.setdefault(state.node, deque())
-        hist.append((float(state.ts), state.gpu.copy(), capped))
-        while len(hist) > 1 and hist[1][0] <= state.ts - self.power_cap_window_s:
-            hist.popleft()
+        hist = self.power_cap_.get(state.node)
+        if hist is None or not np.array_equal(self.power_cap_gpu_.get(state.node), state.gpu):
+            hist = self.power_cap_[state.node] = TimeRows(state.gpu.shape, dtype=bool)
+            self.power_cap_gpu_[state.node] = state.gpu.copy()
+        hist.append(float(state.ts), capped)
+        hist.keep_covering(state.ts - self.power_cap_window_s)
         rack = known_rack(state.rack)
         if rack is not None:
             self.racks_.setdefault(rack, set()).add(state.node)
@@ -536,19 +541,15 @@ class NodeStates(Stateful):
         (any of its GPUs when None) had its power-cap clock-event bit set, each state holding until the
         next; None when no state of the node covers any of the window."""
         hist = self.power_cap_.get(node)
-        if not hist:
+        if hist is None or not len(hist):
             return None
-        start = at - self.power_cap_window_s
-        covered = capped = 0.0
-        entries = list(hist)
-        for i, (ts, gpus, cap) in enumerate(entries):
-            end = entries[i + 1][0] if i + 1 < len(entries) else at
-            lo, hi = max(ts, start), min(end, at)
-            if hi <= lo:
-                continue
-            rows = cap if gpu is None else cap[gpus == gpu]
-            covered += hi - lo
-            capped += (hi - lo) * float(bool(rows.any()))
+        ts = hist.ts
+        ends = np.append(ts[1:], at)
+        width = np.clip(np.minimum(ends, at) - np.maximum(ts, at - self.power_cap_window_s), 0.0, None)
+        rows = hist.rows if gpu is None else hist.rows[:, self.power_cap_gpu_[node] == gpu]
+        # summed in order (cumsum), as one state after another
+        covered = float(np.cumsum(width)[-1])
+        capped = float(np.cumsum(width * rows.any(axis=1))[-1])
         return None if covered <= 0 else capped / covered
 
     def forget(self, jobs: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
@@ -556,6 +557,7 @@ class NodeStates(Stateful):
         names("jobs", jobs)
         for node in names("nodes", nodes):
             self.power_cap_.pop(node, None)
+            self.power_cap_gpu_.pop(node, None)
             self.latest_.pop(node, None)
             self.thermal_.pop(node, None)
             state = self.published_.pop(node, None)

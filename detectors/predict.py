@@ -48,6 +48,7 @@ import numpy as np
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.nodestate import nvlink_errors
 from fleethealth.detectors.state import Stateful, names
+from fleethealth.detectors.window import TimeRows
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
 from fleethealth.schema import Event, EventKind, Finding, FindingKind, Telemetry
@@ -79,6 +80,7 @@ MODEL_NAME = "failure_risk-v1"
 
 # counters kept per sample: index -> meaning
 _SBE, _RETIRED, _REMAP, _PENDING, _RPENDING, _DBE, _TEMP, _NVL, _PCIE, _DOWN = range(10)
+_COUNTERS = 10
 _XID_ECC = frozenset({48, 63, 64, 92, 94, 95, 140})
 _XID_LINK = frozenset({74})
 _LOST = frozenset({79})
@@ -124,10 +126,12 @@ class FeatureRows:
 
 
 class _NodeHistory:
+    """One node's rows on the event-time grid (:class:`~fleethealth.detectors.window.TimeRows` of
+    (GPUs, counters)), its GPUs' reset times and slowdown limits, and its Xids."""
+
     def __init__(self, gpus: np.ndarray) -> None:
         self.gpu = gpus.copy()
-        self.ts: deque[float] = deque()
-        self.values: deque[np.ndarray] = deque()
+        self.rows = TimeRows((gpus.size, _COUNTERS))
         self.reset_ts = np.full(gpus.shape, -math.inf)
         self.limit = np.full(gpus.shape, math.nan)  # each GPU's slowdown temperature, from its latest sample
         self.xids: deque[tuple[float, int, int]] = deque()  # (ts, gpu row or -1, class)
@@ -187,8 +191,7 @@ class GpuFeatures(Stateful):
                 hist.reset_ts[hist.gpu == e.gpu] = e.ts
 
     def _rows(self, hist: _NodeHistory, node: str, now: float) -> FeatureRows:
-        ts = np.fromiter(hist.ts, dtype=np.float64)
-        vals = np.stack(hist.values)  # (n, g, C)
+        ts, vals = hist.rows.ts, hist.rows.rows  # (n,), (n, g, C)
         cur = vals[-1]
         g = np.arange(cur.shape[0])
 
@@ -248,19 +251,17 @@ class GpuFeatures(Stateful):
             hist = self.nodes_.get(s.node)
             if hist is None or not np.array_equal(hist.gpu, s.gpu):
                 hist = self.nodes_[s.node] = _NodeHistory(np.asarray(s.gpu))
-            if hist.ts and ts <= hist.ts[-1]:
+            last = float(hist.rows.ts[-1]) if len(hist.rows) else None
+            if last is not None and ts <= last:
                 self.stale_total_ += 1
                 continue
             # the first sample of each resolution_s interval of the event-time grid: where sampling starts
             # (a restored snapshot, a history begun mid-stream) cannot shift the rows that follow
-            if hist.ts and math.floor(ts / self.resolution_s) <= math.floor(hist.ts[-1] / self.resolution_s):
+            if last is not None and math.floor(ts / self.resolution_s) <= math.floor(last / self.resolution_s):
                 continue
-            hist.ts.append(ts)
-            hist.values.append(_counters(s))
+            hist.rows.drop_before(ts - self.long_s - self.resolution_s)
+            hist.rows.append(ts, _counters(s))
             hist.limit = s.slowdown_limits(self.thermal_limit_c)
-            while hist.ts and hist.ts[0] < ts - self.long_s - self.resolution_s:
-                hist.ts.popleft()
-                hist.values.popleft()
             while hist.xids and hist.xids[0][0] < ts - self.long_s:
                 hist.xids.popleft()
             out.append(self._rows(hist, s.node, ts))

@@ -44,7 +44,8 @@ partition) snapshots its pipeline with the offsets of every partition, under the
 state (:mod:`fleethealth.detectors.snapshot`, ``snapshots``, the ``[detect.snapshot]`` keys);
 without a key none is written or restored. A snapshot refused (unsigned or wrongly signed, over a
 cap, offsets outside its partition's range) is logged with its reason and counted
-(``fleethealth_detect_snapshot_errors_total``), and the partition is rebuilt from the group's commit.
+(``fleethealth_detect_snapshot_errors_total``), and the partition is rebuilt from the group's commit; a
+state over the caps is not written (logged and counted the same), since no replica could restore it.
 
 Nothing decided is lost between store and bus: the outbox row of a finding or recommendation is
 written before its table and the policy state that remember the decision, and a runner stores
@@ -409,7 +410,8 @@ class Runner:
                 except StateError as exc:
                     raise SnapshotError(f"state of {type(unit).__name__} cannot be snapshotted: {exc}") from exc
                 blob = self.snapshot_format.seal(explicit, offsets)
-            except SnapshotError as exc:  # a state that is not plain data: a defect, reported, the stream goes on
+            except SnapshotError as exc:  # not plain data (a defect) or over the caps: reported, the stream goes on
+                self.metrics.snapshot_errors.inc()
                 log.error("group %r partition %d: no snapshot written: %s", self.consumer.group, p, exc)
                 self._snapshot_at[p] = now
                 continue

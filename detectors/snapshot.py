@@ -66,9 +66,11 @@ __all__ = ["SNAPSHOT_VERSION", "MAGIC", "WHOLE", "SnapshotError", "Snapshots", "
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 2
-"""The layout of a snapshot and of the detector state inside it (2: explicit state, signed; 1 was a
-pickle): a blob of another version is refused."""
+SNAPSHOT_VERSION = 3
+"""The layout of a snapshot and of the detector state inside it (3: the node stage's windows as
+:class:`~fleethealth.detectors.window.TimeRows`; 2: explicit state, signed, windows as deques of
+rows; 1 was a pickle): a blob of another version is refused, and the partition rebuilt from the
+group's commit (after an upgrade across versions, the node stage's windows start again)."""
 WHOLE = 2**32 - 1
 """The partition number a whole-tier runner's snapshot is stored under (its one pipeline covers every
 partition of its group; the store's ``partition`` column is a UInt32, and no topic has that many)."""
@@ -153,9 +155,14 @@ class Snapshots:
         return self.seal(state, offsets, key=key)
 
     def seal(self, state: State, offsets: Mapping[tuple[str, int], int], *, key: bytes | None = None) -> bytes:
-        """A blob of an explicit ``state`` (what :meth:`dump` writes after taking the state)."""
+        """A blob of an explicit ``state`` (what :meth:`dump` writes after taking the state). A state over
+        the caps the reader applies is a :class:`SnapshotError`, not a blob no replica could restore."""
         table, chunks, at = [], [], 0
         for a in state.arrays:
+            if a.nbytes > self.max_array_bytes:
+                raise SnapshotError(f"an array of {a.nbytes} bytes {a.shape} is over max_array_bytes="
+                                    f"{self.max_array_bytes} (detect.snapshot.max_array_bytes): no replica could "
+                                    "restore the snapshot")
             pad = -at % _ALIGN
             if pad:
                 chunks.append(b"\0" * pad)
@@ -165,6 +172,11 @@ class Snapshots:
             chunks.append(data)
             at += a.nbytes
         manifest = orjson.dumps({"tree": state.tree, "arrays": table})
+        if len(manifest) > self.max_manifest_bytes or len(manifest) + at > self.max_bytes:
+            raise SnapshotError(f"the state inflates to {len(manifest) + at} bytes ({len(manifest)} of manifest), "
+                                f"over max_bytes={self.max_bytes} or max_manifest_bytes={self.max_manifest_bytes} "
+                                "(detect.snapshot.max_bytes, max_manifest_bytes): no replica could restore it; raise "
+                                "them on every replica, or give the stage's topics more partitions")
         deflate = zlib.compressobj(_LEVEL)
         body = b"".join([deflate.compress(manifest), deflate.compress(b"".join(chunks)), deflate.flush()])
         head = orjson.dumps({"fleethealth": __version__, "schema": SCHEMA_VERSION, "codec": _CODEC,

@@ -72,6 +72,7 @@ STATE_MODULES = (
     "fleethealth.detectors.hang", "fleethealth.detectors.health", "fleethealth.detectors.lifecycle",
     "fleethealth.detectors.nodestate", "fleethealth.detectors.pipeline", "fleethealth.detectors.predict",
     "fleethealth.detectors.sdc", "fleethealth.detectors.straggler", "fleethealth.detectors.thermal",
+    "fleethealth.detectors.window",
     "fleethealth.payloads", "fleethealth.detectors.cores",
 )
 """Modules whose classes may be written into a state and rebuilt from one (imported on first use); a

@@ -285,3 +285,40 @@ def test_findings_do_not_depend_on_batching_restores_or_where_the_history_begins
 
     again = from_state(state_dict(det), like=FailurePredictor())
     assert [(f.id, f.node, f.gpu, f.ts) for f in [*first, *again.check(samples[180:])]] == whole
+
+
+def _stream(n: int, seed: int = 3) -> list[Telemetry]:
+    """``n`` samples a minute apart whose counters rise by random steps and whose temperature wanders."""
+    rng = np.random.default_rng(seed)
+    sbe, flit, temp = np.zeros(2), np.zeros(2), np.full(2, 66.0)
+    out = []
+    for i in range(n):
+        sbe = sbe + rng.integers(0, 4, 2)
+        flit = flit + rng.integers(0, 3, 2)
+        temp = temp + rng.normal(0.0, 0.4, 2)
+        out.append(_sample(60.0 * i + 0.5, ecc_sbe_volatile=sbe, nvlink_crc_flit=flit, temp_c=np.round(temp, 1)))
+    return out
+
+
+def test_history_holds_the_long_window_in_place_and_a_snapshot_writes_two_arrays_a_node():
+    """Rows past the long window leave the history: the rows after it are those of a history begun
+    at the window's start, the history's buffers stop growing at what the window holds, and a
+    snapshot's arrays do not grow with the rows."""
+    from fleethealth.detectors.state import state_dict
+
+    windows = {"recent_s": 120.0, "short_s": 300.0, "long_s": 600.0, "resolution_s": 60.0}
+    samples = _stream(90)
+    whole = GpuFeatures(**windows)
+    rows = [whole.check([s]) for s in samples]
+    hist = whole.nodes_["n0001"].rows
+    assert len(hist) == 12 and np.all(np.diff(hist.ts) == 60.0)  # [ts - long - resolution, ts]
+    assert hist.rows.shape == (12, 2, 10) and hist.ts_buf.size == 16  # doubled 4 -> 8 -> 16, then kept
+    late = GpuFeatures(**windows)
+    begun = 40  # a history begun 40 minutes in has every row the long window reads from minute 50 on
+    late_rows = [late.check([s]) for s in samples[begun:]]
+    for i in range(begun + 10, len(samples)):
+        np.testing.assert_array_equal(rows[i][0].X, late_rows[i - begun][0].X)
+    arrays = len(state_dict(GpuFeatures(**windows)).arrays)
+    short = GpuFeatures(**windows)
+    short.check(samples[:20])
+    assert len(state_dict(short).arrays) == len(state_dict(whole).arrays) > arrays

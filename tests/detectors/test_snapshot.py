@@ -145,7 +145,8 @@ def _resign(blob: bytes, key: bytes = KEY) -> bytes:
     (lambda b, h: b + b"\0", "MAC mismatch"),
     (lambda b, h: b"GARBAGE!" + b[8:], "bad magic"),
     (lambda b, h: _resign(b[:h + 10] + b[h + 20:]), "truncated or extended"),
-    (lambda b, h: _resign(b[:8] + struct.pack(">H", SNAPSHOT_VERSION - 1) + b[10:]), "version 1 is not"),
+    (lambda b, h: _resign(b[:8] + struct.pack(">H", SNAPSHOT_VERSION - 1) + b[10:]),
+     f"version {SNAPSHOT_VERSION - 1} is not"),
     (lambda b, h: _resign(b[:8] + struct.pack(">H", SNAPSHOT_VERSION + 1) + b[10:]), "rebuild the state"),
 ], ids=["body-bit", "head-bit", "mac-bit", "truncated", "stub", "trailing", "magic", "cut-body", "older", "newer"])
 def test_a_damaged_snapshot_is_refused_with_its_reason(damage, reason) -> None:
@@ -249,6 +250,20 @@ def test_sizes_are_checked_before_inflating_or_allocating() -> None:
     with pytest.raises(SnapshotError, match="sizes"):
         SNAPS.load(forge(None, data_bytes=-1))
     assert SNAPS.load(forge({"ok": ["l", 1, ["f", "nan"]]}))[0]["ok"][0] == 1
+
+
+def test_a_state_over_the_readers_caps_is_refused_when_written_not_when_restored() -> None:
+    """What the reader would refuse is not written: a replica would otherwise save snapshots none can
+    restore, and every restart would rebuild from the commit with the history lost."""
+    small = Snapshots(key=KEY, max_bytes=1 << 20, max_manifest_bytes=1 << 16, max_array_bytes=1 << 16)
+    fits = {"rows": np.zeros(1 << 12)}  # 32 KiB
+    assert small.load(small.dump(fits, OFFSETS))[0]["rows"].size == 1 << 12
+    with pytest.raises(SnapshotError, match="over max_array_bytes=65536 .*no replica could restore"):
+        small.dump({"rows": np.zeros(1 << 14)}, OFFSETS)  # one array of 128 KiB
+    with pytest.raises(SnapshotError, match=r"inflates to \d+ bytes .*over max_bytes=1048576"):
+        small.dump([np.zeros((1 << 12) + i) for i in range(40)], OFFSETS)  # 40 arrays of 32 KiB
+    with pytest.raises(SnapshotError, match="max_manifest_bytes=65536"):
+        small.dump({f"k{i}": "x" * 100 for i in range(1000)}, OFFSETS)  # a 100 KB tree
 
 
 def test_a_restored_object_runs_no_code_of_the_blobs_choosing() -> None:
