@@ -503,7 +503,8 @@ class NodeStates(Stateful):
         if capped is None:
             capped = (zeroed(state.clock_reasons).astype(np.int64) & POWER_CAP_BIT) != 0
         hist = self.power_cap_.get(state.node)
-        if hist is None or not np.array_equal(self.power_cap_gpu_.get(state.node), state.gpu):
+        gpus = self.power_cap_gpu_.get(state.node)
+        if hist is None or gpus is None or gpus.dtype != state.gpu.dtype or gpus.tobytes() != state.gpu.tobytes():
             hist = self.power_cap_[state.node] = TimeRows(state.gpu.shape, dtype=bool)
             self.power_cap_gpu_[state.node] = state.gpu.copy()
         hist.append(float(state.ts), capped)
