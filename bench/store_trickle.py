@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from node_throughput import GPUS_PER_NODE, Fleet  # noqa: E402
 
-from fleethealth.store import Store, open_store  # noqa: E402
+from fleethealth.store import Store, open_store, synthetic  # noqa: E402
 
 
 def _rss_mib() -> float:
@@ -42,12 +42,8 @@ def _rss_mib() -> float:
 
 
 def _tracked_mib(store: Store) -> float:
-    rows = store.query("SELECT value FROM system.metrics WHERE metric = 'MemoryTracking'").rows
-    return round(rows[0][0] / 2**20, 1) if rows else float("nan")
-
-
-def _parts(store: Store) -> int:
-    return int(store.query("SELECT count() FROM system.parts WHERE active AND table = 'gpu_samples'").rows[0][0])
+    """chDB's tracked memory (``system.metrics`` ``MemoryTracking``), MiB."""
+    return round(store.engine_memory().get("tracked", float("nan")) / 2**20, 1)
 
 
 def _phase(name: str, nodes: int, minutes: float, per_insert_s: int) -> dict[str, object]:
@@ -71,7 +67,8 @@ def _phase(name: str, nodes: int, minutes: float, per_insert_s: int) -> dict[str
             if time.time() >= next_minute:
                 cpu = time.process_time() - cpu0
                 series.append({"minute": len(series) + 1, "rss_mib": round(_rss_mib(), 1),
-                               "tracked_mib": _tracked_mib(store), "gpu_samples_parts": _parts(store),
+                               "tracked_mib": _tracked_mib(store),
+                               "gpu_samples_parts": synthetic.active_parts(store, "gpu_samples"),
                                "cpu_s": round(cpu, 2)})
                 print(json.dumps({"phase": name, **series[-1]}), flush=True)
                 if cpu_after_first is None:
