@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
-from fleethealth.detectors.state import Stateful, names
+from fleethealth.detectors.state import StateError, Stateful, names
 from fleethealth.detectors.thermal import ThermalModel, ThermalParams, observe_many
 from fleethealth.detectors.window import TimeRows
 from fleethealth.nodename import known_rack
@@ -536,6 +536,12 @@ class NodeStates(Stateful):
         load, residual = model.observe(sample.ts, cols["temp_c"], cols["power_w"], cols["util_pct"],
                                       cols["power_limit_w"], thermal)
         return model.fast_.copy(), load, residual
+
+    def _state_restored(self, like: object) -> None:
+        for node, rows in getattr(self, "power_cap_", {}).items():
+            gpus = getattr(self, "power_cap_gpu_", {}).get(node)
+            if not isinstance(rows, TimeRows) or not isinstance(gpus, np.ndarray) or rows.shape != gpus.shape:
+                raise StateError(f"node states: the power-cap window of {node!r} does not fit its GPUs")
 
     def power_cap_share(self, node: str, gpu: int | None, at: float) -> float | None:
         """The share of the ``power_cap_window_s`` before event time ``at`` in which ``gpu`` of ``node``

@@ -47,7 +47,7 @@ import numpy as np
 
 from fleethealth.detectors.batch import Batch, expect
 from fleethealth.detectors.nodestate import nvlink_errors
-from fleethealth.detectors.state import Stateful, names
+from fleethealth.detectors.state import StateError, Stateful, names
 from fleethealth.detectors.window import TimeRows
 from fleethealth.errors import ConfigError
 from fleethealth.params import check_int, check_number
@@ -135,6 +135,13 @@ class _NodeHistory:
         self.reset_ts = np.full(gpus.shape, -math.inf)
         self.limit = np.full(gpus.shape, math.nan)  # each GPU's slowdown temperature, from its latest sample
         self.xids: deque[tuple[float, int, int]] = deque()  # (ts, gpu row or -1, class)
+
+    def _state_restored(self, like: object) -> None:
+        gpu, rows = getattr(self, "gpu", None), getattr(self, "rows", None)
+        if not isinstance(gpu, np.ndarray) or gpu.ndim != 1 or not isinstance(rows, TimeRows) \
+                or rows.shape != (gpu.size, _COUNTERS):
+            raise StateError(f"a failure-predictor history whose rows {getattr(rows, 'shape', None)} do not fit "
+                             f"its GPUs {getattr(gpu, 'shape', None)}")
 
 
 class GpuFeatures(Stateful):

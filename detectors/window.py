@@ -93,9 +93,9 @@ class TimeRows:
     def _state_restored(self, like: object) -> None:
         ts, rows = getattr(self, "ts", None), getattr(self, "rows", None)
         if not isinstance(ts, np.ndarray) or not isinstance(rows, np.ndarray) or ts.dtype != np.float64 \
-                or ts.ndim != 1 or rows.ndim < 1 or rows.shape[0] != ts.size:
+                or ts.ndim != 1 or rows.ndim < 1 or rows.shape[0] != ts.size or rows.dtype.kind not in "biuf":
             raise StateError(f"TimeRows: times {getattr(ts, 'shape', type(ts).__name__)} and rows "
-                             f"{getattr(rows, 'shape', type(rows).__name__)} do not pair up")
+                             f"{getattr(rows, 'shape', type(rows).__name__)} do not pair up as numbers")
         spare = max(ts.size, 4)
         self.ts_buf = np.concatenate([ts, np.empty(spare - ts.size)])
         self.rows_buf = np.concatenate([rows, np.empty((spare - ts.size, *rows.shape[1:]), dtype=rows.dtype)])

@@ -55,12 +55,36 @@ def test_a_state_writes_two_arrays_and_restores_with_room_to_grow():
     (np.zeros((3, 1)), np.zeros((3, 2))),     # times not 1-D
     (np.zeros(3, dtype=np.int64), np.zeros((3, 2))),  # times not float
     ([0.0, 1.0], np.zeros((2, 2))),           # times not an array
+    (np.zeros(2), np.array([["a", "b"], ["c", "d"]])),  # rows of text
 ])
 def test_a_state_whose_rows_do_not_pair_with_its_times_is_refused(ts, rows):
     good = TimeRows((2,))
     state = state_dict(good)
     forged = TimeRows.__new__(TimeRows)
     forged.ts, forged.rows = ts, rows
-    with pytest.raises(StateError, match="do not pair up"):
+    with pytest.raises(StateError, match="do not pair up as numbers"):
         from_state(state_dict(forged))
     assert from_state(state) is not None
+
+
+def test_a_window_that_does_not_fit_its_nodes_gpus_is_refused():
+    """A state (signed, yet forged or from a defect) whose window rows do not fit the node's GPUs is a
+    StateError when read, not an exception later in the stream."""
+    from fleethealth.detectors.nodestate import NodeStates
+    from fleethealth.detectors.predict import GpuFeatures
+    from fleethealth.schema import Telemetry
+
+    feats = GpuFeatures()
+    feats.check([Telemetry.from_columns("n1", "r1", 60.0 * i, np.arange(2), temp_c=np.full(2, 60.0))
+                 for i in range(3)])
+    assert from_state(state_dict(feats), like=GpuFeatures()).nodes_["n1"].rows.shape == (2, 10)
+    feats.nodes_["n1"].rows = TimeRows((3, 10))  # rows of 3 GPUs on a node of 2
+    with pytest.raises(StateError, match="failure-predictor history whose rows"):
+        from_state(state_dict(feats), like=GpuFeatures())
+    states = NodeStates()
+    states.power_cap_["n1"] = TimeRows((8,), dtype=bool)
+    states.power_cap_gpu_["n1"] = np.arange(4, dtype=np.int16)
+    with pytest.raises(StateError, match="power-cap window of 'n1' does not fit"):
+        from_state(state_dict(states))
+    states.power_cap_gpu_["n1"] = np.arange(8, dtype=np.int16)
+    assert from_state(state_dict(states)).power_cap_["n1"].shape == (8,)
