@@ -4,21 +4,15 @@ process answers 503 with its reasons, a healthy one 200, and counts start at zer
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 
 from fleethealth.adapters.act import ActMetrics
 from fleethealth.adapters.base import ActionRecord, Outcome
+from fleethealth.broker import free_port
 from fleethealth.endpoints import Endpoints, health_body
 from fleethealth.probe.metrics import ProbeHealth, ProbeMetrics
 from fleethealth.schema import Action
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -38,7 +32,7 @@ def test_health_body() -> None:
 def test_probe_healthz_degrades_on_a_stall_and_a_lost_broker() -> None:
     state = {"h": ProbeHealth(bus_connected=1)}
     metrics = ProbeMetrics("gpu-017", health=lambda: state["h"])
-    port = _free_port()
+    port = free_port()
     server = metrics.serve(port, "127.0.0.1")
     try:
         assert _get(port, "/healthz") == (200, b'{"status": "ok"}')

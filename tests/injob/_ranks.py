@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fleethealth.broker import free_port
 
 
 def run_ranks(worker: Path, world: int, out: Path, *, timeout_s: float) -> list[dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +21,7 @@ WORKER = Path(__file__).with_name("_calib_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import _calib_worker as W  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fleethealth.broker import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +31,7 @@ def jobs(tmp_path_factory) -> dict[int, list[dict]]:
     runs = {}
     for world in (2, 4):
         out = tmp_path_factory.mktemp(f"calib{world}")
-        port = _free_port()
+        port = free_port()
         runs[world] = (out, [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out)],
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
                              for r in range(world)])

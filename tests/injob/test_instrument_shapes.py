@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,8 @@ from fleethealth.wire import parse
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _shape_worker as W  # noqa: E402
+
+from fleethealth.broker import free_port
 
 WORKER = Path(__file__).with_name("_shape_worker.py")
 WORLD, STEPS, PREFIX, NODE = 4, 32, "shape-", "node-a"
@@ -89,12 +90,6 @@ class _Probe:
         self.listener.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     sock = str(tmp_path_factory.mktemp("probe") / "probe.sock")
@@ -102,7 +97,7 @@ def run(tmp_path_factory):
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("FLEETHEALTH_SOCKET", None)
-        done = subprocess.run([sys.executable, str(WORKER), str(WORLD), str(_free_port()), sock, PREFIX,
+        done = subprocess.run([sys.executable, str(WORKER), str(WORLD), str(free_port()), sock, PREFIX,
                                ",".join(SHAPES), str(STEPS)], capture_output=True, text=True, timeout=240, env=env)
         assert done.returncode == 0, done.stderr[-4000:]
         probe.settle(30.0)

@@ -13,7 +13,6 @@ memory stays within a stated bound over its idle size, and the trainer's datagra
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from fleethealth.broker import free_port
 from fleethealth.bus import Consumer, ensure_topics
 from fleethealth.schema import Event, EventKind, StepBatch, StepBlock, Telemetry
 
@@ -84,12 +84,6 @@ def _rss_kib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of ``pid`` in KiB."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _probe_counter(port: int, name: str) -> int:
@@ -157,7 +151,7 @@ def _collect(broker, node: str, group: str, *, want: int, settle_s: float) -> tu
 def test_source_none_relays_steps_and_events_and_invents_no_telemetry(broker, tmp_path) -> None:
     ensure_topics(broker.dsn)
     sock = tmp_path / "run" / "probe.sock"
-    port = _free_port()
+    port = free_port()
     probe = _start_probe(broker, sock, tmp_path, "cpu-0001", "--metrics-port", str(port))
     try:
         out = subprocess.run([sys.executable, "-c", _TRAINER, str(sock), "20", "0.02"], env=_env(),
@@ -186,7 +180,7 @@ def test_floods_stay_bounded_and_the_trainer_keeps_flowing(broker, shared_dir, t
     ensure_topics(broker.dsn)
     sock = shared_dir / "probe.sock"
     # a job may have 16 ranks on this node here (the default, 256, takes longer to reach on a loaded machine)
-    port = _free_port()
+    port = free_port()
     probe = _start_probe(broker, sock, tmp_path, "cpu-0002", "--set", "probe.socket_max_ranks=16",
                          "--metrics-port", str(port))
     try:
