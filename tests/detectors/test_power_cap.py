@@ -81,3 +81,21 @@ def test_the_policy_evicts_a_power_capped_straggler_only_when_persistent_and_mat
         PolicyEngine(power_fault_share=0.0)
     with pytest.raises(ConfigError, match="power_capped_share"):
         dataclasses.replace(DiagnosisThresholds(), power_capped_share=1.5)
+
+
+def test_a_new_gpu_set_starts_the_power_cap_window_again() -> None:
+    """GPU 2 capped for 400 s, then it falls off the bus and the node reports GPUs 0, 1 and 3: the
+    window starts again with the new set, so what the lost GPU's cap said no longer counts."""
+    d = Diagnoser(thresholds=DiagnosisThresholds(power_cap_window_s=600.0, power_capped_share=0.5))
+    gpus = np.array([0, 1, 3])
+    after = [Telemetry.from_columns("gpu-e", RACK, T0 + 10.0 * k, gpus, temp_c=np.full(3, 60.0),
+                                    clock_reasons=np.zeros(3), power_w=np.full(3, 600.0),
+                                    power_limit_w=np.full(3, 700.0), util_pct=np.full(3, 97.0),
+                                    nvlink_links_up=np.full(3, 18.0), nvlink_links_max=np.full(3, 18.0), nic_util=0.3)
+             for k in range(40, 61)]
+    d.observe([_sample("gpu-e", T0 + 10.0 * k, 2) for k in range(40)])
+    assert d.states.power_cap_share("gpu-e", None, T0 + 395.0) == pytest.approx(1.0)
+    d.observe(after)
+    assert d.states.power_cap_share("gpu-e", None, T0 + 600.0) == 0.0
+    assert d.states.power_cap_share("gpu-e", 2, T0 + 600.0) == 0.0  # a GPU the node no longer has
+    assert d.states.power_cap_gpu_["gpu-e"].tolist() == [0, 1, 3]
