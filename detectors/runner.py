@@ -12,16 +12,17 @@ A consumer group over the stage's input topics (all of ``fh.steps``, ``fh.teleme
    :class:`~fleethealth.detectors.effects.Effects` to carry out (the whole tier's core feeds
    detection, :class:`Pipeline`, and then policy, :class:`PolicyStage`, composed by :func:`conclude`);
 4. carries them out, the same for every stage: writes inputs (telemetry, the step batches the
-   assembler accepted) to the store, then what is to be published to the **outbox** (pending), then
+   assembler accepted) to the store — with ``store_every_s``, those of several polls in one insert
+   (:mod:`fleethealth.detectors.deferred`) — then what is to be published to the **outbox** (pending), then
    the events (with the ``interruption`` events detection derived), findings and recommendations,
    then eviction outcomes and the policy engine's state — idempotently: every table is a
    ReplacingMergeTree on its natural key and every insert carries a deduplication token derived from
    the offsets it covers;
 5. publishes the outbox's pending rows and, once the broker has acknowledged them, marks them
    published (a failed publish leaves them pending: they go out again on the next batch);
-6. commits offsets — only now, never past a record still held in the buffer, and never past
-   the step batches of a step the pipeline has not concluded (still assembling, or stragglers
-   waiting for telemetry to diagnose them), so a restart sees them again.
+6. commits offsets — only now, never past a record still held in the buffer or a sample row held for a
+   later insert, and never past the step batches of a step the pipeline has not concluded (still
+   assembling, or stragglers waiting for telemetry to diagnose them), so a restart sees them again.
 
 A write that fails is handled by :mod:`fleethealth.detectors.retry`: the store or broker out of
 reach (a connection error, a timeout) is waited out with backoff, committing nothing meanwhile;
@@ -85,6 +86,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from fleethealth.bus import Consumer, DeadLetter, Producer, Record, SnapshotTopic
 from fleethealth.detectors.assembly import EventTimeBuffer
 from fleethealth.detectors.cores import Conclusions, conclude, make_core, publishable
+from fleethealth.detectors.deferred import DeferredSamples
 from fleethealth.detectors.effects import Effects
 from fleethealth.detectors.metrics import RunnerMetrics
 from fleethealth.detectors.nodetable import HeldState, NodeTable, peek_state
@@ -137,6 +139,8 @@ class Runner:
     ``max_ahead_s`` / ``max_behind_s`` bound a record's event time against its broker timestamp
     (beyond: dead-lettered naming ``ts``; None: unbounded). ``retry`` is the failure policy of the
     writes (:class:`~fleethealth.detectors.retry.Retry`; its ``stopping`` is this runner's stop).
+    ``store_every_s`` holds the sample rows (telemetry, steps) of several polls for one insert per table at
+    most that often (:mod:`~fleethealth.detectors.deferred`; 0: every poll), committing no offset past them.
     """
 
     def __init__(self, bus_dsn: str, store: StoreLike, *, group: str = "fh-detect",
@@ -147,7 +151,7 @@ class Runner:
                  max_ahead_s: float | None = 300.0, max_behind_s: float | None = 86_400.0,
                  retry: Retry | None = None, registry: CollectorRegistry | None = None,
                  stage: Stage | str = Stage.ALL, snapshot_every_s: float | None = 30.0,
-                 snapshot_to: str = "store", snapshots: Snapshots | None = None) -> None:
+                 snapshot_to: str = "store", snapshots: Snapshots | None = None, store_every_s: float = 0.0) -> None:
         self.store = store
         # the stage chooses its core, once: what it concludes, stores, publishes and snapshots
         self.core = make_core(stage, pipeline=pipeline,
@@ -204,6 +208,8 @@ class Runner:
         self.recommendations_total = 0
         self.states_published_total = 0
         self.pending_: list[OutboxRow] = []
+        self.deferred = DeferredSamples(store_every_s, max_held)
+        self.clock: Callable[[], float] = time.monotonic  # when held sample rows are due (tests may set it)
         self._recovered = not publish  # the outbox left by an earlier run is read on the first batch
 
     @property
@@ -332,6 +338,7 @@ class Runner:
             self._snapshot_at[unit] = -math.inf  # due at the first commit: a partition never moves without one
             if offsets:
                 self.buffer.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
+                self.deferred.discard(lambda rec, o=offsets: (rec.topic, rec.partition) in o)
                 self.consumer.seek(offsets)
                 restored |= set(offsets)
         self._drop(sorted(held - wanted))
@@ -346,6 +353,7 @@ class Runner:
             self._snapshot_at.pop(p, None)
             self._snapshot_offsets.pop(p, None)
         self.buffer.discard(lambda rec: rec.topic in self._group and rec.partition in gone)
+        self.deferred.discard(lambda rec: rec.topic in self._group and rec.partition in gone)
         log.info("partitions %s moved to another replica of group %r: their state is dropped here", gone,
                  self.consumer.group)
 
@@ -522,8 +530,9 @@ class Runner:
 
     def _write(self, released: Sequence[tuple[Hashable, Record]], *, final: bool) -> None:
         """Step the core on the released records and carry out its effects, in the one order every stage
-        shares: dead letters, inputs, the outbox (pending), events, findings, recommendations and the
-        book, eviction outcomes, the policy state; then publish, commit, snapshot."""
+        shares: dead letters, inputs (held over polls, see ``store_every_s``), the outbox (pending), events,
+        findings, recommendations and the book, eviction outcomes, the policy state; then publish, commit,
+        snapshot."""
         eff = self.core.step(self._held_states([rec for _, rec in released]), self.now_, final=final)
         self.now_ = max(self.now_, eff.now)
         for rec, why in eff.poisoned:
@@ -542,12 +551,10 @@ class Runner:
             if rec is None:  # a derived event (an interruption): output, not input
                 bad_output(msg, exc)
                 return
-            self.metrics.poisoned.labels("store").inc()
-            self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
+            self._bad_input(rec, msg, exc)
 
         store = self.store
-        self._insert("t", eff.telemetry, store.insert_telemetry, token, bad_input)
-        self._insert("s", eff.steps, store.insert_steps, token, bad_input)
+        self._write_samples(eff, final=final)
         # the outbox first: a decision stored anywhere is in it, and a restart stores it again and publishes it
         outgoing = [_outbox_row(m) for m in eff.outbox] if self.publish else []
         if outgoing:
@@ -600,6 +607,30 @@ class Runner:
             self.metrics.over_limit.labels(what).set(sum(p.over_limit_.get(what, 0) for p in pipelines))
         self.findings_total += len(eff.findings)
         self.recommendations_total += len(eff.recommendations)
+
+    def _write_samples(self, eff: Effects, *, final: bool) -> None:
+        """Hold this step's sample rows (telemetry, steps) with those of earlier polls, and write them all in
+        one insert per table when they are due (``store_every_s``; every poll when it is 0). Held rows are
+        cleared only once written: a write that raises leaves them held, and their offsets uncommitted."""
+        held = self.deferred
+        held.add(eff, self.clock())
+        if not held.due(self.clock(), final=final):
+            return
+
+        def bad(msg: Message, exc: BaseException) -> None:
+            rec = held.origin(msg)
+            if rec is not None:
+                self._bad_input(rec, msg, exc)
+
+        token = held.token
+        self._insert("t", held.telemetry, self.store.insert_telemetry, token, bad)
+        self._insert("s", held.steps, self.store.insert_steps, token, bad)
+        held.clear()
+
+    def _bad_input(self, rec: Record, msg: Message, exc: BaseException) -> None:
+        """Dead-letter an input record whose row the store refused."""
+        self.metrics.poisoned.labels("store").inc()
+        self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
 
     def _dead_letter(self, eff: Effects) -> None:
         """Publish what the pipeline refused to take (beyond its cardinality limits) as dead letters; the
@@ -670,8 +701,9 @@ class Runner:
         return True
 
     def _safe_offsets(self, ready: Sequence[Record]) -> dict[Hashable, int]:
-        """Per partition, the first offset not to commit: records still held in the buffer, and the
-        step batches of steps the pipeline has not concluded (a restart must see them again)."""
+        """Per partition, the first offset not to commit: records still held in the buffer, sample rows
+        held for a later insert, and the step batches of steps the pipeline has not concluded (a restart
+        must see them again)."""
         still_open = self.core.open_steps()
         open_jobs = {job for job, _ in still_open}
         for rec in ready:
@@ -687,6 +719,8 @@ class Runner:
                         first[tp] = min(first.get(tp, rec.offset), rec.offset)
         self._step_offsets = {k: v for k, v in self._step_offsets.items() if k in still_open}
         held = self.buffer.held(lambda rec: ((rec.topic, rec.partition), rec.offset))
+        for tp, offset in self.deferred.first.items():  # sample rows held for a later insert
+            held[tp] = min(held.get(tp, offset), offset)
         for offsets in self._step_offsets.values():
             for tp, offset in offsets.items():
                 held[tp] = min(held.get(tp, offset), offset)

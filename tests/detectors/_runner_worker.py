@@ -5,6 +5,8 @@ data path while it runs (chDB allows one process per path). It prints one line p
 ``process_once`` (``polled N``), and, once every assigned partition is read to its end and
 nothing is held for event-time order, drains the pipeline, prints ``done`` and exits 0.
 
+``$FH_STORE_EVERY_S`` (default 0) is the runner's ``store_every_s``: sample rows held over polls for one insert.
+
 With ``POINT:N`` it SIGKILLs itself right after the N-th call of one step of the write/publish path
 (:data:`KILL_POINTS`), so a test can stop it between any write and the next write or publish.
 """
@@ -73,7 +75,8 @@ def main(argv: list[str]) -> int:
         # short group timeouts: a restarted member gets the partitions within seconds of the killed
         # one's session expiring
         with Runner(dsn, store, group=group, max_records=max_records, registry=CollectorRegistry(),
-                    session_timeout_s=2.0, max_poll_interval_s=2.0) as runner:
+                    session_timeout_s=2.0, max_poll_interval_s=2.0,
+                    store_every_s=float(os.environ.get("FH_STORE_EVERY_S", "0"))) as runner:
             if kill is not None:
                 _arm(runner, kill[0], int(kill[1]))
             print("started", flush=True)

@@ -10,6 +10,7 @@ in shared topics would otherwise be consumed too, and the counts checked here wo
 from __future__ import annotations
 
 import math
+import os
 import queue
 import random
 import runpy
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -49,11 +51,13 @@ def _uid(prefix: str) -> str:
 class _Worker:
     """One runner process; its output lines are read by a thread into a queue."""
 
-    def __init__(self, dsn: str, store_dir: Path, group: str, max_records: int, kill_at: str | None = None) -> None:
+    def __init__(self, dsn: str, store_dir: Path, group: str, max_records: int, kill_at: str | None = None,
+                 store_every_s: float = 0.0) -> None:
         extra = [] if kill_at is None else [kill_at]
         self.proc = subprocess.Popen([sys.executable, str(WORKER), dsn, str(store_dir), group, str(max_records),
                                       *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "FH_STORE_EVERY_S": str(store_every_s)})
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -102,11 +106,16 @@ def _published_scenario(dsn: str, job: str, steps: int) -> tuple[dict[tuple[int,
     return expected, gpu_rows, events
 
 
+@pytest.mark.parametrize("store_every_s", [0.0, 0.3], ids=["every-poll", "held-0.3s"])
 def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(own_broker: EmbeddedBroker,
-                                                                               tmp_path: Path) -> None:
+                                                                               tmp_path: Path,
+                                                                               store_every_s: float) -> None:
     """Kill the runner (SIGKILL, no cleanup) at three random points, restart it in the same consumer
     group each time, let the last one finish: every published (job, step, rank) row is in
     ``rank_steps`` exactly once, with the value that was published; telemetry and events likewise.
+    The same with the sample rows of several polls held for one insert (``store_every_s``; 25 records a
+    poll, a poll about every 0.05 s): a kill then also loses rows held and not written, which the
+    restarted runner reads again from the commit, since no offset was committed past them.
 
     Rows are counted with ``FINAL``: a replay after a crash may write a block again under a different
     deduplication token (the records a restarted runner polls together differ from the killed one's),
@@ -123,7 +132,7 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
     rng = random.Random(20261129)
     polled_total = kills = 0
     for _ in range(3):  # (test_stage_crash.py kills three replicas of a stage ten times)
-        worker = _Worker(own_broker.dsn, store_dir, group, max_records=25)
+        worker = _Worker(own_broker.dsn, store_dir, group, max_records=25, store_every_s=store_every_s)
         got = worker.wait_for(lambda line: line.startswith("polled ") and line != "polled 0", timeout_s=30.0)
         assert got is not None and got != "<eof>", f"the runner made no progress: {worker.seen[-5:]}"
         time.sleep(rng.uniform(0.0, 0.5))
@@ -133,7 +142,7 @@ def test_sigkilled_runner_restarts_and_every_rank_step_is_stored_exactly_once(ow
         assert "done" not in worker.seen, "the runner finished before it was killed: nothing left to crash on"
         kills += 1
         polled_total += worker.polled
-    final = _Worker(own_broker.dsn, store_dir, group, max_records=25)
+    final = _Worker(own_broker.dsn, store_dir, group, max_records=25, store_every_s=store_every_s)
     assert final.wait_for(lambda line: line == "done", timeout_s=240.0) == "done", final.seen[-5:]
     assert final.proc.wait(timeout=10) == 0
     polled_total += final.polled
