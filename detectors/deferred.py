@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fleethealth.errors import ConfigError
 from fleethealth.ids import derived
 from fleethealth.ids import token as digest_token
 from fleethealth.schema import Message, StepBatch, StepBlock, Telemetry
@@ -40,7 +41,7 @@ class DeferredSamples:
 
     def __init__(self, every_s: float, max_rows: int) -> None:
         if every_s < 0:
-            raise ValueError(f"store_every_s must be >= 0 (0: write every poll), got {every_s}")
+            raise ConfigError(f"detect.runner.store_every_s must be >= 0 (0: write every poll), got {every_s}")
         self.every_s = float(every_s)
         self.max_rows = max_rows
         self.telemetry: list[Telemetry] = []
