@@ -1,7 +1,7 @@
 """One replica of a detector stage for ``bench/scaleout.py``: join the group, read until every assigned
 partition is read to its end (and, for the job stage, the node-state table too), conclude, exit.
 
-    python bench/_scaleout_worker.py DSN STAGE GROUP STORE_DIR OUT_JSON REPLICAS PARTITIONS
+    python bench/_scaleout_worker.py DSN STAGE GROUP STORE_DIR OUT_JSON REPLICAS PARTITIONS [STORE_EVERY_S]
 
 Before it reads, a replica waits until the group has split the partitions between every replica of the
 run (its share at most ``ceil(PARTITIONS / REPLICAS)`` of each of the stage's two group topics) and the
@@ -30,12 +30,14 @@ from fleethealth.store import open_store
 
 def main() -> None:
     dsn, stage, group, store_dir, out, replicas, partitions = sys.argv[1:8]
+    store_every_s = float(sys.argv[8]) if len(sys.argv) > 8 else 0.0
     share = 2 * math.ceil(int(partitions) / int(replicas))  # two group topics per stage
     tune_gc()
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
         with Runner(dsn, store, group=group, stage=stage, publish=stage == "node", registry=CollectorRegistry(),
-                    max_ahead_s=None, max_behind_s=None, max_poll_interval_s=30.0, session_timeout_s=10.0) as runner:
+                    max_ahead_s=None, max_behind_s=None, max_poll_interval_s=30.0, session_timeout_s=10.0,
+                    store_every_s=store_every_s) as runner:
             runner.consumer.wait_assigned(timeout_s=120.0)
             # every replica of the run joins before the group settles: wait until the assignment holds still
             settled, seen = time.monotonic(), runner.consumer.assignment()

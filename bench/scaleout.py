@@ -20,7 +20,10 @@ Prints one JSON object: per stage ``replicas_1_samples_per_s``, ``replicas_3_sam
 issue's bound: at most 1.10), with the machine's core count. On a machine with fewer cores than
 replicas the speedup is bounded by the cores; the CPU per sample is the figure that must not grow.
 
+``--store-every`` is each replica's ``store_every_s`` (0, every poll, by default).
+
     nice -n 10 python bench/scaleout.py [--jobs 6] [--nodes-per-job 16] [--steps 600] [--partitions 6]
+                                        [--store-every 0]
 """
 
 from __future__ import annotations
@@ -94,14 +97,15 @@ def publish(dsn: str, jobs: list[str], nodes_per_job: int, steps: int, seed: int
     return counts
 
 
-def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partitions: int) -> dict[str, object]:
+def run_stage(dsn: str, stage: str, replicas: int, tag: str, work: Path, partitions: int,
+              store_every_s: float = 0.0) -> dict[str, object]:
     """``replicas`` worker processes of ``stage`` in group ``bench-<stage>-<tag>``, until all caught up."""
     procs = []
     for i in range(replicas):
         out = work / f"{stage}-{tag}-{i}.json"
         procs.append((subprocess.Popen([sys.executable, str(WORKER), dsn, stage, f"bench-{stage}-{tag}",
                                         str(work / f"store-{stage}-{tag}-{i}"), str(out), str(replicas),
-                                        str(partitions)]), out))
+                                        str(partitions), str(store_every_s)]), out))
     for proc, _ in procs:
         if proc.wait(timeout=1800) != 0:
             raise SystemExit(f"a {stage} replica exited with {proc.returncode}")
@@ -122,6 +126,9 @@ def main() -> None:
     ap.add_argument("--nodes-per-job", type=int, default=16)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--store-every", type=float, default=0.0,
+                    help="each replica's store_every_s (0: its samples written every poll; the Kubernetes "
+                         "manifests set 10)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-scaleout-") as tmp, \
             EmbeddedBroker(log_path=Path(tmp) / "broker.log") as broker:
@@ -133,10 +140,12 @@ def main() -> None:
         published_s = time.perf_counter() - t
         result: dict[str, object] = {"cores": os.cpu_count(), "jobs": len(jobs),
                                      "nodes": len(jobs) * args.nodes_per_job, "partitions": args.partitions,
+                                     "store_every_s": args.store_every,
                                      **counts, "publish_s": round(published_s, 1)}
         samples = {"node": counts["gpu_samples"], "job": counts["rank_steps"]}
         for stage in ("node", "job"):
-            runs = {n: run_stage(broker.dsn, stage, n, f"r{n}", work, args.partitions) for n in (1, 3)}
+            runs = {n: run_stage(broker.dsn, stage, n, f"r{n}", work, args.partitions, args.store_every)
+                    for n in (1, 3)}
             one, three = runs[1], runs[3]
             rate = {n: samples[stage] / max(r["wall_s"], 1e-9) for n, r in runs.items()}
             cpu = {n: r["cpu_s"] / samples[stage] for n, r in runs.items()}
