@@ -542,16 +542,10 @@ class Runner:
             self._dead_letter(eff)
         token = eff.token
 
-        def bad_output(msg: Message, exc: BaseException) -> None:
-            self.metrics.poisoned.labels("store").inc()
-            self._letter(msg.TOPIC.value, -1, -1, msg.key.encode(), encode(msg), f"store: {exc}")
+        bad_output = self._bad_output
 
         def bad_input(msg: Message, exc: BaseException) -> None:
-            rec = eff.origin(msg)
-            if rec is None:  # a derived event (an interruption): output, not input
-                bad_output(msg, exc)
-                return
-            self._bad_input(rec, msg, exc)
+            self._bad_input(eff.origin(msg), msg, exc)
 
         store = self.store
         self._write_samples(eff, final=final)
@@ -612,25 +606,32 @@ class Runner:
         """Hold this step's sample rows (telemetry, steps) with those of earlier polls, and write them all in
         one insert per table when they are due (``store_every_s``; every poll when it is 0). Held rows are
         cleared only once written: a write that raises leaves them held, and their offsets uncommitted."""
-        held = self.deferred
-        held.add(eff, self.clock())
-        if not held.due(self.clock(), final=final):
+        held, now = self.deferred, self.clock()
+        held.add(eff, now)
+        if not held.due(now, final=final):
             return
 
         def bad(msg: Message, exc: BaseException) -> None:
-            rec = held.origin(msg)
-            if rec is not None:
-                self._bad_input(rec, msg, exc)
+            self._bad_input(held.origin(msg), msg, exc)
 
         token = held.token
         self._insert("t", held.telemetry, self.store.insert_telemetry, token, bad)
         self._insert("s", held.steps, self.store.insert_steps, token, bad)
         held.clear()
 
-    def _bad_input(self, rec: Record, msg: Message, exc: BaseException) -> None:
-        """Dead-letter an input record whose row the store refused."""
+    def _bad_input(self, rec: Record | None, msg: Message, exc: BaseException) -> None:
+        """Dead-letter an input record whose row the store refused (a row with no input record, such as a
+        derived event, as an output)."""
+        if rec is None:
+            self._bad_output(msg, exc)
+            return
         self.metrics.poisoned.labels("store").inc()
         self._letter(rec.topic, rec.partition, rec.offset, rec.key, encode(msg), f"store: {exc}")
+
+    def _bad_output(self, msg: Message, exc: BaseException) -> None:
+        """Dead-letter a conclusion the store refused (partition and offset -1)."""
+        self.metrics.poisoned.labels("store").inc()
+        self._letter(msg.TOPIC.value, -1, -1, msg.key.encode(), encode(msg), f"store: {exc}")
 
     def _dead_letter(self, eff: Effects) -> None:
         """Publish what the pipeline refused to take (beyond its cardinality limits) as dead letters; the
