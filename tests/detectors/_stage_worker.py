@@ -11,6 +11,10 @@ reads from a fetch's high watermark: Tansu 0.6 answers a ListOffsets request for
 the last record batch's base offset plus one, short of the end when that batch holds several records,
 so a check against it would find the group done while a partition's last records are unread.
 
+On SIGTERM it stops reading and leaves the group (the runner's close sends LeaveGroup), prints ``left``
+and exits 0 without concluding what it holds: the test's last rescue of a group the coordinator left
+with partitions unowned.
+
 With ``POINT:N`` it SIGKILLs itself right after the N-th call of one step of the write path
 (:data:`KILL_POINTS`): after a write of step rows, after an offset commit, after a snapshot save, after
 a restore's seek.
@@ -24,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -134,6 +139,8 @@ def main(argv: list[str]) -> int:
     from fleethealth.detectors.snapshot import Snapshots
     from fleethealth.store import open_store
 
+    leave = threading.Event()  # SIGTERM: leave the group in order (the test's last rescue), concluding nothing
+    signal.signal(signal.SIGTERM, lambda *_: leave.set())
     with open_store(f"chdb://{store_dir}") as store:
         store.migrate()
         with Runner(dsn, store, group=group, stage=stage, registry=CollectorRegistry(), snapshot_every_s=every,
@@ -147,7 +154,7 @@ def main(argv: list[str]) -> int:
             offsets = _Offsets(dsn, group)
             told = time.monotonic()
             member = None
-            while idle < 3:
+            while idle < 3 and not leave.is_set():
                 polled = runner.process_once(0.3)
                 if runner.consumer._kc._coordinator._generation.member_id != member:  # a hang prints every id held
                     member = runner.consumer._kc._coordinator._generation.member_id
@@ -165,6 +172,9 @@ def main(argv: list[str]) -> int:
                 if ends is not None and time.monotonic() - told > 10.0:
                     print(_status(runner, offsets, ends), flush=True)
                     told = time.monotonic()
+            if leave.is_set():  # closing the runner sends LeaveGroup: the coordinator starts a new generation
+                print("left", flush=True)
+                return 0
             runner.drain()
             print(f"done restored={runner.restored_total} snapshots={runner.snapshots_total}", flush=True)
     return 0

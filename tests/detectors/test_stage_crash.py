@@ -11,7 +11,8 @@ not finish prints why: its status every 10 s, the coordinator's members, its thr
 replicas have not finished ``RESCUE_AFTER_S`` after the last record (Tansu 0.6 can leave partitions
 assigned to a dead member, ``docs/architecture.md``), a fresh replica joins, as an operator would add
 one, with a warning naming what the replicas held: a new member's join drops the expired one, and the
-group's partitions are assigned again — not always right, so up to ``RESCUES`` times.
+group's partitions are assigned again — not always right, so up to ``RESCUES`` times; after that every
+replica leaves the group in order and one fresh replica joins the emptied group (``_regroup``).
 
 The real parts: the Tansu broker over TCP, replicas in processes of their own (``_stage_worker.py``)
 in one consumer group, snapshots of each partition's pipeline in chDB. Each replica writes to a
@@ -45,9 +46,9 @@ WORKER = Path(__file__).with_name("_stage_worker.py")
 KILL_POINTS = runpy.run_path(str(WORKER))["KILL_POINTS"]
 GROUP = "crash-job"
 KILLS = 10
-RESCUE_AFTER_S, RESCUES = 45.0, 3
+RESCUE_AFTER_S, RESCUES = 45.0, 2
 """How long the replicas get to finish on their own (after the last record, then after each rescue) before
-a fresh one joins, and how many may join."""
+a fresh one joins, and how many may join before the group is emptied and one replica joins it (``_regroup``)."""
 PLAN = [None, "steps:2", "commit:2", None, "snapshot:2", "seek:1", None, "steps:2", "commit:2", "snapshot:2"]
 """How each kill falls: None, 0.2–0.4 s after the victim first read records; ``POINT:N``, the victim
 kills itself right after the N-th call at POINT (every point of ``KILL_POINTS`` at least once)."""
@@ -162,6 +163,24 @@ class _Worker:
         return out
 
 
+def _regroup(dsn: str, tmp_path: Path, finish: Path, workers: list[_Worker], everyone: list[_Worker]) -> _Worker:
+    """The last rescue: every live replica leaves the group in order (SIGTERM: a LeaveGroup, which makes
+    the coordinator start a new generation, as a dead member's expiry does not), and once a session timeout
+    has passed, so that the next join drops every member that is gone, one fresh replica joins the emptied
+    group and is given every partition (three joining at once can be given an assignment with a partition
+    to none). The replicas that left wrote and committed what they read; the fresh one goes on from there."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        w.finish(60.0)
+        assert any(line.startswith(("left", "done")) for line in w.lines), "".join(w.lines)[-3000:]
+    time.sleep(2 * 3.0 + 1.0)  # twice the workers' session timeout (3 s)
+    fresh = _Worker(dsn, len(everyone), tmp_path, finish)
+    everyone.append(fresh)
+    return fresh
+
+
 def _log_ends(dsn: str, topics: tuple[str, ...]) -> dict[str, int]:
     """Each partition's log end from a fetch's high watermark (``"topic/partition"``: offset). Not from
     ListOffsets: Tansu 0.6 answers it with the last record batch's base offset plus one."""
@@ -222,7 +241,7 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
     written = finish.with_suffix(".tmp")
     written.write_text(json.dumps(ends))
     written.rename(finish)  # the replicas see the whole file or none
-    for _ in range(RESCUES):
+    for rescue in range(RESCUES + 1):
         deadline = time.monotonic() + RESCUE_AFTER_S
         while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -232,10 +251,15 @@ def _kill_and_check(dsn, tmp_path, finish, jobs, chunks, reference, workers, eve
         # generation; docs/architecture.md): a fresh replica joins, as an operator would add one; its join
         # drops the expired member and the coordinator assigns the partitions again
         unowned = "; ".join(w.last("waiting") or "" for w in workers if w.proc.poll() is None)[-2000:]
-        warnings.warn(f"the group did not finish in {RESCUE_AFTER_S:.0f} s; a fresh replica joins to take "
-                      f"unowned partitions: {unowned}", stacklevel=1)
-        workers.append(_Worker(dsn, len(everyone), tmp_path, finish))
-        everyone.append(workers[-1])
+        if rescue < RESCUES:
+            warnings.warn(f"the group did not finish in {RESCUE_AFTER_S:.0f} s; a fresh replica joins to take "
+                          f"unowned partitions: {unowned}", stacklevel=1)
+            workers.append(_Worker(dsn, len(everyone), tmp_path, finish))
+            everyone.append(workers[-1])
+        else:
+            warnings.warn(f"the group did not finish after {RESCUES} fresh replicas joined; every replica leaves "
+                          f"and one joins the emptied group: {unowned}", stacklevel=1)
+            workers[:] = [_regroup(dsn, tmp_path, finish, workers, everyone)]
     try:
         outputs = [w.finish() for w in workers]
     except AssertionError as exc:  # a replica that hangs: its status lines and stacks, and the others' last lines
