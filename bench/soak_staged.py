@@ -19,6 +19,9 @@ per stage; the defaults are a reduced scale for a shared 2-core machine:
 
     python bench/soak_staged.py --minutes 5                       # 128 GPUs, a 128-rank job, 2 replicas
     python bench/soak_staged.py --minutes 60 --nodes 128 --gpus 8 --job-ranks 4096 --steps-per-s 2 --replicas 3
+
+``--store-every 10`` runs the node and job replicas as the Kubernetes manifests do, sample rows held 10 s
+for one insert a table.
 """
 
 from __future__ import annotations
@@ -134,6 +137,9 @@ def main() -> int:
     ap.add_argument("--storage", choices=("s3", "memory"), default="s3",
                     help="s3: two Tansu brokers on moto's S3 (the durable cluster); memory: one Tansu broker in "
                          "memory (moto, one Python process, is the durable cluster's limit on a small machine)")
+    ap.add_argument("--store-every", type=float, default=0.0,
+                    help="the node and job replicas' detect.runner.store_every_s: sample rows held this many seconds "
+                         "for one insert (0, the default, writes every poll; the Kubernetes manifests set 10)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the logs and stores in this folder")
     args = ap.parse_args()
     args.job_ranks = args.job_ranks or args.nodes * args.gpus
@@ -147,7 +153,9 @@ def main() -> int:
                   else EmbeddedBroker())
     with cluster_cm as cluster:
         ensure_topics(cluster.dsn, partitions=args.partitions or 2 * args.replicas)
-        replicas = {f"{stage}-{k}": Detector(cluster.dsn, stage, root / f"{stage}-{k}", root / f"{stage}-{k}.log")
+        held = [f"detect.runner.store_every_s={args.store_every}"]
+        replicas = {f"{stage}-{k}": Detector(cluster.dsn, stage, root / f"{stage}-{k}", root / f"{stage}-{k}.log",
+                                             held if stage in ("node", "job") else ())
                     for stage, n in (("node", args.replicas), ("job", args.replicas), ("policy", 1))
                     for k in range(n)}
         try:
@@ -179,7 +187,8 @@ def main() -> int:
                 d.stop()
         dead = len(_dead_letters(cluster.dsn))
     warm = max(0, int(args.warmup_min))
-    out = {"minutes": args.minutes, "storage": args.storage, "partitions": args.partitions or 2 * args.replicas,
+    out = {"minutes": args.minutes, "storage": args.storage, "store_every_s": args.store_every,
+           "partitions": args.partitions or 2 * args.replicas,
            "nodes": args.nodes, "gpus": args.nodes * args.gpus,
            "steps_per_s": args.steps_per_s, "ranks": args.job_ranks, "replicas_per_stage": args.replicas,
            "published": counts["published"], "publish_errors": counts["publish_errors"],

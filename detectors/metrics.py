@@ -26,6 +26,9 @@ class RunnerMetrics:
         self.lag = Gauge("fleethealth_detect_lag_records", "Records not yet read, over assigned partitions",
                          registry=registry)
         self.held = Gauge("fleethealth_detect_buffered_records", "Records held for event-time order", registry=registry)
+        self.held_samples = Gauge("fleethealth_detect_held_sample_rows", "Telemetry and step rows held for one later "
+                                  "insert (detect.runner.store_every_s); their offsets are not committed yet",
+                                  registry=registry)
         self.dropped = Gauge("fleethealth_detect_unscored_batches", "Step batches stored but not scored, by reason",
                              ["reason"], registry=registry)
         self.early = Counter("fleethealth_detect_released_early_records_total",

@@ -587,6 +587,7 @@ class Runner:
         if self.nodes is not None:
             self.metrics.advance("passed_over", self.nodes.passed_over_total_)
         self.metrics.held.set(len(self.buffer))
+        self.metrics.held_samples.set(len(self.deferred))
         if self.core.policy is not None:
             self.metrics.breaker_open.set(int(self.core.policy.engine.breaker_.open_))
         pipelines = self.core.pipelines.values()

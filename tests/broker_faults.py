@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def _jobs() -> list[str]:
 class Detector:
     """One ``fleethealth detect`` replica in a process of its own, its output read by a thread."""
 
-    def __init__(self, dsn: str, stage: str, store_dir: Path, log: Path) -> None:
+    def __init__(self, dsn: str, stage: str, store_dir: Path, log: Path, settings: Sequence[str] = ()) -> None:
         from fleethealth.store import open_store
 
         with open_store(f"chdb://{store_dir}") as store:  # the store is migrated before detect starts
@@ -168,7 +169,8 @@ class Detector:
                 "--stage", stage, "--group", GROUP, "--metrics-port", "0",
                 "--set", "detect.runner.session_timeout_s=3", "--set", "detect.runner.max_poll_interval_s=6",
                 "--set", "detect.runner.snapshot_every_s=2", "--set", "detect.runner.snapshot_to=bus",
-                "--set", "detect.snapshot.key_file=" + str(_key_file(store_dir.parent))]
+                "--set", "detect.snapshot.key_file=" + str(_key_file(store_dir.parent)),
+                *(arg for kv in settings for arg in ("--set", kv))]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETHEALTH_")}
         self.store_dir = store_dir
         self.log = log

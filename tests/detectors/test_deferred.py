@@ -83,6 +83,7 @@ def test_a_node_stage_holds_a_trickle_of_telemetry_commits_nothing_past_it_then_
         producer.flush()
     clock = [0.0]
     inserts: list[int] = []
+    registry = CollectorRegistry()
     with open_store(f"chdb://{tmp_path}/store") as store:
         store.migrate()
         real = store.insert_telemetry
@@ -93,7 +94,7 @@ def test_a_node_stage_holds_a_trickle_of_telemetry_commits_nothing_past_it_then_
 
         store.insert_telemetry = counted  # type: ignore[method-assign]
         with Runner(own_broker.dsn, store, group=f"held-{uuid.uuid4().hex[:8]}", stage=Stage.NODE, max_records=13,
-                    registry=CollectorRegistry(), session_timeout_s=2.0, publish=False, snapshot_every_s=None,
+                    registry=registry, session_timeout_s=2.0, publish=False, snapshot_every_s=None,
                     store_every_s=60.0) as runner:
             runner.clock = lambda: clock[0]
             polls, deadline = 0, time.monotonic() + 60
@@ -109,6 +110,7 @@ def test_a_node_stage_holds_a_trickle_of_telemetry_commits_nothing_past_it_then_
             assert inserts == [] and store.query("SELECT count() FROM gpu_samples").rows[0][0] == 0
             held = len(runner.deferred.telemetry)
             assert held == NODES * SAMPLES, "every sample released so far is held (lateness keeps none back)"
+            assert registry.get_sample_value("fleethealth_detect_held_sample_rows") == held
             ends = runner.consumer.offset_range(list(runner.deferred.first))
             committed = runner.consumer.committed()
             for tp, first in runner.deferred.first.items():
@@ -122,6 +124,7 @@ def test_a_node_stage_holds_a_trickle_of_telemetry_commits_nothing_past_it_then_
             runner.process_once(0.3)
             assert inserts == [NODES * SAMPLES], "the held rows of every poll went in one insert"
             assert len(runner.deferred) == 0 and runner.deferred.first == {}
+            assert registry.get_sample_value("fleethealth_detect_held_sample_rows") == 0
             committed = runner.consumer.committed()
             assert all(committed[tp] == end for tp, (_, end) in ends.items()), (committed, ends)
     with open_store(f"chdb://{tmp_path}/store") as store:
