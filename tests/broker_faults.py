@@ -218,8 +218,9 @@ class _Offsets:
     """A group's committed offsets and the log ends (from a fetch's high watermark: Tansu 0.6's
     ListOffsets answers the last batch's base offset plus one). Reconnects after a broker fault."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, partitions: int = PARTITIONS) -> None:
         self.bootstrap = dsn.split("://", 1)[1].split(",")
+        self.partitions = partitions
 
     def ends(self, topic: str) -> dict[int, int]:
         from kafka import KafkaConsumer, TopicPartition
@@ -227,7 +228,7 @@ class _Offsets:
         kc = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
                            auto_offset_reset="earliest", fetch_max_wait_ms=100)
         try:
-            parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+            parts = [TopicPartition(topic, p) for p in range(self.partitions)]
             kc.assign(parts)
             deadline = time.monotonic() + 30.0
             while any(kc.highwater(tp) is None for tp in parts):
@@ -243,7 +244,7 @@ class _Offsets:
 
         kc = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=group, enable_auto_commit=False)
         try:
-            return {p: kc.committed(TopicPartition(topic, p)) or 0 for p in range(PARTITIONS)}
+            return {p: kc.committed(TopicPartition(topic, p)) or 0 for p in range(self.partitions)}
         finally:
             kc.close(autocommit=False)
 
