@@ -43,6 +43,10 @@ __all__ = ["DemoResult", "run_demo", "export_jsonl", "compare_policies"]
 Progress = Callable[[str, int, int], None]
 _DELIVERY_BATCH = 5000
 _STALL_S = 120.0
+_STORE_EVERY_S = 10.0
+"""The demo's runners hold sample rows 10 s for one insert, as the Kubernetes detectors do
+(``detect.runner.store_every_s``): the replay reads in large polls, and every insert pays for the
+rollup views. The end of the input writes what is held, before the scorecard reads the store."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,8 @@ def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress |
     again after a failed flush is on its topic twice), so it never passes 100 %; nor does the run end on
     that count, with a partition's last records unread."""
     # the simulator replays hours of event time in seconds: no bound against the broker's clock
-    with Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None) as runner:
+    with Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None,
+                store_every_s=_STORE_EVERY_S) as runner:
         consumed, on_topics, last_progress = 0, published, time.monotonic()
         while True:
             got = runner.process_once(1.0)
@@ -265,7 +270,7 @@ def _run_group(dsn: str, store_dsn: str, stage: Stage, count: int, expected: int
             store = stack.enter_context(open_store(store_dsn))
             runners.append(stack.enter_context(Runner(
                 dsn, store, group=f"fleethealth-demo-{stage}", stage=stage, max_ahead_s=None, max_behind_s=None,
-                registry=CollectorRegistry(), snapshots=snapshots)))
+                registry=CollectorRegistry(), snapshots=snapshots, store_every_s=_STORE_EVERY_S)))
         # join together, so the group assigns its partitions once, before anything is processed
         _in_threads([lambda r=r: r.consumer.wait_assigned(timeout_s=60.0) for r in runners])
         read = threading.Event()
