@@ -31,9 +31,10 @@ TOPIC_TYPES: dict[Topic, type] = {
 
 
 def encode(msg: Message) -> bytes:
-    """Serialise a message to JSON bytes (with ``"v"``). A node state's float arrays go to orjson as
-    arrays (the same bytes as lists with null for NaN: the node stage publishes one per changed node)."""
-    obj = msg.to_obj(arrays=True) if isinstance(msg, NodeState) else msg.to_obj()
+    """Serialise a message to JSON bytes (with ``"v"``). A telemetry sample's columns and a node
+    state's float arrays go to orjson as arrays (the same bytes as lists with null for NaN: a probe
+    publishes a sample a second per node, the node stage a state per changed node)."""
+    obj = msg.to_obj(arrays=True) if isinstance(msg, NodeState | Telemetry) else msg.to_obj()
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

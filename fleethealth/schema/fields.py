@@ -170,6 +170,12 @@ def _jsonable(arr: np.ndarray) -> list[Any]:
     return arr.tolist()
 
 
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    """A float array as orjson (``OPT_SERIALIZE_NUMPY``) takes it: contiguous float64, which it writes
+    as the same bytes as :func:`_jsonable`'s list (NaN as null) without a Python object per value."""
+    return np.ascontiguousarray(arr, dtype=np.float64)
+
+
 def _bools(obj: dict[str, Any], name: str, length: int) -> np.ndarray:
     value = _req(obj, name)
     if not isinstance(value, list) or len(value) != length or not all(type(x) is bool for x in value):

@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from fleethealth.errors import SchemaError
-from fleethealth.schema.fields import SCHEMA_VERSION, Topic, _array, _bools, _float, _jsonable, _str, _ts
+from fleethealth.schema.fields import SCHEMA_VERSION, Topic, _array, _bools, _contiguous, _float, _jsonable, _str, _ts
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,10 +121,6 @@ class NodeState:
                 raise SchemaError(f"nic.{exc.field}", exc.problem) from None
         return cls(node=_str(obj, "node"), rack=_str(obj, "rack"), ts=_ts(obj), gpu=gpu, reports=reports,
                    **arrays, **scalars, **ports)
-
-
-def _contiguous(arr: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(arr, dtype=np.float64)
 
 
 _FLOAT_ARRAYS = (*NodeState.GPU_ARRAYS, *NodeState.THERMAL_ARRAYS)

@@ -20,6 +20,7 @@ from fleethealth.schema.fields import (
     SCHEMA_VERSION,
     Topic,
     _array,
+    _contiguous,
     _float,
     _jsonable,
     _obj,
@@ -265,12 +266,16 @@ class Telemetry:
         own = self.columns["slowdown_temp_c"]
         return np.where(np.isfinite(own), own, float(default))
 
-    def to_obj(self) -> dict[str, Any]:
+    def to_obj(self, *, arrays: bool = False) -> dict[str, Any]:
+        """The wire object; with ``arrays`` the columns stay NumPy arrays (contiguous float64), which
+        :func:`~fleethealth.schema.codec.encode` writes as the same bytes (NaN as null) about three
+        times faster than 36 Python lists a sample."""
+        floats = _contiguous if arrays else _jsonable
         obj = {
             "v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
             "gpu": self.gpu.tolist(), "nic_util": None if math.isnan(self.nic_util) else self.nic_util,
             "model": self.model, "uuid": list(self.uuid),
-            "columns": {k: _jsonable(v) for k, v in self.columns.items()},
+            "columns": {k: floats(v) for k, v in self.columns.items()},
         }
         if self.nic is not None:
             obj["nic"] = self.nic.to_obj()

@@ -85,6 +85,23 @@ def test_telemetry_unknown_nic_util_stays_nan() -> None:
     assert math.isnan(back.nic_util) and orjson.loads(schema.encode(msg))["nic_util"] is None
 
 
+def test_telemetry_is_encoded_from_its_arrays_to_the_bytes_of_its_lists() -> None:
+    """``encode`` hands a sample's columns to orjson as arrays: the bytes must be those of the lists
+    (NaN as null), for the values that print differently in most formatters (decoding would refuse
+    some of them as out of range; the round trip is the test above)."""
+    from fleethealth.schema import NicPorts
+
+    odd = [0.0, -0.0, math.nan, 1e16, 1.0 / 3.0, 5e-324, 1.7976931348623157e308, 2.5e-7, 123456789.0, 0.1]
+    nic = NicPorts.from_columns(["mlx5_0/1"], ["ib"], tx_bytes=[2.0**53], rx_bytes=[0.0], xmit_wait=[math.nan],
+                                link_gbps=[400.0], up=[1.0], link_downed=[0.0])
+    msg = Telemetry.from_columns("n0013", "r01", 1_700_000_000.25, list(range(len(odd))), nic_util=math.nan,
+                                 temp_c=odd, power_w=odd[::-1], sm_clock_mhz=[1980.0] * len(odd), nic=nic)
+    raw = schema.encode(msg)
+    assert raw == orjson.dumps(msg.to_obj())
+    assert orjson.loads(raw)["columns"]["temp_c"][:3] == [0.0, -0.0, None]
+    assert b'"temp_c":[0.0,-0.0,null,1e+16,0.3333333333333333,5e-324,' in raw
+
+
 @pytest.mark.parametrize("groups", [True, False])
 def test_step_batch_round_trip(groups: bool) -> None:
     msg = _steps(groups)
