@@ -196,6 +196,7 @@ class Runner:
         # of fh.nodestate, a job-stage replica decodes only its jobs' nodes and their rack peers
         self.nodes = NodeTable() if Topic.NODESTATE.value in tables else None
         self._held: list[Record] = []
+        self._table_behind = False  # the table's last poll left records to read: the group's poll does not wait
         if self.table is not None and self.nodes is not None:
             self.table.admit = self._admit
         self._stop = threading.Event()
@@ -237,7 +238,9 @@ class Runner:
             self._recovered = True
         if self.pending_:
             self._publish_pending()
-        records = self.consumer.poll(timeout_s, self.max_records)
+        # a table still being read (a start-up, or a replica given a node's jobs) does not wait on the group's
+        # topics between its polls: waiting there, it read max_records a timeout_s
+        records = self.consumer.poll(0.0 if self._table_behind else timeout_s, self.max_records)
         restored = self._follow_assignment()
         if restored:  # read again from the snapshot's offsets: what this poll returned of them comes again
             records = [r for r in records if (r.topic, r.partition) not in restored]
@@ -253,7 +256,9 @@ class Runner:
                 table = [*table, *self._held]
                 self._held = []
             records = [*records, *table]
-            lag = {**lag, **self.table.lag()}
+            table_lag = self.table.lag()
+            self._table_behind = bool(table) and any(table_lag.values())
+            lag = {**lag, **table_lag}
         for rec in records:
             self.buffer.push(rec.msg.ts, (rec.topic, rec.partition), rec)
         self._release(self._bound(self._watermark(records, lag)))
