@@ -268,8 +268,8 @@ class Telemetry:
 
     def to_obj(self, *, arrays: bool = False) -> dict[str, Any]:
         """The wire object; with ``arrays`` the columns stay NumPy arrays (contiguous float64), which
-        :func:`~fleethealth.schema.codec.encode` writes as the same bytes (NaN as null) about three
-        times faster than 36 Python lists a sample."""
+        :func:`~fleethealth.schema.codec.encode` writes as the same bytes (NaN as null) 2.6 times
+        faster than as 36 Python lists a sample (``bench/telemetry_encode.py``)."""
         floats = _contiguous if arrays else _jsonable
         obj = {
             "v": SCHEMA_VERSION, "node": self.node, "rack": self.rack, "ts": self.ts,
