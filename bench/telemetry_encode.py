@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import orjson
 
@@ -31,7 +32,7 @@ def _samples(count: int) -> list[Telemetry]:
     return out[:count]
 
 
-def _best_us(fn, samples: list[Telemetry], repeat: int) -> tuple[float, list[bytes]]:  # noqa: ANN001
+def _best_us(fn: Callable[[Telemetry], bytes], samples: list[Telemetry], repeat: int) -> tuple[float, list[bytes]]:
     best, raw = float("inf"), []
     for _ in range(repeat):
         t = time.process_time()

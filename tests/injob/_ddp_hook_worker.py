@@ -23,6 +23,7 @@ from fleethealth.injob.instrument import instrument
 from fleethealth.injob.reporter import Reporter
 
 FWD_S = 0.2
+"""Twice the test's ``SLOP_S``: a recomputation counted in the span by mistake would break its bound."""
 STEPS = 4
 STALL_S = 120.0
 
