@@ -2,8 +2,9 @@
 
 The simulated fleet hands what its node probes would see — telemetry, per-node step batches,
 events — to the probe's delivery path (the bounded disk spool in ``DATA/spool``, then the
-idempotent producer) into the embedded Kafka-protocol broker; the detector runner consumes them as a consumer
-group, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
+idempotent producer) into the embedded Kafka-protocol broker, from a process of its own
+(:mod:`fleethealth.demo_fleet`); the detector runner consumes them as a consumer group while they are
+published, writes inputs, findings and recommendations to a chDB store in ``DATA/store``, and the
 result is exported from the store to ``OUT/findings.jsonl`` and ``OUT/recommendations.jsonl``.
 Only then is the scenario's fault list read, to score the run (``OUT/scorecard.json``), and the
 page of :mod:`fleethealth.report` is written to ``OUT/report.html``.
@@ -27,21 +28,19 @@ import orjson
 from fleethealth.broker import EmbeddedBroker
 from fleethealth.bus import ensure_topics
 from fleethealth.bus.consumer import group_read_to_end
+from fleethealth.demo_fleet import FleetPublisher
 from fleethealth.detectors.runner import Runner, Stage
 from fleethealth.detectors.snapshot import Snapshots
 from fleethealth.errors import BusUnavailable
-from fleethealth.probe.delivery import Delivery
-from fleethealth.probe.spool import Spool
 from fleethealth.report.scorecard import Scorecard, score
 from fleethealth.schema import EventKind, Finding, Recommendation, Topic
-from fleethealth.sim import FleetSim, Scenario
+from fleethealth.sim import Scenario
 from fleethealth.sim.closedloop import LoopResult, account, acts_from, seed_rule_acts
 from fleethealth.store import StoreLike, open_store
 
 __all__ = ["DemoResult", "run_demo", "export_jsonl", "compare_policies"]
 
 Progress = Callable[[str, int, int], None]
-_DELIVERY_BATCH = 5000
 _STALL_S = 120.0
 _STORE_EVERY_S = 10.0
 """The demo's runners hold sample rows 10 s for one insert, as the Kubernetes detectors do
@@ -60,7 +59,9 @@ class DemoResult:
     dead_letters: int
     wall_s: float
     publish_s: float
+    """From the fleet's start to its last message delivered (the runner of the whole tier reads meanwhile)."""
     detect_s: float
+    """From then until the detectors had read and concluded everything."""
     out_dir: Path
     store_dir: Path
     scorecard: Scorecard | None = None
@@ -117,49 +118,28 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
             shutil.rmtree(stale)
     data.mkdir(parents=True, exist_ok=True)
     _empty_store(store_dir)  # the demo owns its throwaway store: a copy of a migrated one
-    sim = FleetSim(scenario)
-    with EmbeddedBroker(log_path=data / "broker.log") as broker, open_store(f"chdb://{store_dir}") as store:
+    with EmbeddedBroker(log_path=data / "broker.log") as broker, contextlib.ExitStack() as stack:
         ensure_topics(broker.dsn)
         t0 = time.perf_counter()
-        published = 0
-        delivery = Delivery(broker.dsn, Spool(data / "spool"), client_id="fleethealth-demo-probes",
-                            batch_records=_DELIVERY_BATCH)
-        delivered = 0
-        by_topic = {Topic.TELEMETRY: 0, Topic.STEPS: 0, Topic.EVENTS: 0}
-        steps_done, steps_total = 0, sum(j.steps for j in scenario.job_specs)
-
-        def deliver(backlog: int) -> int:
-            sent = 0
-            while published - delivered - sent > backlog:
-                n = delivery.step(force=True)
-                if n == 0:
-                    raise BusUnavailable(f"the probes could not deliver to the broker: {delivery.stats().last_error}")
-                sent += n
-            return sent
-
-        try:
-            for tick in sim.run():
-                for msg in (*tick.telemetry, *tick.batches, *tick.events):
-                    delivery.submit(msg)
-                published += len(tick.telemetry) + len(tick.batches) + len(tick.events)
-                by_topic[Topic.TELEMETRY] += len(tick.telemetry)
-                by_topic[Topic.STEPS] += len(tick.batches)
-                by_topic[Topic.EVENTS] += len(tick.events)
-                delivered += deliver(_DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
-                if tick.step is not None:
-                    steps_done += 1
-                    if progress is not None:
-                        progress("publish", steps_done, steps_total)
-            delivered += deliver(0)
-        finally:
-            delivery.close()
-        t1 = time.perf_counter()
+        # the fleet publishes from a process of its own, forked before this one opens its store
+        fleet = FleetPublisher.start(scenario, broker.dsn, data / "spool")
+        stack.callback(fleet.close)
+        store = stack.enter_context(open_store(f"chdb://{store_dir}"))
         stages: dict[str, object] = {}
         goodput: dict[str, float | None] = {}
         if replicas is None:
-            dead = _detect_all(broker.dsn, store, published, progress, goodput)
-        else:
-            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", by_topic, replicas, progress, stages, goodput)
+            runner = stack.enter_context(_whole_tier_runner(broker.dsn, store))
+            dead = _detect_all(runner, fleet, progress, goodput)
+        else:  # the stages one after another, over the finished timeline
+            while not fleet.poll(1.0):
+                if progress is not None:
+                    progress("publish", fleet.steps_done, fleet.steps_total)
+            if progress is not None:
+                progress("publish", fleet.steps_done, fleet.steps_total)
+            dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", fleet.by_topic, replicas, progress, stages,
+                                  goodput)
+        published = fleet.published
+        t1 = fleet.finished_at or t0
         t2 = time.perf_counter()
         findings, recs = export_jsonl(store, out)
         # the goodput figure the pager read for each interruption (the same in both forms of the tier)
@@ -209,36 +189,46 @@ def _empty_store(store_dir: Path) -> None:
             made.migrate()
 
 
-def _detect_all(dsn: str, store: StoreLike, published: int, progress: Progress | None,
+def _whole_tier_runner(dsn: str, store: StoreLike) -> Runner:
+    """One runner of the whole tier; the simulator replays hours of event time in seconds, so its records
+    are not bounded against the broker's clock."""
+    return Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None,
+                  store_every_s=_STORE_EVERY_S)
+
+
+def _detect_all(runner: Runner, fleet: FleetPublisher, progress: Progress | None,
                 goodput: dict[str, float | None]) -> int:
-    """One runner of the whole tier over everything published, until every partition is read to its end;
-    returns the dead letters. The progress counts offsets: those read (or dead-lettered) of those on the
-    topics, which can be more than the messages ``published`` (a batch the probes' delivery published
-    again after a failed flush is on its topic twice), so it never passes 100 %; nor does the run end on
-    that count, with a partition's last records unread."""
-    # the simulator replays hours of event time in seconds: no bound against the broker's clock
-    with Runner(dsn, store, group="fleethealth-demo", max_ahead_s=None, max_behind_s=None,
-                store_every_s=_STORE_EVERY_S) as runner:
-        consumed, on_topics, last_progress = 0, published, time.monotonic()
-        while True:
-            got = runner.process_once(1.0)
-            consumed = sum(runner.consumer.reached.values())  # next offsets: read or dead-lettered
-            if consumed >= published and runner.caught_up(0):  # each partition at the end its last fetch saw
-                break
-            if got:
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > _STALL_S:
-                raise BusUnavailable(f"the detectors read {consumed} of {on_topics} records and then nothing "
-                                     f"for {_STALL_S:.0f} s")
-            if progress is not None:
-                on_topics = max(on_topics, consumed + sum(n for n in runner.consumer.lag().values() if n))
-                progress("detect", min(consumed, on_topics), on_topics)
+    """``runner`` over what ``fleet`` publishes, as it publishes, until the fleet has finished and every
+    partition is read to its end; returns the dead letters. The progress counts offsets: those read (or
+    dead-lettered) of those on the topics, which can be more than the messages published (a batch the
+    probes' delivery published again after a failed flush is on its topic twice), so it never passes
+    100 %; nor does the run end on that count, with a partition's last records unread."""
+    runner.consumer.wait_assigned(timeout_s=60.0)
+    consumed, last_progress, shown = 0, time.monotonic(), False
+    while True:
+        done = fleet.poll()
+        got = runner.process_once(1.0 if done else 0.2)
+        consumed = sum(runner.consumer.reached.values())  # next offsets: read or dead-lettered
+        on_topics = fleet.published
+        if done and consumed >= on_topics and runner.caught_up(0):  # each partition at the end its last fetch saw
+            break
+        if got:
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > _STALL_S:
+            raise BusUnavailable(f"the detectors read {consumed} of {on_topics} records and then nothing "
+                                 f"for {_STALL_S:.0f} s")
         if progress is not None:
-            progress("detect", consumed, consumed)
-        runner.drain()
-        if runner.policy is not None:
-            goodput.update(runner.policy.goodput_)
-        return runner.consumer.dead_lettered_total
+            if not shown:
+                progress("publish", fleet.steps_done, fleet.steps_total)
+                shown = done
+            on_topics = max(on_topics, consumed + sum(n for n in runner.consumer.lag().values() if n))
+            progress("detect", min(consumed, on_topics), on_topics)
+    if progress is not None:
+        progress("detect", consumed, consumed)
+    runner.drain()
+    if runner.policy is not None:
+        goodput.update(runner.policy.goodput_)
+    return runner.consumer.dead_lettered_total
 
 
 def _detect_staged(dsn: str, store_dsn: str, by_topic: dict[Topic, int], replicas: int,
