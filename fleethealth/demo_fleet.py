@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class FleetPublisher:
     @classmethod
     def start(cls, scenario: Scenario, dsn: str, spool: Path) -> FleetPublisher:
         """Fork the fleet: it publishes ``scenario`` to ``dsn`` through a spool at ``spool``."""
+        for stream in (sys.stdout, sys.stderr):  # the child flushes its copies of their buffers as it exits
+            stream.flush()
         parent, child = multiprocessing.Pipe(duplex=False)
         process = multiprocessing.get_context("fork").Process(
             target=_publish, args=(scenario, dsn, spool, child), name="fleethealth-demo-fleet", daemon=True)
