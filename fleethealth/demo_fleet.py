@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, NoReturn
 
 import orjson
 
+from fleethealth.broker import _die_with_parent
 from fleethealth.errors import BusUnavailable
 from fleethealth.probe.delivery import Delivery
 from fleethealth.probe.spool import Spool
@@ -57,7 +59,8 @@ class FleetPublisher:
             stream.flush()
         parent, child = multiprocessing.Pipe(duplex=False)
         process = multiprocessing.get_context("fork").Process(
-            target=_publish, args=(scenario, dsn, spool, child), name="fleethealth-demo-fleet", daemon=True)
+            target=_publish, args=(scenario, dsn, spool, child, _die_with_parent()), name="fleethealth-demo-fleet",
+            daemon=True)
         process.start()
         child.close()
         return cls(steps_total=sum(j.steps for j in scenario.job_specs), _process=process, _conn=parent)
@@ -106,8 +109,12 @@ class FleetPublisher:
         self._conn.close()
 
 
-def _publish(scenario: Scenario, dsn: str, spool: Path, out: Connection) -> None:
-    """The child: the simulated fleet through the probes' delivery path, reporting over ``out``."""
+def _publish(scenario: Scenario, dsn: str, spool: Path, out: Connection,
+             die_with_parent: Callable[[], object] | None) -> None:
+    """The child: the simulated fleet through the probes' delivery path, reporting over ``out``; it is
+    killed with the demo (a demo SIGKILLed leaves no fleet publishing)."""
+    if die_with_parent is not None:
+        die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it; a ^C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

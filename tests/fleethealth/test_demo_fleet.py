@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -22,9 +24,11 @@ from fleethealth.sim import Scenario
 STEPS = 30
 
 
+_SMALL = {"fleet": {"racks": 2, "nodes_per_rack": 2, "gpus_per_node": 4}, "job": {"steps": 100_000, "step_time_s": 1.0}}
+
+
 def _scenario(steps: int = STEPS) -> Scenario:
-    return Scenario.from_obj({"fleet": {"racks": 2, "nodes_per_rack": 2, "gpus_per_node": 4},
-                              "job": {"steps": steps, "step_time_s": 1.0}})
+    return Scenario.from_obj({**_SMALL, "job": {"steps": steps, "step_time_s": 1.0}})
 
 
 @pytest.fixture
@@ -67,3 +71,36 @@ def test_a_fleet_killed_half_way_is_an_error_naming_how_far_it_got(broker, tmp_p
                 fleet.poll(0.5)
     finally:
         fleet.close()
+
+
+def test_the_fleet_dies_with_a_demo_killed_outright(broker, tmp_path) -> None:
+    """A demo SIGKILLed gets no chance to end its fleet; Linux kills the fleet with it (PR_SET_PDEATHSIG)."""
+    demo = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from pathlib import Path\n"
+         "from fleethealth.demo_fleet import FleetPublisher\n"
+         "from fleethealth.sim import Scenario\n"
+         f"fleet = FleetPublisher.start(Scenario.from_obj({_SMALL!r}), {broker.dsn!r}, Path({str(tmp_path)!r}))\n"
+         "print(fleet.pid, flush=True)\n"
+         "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert demo.stdout is not None
+        child = int(demo.stdout.readline())
+        os.kill(child, 0)  # publishing
+        demo.kill()
+        demo.wait(10)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child), f"the fleet (pid {child}) still runs after its demo was SIGKILLed"
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"  # a zombie waits for its (new) parent to reap it
+    except (FileNotFoundError, IndexError):
+        return False
