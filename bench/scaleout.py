@@ -21,10 +21,14 @@ Prints one JSON object: per stage ``replicas_1_samples_per_s``, ``replicas_3_sam
 issue's bound: at most 1.10), with the machine's core count. On a machine with fewer cores than
 replicas the speedup is bounded by the cores; the CPU per sample is the figure that must not grow.
 
-``--store-every`` is each replica's ``store_every_s`` (0, every poll, by default).
+``--steps`` is 2,400 by default: a job replica's start-up (its group's join, its read of the
+node-state table) is fixed, and at 600 steps it is most of a run, so three runs of one code gave CPU
+per rank-step ratios from 1.10 to 2.04; at 2,400 two runs gave 1.06 and 0.98
+(``bench/results/scaleout_table_wait_20261203.json``). ``--store-every`` is each replica's
+``store_every_s``, 10 s by default as the Kubernetes detectors run (0: every poll).
 
-    nice -n 10 python bench/scaleout.py [--jobs 6] [--nodes-per-job 16] [--steps 600] [--partitions 6]
-                                        [--store-every 0]
+    nice -n 10 python bench/scaleout.py [--jobs 6] [--nodes-per-job 16] [--steps 2400] [--partitions 6]
+                                        [--store-every 10]
 """
 
 from __future__ import annotations
@@ -125,11 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--nodes-per-job", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=2400,
+                    help="steps of each job (at 600 a replica's start-up is most of a run and the ratio is noise)")
     ap.add_argument("--partitions", type=int, default=6)
-    ap.add_argument("--store-every", type=float, default=0.0,
-                    help="each replica's store_every_s (0: its samples written every poll; the Kubernetes "
-                         "manifests set 10)")
+    ap.add_argument("--store-every", type=float, default=10.0,
+                    help="each replica's store_every_s (10, as the Kubernetes manifests set; 0: its samples "
+                         "written every poll)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fh-scaleout-") as tmp, \
             EmbeddedBroker(log_path=Path(tmp) / "broker.log") as broker:
