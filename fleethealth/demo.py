@@ -131,11 +131,11 @@ def run_demo(scenario: Scenario, out: Path, data: Path, *, progress: Progress | 
             runner = stack.enter_context(_whole_tier_runner(broker.dsn, store))
             dead = _detect_all(runner, fleet, progress, goodput)
         else:  # the stages one after another, over the finished timeline
-            while not fleet.poll(1.0):
+            published_all = False
+            while not published_all:
+                published_all = fleet.poll(1.0)
                 if progress is not None:
                     progress("publish", fleet.steps_done, fleet.steps_total)
-            if progress is not None:
-                progress("publish", fleet.steps_done, fleet.steps_total)
             dead = _detect_staged(broker.dsn, f"chdb://{store_dir}", fleet.by_topic, replicas, progress, stages,
                                   goodput)
         published = fleet.published

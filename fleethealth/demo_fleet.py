@@ -11,6 +11,7 @@ its store or a Kafka client (it inherits none of their threads); it reports over
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -30,9 +31,9 @@ from fleethealth.probe.spool import Spool
 from fleethealth.schema import Topic
 from fleethealth.sim import FleetSim, Scenario
 
-__all__ = ["FleetPublisher", "DELIVERY_BATCH"]
+__all__ = ["FleetPublisher"]
 
-DELIVERY_BATCH = 5000
+_DELIVERY_BATCH = 5000
 """Records the probes' delivery sends at most at once; the spool never holds more than this unsent."""
 
 
@@ -48,9 +49,13 @@ class FleetPublisher:
     """Messages handed to the delivery so far (all of them once :attr:`done`)."""
     by_topic: dict[Topic, int] = field(default_factory=dict)
     """Messages per topic, known once :attr:`done`."""
-    done: bool = False
     finished_at: float | None = None
     """``time.perf_counter()`` when the parent read the child's totals: its last message delivered."""
+
+    @property
+    def done(self) -> bool:
+        """The child has published everything (its totals are read)."""
+        return self.finished_at is not None
 
     @classmethod
     def start(cls, scenario: Scenario, dsn: str, spool: Path) -> FleetPublisher:
@@ -59,8 +64,8 @@ class FleetPublisher:
             stream.flush()
         parent, child = multiprocessing.Pipe(duplex=False)
         process = multiprocessing.get_context("fork").Process(
-            target=_publish, args=(scenario, dsn, spool, child, _die_with_parent()), name="fleethealth-demo-fleet",
-            daemon=True)
+            target=_publish, args=(scenario, dsn, spool, child, _die_with_parent(), os.getpid()),
+            name="fleethealth-demo-fleet", daemon=True)
         process.start()
         child.close()
         return cls(steps_total=sum(j.steps for j in scenario.job_specs), _process=process, _conn=parent)
@@ -87,7 +92,7 @@ class FleetPublisher:
             self.steps_done, self.published = report["steps"], report["published"]
             if "by_topic" in report:
                 self.by_topic = {Topic(t): n for t, n in report["by_topic"].items()}
-                self.done, self.finished_at = True, time.perf_counter()
+                self.finished_at = time.perf_counter()
         if not self.done and not self._process.is_alive() and not self._conn.poll(0):
             self._ended()
         return self.done
@@ -110,15 +115,17 @@ class FleetPublisher:
 
 
 def _publish(scenario: Scenario, dsn: str, spool: Path, out: Connection,
-             die_with_parent: Callable[[], object] | None) -> None:
+             die_with_parent: Callable[[], object] | None, parent: int) -> None:
     """The child: the simulated fleet through the probes' delivery path, reporting over ``out``; it is
     killed with the demo (a demo SIGKILLed leaves no fleet publishing)."""
     if die_with_parent is not None:
         die_with_parent()
+    if os.getppid() != parent:  # the demo died before the hook was set: nothing will read this fleet
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it; a ^C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        delivery = Delivery(dsn, Spool(spool), client_id="fleethealth-demo-probes", batch_records=DELIVERY_BATCH)
+        delivery = Delivery(dsn, Spool(spool), client_id="fleethealth-demo-probes", batch_records=_DELIVERY_BATCH)
         published = delivered = steps = 0
         by_topic = {Topic.TELEMETRY: 0, Topic.STEPS: 0, Topic.EVENTS: 0}
 
@@ -139,7 +146,7 @@ def _publish(scenario: Scenario, dsn: str, spool: Path, out: Connection,
                 by_topic[Topic.TELEMETRY] += len(tick.telemetry)
                 by_topic[Topic.STEPS] += len(tick.batches)
                 by_topic[Topic.EVENTS] += len(tick.events)
-                delivered += deliver(DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
+                delivered += deliver(_DELIVERY_BATCH)  # keep the spool short whatever the scenario's size
                 if tick.step is not None:
                     steps += 1
                     out.send_bytes(orjson.dumps({"steps": steps, "published": published}))
