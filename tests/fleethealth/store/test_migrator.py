@@ -249,7 +249,7 @@ def test_detect_serve_and_act_refuse_a_store_with_pending_migrations(tmp_path: P
         assert len(status(store).pending) == 12  # nothing migrated, --no-detect --migrate included
     # --migrate applies them (then act joins its group on the broker and, idle, exits)
     assert main(["act", "--scheduler", "slurm", "--kafka", broker.dsn, "--store", dsn, "--migrate",
-                 "--dry-run", "--idle-exit", "0"]) in (0, 2)
+                 "--dry-run", "--idle-exit", "0", "--data", str(tmp_path / "act")]) in (0, 2)
     with open_store(dsn) as store:
         assert status(store).current
 
