@@ -52,7 +52,7 @@ def run_once(node: str, timeout_s: float, extra: list[str]) -> tuple[bool, float
     folders other pytest runs on the machine left under the shared default."""
     started = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="repeat-"))
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
                              f"--basetemp={base / 'tmp'}", *extra, node],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
