@@ -70,20 +70,30 @@ class S3Server:
             fd, name = tempfile.mkstemp(prefix="fleethealth-s3-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self.port = free_port()
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(self.port)],
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=_die_with_parent())
+        for attempt in range(3):  # a free port can be taken (by another test process) before moto binds it
+            self.port = free_port()
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(self.port)],
+                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True, preexec_fn=_die_with_parent())
+            if self._answer():
+                return self
+            if attempt == 2 or "in use" not in self._tail().lower():
+                raise ClusterUnavailable(f"moto's S3 server exited with code {self._proc.returncode}: "
+                                         f"{self._tail()}")
+        raise AssertionError("unreachable")
+
+    def _answer(self) -> bool:
+        """Wait until the server just started answers (True; the bucket made) or exits (False)."""
+        assert self._proc is not None
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self._proc.poll() is not None:
-                raise ClusterUnavailable(f"moto's S3 server exited with code {self._proc.returncode}: "
-                                         f"{self._tail()}")
+                return False
             try:  # PUT /bucket creates it (moto answers 200, also when it exists)
                 request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
                 with urllib.request.urlopen(request, timeout=2.0):
-                    return self
+                    return True
             except urllib.error.HTTPError as exc:  # it answered, and refused: a bad bucket name
                 self.stop()
                 raise ClusterUnavailable(f"moto's S3 server refused to make bucket {self.bucket!r}: "

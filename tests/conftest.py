@@ -5,12 +5,11 @@ free 127.0.0.1 port for the whole test session; ``store`` opens a fresh chDB dat
 ``clickhouse-connect``, migrated (a copy of one path migrated once a session). chDB allows one open
 data path per process, so ``store`` closes its client at the end of each test.
 
-The suite runs on two pytest-xdist workers (``addopts`` in ``pyproject.toml``: ``-n 2 --dist loadgroup``):
-most tests wait on brokers, group joins and child processes, so one worker left a core idle. Each
-worker has its own session fixtures (its own broker, its own migrated store). The tests of the real
-single-node Slurm (``slurm_cluster``: slurmctld, slurmd and munged, started once a session) run on one
-worker, one after another, as they were written to: one such cluster on the machine. ``-n 0`` runs
-everything in one process, as before.
+The suite runs on two pytest-xdist workers (``addopts`` in ``pyproject.toml``: ``-n 2``): most tests
+wait on brokers, group joins and child processes, so one process left a core idle. Each worker has
+its own session fixtures: its own broker, its own migrated store, and, where a test needs one, its
+own single-node Slurm (``tests/adapters/conftest.py``); nothing else is shared between them but the
+machine. ``-n 0`` runs everything in one process, as before.
 """
 
 from __future__ import annotations
@@ -23,13 +22,6 @@ import pytest
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SOURCE_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
                    "kernels": "fleethealth.kernels", "sweeps": "fleethealth.sweeps"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that use the machine's one Slurm cluster go to one xdist worker (group ``slurm``)."""
-    for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")

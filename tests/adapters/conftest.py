@@ -4,7 +4,9 @@
 every path inside a temporary directory, ``HealthCheckProgram`` = deploy/slurm/healthcheck.sh every
 2 s, idle until a test writes its settings file), starts ``munged`` with a fresh key, ``slurmctld`` and
 ``slurmd`` in the foreground in their own process groups, waits until ``sinfo`` shows the node
-idle, and stops all three afterwards. It needs Debian's ``slurm-wlm`` and ``munge`` packages
+idle, and stops all three afterwards. Each pytest-xdist worker that needs one starts its own (paths,
+ports and munge key its own); a daemon that exits while starting because another process took its
+port in between is started again on new ports. It needs Debian's ``slurm-wlm`` and ``munge`` packages
 (``apt-get install -y slurm-wlm munge``) and root (``slurmd`` runs jobs as their users); without
 them the tests that use it are skipped with the reason printed.
 
@@ -74,7 +76,7 @@ HEALTHCHECK_INTERVAL_S = 2
 
 def _write_conf(root: Path, munge_socket: Path) -> Path:
     for sub in ("state", "spool", "log"):
-        (root / sub).mkdir()
+        (root / sub).mkdir(exist_ok=True)
     # slurmd runs HealthCheckProgram without arguments, so a two-line wrapper names the settings file;
     # it does nothing until a test writes ROOT/healthcheck.conf (see SlurmCluster.healthcheck_conf)
     wrapper = root / "healthcheck"
@@ -142,49 +144,67 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     munge_socket = munge_dir / "munge.sock"
-    conf = _write_conf(root, munge_socket)
-    env = {**os.environ, "SLURM_CONF": str(conf)}
+    (root / "log").mkdir()
     logs = (root / "log" / "daemons.out").open("ab")
-    procs: list[subprocess.Popen] = []
-    commands = [
-        ["munged", "--foreground", "--force", f"--socket={munge_socket}", f"--key-file={key}",
-         f"--log-file={root}/log/munged.log", f"--pid-file={munge_dir}/munged.pid",
-         f"--seed-file={munge_dir}/munged.seed"],
-        ["slurmctld", "-D", "-i"],
-        ["slurmd", "-D", "-N", SLURM_NODE],
-    ]
+    munged = ["munged", "--foreground", "--force", f"--socket={munge_socket}", f"--key-file={key}",
+              f"--log-file={root}/log/munged.log", f"--pid-file={munge_dir}/munged.pid",
+              f"--seed-file={munge_dir}/munged.seed"]
+    procs = [subprocess.Popen(munged, stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)]
     try:
-        for argv in commands:
-            procs.append(subprocess.Popen(argv, env=env, stdout=logs, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-            if argv[0] == "munged":
-                _wait(lambda: munge_socket.exists(), 10, "munged socket", root)
-        cluster = SlurmCluster(root=root, conf=conf, env=env, node=SLURM_NODE)
+        _wait(lambda: munge_socket.exists(), 10, "munged socket", root, procs)
+        for attempt in range(3):  # its ports are chosen free, and another test process can take one before
+            conf = _write_conf(root, munge_socket)  # slurmctld or slurmd binds it: then again on new ports
+            env = {**os.environ, "SLURM_CONF": str(conf)}
+            daemons = [subprocess.Popen(argv, env=env, stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
+                       for argv in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", SLURM_NODE])]
+            procs += daemons
 
-        def node_idle() -> bool:
-            out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N %T"], env=env,
-                                 capture_output=True, text=True, timeout=10)
-            return out.returncode == 0 and f"{SLURM_NODE} idle" in out.stdout.split("\n")
+            def node_idle(env: dict[str, str] = env) -> bool:
+                try:  # a port taken by another process may accept sinfo's connection and never answer
+                    out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N %T"], env=env,
+                                         capture_output=True, text=True, timeout=5)
+                except subprocess.TimeoutExpired:
+                    return False
+                return out.returncode == 0 and f"{SLURM_NODE} idle" in out.stdout.split("\n")
 
-        _wait(node_idle, 30, "node n0000 idle in sinfo", root)
-        yield cluster
+            try:
+                _wait(node_idle, 30, "node n0000 idle in sinfo", root, procs)
+                break
+            except _DaemonExited as exc:
+                if attempt == 2 or "in use" not in str(exc).lower():
+                    raise
+                _stop(daemons)
+                del procs[1:]
+        yield SlurmCluster(root=root, conf=conf, env=env, node=SLURM_NODE)
     finally:
         _stop(procs)
         logs.close()
 
 
-def _wait(ready, timeout_s: float, what: str, root: Path) -> None:
+class _DaemonExited(RuntimeError):
+    """A daemon of the single-node cluster exited while it was starting (its logs' tails in the message)."""
+
+
+def _wait(ready, timeout_s: float, what: str, root: Path, procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready():
             return
+        gone = [p for p in procs if p.poll() is not None]
+        if gone:
+            raise _DaemonExited(f"single-node Slurm did not come up: {gone[0].args[0]} exited with code "
+                                f"{gone[0].returncode}{_log_tails(root)}")
         time.sleep(0.2)
+    raise RuntimeError(f"single-node Slurm did not come up: no {what} after {timeout_s:g} s{_log_tails(root)}")
+
+
+def _log_tails(root: Path) -> str:
     tail = ""
     for name in ("daemons.out", "slurmctld.log", "slurmd.log"):
         path = root / "log" / name
         if path.exists():
             tail += f"\n--- {name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
-    raise RuntimeError(f"single-node Slurm did not come up: no {what} after {timeout_s:g} s{tail}")
+    return tail
 
 
 # ---------------------------------------------------------------- Kubernetes API replay
