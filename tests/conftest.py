@@ -10,6 +10,10 @@ wait on brokers, group joins and child processes, so one process left a core idl
 its own session fixtures: its own broker, its own migrated store, and, where a test needs one, its
 own single-node Slurm (``tests/adapters/conftest.py``); nothing else is shared between them but the
 machine. ``-n 0`` runs everything in one process, as before.
+
+Nor is the checkout shared: a run that leaves a new file or folder in it (``git status``, caches
+aside), a test's output written to a default path in the current directory instead of its
+``tmp_path``, fails the run and names what it left.
 """
 
 from __future__ import annotations
@@ -20,8 +24,46 @@ from collections.abc import Iterator
 import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
+_CACHES = ("__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache")
 _SOURCE_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
                    "kernels": "fleethealth.kernels", "sweeps": "fleethealth.sweeps"}
+
+
+def _checkout_state() -> set[str] | None:
+    """What ``git status`` shows in the checkout (untracked and ignored folders collapsed), caches left
+    out; None where git cannot say (no git, not a checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=_ROOT, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {line for line in out.stdout.splitlines() if not any(cache in line for cache in _CACHES)}
+
+
+def pytest_sessionstart(session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or the one process with -n 0)
+        session.config._fh_checkout = _checkout_state()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    before = getattr(session.config, "_fh_checkout", None)
+    if hasattr(session.config, "workerinput") or before is None:
+        return
+    after = _checkout_state() or set()
+    left = sorted(after - before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = ("the tests left these in the checkout (git status); a test writes to its tmp_path, not to "
+                   "a default path in the current directory:\n  " + "\n  ".join(left))
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_sep("=", "checkout changed", red=True)
+            reporter.write_line(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
