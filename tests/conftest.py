@@ -11,9 +11,10 @@ its own session fixtures: its own broker, its own migrated store, and, where a t
 own single-node Slurm (``tests/adapters/conftest.py``); nothing else is shared between them but the
 machine. ``-n 0`` runs everything in one process, as before.
 
-Nor is the checkout shared: a run that leaves a new file or folder in it (``git status``, caches
-aside), a test's output written to a default path in the current directory instead of its
-``tmp_path``, fails the run and names what it left.
+Nor is the checkout shared: a run that leaves a new file in it (untracked or ignored in
+``git status``, caches aside), a test's output written to a default path in the current directory
+instead of its ``tmp_path``, fails the run and names what it left. Edits to tracked files are not
+counted (a developer may edit while the suite runs).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ _SOURCE_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detec
 
 
 def _checkout_state() -> set[str] | None:
-    """What ``git status`` shows in the checkout (untracked and ignored folders collapsed), caches left
-    out; None where git cannot say (no git, not a checkout)."""
+    """The untracked and ignored paths ``git status`` shows in the checkout (folders collapsed), caches
+    left out; None where git cannot say (no git, not a checkout)."""
     import subprocess
 
     try:
@@ -41,7 +42,8 @@ def _checkout_state() -> set[str] | None:
         return None
     if out.returncode != 0:
         return None
-    return {line for line in out.stdout.splitlines() if not any(cache in line for cache in _CACHES)}
+    return {line for line in out.stdout.splitlines()
+            if line[:2] in ("??", "!!") and not any(cache in line for cache in _CACHES)}
 
 
 def pytest_sessionstart(session) -> None:
