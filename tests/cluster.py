@@ -70,7 +70,9 @@ class S3Server:
             fd, name = tempfile.mkstemp(prefix="fleethealth-s3-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        for attempt in range(3):  # a free port can be taken (by another test process) before moto binds it
+        attempts_left = 3  # a free port can be taken (by another test process) before moto binds it
+        while True:
+            attempts_left -= 1
             self.port = free_port()
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(self.port)],
@@ -78,10 +80,9 @@ class S3Server:
                                               start_new_session=True, preexec_fn=_die_with_parent())
             if self._answer():
                 return self
-            if attempt == 2 or "in use" not in self._tail().lower():
+            if attempts_left <= 0 or "in use" not in self._tail().lower():
                 raise ClusterUnavailable(f"moto's S3 server exited with code {self._proc.returncode}: "
                                          f"{self._tail()}")
-        raise AssertionError("unreachable")
 
     def _answer(self) -> bool:
         """Wait until the server just started answers (True; the bucket made) or exits (False)."""

@@ -26,6 +26,7 @@ import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CACHES = ("__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache")
+_CHECKOUT = pytest.StashKey["set[str] | None"]()
 _SOURCE_FOLDERS = {"fleethealth": "fleethealth", "detectors": "fleethealth.detectors",
                    "kernels": "fleethealth.kernels", "sweeps": "fleethealth.sweeps"}
 
@@ -48,11 +49,11 @@ def _checkout_state() -> set[str] | None:
 
 def pytest_sessionstart(session) -> None:
     if not hasattr(session.config, "workerinput"):  # the controller (or the one process with -n 0)
-        session.config._fh_checkout = _checkout_state()
+        session.config.stash[_CHECKOUT] = _checkout_state()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    before = getattr(session.config, "_fh_checkout", None)
+    before = session.config.stash.get(_CHECKOUT, None)
     if hasattr(session.config, "workerinput") or before is None:
         return
     after = _checkout_state() or set()
